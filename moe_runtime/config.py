@@ -1,0 +1,169 @@
+"""Configuration dataclasses: the model's shape (from ``config.json``) and the runtime's settings.
+
+``ModelConfig`` is filled by a model family (``moe_runtime.models``) from a Hugging Face
+``config.json``; ``RuntimeConfig`` holds everything the user chooses (device, dtype, buffer size,
+link emulation, batching limits). Both reject bad values in ``__post_init__`` with a
+:class:`~moe_runtime.errors.ConfigError` naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from moe_runtime.errors import ConfigError
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """Shape and quirks of one MoE decoder checkpoint.
+
+    Attributes:
+        family: registry name of the model family (``mixtral``, ``qwen2_moe``, ...).
+        architecture: ``config.json`` ``architectures[0]``.
+        vocab_size, hidden_size, num_layers, num_heads, num_kv_heads, head_dim: transformer shape.
+        num_experts: routed experts per MoE layer (E); top_k: experts per token.
+        moe_intermediate_size: hidden width of one routed expert's MLP.
+        norm_topk_prob: renormalise the top-k softmax weights to sum to 1.
+        router_weights_in_model_dtype: cast the top-k weights to the model dtype before use
+            (Qwen/OLMoE do, Mixtral keeps fp32).
+        shared_expert_intermediate_size: width of the always-on shared expert (0 = none); it is
+            scaled by ``sigmoid(x @ shared_expert_gate)`` (Qwen2-MoE).
+        dense_intermediate_size: width of the dense MLP in non-MoE layers.
+        moe_layers: indices of decoder layers whose MLP is an MoE block; others are dense.
+        qk_norm: ``"none"``, ``"head"`` (RMSNorm over head_dim per head, Qwen3) or ``"full"``
+            (RMSNorm over the whole projection, OLMoE).
+        attention_bias: q/k/v projections carry a bias (Qwen2-MoE).
+        clip_qkv: clamp q, k, v to ``[-clip_qkv, clip_qkv]`` (OLMoE option).
+        rope_theta: RoPE base; rms_norm_eps: RMSNorm epsilon.
+        max_position_embeddings: the model's context length in tokens.
+        tie_word_embeddings: the LM head shares the embedding matrix.
+        bos_token_id / eos_token_ids: special tokens from the config (may be empty).
+    """
+
+    family: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    moe_layers: list[int]
+    router_weights_in_model_dtype: bool = True
+    shared_expert_intermediate_size: int = 0
+    dense_intermediate_size: int = 0
+    qk_norm: str = "none"
+    attention_bias: bool = False
+    clip_qkv: float | None = None
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "num_experts", "top_k", "moe_intermediate_size", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"config.json: {name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"config.json: num_attention_heads={self.num_heads} is not a multiple of "
+                              f"num_key_value_heads={self.num_kv_heads}")
+        if self.top_k > self.num_experts:
+            raise ConfigError(f"config.json: num_experts_per_tok={self.top_k} exceeds the number of "
+                              f"experts {self.num_experts}")
+        if self.qk_norm not in ("none", "head", "full"):
+            raise ConfigError(f"qk_norm must be none/head/full, got {self.qk_norm!r}")
+        if not self.moe_layers:
+            raise ConfigError("config.json: the model has no MoE layer")
+
+    @property
+    def num_moe_layers(self) -> int:
+        """L in the paper's notation: the number of MoE layers."""
+        return len(self.moe_layers)
+
+    @property
+    def expert_numel(self) -> int:
+        """Elements of one packed expert: gate and up ``[I, H]`` each, then down ``[H, I]``."""
+        return 3 * self.moe_intermediate_size * self.hidden_size
+
+
+@dataclass(slots=True)
+class RuntimeConfig:
+    """Settings the user picks; CLI flags map one-to-one onto these fields.
+
+    Attributes:
+        device: compute device for dense layers and expert slots (``cpu``, ``cuda``, ``cuda:1``).
+        num_devices: devices experts are spread over; an expert's home device is a hash of
+            ``(layer, expert)`` (MoE-Infinity §5.3). On CPU these are emulated devices, each with
+            its own buffer and I/O thread.
+        dtype: ``bf16``, ``fp16`` or ``fp32`` for all weights and activations.
+        buffer_slots: expert slots per device; ``None`` derives it from ``buffer_fraction``.
+        buffer_fraction: share of all experts the buffer holds (0, 1], used when
+            ``buffer_slots`` is ``None``; 1.0 keeps every expert resident.
+        link_gbps: emulated host->device bandwidth in GB/s (1e9 bytes/s); ``None`` = no emulation.
+        link_latency_us: fixed emulated per-transfer latency in microseconds.
+        max_batch_size: most sequences in one engine step.
+        max_num_batched_tokens: most tokens (prefill + decode) in one engine step.
+        max_model_len: KV-cache length per sequence; ``None`` = the model's context length
+            capped at 4096.
+        cache_policy / prefetch_policy: names from the policy registries (``lru``, ``on-demand``).
+        pin_memory: pin the host expert store (default: when CUDA is available).
+    """
+
+    device: str = "cpu"
+    num_devices: int = 1
+    dtype: str = "fp32"
+    buffer_slots: int | None = None
+    buffer_fraction: float = 1.0
+    link_gbps: float | None = None
+    link_latency_us: float = 0.0
+    max_batch_size: int = 16
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None
+    cache_policy: str = "lru"
+    prefetch_policy: str = "on-demand"
+    pin_memory: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype must be one of bf16, fp16, fp32, got {self.dtype!r}")
+        if self.buffer_slots is not None and self.buffer_slots < 1:
+            raise ConfigError(f"--buffer-slots must be >= 1, got {self.buffer_slots}")
+        if not 0 < self.buffer_fraction <= 1:
+            raise ConfigError(f"--buffer-fraction must be in (0, 1], got {self.buffer_fraction}")
+        if self.link_gbps is not None and self.link_gbps <= 0:
+            raise ConfigError(f"--link-gbps must be > 0, got {self.link_gbps}")
+        if self.link_latency_us < 0:
+            raise ConfigError(f"--link-latency-us must be >= 0, got {self.link_latency_us}")
+        if self.num_devices < 1:
+            raise ConfigError(f"--num-devices must be >= 1, got {self.num_devices}")
+        if self.max_batch_size < 1:
+            raise ConfigError(f"--max-batch-size must be >= 1, got {self.max_batch_size}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+        try:
+            torch.device(self.device)
+        except RuntimeError as exc:
+            raise ConfigError(f"--device {self.device!r} is not a device: {exc}") from None
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

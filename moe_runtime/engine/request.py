@@ -1,0 +1,153 @@
+"""Requests as the engine sees them: sampling parameters, sequences and per-step outputs."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from moe_runtime.errors import RequestError
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    Attributes:
+        max_tokens: most new tokens to generate (>= 1).
+        temperature: 0 means greedy (argmax); > 0 scales logits before sampling.
+        top_p: nucleus sampling mass in (0, 1]; 1 disables it.
+        top_k: keep the k most likely tokens; 0 or -1 disables it.
+        seed: seeds this request's own generator, so its samples do not depend on batching.
+        stop: strings that end generation; the matched string is not returned.
+        stop_token_ids: extra token ids that end generation (EOS ids are always included unless
+            ``ignore_eos``).
+        ignore_eos: keep generating past EOS (benchmarks).
+        logprobs: when set, return the chosen token's log-probability and this many top
+            alternatives per generated token (0..20).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise RequestError(f"top_k must be -1, 0 or positive, got {self.top_k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise RequestError(f"logprobs must be in [0, 20], got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """Log-probability of one generated token and its top alternatives (natural log)."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float]
+
+
+@dataclass(slots=True)
+class ExpertRequestStats:
+    """Expert-buffer figures attributed to one request (the ``usage.expert_stats`` extension).
+
+    A lookup is one (MoE layer, expert) that at least one of the request's tokens was routed to
+    in a step; it is a hit when the expert was resident or fully prefetched at that moment.
+    Blocking seconds are those the compute thread waited for experts this request used.
+    """
+
+    lookups: int = 0
+    hits: int = 0
+    blocking_s: float = 0.0
+
+    @property
+    def misses(self) -> int:
+        return self.lookups - self.hits
+
+
+@dataclass(slots=True)
+class Sequence:
+    """One generation stream: prompt + output tokens, its KV-cache row and progress."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    task: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    kv_row: int = -1
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    finish_reason: str | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    output_text: str = ""
+    sent_text_len: int = 0  # characters already handed out as deltas
+    sent_tokens: int = 0
+    expert_stats: ExpertRequestStats = field(default_factory=ExpertRequestStats)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_computed < len(self.prompt_token_ids)
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one engine step produced for one request.
+
+    Attributes:
+        request_id: the id given to ``add_request``.
+        new_token_ids: tokens generated in this step (usually one; none on abort).
+        new_text: text delta for those tokens; text that may still turn out to be the start of
+            a stop string is held back until it is decided.
+        logprobs: one entry per new token when the request asked for logprobs.
+        finished: whether the request is done; then ``finish_reason`` is ``"stop"``,
+            ``"length"`` or ``"abort"``.
+        num_prompt_tokens / num_output_tokens: running totals for ``usage``.
+        expert_stats: the request's accumulated expert-buffer figures.
+        arrival_time / first_token_time / finish_time: ``time.monotonic()`` seconds.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    output_token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    expert_stats: ExpertRequestStats
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None

@@ -1,0 +1,24 @@
+"""Mixtral (``MixtralForCausalLM``): 8 experts, top-2, top-k weights always renormalised."""
+
+from moe_runtime.config import ModelConfig
+from moe_runtime.models.base import Family, common_fields, require
+
+
+class MixtralFamily(Family):
+    def parse_config(self, cfg: dict) -> ModelConfig:
+        base = common_fields(cfg)
+        return ModelConfig(
+            family=self.name, **base,
+            num_experts=int(require(cfg, "num_local_experts")),
+            top_k=int(require(cfg, "num_experts_per_tok")),
+            moe_intermediate_size=int(require(cfg, "intermediate_size")),
+            norm_topk_prob=True,
+            router_weights_in_model_dtype=False,
+            moe_layers=list(range(base["num_layers"])),
+        )
+
+
+FAMILY = MixtralFamily(
+    name="mixtral", architectures=("MixtralForCausalLM",), model_types=("mixtral",),
+    moe_prefix="block_sparse_moe", expert_parts=(("w1", "gate"), ("w3", "up"), ("w2", "down")),
+)

@@ -1,0 +1,1 @@
+"""The ``moeserve`` command line: one entry point, one module per subcommand."""

@@ -1,0 +1,3 @@
+from moeserve.cli import main
+
+raise SystemExit(main())

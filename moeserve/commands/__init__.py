@@ -1,0 +1,1 @@
+"""One module per ``moeserve`` subcommand; each exposes ``register(subparsers)``."""
