@@ -130,6 +130,7 @@ class RequestOutput:
         new_token_ids: tokens generated in this step (usually one; none on abort).
         new_text: text delta for those tokens; text that may still turn out to be the start of
             a stop string is held back until it is decided.
+        text: all text handed out so far (the concatenation of every ``new_text``).
         logprobs: one entry per new token when the request asked for logprobs.
         finished: whether the request is done; then ``finish_reason`` is ``"stop"``,
             ``"length"`` or ``"abort"``.
@@ -141,6 +142,7 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     new_text: str
+    text: str
     finished: bool
     finish_reason: str | None
     num_prompt_tokens: int

@@ -132,10 +132,12 @@ def eos_ids_of(cfg: dict[str, Any]) -> list[int]:
     return [int(i) for i in ids if 0 <= int(i) < int(cfg.get("vocab_size", 0))]
 
 
-def require(cfg: dict[str, Any], key: str) -> Any:
-    if key not in cfg or cfg[key] is None:
-        raise ConfigError(f"config.json: required field {key!r} is missing")
-    return cfg[key]
+def require(cfg: dict[str, Any], key: str, *aliases: str) -> Any:
+    """``cfg[key]`` (or the first alias present); ConfigError naming ``key`` when none is."""
+    for k in (key, *aliases):
+        if cfg.get(k) is not None:
+            return cfg[k]
+    raise ConfigError(f"config.json: required field {key!r} is missing")
 
 
 def common_fields(cfg: dict[str, Any]) -> dict[str, Any]:

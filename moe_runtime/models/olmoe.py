@@ -10,7 +10,7 @@ class OlmoeFamily(Family):
         clip = cfg.get("clip_qkv")
         return ModelConfig(
             family=self.name, **base,
-            num_experts=int(require(cfg, "num_experts")),
+            num_experts=int(require(cfg, "num_experts", "num_local_experts")),
             top_k=int(require(cfg, "num_experts_per_tok")),
             moe_intermediate_size=int(require(cfg, "intermediate_size")),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),

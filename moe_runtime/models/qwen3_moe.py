@@ -9,7 +9,7 @@ class Qwen3MoeFamily(Family):
         base = common_fields(cfg)
         return ModelConfig(
             family=self.name, **base,
-            num_experts=int(require(cfg, "num_experts")),
+            num_experts=int(require(cfg, "num_experts", "num_local_experts")),
             top_k=int(require(cfg, "num_experts_per_tok")),
             moe_intermediate_size=int(require(cfg, "moe_intermediate_size")),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),

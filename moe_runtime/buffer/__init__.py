@@ -1,0 +1,5 @@
+"""Expert buffer: fixed device slots, residency map, cache policies, placement over devices."""
+
+from moe_runtime.buffer.expert_buffer import ExpertBuffer, ExpertHandle
+
+__all__ = ["ExpertBuffer", "ExpertHandle"]

@@ -1,0 +1,62 @@
+"""Cache policies: which resident expert a slot is taken from when the buffer is full.
+
+A policy keeps a priority per slot (lower is evicted first). The buffer calls its hooks under the
+buffer lock and asks :meth:`CachePolicy.victim` to choose among the slots it may evict (never a
+slot being loaded, pinned by the running layer or, for prefetches, holding an unused prefetch).
+New policies subclass :class:`CachePolicy` and register in :data:`CACHE_POLICIES`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class CachePolicy:
+    """Base class; subclasses update ``self.priority`` (``[num_slots]`` float64)."""
+
+    name = "base"
+
+    def __init__(self, num_slots: int, num_experts: int) -> None:
+        self.priority = np.zeros(num_slots, dtype=np.float64)
+        self.num_experts = num_experts
+        self._tick = 0.0
+
+    def tick(self) -> float:
+        self._tick += 1.0
+        return self._tick
+
+    def on_fill(self, slot: int, key: int, prefetch: bool) -> None:
+        """An expert landed in ``slot`` (by demand or prefetch)."""
+
+    def on_use(self, slot: int, key: int) -> None:
+        """The compute thread finished using the expert in ``slot``."""
+
+    def on_evict(self, slot: int, key: int) -> None:
+        """The expert in ``slot`` is being evicted."""
+
+    def victim(self, candidates: np.ndarray) -> int:
+        """Slot to evict among ``candidates`` (non-empty int array): the lowest priority."""
+        return int(candidates[np.argmin(self.priority[candidates])])
+
+
+class LRUPolicy(CachePolicy):
+    """Least recently used (Mixtral-Offloading's and llama.cpp's expert cache)."""
+
+    name = "lru"
+
+    def on_fill(self, slot: int, key: int, prefetch: bool) -> None:
+        self.priority[slot] = self.tick()
+
+    def on_use(self, slot: int, key: int) -> None:
+        self.priority[slot] = self.tick()
+
+
+CACHE_POLICIES: dict[str, type[CachePolicy]] = {"lru": LRUPolicy}
+
+
+def make_cache_policy(name: str, num_slots: int, num_experts: int) -> CachePolicy:
+    from moe_runtime.errors import ConfigError
+
+    if name not in CACHE_POLICIES:
+        raise ConfigError(f"--cache-policy {name!r} is unknown (choose from {', '.join(CACHE_POLICIES)})")
+    return CACHE_POLICIES[name](num_slots, num_experts)

@@ -1,0 +1,298 @@
+"""The expert buffer: experts run only from device slots; misses are fetched on demand.
+
+NOTE: how a layer gets its experts (MoE-Infinity §5.1–5.2, Klotski §5 for the order).
+``run_layer(layer, experts)`` pins every needed expert that is resident and yields those first, so
+compute starts while missing experts load. Missing experts are queued as *demand* transfers, which
+jump every queued prefetch; a queued prefetch of a needed expert is upgraded to demand. As each
+lands it is yielded; after the caller computes with it, the slot is unpinned and handed to the
+cache policy. When a layer needs more experts than there are slots, the I/O thread waits for the
+compute thread to release one, so any buffer of at least one slot makes progress. The time the
+compute thread spends waiting is the blocking time. Weights are read-only: eviction never copies
+back to the host.
+
+Threads: one I/O thread per device partition (``_io_loop``); one lock/condition shared by all
+partitions, so the compute thread can wait for "any of my experts landed" across devices.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moe_runtime.buffer.cache_policy import make_cache_policy
+from moe_runtime.buffer.partition import FREE, LOADING, READY, Partition
+from moe_runtime.buffer.placement import home_devices
+from moe_runtime.io.link import LinkModel
+from moe_runtime.io.transfer_queue import Transfer
+from moe_runtime.stats import ExpertStats
+from moe_runtime.store import HostExpertStore
+
+
+@dataclass(slots=True)
+class ExpertHandle:
+    """A resident expert ready to run: ``gate_up [2I, H]`` and ``down [H, I]`` device views."""
+
+    expert: int
+    device: torch.device
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    hit: bool
+    blocked_s: float
+
+
+class ExpertBuffer:
+    """Fixed slots per device holding experts for compute.
+
+    Args:
+        store: the host expert store (source of every transfer).
+        devices: one entry per device partition (the same CPU device may repeat to emulate several).
+        slots_per_device: slots in each partition (>= 1).
+        cache_policy: registry name (``lru``, ...).
+        link: ``(gbps, latency_us)`` to emulate a link per device, or None.
+    """
+
+    def __init__(self, store: HostExpertStore, devices: list[torch.device], slots_per_device: int,
+                 cache_policy: str = "lru", link: tuple[float, float] | None = None) -> None:
+        self.store = store
+        self.num_layers, self.num_experts = store.num_layers, store.num_experts
+        total = self.num_layers * self.num_experts
+        self.home = home_devices(self.num_layers, self.num_experts, len(devices))
+        self.stats = ExpertStats(self.num_layers, len(devices))
+        self.cond = threading.Condition()
+        self._closing = False
+        self.parts: list[Partition] = []
+        for i, dev in enumerate(devices):
+            homed = np.flatnonzero(self.home == i)
+            n = max(1, min(slots_per_device, len(homed)))
+            alias = (len(devices) == 1 and dev.type == "cpu" and n >= total and link is None)
+            slots = store.data if alias else torch.empty((n, store.expert_numel), dtype=store.data.dtype,
+                                                         device=dev)
+            part = Partition(i, dev, slots, store.hidden_size, store.intermediate_size,
+                             make_cache_policy(cache_policy, n, self.num_experts),
+                             LinkModel(*link) if link else None)
+            self.parts.append(part)
+            if n >= len(homed):  # every expert homed here fits: load all once, up front
+                self._preload(part, homed, copy=not alias)
+        self.all_resident = all(len(p.key_slot) == int((self.home == p.index).sum()) for p in self.parts)
+        self._threads = [threading.Thread(target=self._io_loop, args=(p,), name=f"moeserve-io-{p.index}",
+                                          daemon=True) for p in self.parts]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------ set-up / tear-down
+    def _preload(self, part: Partition, keys: np.ndarray, copy: bool) -> None:
+        for s, key in enumerate(keys.tolist()):
+            if copy:
+                part.slots[s].copy_(self.store.expert(key))
+            part.slot_key[s], part.state[s] = key, READY
+            part.key_slot[key] = s
+            part.policy.on_fill(s, key, prefetch=False)
+        part.free = [s for s in range(part.num_slots - 1, len(keys) - 1, -1)]
+
+    def close(self) -> None:
+        """Stop the I/O threads (idempotent)."""
+        with self.cond:
+            self._closing = True
+            self.cond.notify_all()
+        for t in self._threads:
+            t.join(timeout=5)
+
+    @property
+    def num_slots(self) -> int:
+        return sum(p.num_slots for p in self.parts)
+
+    @property
+    def slot_nbytes(self) -> int:
+        return self.store.expert_nbytes
+
+    def resident(self, layer: int, expert: int) -> bool:
+        key = layer * self.num_experts + expert
+        part = self.parts[self.home[key]]
+        with self.cond:
+            s = part.key_slot.get(key)
+            return s is not None and part.state[s] == READY
+
+    def resident_keys(self) -> set[int]:
+        with self.cond:
+            return {k for p in self.parts for k, s in p.key_slot.items() if p.state[s] == READY}
+
+    # ------------------------------------------------------------------ compute side
+    def run_layer(self, layer: int, experts: list[int]) -> Iterator[ExpertHandle]:
+        """Yield the layer's needed experts, resident ones first, then each as it lands.
+
+        The caller must finish using a handle before asking for the next one: the slot is
+        released then. Closing the generator early releases everything it held.
+        """
+        E, st = self.num_experts, self.stats
+        ready: list[tuple[int, Partition, int]] = []
+        waiting: list[tuple[int, Partition]] = []
+        with self.cond:
+            for e in experts:
+                key = layer * E + e
+                part = self.parts[self.home[key]]
+                st.lookups[layer] += 1
+                st.device_lookups[part.index] += 1
+                s = part.key_slot.get(key)
+                if s is not None and part.state[s] == READY:
+                    part.pins[s] += 1
+                    st.hits[layer] += 1
+                    st.device_hits[part.index] += 1
+                    if part.prefetched[s]:
+                        st.hits_prefetched[layer] += 1
+                    ready.append((e, part, s))
+                    continue
+                if s is not None:  # a prefetch is in flight: wait for it
+                    part.pins[s] += 1
+                    st.late_prefetches[layer] += 1
+                else:
+                    part.queue.push(Transfer(key, demand=True))  # replaces a queued prefetch
+                    st.demand_fetches[layer] += 1
+                waiting.append((e, part))
+            if waiting:
+                self.cond.notify_all()
+        held: list[tuple[Partition, int]] = [(p, s) for _, p, s in ready]
+        try:
+            for e, part, s in ready:
+                yield ExpertHandle(e, part.device, part.gate_up[s], part.down[s], True, 0.0)
+                held.remove((part, s))
+                self._release(part, s)
+            while waiting:
+                with self.cond:
+                    t0 = time.perf_counter()
+                    while True:
+                        found = self._first_landed(layer, waiting)
+                        if found is not None:
+                            break
+                        self.cond.wait()
+                    blocked = time.perf_counter() - t0
+                    e, part = waiting.pop(found)
+                    s = part.key_slot[layer * E + e]
+                    st.blocking_s[layer] += blocked
+                    st.device_blocking_s[part.index] += blocked
+                held.append((part, s))
+                yield ExpertHandle(e, part.device, part.gate_up[s], part.down[s], False, blocked)
+                held.remove((part, s))
+                self._release(part, s)
+        finally:
+            for part, s in held:
+                self._release(part, s)
+            if waiting:
+                self._abandon(layer, waiting)
+
+    def _first_landed(self, layer: int, waiting: list[tuple[int, Partition]]) -> int | None:
+        for i, (e, part) in enumerate(waiting):
+            s = part.key_slot.get(layer * self.num_experts + e)
+            if s is not None and part.state[s] == READY:
+                return i
+        return None
+
+    def _release(self, part: Partition, s: int) -> None:
+        ev = part.copier.release_event()
+        with self.cond:
+            part.release_events[s] = ev
+            part.pins[s] -= 1
+            if part.prefetched[s]:
+                part.prefetched[s] = False
+                self.stats.prefetch_used += 1
+            part.policy.on_use(s, int(part.slot_key[s]))
+            self.cond.notify_all()
+
+    def _abandon(self, layer: int, waiting: list[tuple[int, Partition]]) -> None:
+        """Undo demand for experts never consumed (the generator was closed early)."""
+        with self.cond:
+            for e, part in waiting:
+                key = layer * self.num_experts + e
+                if part.queue.cancel(key) is None and (s := part.key_slot.get(key)) is not None:
+                    part.pins[s] -= 1
+            self.cond.notify_all()
+
+    # ------------------------------------------------------------------ prefetch side
+    def prefetch(self, plan: list[tuple[int, float]], replace: bool = True) -> None:
+        """Queue prefetches ``[(flat key, priority), ...]`` (higher priority first).
+
+        With ``replace``, queued prefetches that are not in ``plan`` are cancelled (in-flight ones
+        finish). Keys already resident or loading are skipped.
+        """
+        st = self.stats
+        with self.cond:
+            if replace:
+                wanted = {k for k, _ in plan}
+                for part in self.parts:
+                    for key in part.queue.queued_prefetch_keys():
+                        if key not in wanted:
+                            part.queue.cancel(key)
+                            st.prefetch_cancelled += 1
+            for key, prio in plan:
+                part = self.parts[self.home[key]]
+                if key in part.key_slot:
+                    continue
+                queued = part.queue.queued(key)
+                if queued is not None and (queued.demand or queued.priority == prio):
+                    continue
+                if queued is None:
+                    st.prefetch_issued += 1
+                part.queue.push(Transfer(key, demand=False, priority=prio))
+            self.cond.notify_all()
+
+    # ------------------------------------------------------------------ I/O thread
+    def _allocate(self, part: Partition, t: Transfer) -> int | None:
+        """Take a free slot or evict the cache policy's victim; None when nothing may be taken."""
+        if part.free:
+            return part.free.pop()
+        cands = part.evictable(for_demand=t.demand)
+        if len(cands) == 0:
+            return None
+        s = part.policy.victim(cands)
+        old = int(part.slot_key[s])
+        part.policy.on_evict(s, old)
+        del part.key_slot[old]
+        if part.prefetched[s]:
+            part.prefetched[s] = False
+            self.stats.prefetch_wasted_bytes += self.store.expert_nbytes
+        part.state[s] = FREE
+        return s
+
+    def _io_loop(self, part: Partition) -> None:
+        part.copier.bind_thread()
+        nbytes = self.store.expert_nbytes
+        while True:
+            with self.cond:
+                while True:
+                    if self._closing:
+                        return
+                    t = part.queue.peek()
+                    if t is None:
+                        self.cond.wait()
+                        continue
+                    s = self._allocate(part, t)
+                    if s is not None:
+                        break
+                    if t.demand:
+                        self.cond.wait()  # the compute thread will release a slot
+                    else:
+                        part.queue.cancel(t.key)  # nothing evictable for a prefetch: drop it
+                        self.stats.prefetch_cancelled += 1
+                part.queue.pop()
+                part.slot_key[s], part.state[s] = t.key, LOADING
+                part.key_slot[t.key] = s
+                if t.demand:
+                    part.pins[s] += 1
+                after = part.release_events[s]
+            started = time.perf_counter()
+            part.copier.copy(part.slots[s], self.store.expert(t.key), after)
+            if part.link is not None:
+                part.link.hold(nbytes, started)
+            with self.cond:
+                part.state[s] = READY
+                part.prefetched[s] = not t.demand
+                if t.demand:
+                    self.stats.demand_bytes += nbytes
+                else:
+                    self.stats.prefetch_bytes += nbytes
+                part.policy.on_fill(s, t.key, prefetch=not t.demand)
+                self.cond.notify_all()

@@ -1,0 +1,74 @@
+"""Per-step metadata that travels beside the packed token tensor (nano-vllm's context object).
+
+Tokens of all scheduled sequences are packed into one ``[T]`` tensor; sequence ``i`` owns tokens
+``starts[i] : starts[i] + num_new[i]`` at positions ``ctx_lens[i] - num_new[i] ..`` in its KV row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass(slots=True)
+class StepContext:
+    request_ids: list[str]
+    rows: list[int]
+    starts: list[int]
+    num_new: list[int]
+    ctx_lens: list[int]
+    positions: torch.Tensor  # [T] int64
+    token_rows: torch.Tensor  # [T] int64, KV row of each token
+    token_seq: np.ndarray  # [T] int64, sequence index of each token
+    token_prefill: np.ndarray  # [T] bool, prompt token
+    logits_index: torch.Tensor  # [N] token indices whose logits are sampled
+    all_decode: bool
+    max_ctx: int
+    rows_t: torch.Tensor | None = None  # [B] int64
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_ctx] bool
+    seq_lookups: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    seq_hits: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    seq_blocking_s: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float64))
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.rows)
+
+    @classmethod
+    def build(cls, request_ids: list[str], rows: list[int], past: list[int], num_new: list[int],
+              sample: list[bool], device: torch.device) -> StepContext:
+        """Build the context for sequences with ``past[i]`` cached tokens and ``num_new[i]`` new ones.
+
+        ``sample[i]`` says whether sequence ``i`` samples a token this step (its last new token's
+        logits are computed); a prefill chunk that does not reach the prompt's end does not.
+        ``prefill`` tokens are those of sequences with more than one new token or no past.
+        """
+        starts, acc = [], 0
+        for n in num_new:
+            starts.append(acc)
+            acc += n
+        positions = np.concatenate([np.arange(p, p + n) for p, n in zip(past, num_new)])
+        token_seq = np.repeat(np.arange(len(rows)), num_new)
+        is_prefill_seq = np.array([n > 1 or p == 0 for p, n in zip(past, num_new)])
+        ctx = [p + n for p, n in zip(past, num_new)]
+        logits_index = [s + n - 1 for s, n, smp in zip(starts, num_new, sample) if smp]
+        all_decode = all(n == 1 for n in num_new)
+        max_ctx = max(ctx)
+        ctx_obj = cls(
+            request_ids=request_ids, rows=rows, starts=starts, num_new=num_new, ctx_lens=ctx,
+            positions=torch.from_numpy(positions).to(device),
+            token_rows=torch.from_numpy(np.repeat(np.asarray(rows, dtype=np.int64), num_new)).to(device),
+            token_seq=token_seq, token_prefill=is_prefill_seq[token_seq],
+            logits_index=torch.tensor(logits_index, dtype=torch.int64, device=device),
+            all_decode=all_decode, max_ctx=max_ctx,
+            seq_lookups=np.zeros(len(rows), dtype=np.int64), seq_hits=np.zeros(len(rows), dtype=np.int64),
+            seq_blocking_s=np.zeros(len(rows), dtype=np.float64),
+        )
+        if all_decode:
+            ctx_obj.rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
+            lens = torch.tensor(ctx, dtype=torch.int64, device=device)
+            mask = torch.arange(max_ctx, device=device)[None, :] < lens[:, None]
+            ctx_obj.decode_mask = mask[:, None, None, :]
+        return ctx_obj

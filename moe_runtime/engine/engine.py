@@ -1,0 +1,254 @@
+"""The engine: add requests, step, stream outputs (vLLM's ``LLMEngine`` shape, MoE-offloading inside).
+
+``step()`` is schedule -> execute -> update. It is not thread-safe: one engine thread owns it (the
+server's engine client forwards requests to that thread).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from moe_runtime.buffer import ExpertBuffer
+from moe_runtime.config import RuntimeConfig
+from moe_runtime.engine.context import StepContext
+from moe_runtime.engine.detokenizer import take_delta, update_text
+from moe_runtime.engine.request import RequestOutput, SamplingParams, Sequence, SequenceStatus
+from moe_runtime.engine.sampler import sample
+from moe_runtime.engine.scheduler import ScheduledSeq, Scheduler
+from moe_runtime.errors import RequestError
+from moe_runtime.layers.kv_cache import KVCache
+from moe_runtime.loader import LoadedModel, load_checkpoint
+from moe_runtime.model import MoEModel
+from moe_runtime.prefetch import make_prefetch_policy
+from moe_runtime.stats import EngineStats
+
+MiB = 1 << 20
+
+
+class LLMEngine:
+    """Serve one checkpoint with experts offloaded.
+
+    Args:
+        loaded: a :class:`LoadedModel` (see :meth:`from_pretrained`).
+        runtime: the user's settings.
+        recorder: the tracer's ``RequestRecorder`` (or any object with its methods), or None.
+    """
+
+    def __init__(self, loaded: LoadedModel, runtime: RuntimeConfig, recorder: Any | None = None) -> None:
+        self.loaded, self.runtime, self.recorder = loaded, runtime, recorder
+        cfg = self.config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = runtime.max_model_len or min(cfg.max_position_embeddings, 4096)
+        total = cfg.num_moe_layers * cfg.num_experts
+        slots = runtime.buffer_slots or max(1, math.ceil(runtime.buffer_fraction * total))
+        slots = min(slots, total)
+        n_dev = runtime.num_devices
+        device = torch.device(runtime.device)
+        if device.type == "cuda" and n_dev > 1:
+            devices = [torch.device("cuda", i) for i in range(n_dev)]
+        else:
+            devices = [device] * n_dev
+        link = (runtime.link_gbps, runtime.link_latency_us) if runtime.link_gbps else None
+        self.buffer = ExpertBuffer(loaded.store, devices, math.ceil(slots / n_dev), runtime.cache_policy, link)
+        self.kv = KVCache(cfg.num_layers, runtime.max_batch_size, cfg.num_kv_heads, self.max_model_len,
+                          cfg.head_dim, runtime.torch_dtype, device)
+        self.model = MoEModel(cfg, loaded.dense, self.buffer, self.kv, self.max_model_len)
+        self.prefetcher = make_prefetch_policy(
+            runtime.prefetch_policy, buffer=self.buffer, num_layers=cfg.num_moe_layers,
+            num_experts=cfg.num_experts, top_k=cfg.top_k, recorder=recorder)
+        self.model.recorder = recorder
+        self.model.prefetcher = self.prefetcher
+        self.scheduler = Scheduler(runtime.max_batch_size, runtime.max_num_batched_tokens)
+        self.eos_token_ids = loaded.eos_token_ids
+        self.stats = EngineStats()
+        self._seqs: dict[str, Sequence] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        self.device = device
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, runtime: RuntimeConfig | None = None,
+                        recorder: Any | None = None) -> LLMEngine:
+        runtime = runtime or RuntimeConfig()
+        return cls(load_checkpoint(model_dir, runtime), runtime, recorder)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    task: str | None = None) -> None:
+        """Queue a request (FCFS).
+
+        Raises:
+            RequestError: empty prompt, token id out of range, duplicate id, or a prompt that
+                leaves no room to generate within ``max_model_len``.
+        """
+        if request_id in self._seqs:
+            raise RequestError(f"request id {request_id!r} is already running")
+        if not prompt_token_ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"prompt token id {bad} is out of range [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise RequestError(f"the prompt has {len(prompt_token_ids)} tokens; the model's context is "
+                               f"{self.max_model_len} tokens including at least one generated token")
+        seq = Sequence(request_id, list(prompt_token_ids), params, task)
+        self._seqs[request_id] = seq
+        if not params.greedy:
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed(params.seed if params.seed is not None else int(np.random.SeedSequence().entropy
+                                                                          % (2**63)))
+            self._generators[request_id] = gen
+        if self.recorder is not None:
+            self.recorder.begin_request(request_id, len(prompt_token_ids), task)
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop a waiting or running request, freeing its KV row. Returns False if unknown."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return False
+        self._finish(seq, "abort", commit=False)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """Run one forward pass over the scheduled batch; return one output per request that
+        produced a token or finished."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        t0 = time.perf_counter()
+        ids, past = [], []
+        for s in scheduled:
+            past.append(s.seq.num_computed)
+            ids.extend(s.seq.all_token_ids()[s.seq.num_computed:s.seq.num_computed + s.num_new])
+        step = StepContext.build([s.seq.request_id for s in scheduled], [s.seq.kv_row for s in scheduled],
+                                 past, [s.num_new for s in scheduled], [s.sample for s in scheduled],
+                                 self.device)
+        logits = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=self.device), step)
+        if self.recorder is not None:
+            self.recorder.end_step()
+        self.prefetcher.end_step()
+        sampling = [s.seq for s in scheduled if s.sample]
+        tokens, lps = sample(logits, [q.params for q in sampling],
+                             [self._generators.get(q.request_id) for q in sampling])
+        outputs = self._update(scheduled, step, dict(zip((q.request_id for q in sampling), zip(tokens, lps))))
+        self.stats.steps += 1
+        self.stats.step_seconds += time.perf_counter() - t0
+        return outputs
+
+    def _update(self, scheduled: list[ScheduledSeq], step: StepContext, sampled: dict) -> list[RequestOutput]:
+        now = time.monotonic()
+        outputs = []
+        for i, s in enumerate(scheduled):
+            seq = s.seq
+            if seq.status == SequenceStatus.FINISHED:  # aborted by a hook during the step
+                continue
+            if seq.is_prefill:
+                self.stats.prompt_tokens += s.num_new
+            seq.num_computed += s.num_new
+            es = seq.expert_stats
+            es.lookups += int(step.seq_lookups[i])
+            es.hits += int(step.seq_hits[i])
+            es.blocking_s += float(step.seq_blocking_s[i])
+            if not s.sample:
+                continue
+            token, lp = sampled[seq.request_id]
+            seq.output_token_ids.append(token)
+            if lp is not None:
+                seq.output_logprobs.append(lp)
+            self.stats.generation_tokens += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self._finish(seq, reason, commit=True)
+            outputs.append(self._output(seq, new_tokens=1))
+        return outputs
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        stopped_by_string = update_text(seq, self.tokenizer)
+        if stopped_by_string:
+            return "stop"
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str, commit: bool) -> None:
+        seq.finish_reason = reason
+        seq.finish_time = time.monotonic()
+        self.scheduler.finish(seq)
+        self._seqs.pop(seq.request_id, None)
+        self._generators.pop(seq.request_id, None)
+        self.stats.requests_finished[reason] = self.stats.requests_finished.get(reason, 0) + 1
+        if self.recorder is not None:
+            (self.recorder.finish if commit else self.recorder.abort)(seq.request_id)
+
+    def _output(self, seq: Sequence, new_tokens: int) -> RequestOutput:
+        finished = seq.status == SequenceStatus.FINISHED
+        new_ids = seq.output_token_ids[seq.sent_tokens:]
+        seq.sent_tokens = len(seq.output_token_ids)
+        delta = take_delta(seq, finished)
+        return RequestOutput(
+            request_id=seq.request_id, new_token_ids=new_ids, new_text=delta,
+            text=seq.output_text[:seq.sent_text_len], finished=finished, finish_reason=seq.finish_reason,
+            num_prompt_tokens=len(seq.prompt_token_ids), num_output_tokens=len(seq.output_token_ids),
+            output_token_ids=list(seq.output_token_ids),
+            logprobs=seq.output_logprobs[-len(new_ids):] if seq.params.logprobs is not None and new_ids else None,
+            expert_stats=seq.expert_stats, arrival_time=seq.arrival_time,
+            first_token_time=seq.first_token_time, finish_time=seq.finish_time)
+
+    # ------------------------------------------------------------------ conveniences
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+                 ) -> list[RequestOutput]:
+        """Run prompts to completion together; returns each request's final output, in order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{id(self)}-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[r] for r in ids]
+
+    def summary(self) -> str:
+        """One line: dense bytes on device, expert bytes in host memory, slots and their bytes."""
+        st, buf = self.loaded.store, self.buffer
+        total = st.num_layers * st.num_experts
+        return (f"{self.config.architecture}: dense {self.loaded.dense_nbytes / MiB:.1f} MiB on {self.device}, "
+                f"experts {st.nbytes / MiB:.1f} MiB in host memory ({total} experts x "
+                f"{st.expert_nbytes / MiB:.2f} MiB{', pinned' if st.data.is_pinned() else ''}), "
+                f"buffer {buf.num_slots} slots x {st.expert_nbytes / MiB:.2f} MiB = "
+                f"{buf.num_slots * st.expert_nbytes / MiB:.1f} MiB ({100 * min(buf.num_slots, total) / total:.0f}% "
+                f"of experts) on {len(buf.parts)} device(s), KV cache {self.kv.nbytes / MiB:.1f} MiB")
+
+    def close(self) -> None:
+        self.buffer.close()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,1 @@
+"""Expert I/O: transfer queue, copy engines (CUDA streams / memcpy), link emulation, I/O threads."""

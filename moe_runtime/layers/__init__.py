@@ -1,0 +1,1 @@
+"""Stateless layer functions over packed token tensors ``[T, ...]`` (T = tokens in the step)."""

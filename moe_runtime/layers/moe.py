@@ -1,0 +1,85 @@
+"""The MoE block: router, top-k, tracing/prefetch hooks, experts from the buffer, shared expert.
+
+NOTE: one device->host sync per MoE layer. The router's top-k ids (``[T, k]``) are copied to the
+host once: the buffer must know which experts to fetch, and the tracer and prefetch policy read
+them there. Experts then run grouped (all tokens of one expert in one pair of matmuls), resident
+ones first while missing ones load (Klotski §5); each expert's output, scaled by its gate weight, is
+accumulated with ``index_add_`` exactly as the reference does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from moe_runtime.buffer import ExpertBuffer
+from moe_runtime.config import ModelConfig
+from moe_runtime.engine.context import StepContext
+
+
+def route(x: torch.Tensor, router: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k routing. ``x [T, H]`` -> (weights ``[T, k]``, expert ids ``[T, k]``)."""
+    probs = F.softmax(F.linear(x, router).float(), dim=-1)  # [T, E]
+    weights, ids = torch.topk(probs, cfg.top_k, dim=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if cfg.router_weights_in_model_dtype:
+        weights = weights.to(x.dtype)
+    return weights, ids
+
+
+def moe_block(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, moe_layer: int, cfg: ModelConfig,
+              buffer: ExpertBuffer, step: StepContext, recorder: Any | None, prefetcher: Any | None
+              ) -> torch.Tensor:
+    """Apply MoE layer ``moe_layer`` (decoder layer ``layer``) to ``x [T, H]``; returns ``[T, H]``."""
+    p = f"layers.{layer}."
+    weights, ids = route(x, w[p + "router"], cfg)
+    k, num_experts = cfg.top_k, cfg.num_experts
+    ids_host = ids.cpu().numpy()  # the one sync of this layer
+    if recorder is not None:
+        recorder.record(moe_layer, step.request_ids, step.token_seq, step.token_prefill, ids_host,
+                        weights.float().cpu().numpy())
+    if prefetcher is not None:
+        prefetcher.after_routing(moe_layer, step.request_ids, ids_host)
+    flat = ids_host.reshape(-1)
+    counts = np.bincount(flat, minlength=num_experts)
+    offsets = np.concatenate(([0], np.cumsum(counts)))
+    order = torch.argsort(ids.reshape(-1), stable=True)  # [T*k] grouped by expert
+    needed = np.flatnonzero(counts).tolist()
+    out = torch.zeros_like(x)
+    hit = np.zeros(num_experts, dtype=bool)
+    blocked = np.zeros(num_experts, dtype=np.float64)
+    for h in buffer.run_layer(moe_layer, needed):
+        e = h.expert
+        sel = order[offsets[e]:offsets[e + 1]]
+        tok, kpos = sel // k, sel % k
+        xs = x[tok]
+        if h.device != x.device:
+            xs = xs.to(h.device)
+        gate, up = F.linear(xs, h.gate_up).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, h.down)
+        if h.device != x.device:
+            y = y.to(x.device)
+        y = y * weights[tok, kpos, None]
+        out.index_add_(0, tok, y.to(out.dtype))
+        hit[e], blocked[e] = h.hit, h.blocked_s
+    _attribute(step, ids_host, hit, blocked, num_experts)
+    if cfg.shared_expert_intermediate_size:
+        shared = F.linear(F.silu(F.linear(x, w[p + "shared_gate_proj"])) * F.linear(x, w[p + "shared_up"]),
+                          w[p + "shared_down"])
+        out = out + torch.sigmoid(F.linear(x, w[p + "shared_gate"])) * shared
+    return out
+
+
+def _attribute(step: StepContext, ids_host: np.ndarray, hit: np.ndarray, blocked: np.ndarray,
+               num_experts: int) -> None:
+    """Charge each sequence the lookups, hits and blocking of the experts its tokens used."""
+    use = np.zeros((step.num_seqs, num_experts), dtype=bool)
+    use[step.token_seq[:, None], ids_host] = True
+    step.seq_lookups += use.sum(axis=1)
+    step.seq_hits += use[:, hit].sum(axis=1)
+    if blocked.any():
+        step.seq_blocking_s += use @ blocked

@@ -1,0 +1,83 @@
+"""Our own forward pass of an MoE decoder over a packed step (no transformers modules).
+
+``forward(input_ids [T], step) -> logits [N, V]`` for the N tokens that sample. Per decoder layer:
+RMSNorm -> q/k/v projections (+bias) -> q/k norm (per head or full) -> RoPE -> attention with the
+KV cache -> o projection -> residual -> RMSNorm -> MoE block (or dense MLP) -> residual.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from moe_runtime.buffer import ExpertBuffer
+from moe_runtime.config import ModelConfig
+from moe_runtime.engine.context import StepContext
+from moe_runtime.layers.attention import attention
+from moe_runtime.layers.kv_cache import KVCache
+from moe_runtime.layers.moe import moe_block
+from moe_runtime.layers.norm import rms_norm
+from moe_runtime.layers.rotary import Rotary
+
+
+class MoEModel:
+    """Dense weights on the device, experts through ``buffer``.
+
+    Args:
+        cfg: model shape. dense: canonical name -> device tensor (see ``moe_runtime.models.base``).
+        buffer: the expert buffer. kv_cache: static KV cache. max_len: positions RoPE covers.
+    """
+
+    def __init__(self, cfg: ModelConfig, dense: dict[str, torch.Tensor], buffer: ExpertBuffer,
+                 kv_cache: KVCache, max_len: int) -> None:
+        self.cfg = cfg
+        self.w = dense
+        self.buffer = buffer
+        self.kv = kv_cache
+        emb = dense["embed"]
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, max_len, emb.dtype, emb.device)
+        self.lm_head = dense["embed"] if cfg.tie_word_embeddings else dense["lm_head"]
+        self.moe_index = {layer: i for i, layer in enumerate(cfg.moe_layers)}
+        self.recorder: Any | None = None
+        self.prefetcher: Any | None = None
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, step: StepContext) -> torch.Tensor:
+        cfg, w = self.cfg, self.w
+        x = F.embedding(input_ids, w["embed"])  # [T, H]
+        for layer in range(cfg.num_layers):
+            p = f"layers.{layer}."
+            x = x + self._attention(rms_norm(x, w[p + "attn_norm"], cfg.rms_norm_eps), layer, step)
+            h = rms_norm(x, w[p + "mlp_norm"], cfg.rms_norm_eps)
+            if layer in self.moe_index:
+                h = moe_block(h, w, layer, self.moe_index[layer], cfg, self.buffer, step,
+                              self.recorder, self.prefetcher)
+            else:
+                h = F.linear(F.silu(F.linear(h, w[p + "mlp_gate"])) * F.linear(h, w[p + "mlp_up"]),
+                             w[p + "mlp_down"])
+            x = x + h
+        x = rms_norm(x[step.logits_index], w["final_norm"], cfg.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()  # [N, V]
+
+    def _attention(self, x: torch.Tensor, layer: int, step: StepContext) -> torch.Tensor:
+        cfg, w, p = self.cfg, self.w, f"layers.{layer}."
+        t = x.shape[0]
+        q = F.linear(x, w[p + "q"], w.get(p + "q_bias"))
+        k = F.linear(x, w[p + "k"], w.get(p + "k_bias"))
+        v = F.linear(x, w[p + "v"], w.get(p + "v_bias"))
+        if cfg.qk_norm == "full":
+            q = rms_norm(q, w[p + "q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, w[p + "k_norm"], cfg.rms_norm_eps)
+        if cfg.clip_qkv is not None:
+            q, k, v = (z.clamp(-cfg.clip_qkv, cfg.clip_qkv) for z in (q, k, v))
+        q = q.view(t, cfg.num_heads, cfg.head_dim)
+        k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm == "head":
+            q = rms_norm(q, w[p + "q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, w[p + "k_norm"], cfg.rms_norm_eps)
+        q, k = self.rotary.apply(q, k, step.positions)
+        out = attention(q, k, v, layer, self.kv, step)  # [T, Hq * D]
+        return F.linear(out, w[p + "o"])

@@ -1,0 +1,96 @@
+"""Runtime statistics as plain dataclasses; exporters (Prometheus, JSON) live at the edges.
+
+A *lookup* is one (MoE layer, expert) needed by a step; a *hit* means the expert was resident or
+fully prefetched when the layer needed it (MoE-Infinity's buffer hit). *Blocking seconds* are the
+time the compute thread waited for expert copies (the paper's GPU blocking time).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field
+
+
+def _zeros(n: int) -> list:
+    return [0] * n
+
+
+@dataclass
+class ExpertStats:
+    """Expert-buffer counters, per MoE layer (lists of length L) and per device."""
+
+    num_layers: int
+    num_devices: int = 1
+    lookups: list[int] = field(default_factory=list)
+    hits: list[int] = field(default_factory=list)
+    hits_prefetched: list[int] = field(default_factory=list)  # hit thanks to a finished prefetch
+    late_prefetches: list[int] = field(default_factory=list)  # needed while its prefetch was in flight
+    demand_fetches: list[int] = field(default_factory=list)
+    blocking_s: list[float] = field(default_factory=list)
+    device_lookups: list[int] = field(default_factory=list)
+    device_hits: list[int] = field(default_factory=list)
+    device_blocking_s: list[float] = field(default_factory=list)
+    demand_bytes: int = 0
+    prefetch_bytes: int = 0
+    prefetch_issued: int = 0
+    prefetch_used: int = 0
+    prefetch_cancelled: int = 0
+    prefetch_wasted_bytes: int = 0  # prefetched, then evicted or dropped unused
+
+    def __post_init__(self) -> None:
+        for name in ("lookups", "hits", "hits_prefetched", "late_prefetches", "demand_fetches"):
+            if not getattr(self, name):
+                setattr(self, name, _zeros(self.num_layers))
+        if not self.blocking_s:
+            self.blocking_s = [0.0] * self.num_layers
+        for name in ("device_lookups", "device_hits"):
+            if not getattr(self, name):
+                setattr(self, name, _zeros(self.num_devices))
+        if not self.device_blocking_s:
+            self.device_blocking_s = [0.0] * self.num_devices
+
+    @property
+    def total_lookups(self) -> int:
+        return sum(self.lookups)
+
+    @property
+    def total_hits(self) -> int:
+        return sum(self.hits)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.total_hits / self.total_lookups if self.total_lookups else 0.0
+
+    @property
+    def total_blocking_s(self) -> float:
+        return sum(self.blocking_s)
+
+    def snapshot(self) -> ExpertStats:
+        return copy.deepcopy(self)
+
+    def summary(self) -> dict:
+        """Totals for ``--json`` output and the CLI."""
+        return {
+            "lookups": self.total_lookups, "hits": self.total_hits,
+            "misses": self.total_lookups - self.total_hits, "hit_rate": round(self.hit_rate, 4),
+            "hits_prefetched": sum(self.hits_prefetched), "late_prefetches": sum(self.late_prefetches),
+            "demand_fetches": sum(self.demand_fetches), "blocking_s": round(self.total_blocking_s, 6),
+            "demand_bytes": self.demand_bytes, "prefetch_bytes": self.prefetch_bytes,
+            "prefetch_issued": self.prefetch_issued, "prefetch_used": self.prefetch_used,
+            "prefetch_cancelled": self.prefetch_cancelled,
+            "prefetch_wasted_bytes": self.prefetch_wasted_bytes,
+        }
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class EngineStats:
+    """Cumulative engine counters (read by the Prometheus exporter and benchmarks)."""
+
+    steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    step_seconds: float = 0.0
+    requests_finished: dict[str, int] = field(default_factory=dict)  # finish_reason -> count
