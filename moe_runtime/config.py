@@ -14,8 +14,14 @@ import torch
 
 from moe_runtime.errors import ConfigError
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
 
 
 @dataclass(slots=True)
@@ -72,17 +78,31 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                     "num_experts", "top_k", "moe_intermediate_size", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "num_experts",
+            "top_k",
+            "moe_intermediate_size",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"config.json: {name} must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"config.json: num_attention_heads={self.num_heads} is not a multiple of "
-                              f"num_key_value_heads={self.num_kv_heads}")
+            raise ConfigError(
+                f"config.json: num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
         if self.top_k > self.num_experts:
-            raise ConfigError(f"config.json: num_experts_per_tok={self.top_k} exceeds the number of "
-                              f"experts {self.num_experts}")
+            raise ConfigError(
+                f"config.json: num_experts_per_tok={self.top_k} exceeds the number of "
+                f"experts {self.num_experts}"
+            )
         if self.qk_norm not in ("none", "head", "full"):
             raise ConfigError(f"qk_norm must be none/head/full, got {self.qk_norm!r}")
         if not self.moe_layers:

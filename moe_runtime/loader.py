@@ -111,8 +111,16 @@ def expected_dense_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     moe = set(cfg.moe_layers)
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
-        shapes.update({p + "attn_norm": (h,), p + "mlp_norm": (h,), p + "q": (q_out, h),
-                       p + "k": (kv_out, h), p + "v": (kv_out, h), p + "o": (h, q_out)})
+        shapes.update(
+            {
+                p + "attn_norm": (h,),
+                p + "mlp_norm": (h,),
+                p + "q": (q_out, h),
+                p + "k": (kv_out, h),
+                p + "v": (kv_out, h),
+                p + "o": (h, q_out),
+            }
+        )
         if cfg.attention_bias:
             shapes.update({p + "q_bias": (q_out,), p + "k_bias": (kv_out,), p + "v_bias": (kv_out,)})
         if cfg.qk_norm == "head":
@@ -123,8 +131,14 @@ def expected_dense_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "router"] = (cfg.num_experts, h)
             si = cfg.shared_expert_intermediate_size
             if si:
-                shapes.update({p + "shared_gate_proj": (si, h), p + "shared_up": (si, h),
-                               p + "shared_down": (h, si), p + "shared_gate": (1, h)})
+                shapes.update(
+                    {
+                        p + "shared_gate_proj": (si, h),
+                        p + "shared_up": (si, h),
+                        p + "shared_down": (h, si),
+                        p + "shared_gate": (1, h),
+                    }
+                )
         else:
             di = cfg.dense_intermediate_size
             shapes.update({p + "mlp_gate": (di, h), p + "mlp_up": (di, h), p + "mlp_down": (h, di)})
@@ -137,15 +151,21 @@ def _progress(total: int, label: str):
         return None
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    prog = Progress(TextColumn(label), BarColumn(), TextColumn("{task.completed}/{task.total} tensors"),
-                    TimeRemainingColumn(), transient=True)
+    prog = Progress(
+        TextColumn(label),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} tensors"),
+        TimeRemainingColumn(),
+        transient=True,
+    )
     prog.start()
     prog.add_task(label, total=total)
     return prog
 
 
-def load_checkpoint(model_dir: str | Path, runtime: RuntimeConfig | None = None,
-                    load_tokenizer: bool = True) -> LoadedModel:
+def load_checkpoint(
+    model_dir: str | Path, runtime: RuntimeConfig | None = None, load_tokenizer: bool = True
+) -> LoadedModel:
     """Load a checkpoint folder for serving.
 
     Args:
@@ -168,8 +188,9 @@ def load_checkpoint(model_dir: str | Path, runtime: RuntimeConfig | None = None,
         raise ConfigError(f"--device {runtime.device}: CUDA is not available on this machine")
     pin = runtime.pin_memory if runtime.pin_memory is not None else torch.cuda.is_available()
     moe_index = {layer: i for i, layer in enumerate(cfg.moe_layers)}
-    store = HostExpertStore(cfg.num_moe_layers, cfg.num_experts, cfg.hidden_size,
-                            cfg.moe_intermediate_size, dtype, pin_memory=pin)
+    store = HostExpertStore(
+        cfg.num_moe_layers, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, pin_memory=pin
+    )
     want = expected_dense_shapes(cfg)
     dense: dict[str, torch.Tensor] = {}
     files = safetensors_files(path)
@@ -200,8 +221,9 @@ def load_checkpoint(model_dir: str | Path, runtime: RuntimeConfig | None = None,
                     if kind not in want:
                         raise CheckpointError(f"{src} is not expected for this config")
                     if tuple(tensor.shape) != want[kind]:
-                        raise CheckpointError(f"{src}: expected shape {list(want[kind])}, "
-                                              f"found {list(tensor.shape)}")
+                        raise CheckpointError(
+                            f"{src}: expected shape {list(want[kind])}, found {list(tensor.shape)}"
+                        )
                     dense[kind] = tensor.to(device=device, dtype=dtype)
                 if bar is not None:
                     bar.advance(bar.task_ids[0])
@@ -212,16 +234,20 @@ def load_checkpoint(model_dir: str | Path, runtime: RuntimeConfig | None = None,
         if name not in dense:
             raise CheckpointError(f"{path}: missing tensor for {name} ({describe_dense(name)})")
     parts = dict((v, k) for k, v in family.expert_parts)
-    store.check_complete(lambda li, e, part: f"model.layers.{cfg.moe_layers[li]}.{family.moe_prefix}"
-                                             f".experts.{e}.{parts[part]}.weight")
+    store.check_complete(
+        lambda li, e, part: (
+            f"model.layers.{cfg.moe_layers[li]}.{family.moe_prefix}.experts.{e}.{parts[part]}.weight"
+        )
+    )
     tokenizer = Tokenizer(path) if load_tokenizer and (path / "tokenizer.json").exists() else None
     gen_path = path / "generation_config.json"
     gen = _read_json(gen_path) if gen_path.exists() else {}
     return LoadedModel(path, family, cfg, dense, store, tokenizer, gen, time.perf_counter() - t0)
 
 
-def _store_expert(store: HostExpertStore, kind: ExpertTensor, moe_index: dict[int, int],
-                  tensor: torch.Tensor, src: str) -> None:
+def _store_expert(
+    store: HostExpertStore, kind: ExpertTensor, moe_index: dict[int, int], tensor: torch.Tensor, src: str
+) -> None:
     if kind.layer not in moe_index:
         raise CheckpointError(f"{src}: layer {kind.layer} is not an MoE layer in config.json")
     layer = moe_index[kind.layer]
@@ -230,8 +256,9 @@ def _store_expert(store: HostExpertStore, kind: ExpertTensor, moe_index: dict[in
         return
     # Fused [E, 2I, H] gate_up / [E, H, I] down tensors (transformers>=5 in-memory layout).
     if tensor.dim() != 3 or tensor.shape[0] != store.num_experts:
-        raise CheckpointError(f"{src}: expected {store.num_experts} stacked experts, "
-                              f"found shape {list(tensor.shape)}")
+        raise CheckpointError(
+            f"{src}: expected {store.num_experts} stacked experts, found shape {list(tensor.shape)}"
+        )
     i = store.intermediate_size
     for e in range(store.num_experts):
         if kind.part == "gate_up":
@@ -243,11 +270,18 @@ def _store_expert(store: HostExpertStore, kind: ExpertTensor, moe_index: dict[in
 
 def describe_dense(canonical: str) -> str:
     """Hugging Face name of a canonical dense tensor, for error messages."""
-    names = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
-             "lm_head": "lm_head.weight"}
+    names = {
+        "embed": "model.embed_tokens.weight",
+        "final_norm": "model.norm.weight",
+        "lm_head": "lm_head.weight",
+    }
     if canonical in names:
         return names[canonical]
     _, layer, short = canonical.split(".", 2)
-    hf = {"attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
-          "router": "<moe>.gate.weight", "shared_gate": "<moe>.shared_expert_gate.weight"}
+    hf = {
+        "attn_norm": "input_layernorm.weight",
+        "mlp_norm": "post_attention_layernorm.weight",
+        "router": "<moe>.gate.weight",
+        "shared_gate": "<moe>.shared_expert_gate.weight",
+    }
     return f"model.layers.{layer}.{hf.get(short, short)}"

@@ -30,8 +30,14 @@ class MoEModel:
         buffer: the expert buffer. kv_cache: static KV cache. max_len: positions RoPE covers.
     """
 
-    def __init__(self, cfg: ModelConfig, dense: dict[str, torch.Tensor], buffer: ExpertBuffer,
-                 kv_cache: KVCache, max_len: int) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dense: dict[str, torch.Tensor],
+        buffer: ExpertBuffer,
+        kv_cache: KVCache,
+        max_len: int,
+    ) -> None:
         self.cfg = cfg
         self.w = dense
         self.buffer = buffer
@@ -52,11 +58,13 @@ class MoEModel:
             x = x + self._attention(rms_norm(x, w[p + "attn_norm"], cfg.rms_norm_eps), layer, step)
             h = rms_norm(x, w[p + "mlp_norm"], cfg.rms_norm_eps)
             if layer in self.moe_index:
-                h = moe_block(h, w, layer, self.moe_index[layer], cfg, self.buffer, step,
-                              self.recorder, self.prefetcher)
+                h = moe_block(
+                    h, w, layer, self.moe_index[layer], cfg, self.buffer, step, self.recorder, self.prefetcher
+                )
             else:
-                h = F.linear(F.silu(F.linear(h, w[p + "mlp_gate"])) * F.linear(h, w[p + "mlp_up"]),
-                             w[p + "mlp_down"])
+                h = F.linear(
+                    F.silu(F.linear(h, w[p + "mlp_gate"])) * F.linear(h, w[p + "mlp_up"]), w[p + "mlp_down"]
+                )
             x = x + h
         x = rms_norm(x[step.logits_index], w["final_norm"], cfg.rms_norm_eps)
         return F.linear(x, self.lm_head).float()  # [N, V]

@@ -71,12 +71,18 @@ class ExpertStats:
     def summary(self) -> dict:
         """Totals for ``--json`` output and the CLI."""
         return {
-            "lookups": self.total_lookups, "hits": self.total_hits,
-            "misses": self.total_lookups - self.total_hits, "hit_rate": round(self.hit_rate, 4),
-            "hits_prefetched": sum(self.hits_prefetched), "late_prefetches": sum(self.late_prefetches),
-            "demand_fetches": sum(self.demand_fetches), "blocking_s": round(self.total_blocking_s, 6),
-            "demand_bytes": self.demand_bytes, "prefetch_bytes": self.prefetch_bytes,
-            "prefetch_issued": self.prefetch_issued, "prefetch_used": self.prefetch_used,
+            "lookups": self.total_lookups,
+            "hits": self.total_hits,
+            "misses": self.total_lookups - self.total_hits,
+            "hit_rate": round(self.hit_rate, 4),
+            "hits_prefetched": sum(self.hits_prefetched),
+            "late_prefetches": sum(self.late_prefetches),
+            "demand_fetches": sum(self.demand_fetches),
+            "blocking_s": round(self.total_blocking_s, 6),
+            "demand_bytes": self.demand_bytes,
+            "prefetch_bytes": self.prefetch_bytes,
+            "prefetch_issued": self.prefetch_issued,
+            "prefetch_used": self.prefetch_used,
             "prefetch_cancelled": self.prefetch_cancelled,
             "prefetch_wasted_bytes": self.prefetch_wasted_bytes,
         }

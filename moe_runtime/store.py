@@ -27,15 +27,23 @@ class HostExpertStore:
         pin_memory: page-lock the buffer (only meaningful with CUDA).
     """
 
-    def __init__(self, num_layers: int, num_experts: int, hidden_size: int, intermediate_size: int,
-                 dtype: torch.dtype, pin_memory: bool = False) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype: torch.dtype,
+        pin_memory: bool = False,
+    ) -> None:
         self.num_layers = num_layers
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.expert_numel = 3 * intermediate_size * hidden_size
-        self.data = torch.empty((num_layers * num_experts, self.expert_numel), dtype=dtype,
-                                pin_memory=pin_memory)
+        self.data = torch.empty(
+            (num_layers * num_experts, self.expert_numel), dtype=dtype, pin_memory=pin_memory
+        )
         self._filled = np.zeros((num_layers * num_experts, 3), dtype=bool)
 
     @property
@@ -64,13 +72,15 @@ class HostExpertStore:
         h, i = self.hidden_size, self.intermediate_size
         want = (h, i) if part == "down" else (i, h)
         if not (0 <= layer < self.num_layers and 0 <= expert < self.num_experts):
-            raise CheckpointError(f"{source}: expert ({layer}, {expert}) is out of range "
-                                  f"(L={self.num_layers}, E={self.num_experts})")
+            raise CheckpointError(
+                f"{source}: expert ({layer}, {expert}) is out of range "
+                f"(L={self.num_layers}, E={self.num_experts})"
+            )
         if tuple(tensor.shape) != want:
             raise CheckpointError(f"{source}: expected shape {list(want)}, found {list(tensor.shape)}")
         row = self.data[self.key(layer, expert)]
         start = PARTS.index(part) * i * h
-        row[start:start + i * h].view(want).copy_(tensor)
+        row[start : start + i * h].view(want).copy_(tensor)
         self._filled[self.key(layer, expert), PARTS.index(part)] = True
 
     def check_complete(self, describe) -> None:
@@ -82,5 +92,7 @@ class HostExpertStore:
         if len(missing):
             key, part = int(missing[0][0]), int(missing[0][1])
             layer, expert = divmod(key, self.num_experts)
-            raise CheckpointError(f"missing tensor {describe(layer, expert, PARTS[part])} "
-                                  f"({len(missing)} expert tensors missing)")
+            raise CheckpointError(
+                f"missing tensor {describe(layer, expert, PARTS[part])} "
+                f"({len(missing)} expert tensors missing)"
+            )

@@ -56,8 +56,14 @@ class ExpertBuffer:
         link: ``(gbps, latency_us)`` to emulate a link per device, or None.
     """
 
-    def __init__(self, store: HostExpertStore, devices: list[torch.device], slots_per_device: int,
-                 cache_policy: str = "lru", link: tuple[float, float] | None = None) -> None:
+    def __init__(
+        self,
+        store: HostExpertStore,
+        devices: list[torch.device],
+        slots_per_device: int,
+        cache_policy: str = "lru",
+        link: tuple[float, float] | None = None,
+    ) -> None:
         self.store = store
         self.num_layers, self.num_experts = store.num_layers, store.num_experts
         total = self.num_layers * self.num_experts
@@ -69,18 +75,29 @@ class ExpertBuffer:
         for i, dev in enumerate(devices):
             homed = np.flatnonzero(self.home == i)
             n = max(1, min(slots_per_device, len(homed)))
-            alias = (len(devices) == 1 and dev.type == "cpu" and n >= total and link is None)
-            slots = store.data if alias else torch.empty((n, store.expert_numel), dtype=store.data.dtype,
-                                                         device=dev)
-            part = Partition(i, dev, slots, store.hidden_size, store.intermediate_size,
-                             make_cache_policy(cache_policy, n, self.num_experts),
-                             LinkModel(*link) if link else None)
+            alias = len(devices) == 1 and dev.type == "cpu" and n >= total and link is None
+            slots = (
+                store.data
+                if alias
+                else torch.empty((n, store.expert_numel), dtype=store.data.dtype, device=dev)
+            )
+            part = Partition(
+                i,
+                dev,
+                slots,
+                store.hidden_size,
+                store.intermediate_size,
+                make_cache_policy(cache_policy, n, self.num_experts),
+                LinkModel(*link) if link else None,
+            )
             self.parts.append(part)
             if n >= len(homed):  # every expert homed here fits: load all once, up front
                 self._preload(part, homed, copy=not alias)
         self.all_resident = all(len(p.key_slot) == int((self.home == p.index).sum()) for p in self.parts)
-        self._threads = [threading.Thread(target=self._io_loop, args=(p,), name=f"moeserve-io-{p.index}",
-                                          daemon=True) for p in self.parts]
+        self._threads = [
+            threading.Thread(target=self._io_loop, args=(p,), name=f"moeserve-io-{p.index}", daemon=True)
+            for p in self.parts
+        ]
         for t in self._threads:
             t.start()
 

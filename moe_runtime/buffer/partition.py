@@ -29,8 +29,16 @@ class Partition:
         key_slot: flat key -> slot for LOADING and READY slots (the residency map).
     """
 
-    def __init__(self, index: int, device: torch.device, slots: torch.Tensor, hidden: int,
-                 intermediate: int, policy: CachePolicy, link: LinkModel | None) -> None:
+    def __init__(
+        self,
+        index: int,
+        device: torch.device,
+        slots: torch.Tensor,
+        hidden: int,
+        intermediate: int,
+        policy: CachePolicy,
+        link: LinkModel | None,
+    ) -> None:
         self.index = index
         self.device = device
         self.slots = slots

@@ -37,8 +37,15 @@ class StepContext:
         return len(self.rows)
 
     @classmethod
-    def build(cls, request_ids: list[str], rows: list[int], past: list[int], num_new: list[int],
-              sample: list[bool], device: torch.device) -> StepContext:
+    def build(
+        cls,
+        request_ids: list[str],
+        rows: list[int],
+        past: list[int],
+        num_new: list[int],
+        sample: list[bool],
+        device: torch.device,
+    ) -> StepContext:
         """Build the context for sequences with ``past[i]`` cached tokens and ``num_new[i]`` new ones.
 
         ``sample[i]`` says whether sequence ``i`` samples a token this step (its last new token's
@@ -57,13 +64,20 @@ class StepContext:
         all_decode = all(n == 1 for n in num_new)
         max_ctx = max(ctx)
         ctx_obj = cls(
-            request_ids=request_ids, rows=rows, starts=starts, num_new=num_new, ctx_lens=ctx,
+            request_ids=request_ids,
+            rows=rows,
+            starts=starts,
+            num_new=num_new,
+            ctx_lens=ctx,
             positions=torch.from_numpy(positions).to(device),
             token_rows=torch.from_numpy(np.repeat(np.asarray(rows, dtype=np.int64), num_new)).to(device),
-            token_seq=token_seq, token_prefill=is_prefill_seq[token_seq],
+            token_seq=token_seq,
+            token_prefill=is_prefill_seq[token_seq],
             logits_index=torch.tensor(logits_index, dtype=torch.int64, device=device),
-            all_decode=all_decode, max_ctx=max_ctx,
-            seq_lookups=np.zeros(len(rows), dtype=np.int64), seq_hits=np.zeros(len(rows), dtype=np.int64),
+            all_decode=all_decode,
+            max_ctx=max_ctx,
+            seq_lookups=np.zeros(len(rows), dtype=np.int64),
+            seq_hits=np.zeros(len(rows), dtype=np.int64),
             seq_blocking_s=np.zeros(len(rows), dtype=np.float64),
         )
         if all_decode:

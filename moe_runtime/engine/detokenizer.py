@@ -35,6 +35,6 @@ def take_delta(seq: Sequence, finished: bool) -> str:
         end = max(seq.sent_text_len, end - hold)
         while end > seq.sent_text_len and text[end - 1] == "\ufffd":
             end -= 1
-    delta = text[seq.sent_text_len:end]
+    delta = text[seq.sent_text_len : end]
     seq.sent_text_len = end
     return delta

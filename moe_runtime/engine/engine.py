@@ -55,13 +55,27 @@ class LLMEngine:
         else:
             devices = [device] * n_dev
         link = (runtime.link_gbps, runtime.link_latency_us) if runtime.link_gbps else None
-        self.buffer = ExpertBuffer(loaded.store, devices, math.ceil(slots / n_dev), runtime.cache_policy, link)
-        self.kv = KVCache(cfg.num_layers, runtime.max_batch_size, cfg.num_kv_heads, self.max_model_len,
-                          cfg.head_dim, runtime.torch_dtype, device)
+        self.buffer = ExpertBuffer(
+            loaded.store, devices, math.ceil(slots / n_dev), runtime.cache_policy, link
+        )
+        self.kv = KVCache(
+            cfg.num_layers,
+            runtime.max_batch_size,
+            cfg.num_kv_heads,
+            self.max_model_len,
+            cfg.head_dim,
+            runtime.torch_dtype,
+            device,
+        )
         self.model = MoEModel(cfg, loaded.dense, self.buffer, self.kv, self.max_model_len)
         self.prefetcher = make_prefetch_policy(
-            runtime.prefetch_policy, buffer=self.buffer, num_layers=cfg.num_moe_layers,
-            num_experts=cfg.num_experts, top_k=cfg.top_k, recorder=recorder)
+            runtime.prefetch_policy,
+            buffer=self.buffer,
+            num_layers=cfg.num_moe_layers,
+            num_experts=cfg.num_experts,
+            top_k=cfg.top_k,
+            recorder=recorder,
+        )
         self.model.recorder = recorder
         self.model.prefetcher = self.prefetcher
         self.scheduler = Scheduler(runtime.max_batch_size, runtime.max_num_batched_tokens)
@@ -72,14 +86,16 @@ class LLMEngine:
         self.device = device
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, runtime: RuntimeConfig | None = None,
-                        recorder: Any | None = None) -> LLMEngine:
+    def from_pretrained(
+        cls, model_dir: str | Path, runtime: RuntimeConfig | None = None, recorder: Any | None = None
+    ) -> LLMEngine:
         runtime = runtime or RuntimeConfig()
         return cls(load_checkpoint(model_dir, runtime), runtime, recorder)
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    task: str | None = None) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, task: str | None = None
+    ) -> None:
         """Queue a request (FCFS).
 
         Raises:
@@ -95,14 +111,17 @@ class LLMEngine:
         if bad is not None:
             raise RequestError(f"prompt token id {bad} is out of range [0, {vocab})")
         if len(prompt_token_ids) >= self.max_model_len:
-            raise RequestError(f"the prompt has {len(prompt_token_ids)} tokens; the model's context is "
-                               f"{self.max_model_len} tokens including at least one generated token")
+            raise RequestError(
+                f"the prompt has {len(prompt_token_ids)} tokens; the model's context is "
+                f"{self.max_model_len} tokens including at least one generated token"
+            )
         seq = Sequence(request_id, list(prompt_token_ids), params, task)
         self._seqs[request_id] = seq
         if not params.greedy:
             gen = torch.Generator(device="cpu")
-            gen.manual_seed(params.seed if params.seed is not None else int(np.random.SeedSequence().entropy
-                                                                          % (2**63)))
+            gen.manual_seed(
+                params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % (2**63))
+            )
             self._generators[request_id] = gen
         if self.recorder is not None:
             self.recorder.begin_request(request_id, len(prompt_token_ids), task)
@@ -138,17 +157,23 @@ class LLMEngine:
         ids, past = [], []
         for s in scheduled:
             past.append(s.seq.num_computed)
-            ids.extend(s.seq.all_token_ids()[s.seq.num_computed:s.seq.num_computed + s.num_new])
-        step = StepContext.build([s.seq.request_id for s in scheduled], [s.seq.kv_row for s in scheduled],
-                                 past, [s.num_new for s in scheduled], [s.sample for s in scheduled],
-                                 self.device)
+            ids.extend(s.seq.all_token_ids()[s.seq.num_computed : s.seq.num_computed + s.num_new])
+        step = StepContext.build(
+            [s.seq.request_id for s in scheduled],
+            [s.seq.kv_row for s in scheduled],
+            past,
+            [s.num_new for s in scheduled],
+            [s.sample for s in scheduled],
+            self.device,
+        )
         logits = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=self.device), step)
         if self.recorder is not None:
             self.recorder.end_step()
         self.prefetcher.end_step()
         sampling = [s.seq for s in scheduled if s.sample]
-        tokens, lps = sample(logits, [q.params for q in sampling],
-                             [self._generators.get(q.request_id) for q in sampling])
+        tokens, lps = sample(
+            logits, [q.params for q in sampling], [self._generators.get(q.request_id) for q in sampling]
+        )
         outputs = self._update(scheduled, step, dict(zip((q.request_id for q in sampling), zip(tokens, lps))))
         self.stats.steps += 1
         self.stats.step_seconds += time.perf_counter() - t0
@@ -206,21 +231,32 @@ class LLMEngine:
 
     def _output(self, seq: Sequence, new_tokens: int) -> RequestOutput:
         finished = seq.status == SequenceStatus.FINISHED
-        new_ids = seq.output_token_ids[seq.sent_tokens:]
+        new_ids = seq.output_token_ids[seq.sent_tokens :]
         seq.sent_tokens = len(seq.output_token_ids)
         delta = take_delta(seq, finished)
         return RequestOutput(
-            request_id=seq.request_id, new_token_ids=new_ids, new_text=delta,
-            text=seq.output_text[:seq.sent_text_len], finished=finished, finish_reason=seq.finish_reason,
-            num_prompt_tokens=len(seq.prompt_token_ids), num_output_tokens=len(seq.output_token_ids),
+            request_id=seq.request_id,
+            new_token_ids=new_ids,
+            new_text=delta,
+            text=seq.output_text[: seq.sent_text_len],
+            finished=finished,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=len(seq.prompt_token_ids),
+            num_output_tokens=len(seq.output_token_ids),
             output_token_ids=list(seq.output_token_ids),
-            logprobs=seq.output_logprobs[-len(new_ids):] if seq.params.logprobs is not None and new_ids else None,
-            expert_stats=seq.expert_stats, arrival_time=seq.arrival_time,
-            first_token_time=seq.first_token_time, finish_time=seq.finish_time)
+            logprobs=seq.output_logprobs[-len(new_ids) :]
+            if seq.params.logprobs is not None and new_ids
+            else None,
+            expert_stats=seq.expert_stats,
+            arrival_time=seq.arrival_time,
+            first_token_time=seq.first_token_time,
+            finish_time=seq.finish_time,
+        )
 
     # ------------------------------------------------------------------ conveniences
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
-                 ) -> list[RequestOutput]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[RequestOutput]:
         """Run prompts to completion together; returns each request's final output, in order."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"gen-{id(self)}-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
@@ -237,12 +273,15 @@ class LLMEngine:
         """One line: dense bytes on device, expert bytes in host memory, slots and their bytes."""
         st, buf = self.loaded.store, self.buffer
         total = st.num_layers * st.num_experts
-        return (f"{self.config.architecture}: dense {self.loaded.dense_nbytes / MiB:.1f} MiB on {self.device}, "
-                f"experts {st.nbytes / MiB:.1f} MiB in host memory ({total} experts x "
-                f"{st.expert_nbytes / MiB:.2f} MiB{', pinned' if st.data.is_pinned() else ''}), "
-                f"buffer {buf.num_slots} slots x {st.expert_nbytes / MiB:.2f} MiB = "
-                f"{buf.num_slots * st.expert_nbytes / MiB:.1f} MiB ({100 * min(buf.num_slots, total) / total:.0f}% "
-                f"of experts) on {len(buf.parts)} device(s), KV cache {self.kv.nbytes / MiB:.1f} MiB")
+        return (
+            f"{self.config.architecture}: dense {self.loaded.dense_nbytes / MiB:.1f} MiB on {self.device}, "
+            f"experts {st.nbytes / MiB:.1f} MiB in host memory ({total} experts x "
+            f"{st.expert_nbytes / MiB:.2f} MiB{', pinned' if st.data.is_pinned() else ''}), "
+            f"buffer {buf.num_slots} slots x {st.expert_nbytes / MiB:.2f} MiB = "
+            f"{buf.num_slots * st.expert_nbytes / MiB:.1f} MiB "
+            f"({100 * min(buf.num_slots, total) / total:.0f}% "
+            f"of experts) on {len(buf.parts)} device(s), KV cache {self.kv.nbytes / MiB:.1f} MiB"
+        )
 
     def close(self) -> None:
         self.buffer.close()

@@ -7,8 +7,9 @@ import torch
 from moe_runtime.engine.request import SamplingParams, TokenLogprob
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-           ) -> tuple[list[int], list[TokenLogprob | None]]:
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> tuple[list[int], list[TokenLogprob | None]]:
     """Pick one token per row of ``logits [N, V]`` (fp32).
 
     Greedy rows take the argmax; others apply temperature, then top-k, then top-p (nucleus), and

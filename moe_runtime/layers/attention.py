@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from moe_runtime.layers.kv_cache import KVCache
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: KVCache,
-              step) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: KVCache, step
+) -> torch.Tensor:
     """Attend and update the cache.
 
     Args:
@@ -36,13 +37,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cac
         rows = step.rows_t
         keys = kc[rows, :, : step.max_ctx]  # [B, Hkv, C, D]
         vals = vc[rows, :, : step.max_ctx]
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, vals, attn_mask=step.decode_mask,
-                                             enable_gqa=True)  # [B, Hq, 1, D]
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, vals, attn_mask=step.decode_mask, enable_gqa=True
+        )  # [B, Hq, 1, D]
         return out.reshape(q.shape[0], -1)
     outs = []
     for i, (start, n) in enumerate(zip(step.starts, step.num_new)):
         row, ctx = step.rows[i], step.ctx_lens[i]
-        qi = q[start:start + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        qi = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         ki = kc[row, :, :ctx].unsqueeze(0)
         vi = vc[row, :, :ctx].unsqueeze(0)
         past = ctx - n

@@ -31,17 +31,31 @@ def route(x: torch.Tensor, router: torch.Tensor, cfg: ModelConfig) -> tuple[torc
     return weights, ids
 
 
-def moe_block(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, moe_layer: int, cfg: ModelConfig,
-              buffer: ExpertBuffer, step: StepContext, recorder: Any | None, prefetcher: Any | None
-              ) -> torch.Tensor:
+def moe_block(
+    x: torch.Tensor,
+    w: dict[str, torch.Tensor],
+    layer: int,
+    moe_layer: int,
+    cfg: ModelConfig,
+    buffer: ExpertBuffer,
+    step: StepContext,
+    recorder: Any | None,
+    prefetcher: Any | None,
+) -> torch.Tensor:
     """Apply MoE layer ``moe_layer`` (decoder layer ``layer``) to ``x [T, H]``; returns ``[T, H]``."""
     p = f"layers.{layer}."
     weights, ids = route(x, w[p + "router"], cfg)
     k, num_experts = cfg.top_k, cfg.num_experts
     ids_host = ids.cpu().numpy()  # the one sync of this layer
     if recorder is not None:
-        recorder.record(moe_layer, step.request_ids, step.token_seq, step.token_prefill, ids_host,
-                        weights.float().cpu().numpy())
+        recorder.record(
+            moe_layer,
+            step.request_ids,
+            step.token_seq,
+            step.token_prefill,
+            ids_host,
+            weights.float().cpu().numpy(),
+        )
     if prefetcher is not None:
         prefetcher.after_routing(moe_layer, step.request_ids, ids_host)
     flat = ids_host.reshape(-1)
@@ -54,7 +68,7 @@ def moe_block(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, moe_layer
     blocked = np.zeros(num_experts, dtype=np.float64)
     for h in buffer.run_layer(moe_layer, needed):
         e = h.expert
-        sel = order[offsets[e]:offsets[e + 1]]
+        sel = order[offsets[e] : offsets[e + 1]]
         tok, kpos = sel // k, sel % k
         xs = x[tok]
         if h.device != x.device:
@@ -68,14 +82,17 @@ def moe_block(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, moe_layer
         hit[e], blocked[e] = h.hit, h.blocked_s
     _attribute(step, ids_host, hit, blocked, num_experts)
     if cfg.shared_expert_intermediate_size:
-        shared = F.linear(F.silu(F.linear(x, w[p + "shared_gate_proj"])) * F.linear(x, w[p + "shared_up"]),
-                          w[p + "shared_down"])
+        shared = F.linear(
+            F.silu(F.linear(x, w[p + "shared_gate_proj"])) * F.linear(x, w[p + "shared_up"]),
+            w[p + "shared_down"],
+        )
         out = out + torch.sigmoid(F.linear(x, w[p + "shared_gate"])) * shared
     return out
 
 
-def _attribute(step: StepContext, ids_host: np.ndarray, hit: np.ndarray, blocked: np.ndarray,
-               num_experts: int) -> None:
+def _attribute(
+    step: StepContext, ids_host: np.ndarray, hit: np.ndarray, blocked: np.ndarray, num_experts: int
+) -> None:
     """Charge each sequence the lookups, hits and blocking of the experts its tokens used."""
     use = np.zeros((step.num_seqs, num_experts), dtype=bool)
     use[step.token_seq[:, None], ids_host] = True

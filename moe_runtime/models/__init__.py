@@ -29,5 +29,6 @@ def family_for(cfg: dict[str, Any], source: str = "config.json") -> Family:
         if (archs and archs[0] in fam.architectures) or model_type in fam.model_types:
             return fam
     known = ", ".join(a for f in FAMILIES.values() for a in f.architectures)
-    raise ConfigError(f"{source}: unsupported architecture {archs[0] if archs else model_type!r} "
-                      f"(supported: {known})")
+    raise ConfigError(
+        f"{source}: unsupported architecture {archs[0] if archs else model_type!r} (supported: {known})"
+    )

@@ -65,8 +65,11 @@ class Family:
     architectures: tuple[str, ...]
     model_types: tuple[str, ...]
     moe_prefix: str = "mlp"
-    expert_parts: tuple[tuple[str, str], ...] = (("gate_proj", "gate"), ("up_proj", "up"),
-                                                 ("down_proj", "down"))
+    expert_parts: tuple[tuple[str, str], ...] = (
+        ("gate_proj", "gate"),
+        ("up_proj", "up"),
+        ("down_proj", "down"),
+    )
 
     def parse_config(self, cfg: dict[str, Any]) -> ModelConfig:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -93,13 +96,16 @@ class Family:
             return f"layers.{layer}.router"
         if rest == f"{p}.shared_expert_gate.weight":
             return f"layers.{layer}.shared_gate"
-        for hf, ours in (("gate_proj", "shared_gate_proj"), ("up_proj", "shared_up"),
-                         ("down_proj", "shared_down")):
+        for hf, ours in (
+            ("gate_proj", "shared_gate_proj"),
+            ("up_proj", "shared_up"),
+            ("down_proj", "shared_down"),
+        ):
             if rest == f"{p}.shared_expert.{hf}.weight":
                 return f"layers.{layer}.{ours}"
         prefix = f"{p}.experts."
         if rest.startswith(prefix):
-            tail = rest[len(prefix):]
+            tail = rest[len(prefix) :]
             if tail in ("gate_up_proj", "down_proj"):  # transformers>=5 fused in-memory layout
                 return ExpertTensor(layer, None, "gate_up" if tail == "gate_up_proj" else "down")
             idx, _, part = tail.partition(".")

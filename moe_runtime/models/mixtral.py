@@ -8,7 +8,8 @@ class MixtralFamily(Family):
     def parse_config(self, cfg: dict) -> ModelConfig:
         base = common_fields(cfg)
         return ModelConfig(
-            family=self.name, **base,
+            family=self.name,
+            **base,
             num_experts=int(require(cfg, "num_local_experts")),
             top_k=int(require(cfg, "num_experts_per_tok")),
             moe_intermediate_size=int(require(cfg, "intermediate_size")),
@@ -19,6 +20,9 @@ class MixtralFamily(Family):
 
 
 FAMILY = MixtralFamily(
-    name="mixtral", architectures=("MixtralForCausalLM",), model_types=("mixtral",),
-    moe_prefix="block_sparse_moe", expert_parts=(("w1", "gate"), ("w3", "up"), ("w2", "down")),
+    name="mixtral",
+    architectures=("MixtralForCausalLM",),
+    model_types=("mixtral",),
+    moe_prefix="block_sparse_moe",
+    expert_parts=(("w1", "gate"), ("w3", "up"), ("w2", "down")),
 )

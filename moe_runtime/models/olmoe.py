@@ -9,7 +9,8 @@ class OlmoeFamily(Family):
         base = common_fields(cfg)
         clip = cfg.get("clip_qkv")
         return ModelConfig(
-            family=self.name, **base,
+            family=self.name,
+            **base,
             num_experts=int(require(cfg, "num_experts", "num_local_experts")),
             top_k=int(require(cfg, "num_experts_per_tok")),
             moe_intermediate_size=int(require(cfg, "intermediate_size")),

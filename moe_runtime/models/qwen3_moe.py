@@ -8,7 +8,8 @@ class Qwen3MoeFamily(Family):
     def parse_config(self, cfg: dict) -> ModelConfig:
         base = common_fields(cfg)
         return ModelConfig(
-            family=self.name, **base,
+            family=self.name,
+            **base,
             num_experts=int(require(cfg, "num_experts", "num_local_experts")),
             top_k=int(require(cfg, "num_experts_per_tok")),
             moe_intermediate_size=int(require(cfg, "moe_intermediate_size")),

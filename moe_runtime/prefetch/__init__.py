@@ -25,8 +25,9 @@ class PrefetchPolicy:
 
     name = "on-demand"
 
-    def __init__(self, buffer: Any, num_layers: int, num_experts: int, top_k: int,
-                 recorder: Any | None = None) -> None:
+    def __init__(
+        self, buffer: Any, num_layers: int, num_experts: int, top_k: int, recorder: Any | None = None
+    ) -> None:
         self.buffer = buffer
         self.num_layers = num_layers
         self.num_experts = num_experts
@@ -45,6 +46,7 @@ PREFETCH_POLICIES: dict[str, type[PrefetchPolicy]] = {"on-demand": PrefetchPolic
 
 def make_prefetch_policy(name: str, **kwargs: Any) -> PrefetchPolicy:
     if name not in PREFETCH_POLICIES:
-        raise ConfigError(f"--prefetch-policy {name!r} is unknown "
-                          f"(choose from {', '.join(PREFETCH_POLICIES)})")
+        raise ConfigError(
+            f"--prefetch-policy {name!r} is unknown (choose from {', '.join(PREFETCH_POLICIES)})"
+        )
     return PREFETCH_POLICIES[name](**kwargs)
