@@ -140,6 +140,9 @@ class RuntimeConfig:
             capped at 4096.
         cache_policy / prefetch_policy: names from the policy registries (``lru``, ``on-demand``).
         pin_memory: pin the host expert store (default: when CUDA is available).
+        cpu_threads: intra-op threads for CPU compute (``torch.set_num_threads``, process-wide);
+            None leaves torch's default. The CLI defaults to 1: on small experts thread fan-out
+            costs more than it gains, and the I/O threads and HTTP server need the other cores.
     """
 
     device: str = "cpu"
@@ -155,6 +158,7 @@ class RuntimeConfig:
     cache_policy: str = "lru"
     prefetch_policy: str = "on-demand"
     pin_memory: bool | None = None
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -173,6 +177,8 @@ class RuntimeConfig:
             raise ConfigError(f"--max-batch-size must be >= 1, got {self.max_batch_size}")
         if self.max_num_batched_tokens < 1:
             raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ConfigError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"--max-model-len must be >= 2, got {self.max_model_len}")
         try:

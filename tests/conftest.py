@@ -6,10 +6,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import make_checkpoint  # noqa: E402
+
+torch.set_num_threads(1)  # tiny tensors: thread fan-out only costs time on a 2-core machine
 
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"

@@ -42,6 +42,8 @@ class LLMEngine:
 
     def __init__(self, loaded: LoadedModel, runtime: RuntimeConfig, recorder: Any | None = None) -> None:
         self.loaded, self.runtime, self.recorder = loaded, runtime, recorder
+        if runtime.cpu_threads is not None:
+            torch.set_num_threads(runtime.cpu_threads)
         cfg = self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.max_model_len = runtime.max_model_len or min(cfg.max_position_embeddings, 4096)

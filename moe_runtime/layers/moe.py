@@ -4,7 +4,8 @@ NOTE: one device->host sync per MoE layer. The router's top-k ids (``[T, k]``) a
 host once: the buffer must know which experts to fetch, and the tracer and prefetch policy read
 them there. Experts then run grouped (all tokens of one expert in one pair of matmuls), resident
 ones first while missing ones load (Klotski §5); each expert's output, scaled by its gate weight, is
-accumulated with ``index_add_`` exactly as the reference does.
+summed per token in ascending expert order, exactly as the reference's ``index_add_`` loop
+does, so outputs do not depend on which experts were resident (policy- and buffer-invariant).
 """
 
 from __future__ import annotations
@@ -58,28 +59,34 @@ def moe_block(
         )
     if prefetcher is not None:
         prefetcher.after_routing(moe_layer, step.request_ids, ids_host)
-    flat = ids_host.reshape(-1)
-    counts = np.bincount(flat, minlength=num_experts)
+    # Sort each token's k choices by expert id so the final sum adds contributions in ascending
+    # expert order, as the reference's per-expert index_add_ does, whatever order experts ran in.
+    sorted_ids, perm = ids.sort(dim=-1)  # [T, k]
+    w_flat = weights.gather(1, perm).reshape(-1)  # [T*k]
+    flat_host = np.sort(ids_host, axis=1).reshape(-1)
+    counts = np.bincount(flat_host, minlength=num_experts)
     offsets = np.concatenate(([0], np.cumsum(counts)))
-    order = torch.argsort(ids.reshape(-1), stable=True)  # [T*k] grouped by expert
+    order = torch.argsort(sorted_ids.reshape(-1), stable=True)  # [T*k] flat positions grouped by expert
     needed = np.flatnonzero(counts).tolist()
-    out = torch.zeros_like(x)
+    contrib = torch.empty((x.shape[0] * k, x.shape[1]), dtype=x.dtype, device=x.device)  # [T*k, H]
     hit = np.zeros(num_experts, dtype=bool)
     blocked = np.zeros(num_experts, dtype=np.float64)
     for h in buffer.run_layer(moe_layer, needed):
         e = h.expert
-        sel = order[offsets[e] : offsets[e + 1]]
-        tok, kpos = sel // k, sel % k
-        xs = x[tok]
+        sel = order[offsets[e] : offsets[e + 1]]  # flat (token, rank) positions routed to e
+        xs = x[sel // k]
         if h.device != x.device:
             xs = xs.to(h.device)
         gate, up = F.linear(xs, h.gate_up).chunk(2, dim=-1)
         y = F.linear(F.silu(gate) * up, h.down)
         if h.device != x.device:
             y = y.to(x.device)
-        y = y * weights[tok, kpos, None]
-        out.index_add_(0, tok, y.to(out.dtype))
+        contrib.index_copy_(0, sel, (y * w_flat[sel, None]).to(x.dtype))
         hit[e], blocked[e] = h.hit, h.blocked_s
+    contrib = contrib.view(-1, k, x.shape[1])
+    out = contrib[:, 0]
+    for j in range(1, k):
+        out = out + contrib[:, j]
     _attribute(step, ids_host, hit, blocked, num_experts)
     if cfg.shared_expert_intermediate_size:
         shared = F.linear(

@@ -8,8 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCH_MODULES: list[str] = [
-]
+BENCH_MODULES: list[str] = []
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -1,0 +1,99 @@
+"""Flags shared by every command that builds an engine (generate, serve, bench ...).
+
+Flags map one-to-one onto :class:`moe_runtime.config.RuntimeConfig` fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from moe_runtime.config import RuntimeConfig
+from moe_runtime.errors import CheckpointError
+
+
+def add_model_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="local Hugging Face checkpoint folder (default: the bundled tiny MoE)",
+    )
+
+
+def add_runtime_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("runtime")
+    g.add_argument("--device", default="cpu", help="compute device: cpu, cuda, cuda:1 (default: cpu)")
+    g.add_argument(
+        "--num-devices",
+        type=int,
+        default=1,
+        help="devices experts are spread over by a hash of (layer, expert); on CPU, emulated",
+    )
+    g.add_argument(
+        "--dtype", default="fp32", choices=["bf16", "fp16", "fp32"], help="weights and activations"
+    )
+    size = g.add_mutually_exclusive_group()
+    size.add_argument(
+        "--buffer-slots", type=int, default=None, help="expert slots in the device buffer (total)"
+    )
+    size.add_argument(
+        "--buffer-fraction",
+        type=float,
+        default=1.0,
+        help="buffer size as a share of all experts, (0, 1] (default: 1.0 = all resident)",
+    )
+    g.add_argument(
+        "--link-gbps",
+        type=float,
+        default=None,
+        help="emulate a host->device link of this bandwidth in GB/s (default: off)",
+    )
+    g.add_argument("--link-latency-us", type=float, default=0.0, help="emulated per-transfer latency (µs)")
+    g.add_argument("--max-batch-size", type=int, default=16, help="sequences per step (KV-cache rows)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=4096, help="tokens per step")
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="KV-cache length per sequence (default: the model's context, at most 4096)",
+    )
+    g.add_argument("--cpu-threads", type=int, default=1,
+                   help="intra-op threads for CPU compute (default: 1; see docs/benchmarks.md)")
+    g.add_argument("--cache-policy", default="lru", help="expert cache policy (default: lru)")
+    g.add_argument(
+        "--prefetch-policy", default="on-demand", help="expert prefetch policy (default: on-demand)"
+    )
+
+
+def runtime_from_args(args: argparse.Namespace) -> RuntimeConfig:
+    """Build (and validate) the runtime settings from parsed flags."""
+    return RuntimeConfig(
+        device=args.device,
+        num_devices=args.num_devices,
+        dtype=args.dtype,
+        buffer_slots=args.buffer_slots,
+        buffer_fraction=args.buffer_fraction,
+        link_gbps=args.link_gbps,
+        link_latency_us=args.link_latency_us,
+        max_batch_size=args.max_batch_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        cache_policy=args.cache_policy,
+        prefetch_policy=args.prefetch_policy, cpu_threads=args.cpu_threads,
+    )
+
+
+def resolve_model(args: argparse.Namespace) -> Path:
+    """``--model`` or the bundled default checkpoint.
+
+    Raises:
+        CheckpointError: no ``--model`` and the bundled model is missing from this install.
+    """
+    if args.model is not None:
+        return args.model
+    try:
+        from moe_runtime.assets import default_model_dir
+    except ImportError:
+        raise CheckpointError("no --model given and the bundled default model is not installed") from None
+    return default_model_dir()
