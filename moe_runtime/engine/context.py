@@ -45,12 +45,14 @@ class StepContext:
         num_new: list[int],
         sample: list[bool],
         device: torch.device,
+        all_logits: bool = False,
     ) -> StepContext:
         """Build the context for sequences with ``past[i]`` cached tokens and ``num_new[i]`` new ones.
 
         ``sample[i]`` says whether sequence ``i`` samples a token this step (its last new token's
         logits are computed); a prefill chunk that does not reach the prompt's end does not.
         ``prefill`` tokens are those of sequences with more than one new token or no past.
+        ``all_logits`` computes logits at every token instead (teacher-forced scoring).
         """
         starts, acc = [], 0
         for n in num_new:
@@ -61,6 +63,8 @@ class StepContext:
         is_prefill_seq = np.array([n > 1 or p == 0 for p, n in zip(past, num_new)])
         ctx = [p + n for p, n in zip(past, num_new)]
         logits_index = [s + n - 1 for s, n, smp in zip(starts, num_new, sample) if smp]
+        if all_logits:
+            logits_index = list(range(acc))
         all_decode = all(n == 1 for n in num_new)
         max_ctx = max(ctx)
         ctx_obj = cls(

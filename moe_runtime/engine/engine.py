@@ -86,6 +86,7 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._generators: dict[str, torch.Generator] = {}
         self.device = device
+        self.last_logits: torch.Tensor | None = None
 
     @classmethod
     def from_pretrained(
@@ -169,6 +170,7 @@ class LLMEngine:
             self.device,
         )
         logits = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=self.device), step)
+        self.last_logits = logits  # [N, V] fp32, rows in scheduled order of sampling sequences
         if self.recorder is not None:
             self.recorder.end_step()
         self.prefetcher.end_step()
@@ -254,6 +256,30 @@ class LLMEngine:
             first_token_time=seq.first_token_time,
             finish_time=seq.finish_time,
         )
+
+    def prefill_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Teacher-forced logits ``[T, V]`` (fp32) at every position of ``token_ids``.
+
+        Runs one prefill in a borrowed KV row, with tracing and prefetching off; engine thread only.
+
+        Raises:
+            RequestError: no free KV row, or the sequence does not fit ``max_model_len``.
+        """
+        if not token_ids or len(token_ids) > self.max_model_len:
+            raise RequestError(f"cannot score {len(token_ids)} tokens (context {self.max_model_len})")
+        row = self.scheduler.take_row()
+        if row is None:
+            raise RequestError("no free KV-cache row to score with")
+        recorder, prefetcher = self.model.recorder, self.model.prefetcher
+        self.model.recorder = self.model.prefetcher = None
+        try:
+            step = StepContext.build(
+                ["score"], [row], [0], [len(token_ids)], [True], self.device, all_logits=True
+            )
+            return self.model.forward(torch.tensor(token_ids, dtype=torch.int64, device=self.device), step)
+        finally:
+            self.model.recorder, self.model.prefetcher = recorder, prefetcher
+            self.scheduler.return_row(row)
 
     # ------------------------------------------------------------------ conveniences
     def generate(

@@ -63,6 +63,13 @@ class Scheduler:
         remaining = len(seq.prompt_token_ids) - seq.num_computed
         return min(remaining, budget) if remaining > 0 else 1
 
+    def take_row(self) -> int | None:
+        """Borrow a free KV row outside of scheduling (teacher-forced scoring); None if none."""
+        return self._free_rows.pop() if self._free_rows else None
+
+    def return_row(self, row: int) -> None:
+        self._free_rows.append(row)
+
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and recycle its KV row."""
         if seq.status == SequenceStatus.RUNNING:
