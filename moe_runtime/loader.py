@@ -232,7 +232,7 @@ def load_checkpoint(
             bar.stop()
     for name in want:
         if name not in dense:
-            raise CheckpointError(f"{path}: missing tensor for {name} ({describe_dense(name)})")
+            raise CheckpointError(f"{path}: missing tensor {family.hf_name(name)}")
     parts = dict((v, k) for k, v in family.expert_parts)
     store.check_complete(
         lambda li, e, part: (
@@ -266,22 +266,3 @@ def _store_expert(
             store.write(layer, e, "up", tensor[e, i:], src)
         else:
             store.write(layer, e, "down", tensor[e], src)
-
-
-def describe_dense(canonical: str) -> str:
-    """Hugging Face name of a canonical dense tensor, for error messages."""
-    names = {
-        "embed": "model.embed_tokens.weight",
-        "final_norm": "model.norm.weight",
-        "lm_head": "lm_head.weight",
-    }
-    if canonical in names:
-        return names[canonical]
-    _, layer, short = canonical.split(".", 2)
-    hf = {
-        "attn_norm": "input_layernorm.weight",
-        "mlp_norm": "post_attention_layernorm.weight",
-        "router": "<moe>.gate.weight",
-        "shared_gate": "<moe>.shared_expert_gate.weight",
-    }
-    return f"model.layers.{layer}.{hf.get(short, short)}"

@@ -4,7 +4,8 @@ Each module in :data:`COMMAND_MODULES` exposes ``register(subparsers)``, which a
 subcommand(s) and sets ``func`` on the parsed namespace. Modules are imported lazily by name so a
 broken optional dependency of one subcommand never breaks the others.
 
-User errors (:class:`moe_runtime.errors.MoeServeError`) print one line and exit with status 2.
+User errors (:class:`moe_runtime.errors.MoeServeError`, :class:`clients.errors.ClientError`) print one
+line and exit with status 2.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import sys
 
 COMMAND_MODULES = [
     "moeserve.commands.generate",
+    "moeserve.commands.serve",
     "moeserve.commands.bench",
+    "moeserve.commands.replay",
 ]
 
 
@@ -32,13 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from clients.errors import ClientError
     from moe_runtime.errors import MoeServeError
 
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except MoeServeError as exc:
+    except (MoeServeError, ClientError) as exc:
         print(f"moeserve: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -74,6 +74,27 @@ class Family:
     def parse_config(self, cfg: dict[str, Any]) -> ModelConfig:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def hf_name(self, canonical: str) -> str:
+        """Checkpoint name of a canonical dense tensor (the inverse of :meth:`classify`)."""
+        top = {
+            "embed": "model.embed_tokens.weight",
+            "final_norm": "model.norm.weight",
+            "lm_head": "lm_head.weight",
+        }
+        if canonical in top:
+            return top[canonical]
+        _, layer, short = canonical.split(".", 2)
+        p = self.moe_prefix
+        moe = {
+            "router": f"{p}.gate.weight",
+            "shared_gate": f"{p}.shared_expert_gate.weight",
+            "shared_gate_proj": f"{p}.shared_expert.gate_proj.weight",
+            "shared_up": f"{p}.shared_expert.up_proj.weight",
+            "shared_down": f"{p}.shared_expert.down_proj.weight",
+        }
+        dense = {v: k for k, v in _DENSE_LAYER_NAMES.items()}
+        return f"model.layers.{layer}.{moe.get(short) or dense[short]}"
+
     def classify(self, name: str) -> str | ExpertTensor | None:
         """Map a checkpoint tensor name to a canonical dense name or an :class:`ExpertTensor`.
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCH_MODULES: list[str] = []
+BENCH_MODULES: list[str] = [
+    "clients.sweep",
+]
 
 
 def register(sub: argparse._SubParsersAction) -> None:

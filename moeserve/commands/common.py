@@ -58,8 +58,12 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="KV-cache length per sequence (default: the model's context, at most 4096)",
     )
-    g.add_argument("--cpu-threads", type=int, default=1,
-                   help="intra-op threads for CPU compute (default: 1; see docs/benchmarks.md)")
+    g.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=1,
+        help="intra-op threads for CPU compute (default: 1; see docs/benchmarks.md)",
+    )
     g.add_argument("--cache-policy", default="lru", help="expert cache policy (default: lru)")
     g.add_argument(
         "--prefetch-policy", default="on-demand", help="expert prefetch policy (default: on-demand)"
@@ -80,7 +84,8 @@ def runtime_from_args(args: argparse.Namespace) -> RuntimeConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         cache_policy=args.cache_policy,
-        prefetch_policy=args.prefetch_policy, cpu_threads=args.cpu_threads,
+        prefetch_policy=args.prefetch_policy,
+        cpu_threads=args.cpu_threads,
     )
 
 

@@ -62,9 +62,11 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_checkpoint(resolve_model(args), runtime)
     recorder = make_recorder(args.record_trace, loaded.config) if args.record_trace else None
     with LLMEngine(loaded, runtime, recorder) as engine:
+        ids = _prompt_ids(args, engine)
+        if len(ids) >= engine.max_model_len:  # fail before printing anything else
+            engine.add_request("check", ids, params)
         if not args.json:
             print(engine.summary(), file=sys.stderr)
-        ids = _prompt_ids(args, engine)
         t0 = time.perf_counter()
         out = engine.generate([ids], params)[0]
         elapsed = time.perf_counter() - t0
