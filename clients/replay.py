@@ -1,0 +1,189 @@
+"""Replay request arrivals against a running server and report what it did (MoE-Infinity §7.1).
+
+A run: ask ``/v1/models`` for the model name and context length, build the request schedule
+(trace or Poisson arrivals, prompts from the task mix fitted to each row's length), scrape
+``/metrics``, send every request at its time on one ``httpx.AsyncClient`` (streaming), scrape
+``/metrics`` again, then summarise and write the records and the summary to ``config.out``.
+
+A failed request (unreachable server, 4xx, 5xx, timeout, broken stream) is a record with an error
+status, never an exception that ends the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from clients.http import RequestRecord, RequestSpec, get_json, get_text, stream_completion
+from clients.metrics_scrape import MetricsSnapshot, ServerDelta, diff, parse_metrics
+from clients.options import DEFAULT_MAX_CONTEXT, ReplayConfig
+from clients.prompts import (
+    CharEstimate,
+    HFTokenizer,
+    PromptRecord,
+    PromptSampler,
+    TokenCounter,
+    load_prompts,
+)
+from clients.report import Summary, render, summarize
+from clients.trace import Arrival, load_azure_trace, poisson_arrivals, scale_trace, window
+
+# Tokens kept free of the context budget for special tokens and re-tokenisation at the cut.
+CONTEXT_MARGIN = 8
+DEFAULT_MODEL = "moeserve"
+
+
+def build_requests(
+    cfg: ReplayConfig, arrivals: list[Arrival], prompts: list[PromptRecord], max_context: int
+) -> list[RequestSpec]:
+    """Fit prompts and output lengths to each arrival.
+
+    ``max_tokens = min(GeneratedTokens, max_tokens_cap)`` (``max_tokens_cap`` without a trace, at
+    least 1); the prompt aims at ``min(ContextTokens, max_context - max_tokens - CONTEXT_MARGIN)``
+    tokens (at least 1), or is one prompt as drawn without a trace, cut to that budget.
+    """
+    counter: TokenCounter = HFTokenizer(cfg.tokenizer) if cfg.tokenizer else CharEstimate(cfg.chars_per_token)
+    sampler = PromptSampler(prompts, counter, seed=cfg.seed)
+    specs: list[RequestSpec] = []
+    for a in arrivals:
+        gen = cfg.max_tokens_cap if a.generated_tokens is None else a.generated_tokens
+        max_tokens = max(1, min(gen, cfg.max_tokens_cap, max_context - 1 - CONTEXT_MARGIN))
+        budget = max(1, max_context - max_tokens - CONTEXT_MARGIN)
+        target = None if a.context_tokens is None else max(1, min(a.context_tokens, budget))
+        p = sampler.sample(target)
+        if target is None and p.est_tokens > budget:
+            p = sampler.fit(p, budget)
+        specs.append(
+            RequestSpec(
+                index=a.index,
+                scheduled_s=a.time_s,
+                prompt=p.text,
+                max_tokens=max_tokens,
+                dataset=p.dataset,
+                task=p.task,
+                target_prompt_tokens=p.est_tokens,
+                trace_context_tokens=a.context_tokens,
+                trace_generated_tokens=a.generated_tokens,
+            )
+        )
+    return specs
+
+
+def arrivals_for(cfg: ReplayConfig) -> list[Arrival]:
+    """The schedule of a run: scaled trace rows in the window, or Poisson arrivals."""
+    if cfg.trace is None:
+        assert cfg.rps is not None  # checked by ReplayConfig
+        return poisson_arrivals(cfg.rps, cfg.duration_s, cfg.max_requests, cfg.seed)
+    rows = load_azure_trace(cfg.trace)
+    return window(scale_trace(rows, rps=cfg.rps, speedup=cfg.speedup), cfg.duration_s, cfg.max_requests)
+
+
+async def _scrape(client: httpx.AsyncClient, url: str) -> tuple[MetricsSnapshot | None, str | None]:
+    text = await get_text(client, url, "/metrics")
+    if text is None:
+        return None, None
+    try:
+        return parse_metrics(text), text
+    except ValueError:
+        return None, text
+
+
+async def send_all(
+    client: httpx.AsyncClient,
+    cfg: ReplayConfig,
+    specs: list[RequestSpec],
+    model: str,
+    console: Console,
+) -> tuple[list[RequestRecord], float]:
+    """Send each request at its ``scheduled_s`` and wait for all answers.
+
+    Returns:
+        records in schedule order, and the wall time from the run start to the last answer, s.
+    """
+    progress = Progress(
+        TextColumn("[bold]replay[/bold]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("sent {task.fields[sent]}  failed {task.fields[failed]}"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=not cfg.progress,
+    )
+    failed = 0
+    with progress:
+        bar = progress.add_task("replay", total=len(specs), sent=0, failed=0)
+
+        def _done(task: asyncio.Task[RequestRecord]) -> None:
+            nonlocal failed
+            if task.cancelled() or task.exception() is not None or not task.result().ok:
+                failed += 1
+            progress.update(bar, advance=1, failed=failed)
+
+        tasks: list[asyncio.Task[RequestRecord]] = []
+        run_start = time.perf_counter()
+        for spec in specs:
+            delay = spec.scheduled_s - (time.perf_counter() - run_start)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            t = asyncio.create_task(
+                stream_completion(client, cfg.url, spec, model, run_start, cfg.ignore_eos)
+            )
+            t.add_done_callback(_done)
+            tasks.append(t)
+            progress.update(bar, sent=len(tasks))
+        records = list(await asyncio.gather(*tasks))
+        wall = time.perf_counter() - run_start
+    return records, wall
+
+
+async def run_async(cfg: ReplayConfig, console: Console | None = None) -> Summary:
+    """Run one replay (see the module docstring); writes its files to ``cfg.out``."""
+    console = console or Console(stderr=True)
+    out = Path(cfg.out)  # set by ReplayConfig
+    arrivals = arrivals_for(cfg)  # bad input files fail here, before any request
+    prompts = load_prompts(cfg.prompts)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    timeout = httpx.Timeout(cfg.timeout_s, connect=10.0)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+        models = await get_json(client, cfg.url, "/v1/models")
+        entries = (models or {}).get("data") or []
+        first = entries[0] if entries and isinstance(entries[0], dict) else {}
+        if models is None:
+            console.print(f"[yellow]warning[/yellow]: {cfg.url}/v1/models did not answer; sending anyway")
+        model = cfg.model or first.get("id") or DEFAULT_MODEL
+        max_context = cfg.max_context or first.get("max_model_len") or DEFAULT_MAX_CONTEXT
+        specs = build_requests(cfg, arrivals, prompts, int(max_context))
+        before, before_text = await _scrape(client, cfg.url)
+        records, wall = await send_all(client, cfg, specs, model, console)
+        await asyncio.sleep(0.05)  # let the server's last counter updates land before scraping
+        after, after_text = await _scrape(client, cfg.url)
+    server: ServerDelta | None = diff(before, after) if before and after else None
+    settings = cfg.settings() | {"model": model, "max_context": int(max_context)}
+    summary = summarize(records, wall, settings, cfg.slo_tpot_ms, server)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "requests.jsonl", "w", encoding="utf-8") as fh:
+        for r in records:
+            fh.write(json.dumps(asdict(r)) + "\n")
+    (out / "summary.json").write_text(json.dumps(summary.to_json(), indent=2) + "\n", encoding="utf-8")
+    for name, text in (("metrics_before.prom", before_text), ("metrics_after.prom", after_text)):
+        if text is not None:
+            (out / name).write_text(text, encoding="utf-8")
+    text_console = Console(record=True, width=110, file=io.StringIO())
+    render(summary, text_console)
+    (out / "summary.txt").write_text(text_console.export_text(), encoding="utf-8")
+    render(summary, console)
+    console.print(f"records: {out / 'requests.jsonl'}  summary: {out / 'summary.json'}")
+    return summary
+
+
+def replay(cfg: ReplayConfig, console: Console | None = None) -> Summary:
+    """Blocking wrapper of :func:`run_async`."""
+    return asyncio.run(run_async(cfg, console))

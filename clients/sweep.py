@@ -1,0 +1,152 @@
+"""``moeserve bench sweep``: replay at several request rates; latency and hit rate vs RPS.
+
+The shape of MoE-Infinity's Figure 9 (decode latency, TPOT, as the offered RPS grows) plus the
+buffer hit rate per rate from the server's ``/metrics``. Every rate is one full replay run against
+the same running server (its cache and EAMC carry over from rate to rate, as on a live service),
+with a pause between runs so the previous rate's requests have drained.
+
+Writes ``sweep.json`` (one summary per rate), ``sweep-latency.png`` and ``sweep-hitrate.png`` to
+``--out``, and each rate's replay files to ``--out/rps-<rate>/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from clients.errors import ClientError
+from clients.options import add_replay_args, config_from_args
+from clients.replay import run_async
+from clients.report import Summary
+
+
+def parse_rates(text: str) -> list[float]:
+    """``"0.5,1,2"`` -> ``[0.5, 1.0, 2.0]``.
+
+    Raises:
+        ClientError: a value that is not a positive number, or none at all.
+    """
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ClientError(f"--rates: {text!r} is not a comma-separated list of numbers") from None
+    if not rates or any(not r > 0 for r in rates):
+        raise ClientError(f"--rates: need positive rates, got {text!r}")
+    return rates
+
+
+def sweep_rows(summaries: list[Summary]) -> list[dict[str, Any]]:
+    """One flat row per rate: offered rate, throughput, latency percentiles (ms), hit rate."""
+    rows = []
+    for s in summaries:
+        sv = s.server
+        rows.append(
+            {
+                "rps": s.settings["rps"],
+                "offered_rps": s.offered_rps,
+                "throughput_rps": s.throughput_rps,
+                "output_tokens_per_s": s.output_tokens_per_s,
+                "goodput_rps": s.goodput_rps,
+                "requests": s.requests,
+                "failed": s.failed,
+                **{
+                    f"{m}_{p}_ms": getattr(getattr(s, m), f"{p}_ms")
+                    for m in ("ttft", "tpot", "e2e")
+                    for p in ("p50", "p90", "p99")
+                },
+                "hit_rate": sv.hit_rate if sv else None,
+                "blocking_s": sv.blocking_s if sv else None,
+            }
+        )
+    return rows
+
+
+def plot(rows: list[dict[str, Any]], out: Path, title: str) -> list[Path]:
+    """Draw ``sweep-latency.png`` (TPOT and TTFT percentiles vs RPS) and ``sweep-hitrate.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [r["rps"] for r in rows]
+
+    def ys(key: str) -> list[float]:
+        return [float("nan") if r[key] is None else r[key] for r in rows]
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for p, style in (("p50", "o-"), ("p90", "s--"), ("p99", "^:")):
+        ax1.plot(x, ys(f"tpot_{p}_ms"), style, label=f"TPOT {p}")
+        ax2.plot(x, ys(f"ttft_{p}_ms"), style, label=f"TTFT {p}")
+    for ax, name in ((ax1, "TPOT (ms)"), (ax2, "TTFT (ms)")):
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    lat = out / "sweep-latency.png"
+    fig.savefig(lat, dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(5, 4))
+    ax.plot(x, ys("hit_rate"), "o-")
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("expert buffer hit rate")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.set_title(title, fontsize=8)
+    fig.tight_layout()
+    hit = out / "sweep-hitrate.png"
+    fig.savefig(hit, dpi=120)
+    plt.close(fig)
+    return [lat, hit]
+
+
+def run(args: argparse.Namespace) -> int:
+    rates = parse_rates(args.rates)
+    out = args.out or Path("runs") / time.strftime("sweep-%Y%m%d-%H%M%S")
+    console = Console(stderr=True)
+    summaries: list[Summary] = []
+    for i, rps in enumerate(rates):
+        if i and args.pause > 0:
+            time.sleep(args.pause)
+        console.rule(f"rate {rps:g} req/s")
+        cfg = config_from_args(args, rps=rps, out=out / f"rps-{rps:g}")
+        summaries.append(asyncio.run(run_async(cfg, console)))
+    rows = sweep_rows(summaries)
+    title = f"{args.trace.name if args.trace else 'poisson'}, {args.url}, duration {args.duration} s"
+    out.mkdir(parents=True, exist_ok=True)
+    result = {
+        "settings": summaries[0].settings | {"rps": rates},
+        "rows": rows,
+        "summaries": [asdict(s) for s in summaries],
+    }
+    (out / "sweep.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    pngs = plot(rows, out, title)
+    if args.json:
+        json.dump({"settings": result["settings"], "rows": rows}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    console.print(f"sweep: {out / 'sweep.json'}  plots: {', '.join(str(p) for p in pngs)}")
+    return 0
+
+
+def register_bench(benches: argparse._SubParsersAction) -> None:
+    p = benches.add_parser(
+        "sweep",
+        help="replay at several request rates; latency and hit rate vs RPS (PNG + JSON)",
+        description="Run `moeserve replay` once per --rates value against a running server and plot "
+        "TPOT/TTFT percentiles and the expert buffer hit rate against the request rate.",
+    )
+    add_replay_args(p, with_rate=False)
+    p.add_argument("--rates", required=True, help="comma-separated request rates, req/s, e.g. 0.5,1,2")
+    p.add_argument("--pause", type=float, default=2.0, help="seconds between rates (default: 2)")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default: runs/sweep-<time>)")
+    p.add_argument("--json", action="store_true", help="print the per-rate rows as JSON on stdout")
+    p.set_defaults(func=run)

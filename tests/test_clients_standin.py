@@ -1,0 +1,301 @@
+"""Replay client against a tiny stand-in OpenAI server on loopback (forces 4xx / 5xx / timing).
+
+The stand-in streams ``max_tokens`` one-character chunks, ``tokens_delay_s`` apart, and counts what
+it served in Prometheus counters named like moeserve's, so the report's server section is exercised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from clients.options import ReplayConfig
+from clients.replay import replay
+from moeserve.cli import main
+
+ROWS = [  # 12 arrivals over 1.1 s of trace time, irregular gaps
+    "2023-11-16 18:15:46.0000000,40,3",
+    "2023-11-16 18:15:46.0500000,20,2",
+    "2023-11-16 18:15:46.0600000,30,4",
+    "2023-11-16 18:15:46.3000000,10,1",
+    "2023-11-16 18:15:46.3100000,50,5",
+    "2023-11-16 18:15:46.5000000,60,2",
+    "2023-11-16 18:15:46.5200000,15,3",
+    "2023-11-16 18:15:46.8000000,25,2",
+    "2023-11-16 18:15:46.8010000,35,1",
+    "2023-11-16 18:15:47.0000000,45,4",
+    "2023-11-16 18:15:47.0500000,55,2",
+    "2023-11-16 18:15:47.1000000,65,3",
+]
+
+
+class StandIn:
+    """State of the stand-in server: ``mode`` is ``ok``, ``400`` or ``500``."""
+
+    def __init__(self) -> None:
+        self.mode = "ok"
+        self.received: list[float] = []
+        self.success = 0
+        self.gen_tokens = 0
+        self.lookups = 0
+        self.hits = 0
+        self.token_delay_s = 0.002
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/v1/models")
+        async def models() -> dict:
+            return {"object": "list", "data": [{"id": "standin", "object": "model", "max_model_len": 512}]}
+
+        @app.get("/metrics")
+        async def metrics() -> PlainTextResponse:
+            text = (
+                "# TYPE moeserve_expert_lookups_total counter\n"
+                f'moeserve_expert_lookups_total{{layer="0"}} {self.lookups}\n'
+                "# TYPE moeserve_expert_hits_total counter\n"
+                f'moeserve_expert_hits_total{{layer="0"}} {self.hits}\n'
+                "# TYPE moeserve_request_success_total counter\n"
+                f'moeserve_request_success_total{{finished_reason="length"}} {self.success}\n'
+                "# TYPE moeserve_generation_tokens_total counter\n"
+                f"moeserve_generation_tokens_total {self.gen_tokens}\n"
+            )
+            return PlainTextResponse(text)
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            self.received.append(time.perf_counter())
+            body = await request.json()
+            if self.mode == "400":
+                return JSONResponse({"error": {"message": "prompt too long", "type": "invalid"}}, 400)
+            if self.mode == "500":
+                return JSONResponse({"error": {"message": "engine died", "type": "internal"}}, 500)
+            n = int(body["max_tokens"])
+
+            async def gen():
+                for i in range(n):
+                    await asyncio.sleep(self.token_delay_s)
+                    choice = {"index": 0, "text": "x", "finish_reason": "length" if i == n - 1 else None}
+                    yield f"data: {json.dumps({'choices': [choice]})}\n\n"
+                self.success += 1
+                self.gen_tokens += n
+                self.lookups += 4 * n
+                self.hits += 3 * n
+                usage = {
+                    "prompt_tokens": 7,
+                    "completion_tokens": n,
+                    "total_tokens": 7 + n,
+                    "expert_stats": {"buffer_hits": 3 * n, "buffer_misses": n, "blocking_ms": 0.5},
+                }
+                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(gen(), media_type="text/event-stream")
+
+        return app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def standin() -> Iterator[tuple[StandIn, str]]:
+    state = StandIn()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(state.app(), host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.started, "stand-in server did not start"
+    yield state, f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=5)
+
+
+@pytest.fixture()
+def files(tmp_path: Path) -> tuple[Path, Path]:
+    trace = tmp_path / "trace.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(ROWS) + "\n")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "\n".join(
+            json.dumps({"dataset": d, "task": t, "prompt": f"{d} {t} question {i}?"})
+            for i, (d, t) in enumerate([("a", "x"), ("a", "y"), ("b", "z")] * 3)
+        )
+        + "\n"
+    )
+    return trace, prompts
+
+
+def test_arrivals_follow_trace_and_counts_match(standin, files, tmp_path: Path) -> None:
+    state, url = standin
+    state.mode = "ok"
+    trace, prompts = files
+    before = (state.success, state.gen_tokens)
+    cfg = ReplayConfig(
+        url=url,
+        prompts=prompts,
+        trace=trace,
+        speedup=2.0,
+        max_tokens_cap=4,
+        out=tmp_path / "run",
+        progress=False,
+        slo_tpot_ms=1000.0,
+    )
+    s = replay(cfg)
+    recs = [json.loads(line) for line in (tmp_path / "run" / "requests.jsonl").read_text().splitlines()]
+    assert s.requests == len(ROWS) == s.succeeded
+    # schedule = trace offsets / speedup; actual sends within a tolerance of it
+    expected = [0.0, 0.025, 0.03, 0.15, 0.155, 0.25, 0.26, 0.4, 0.4005, 0.5, 0.525, 0.55]
+    assert [r["scheduled_s"] for r in recs] == pytest.approx(expected, abs=1e-6)
+    assert all(abs(r["sent_s"] - r["scheduled_s"]) < 0.05 for r in recs)
+    rel = [t - state.received[-len(ROWS)] for t in state.received[-len(ROWS) :]]
+    assert rel == pytest.approx(expected, abs=0.06)
+    # max_tokens = min(GeneratedTokens, cap); tokens counted match the server's counters
+    assert [r["max_tokens"] for r in recs] == [3, 2, 4, 1, 4, 2, 3, 2, 1, 4, 2, 3]
+    assert s.output_tokens == sum(r["max_tokens"] for r in recs)
+    assert s.server is not None
+    assert s.server.requests_success == state.success - before[0] == s.succeeded
+    assert s.server.generation_tokens == state.gen_tokens - before[1] == s.output_tokens
+    assert s.server.hit_rate == pytest.approx(0.75)
+    assert s.goodput_rps is not None and s.goodput_rps > 0
+    assert s.ttft.count == len(ROWS) and s.itl.count == sum(r["max_tokens"] - 1 for r in recs)
+    assert s.client_expert_stats["buffer_hits"] == 3 * s.output_tokens
+    assert (tmp_path / "run" / "summary.json").exists() and (tmp_path / "run" / "summary.txt").exists()
+
+
+@pytest.mark.parametrize("mode", ["400", "500"])
+def test_http_errors_are_reported(standin, files, tmp_path: Path, mode: str) -> None:
+    state, url = standin
+    state.mode = mode
+    trace, prompts = files
+    cfg = ReplayConfig(
+        url=url,
+        prompts=prompts,
+        trace=trace,
+        speedup=10.0,
+        max_requests=4,
+        out=tmp_path / "run",
+        progress=False,
+    )
+    try:
+        s = replay(cfg)
+    finally:
+        state.mode = "ok"
+    assert s.requests == 4 and s.succeeded == 0
+    assert s.errors == {f"http_error {mode}": 4}
+    rec = json.loads((tmp_path / "run" / "requests.jsonl").read_text().splitlines()[0])
+    assert rec["http_status"] == int(mode)
+    assert ("prompt too long" if mode == "400" else "engine died") in rec["error"]
+
+
+def test_unreachable_server_is_reported(files, tmp_path: Path) -> None:
+    trace, prompts = files
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    cfg = ReplayConfig(
+        url=url,
+        prompts=prompts,
+        trace=trace,
+        speedup=10.0,
+        max_requests=3,
+        out=tmp_path / "run",
+        progress=False,
+    )
+    s = replay(cfg)
+    assert s.requests == 3 and s.succeeded == 0 and s.errors == {"connect_error": 3}
+    assert s.server is None
+
+
+def test_cli_replay_and_sweep(standin, files, tmp_path: Path, capsys) -> None:
+    state, url = standin
+    state.mode = "ok"
+    trace, prompts = files
+    rc = main(
+        [
+            "replay",
+            "--url",
+            url,
+            "--trace",
+            str(trace),
+            "--prompts",
+            str(prompts),
+            "--speedup",
+            "4",
+            "--max-tokens-cap",
+            "2",
+            "--out",
+            str(tmp_path / "r"),
+            "--no-progress",
+        ]
+    )
+    assert rc == 0
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["succeeded"] == len(ROWS)
+    rc = main(
+        [
+            "bench",
+            "sweep",
+            "--url",
+            url,
+            "--trace",
+            str(trace),
+            "--prompts",
+            str(prompts),
+            "--rates",
+            "20,40",
+            "--max-requests",
+            "4",
+            "--max-tokens-cap",
+            "2",
+            "--pause",
+            "0",
+            "--out",
+            str(tmp_path / "s"),
+            "--no-progress",
+            "--json",
+        ]
+    )
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["rps"] for r in rows] == [20.0, 40.0] and all(r["hit_rate"] == 0.75 for r in rows)
+    assert (tmp_path / "s" / "sweep-latency.png").stat().st_size > 0
+    assert (tmp_path / "s" / "sweep-hitrate.png").stat().st_size > 0
+
+
+def test_cli_bad_trace_is_one_line_error(files, tmp_path: Path, capsys) -> None:
+    _, prompts = files
+    bad = tmp_path / "bad.csv"
+    bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.0,10,2\nnot-a-time,1,1\n")
+    rc = main(
+        [
+            "replay",
+            "--url",
+            "http://127.0.0.1:9",
+            "--trace",
+            str(bad),
+            "--prompts",
+            str(prompts),
+            "--rps",
+            "1",
+            "--no-progress",
+            "--out",
+            str(tmp_path / "o"),
+        ]
+    )
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert err.startswith("moeserve: error: ") and f"{bad}:3:" in err and "\n" not in err
