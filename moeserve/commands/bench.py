@@ -9,6 +9,7 @@ import argparse
 import importlib
 
 BENCH_MODULES: list[str] = [
+    "moe_runtime.bench.decode",
     "clients.sweep",
 ]
 
