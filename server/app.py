@@ -1,0 +1,87 @@
+"""The app factory: one FastAPI app per engine, all state on ``app.state.server``.
+
+Lifespan: on start the engine thread starts; on exit (uvicorn's shutdown, e.g. after SIGTERM)
+new requests get 503, open requests drain for up to ``drain_timeout_s`` (then are aborted), the
+engine thread stops, the EAMC is saved (when configured) and the engine is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI
+
+from server.engine_client import EngineClient
+from server.errors import install_error_handlers
+from server.guards import BodyLimitMiddleware, api_key_guard
+from server.metrics import ServerMetrics
+from server.routes import chat, completions, misc
+from server.settings import ServerSettings
+from server.state import ServerState
+from server.tracing import TraceHooks
+
+log = logging.getLogger("moeserve.server")
+
+
+def create_app(
+    engine: Any,
+    settings: ServerSettings | None = None,
+    trace: TraceHooks | None = None,
+    close_engine: bool = True,
+) -> FastAPI:
+    """Build the OpenAI-compatible app serving ``engine``.
+
+    Args:
+        engine: an :class:`~moe_runtime.engine.engine.LLMEngine` no other thread uses; the app's
+            engine thread becomes its only caller while the app runs.
+        settings: HTTP settings (defaults: :class:`ServerSettings`).
+        trace: tracer hooks (EAMC saving and metrics), or None.
+        close_engine: close the engine when the app shuts down.
+    """
+    settings = settings or ServerSettings()
+    client = EngineClient(
+        engine,
+        max_wait_ms=settings.max_wait_ms,
+        max_queue=settings.max_queue,
+        after_step=trace.after_step if trace is not None else None,
+    )
+    metrics = ServerMetrics(client, trace)
+    client.on_finished = metrics.observe
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        client.start()
+        log.info("serving %r", settings.served_model_name)
+        try:
+            yield
+        finally:
+            await client.drain(settings.drain_timeout_s)
+            try:
+                if trace is not None:
+                    await asyncio.to_thread(trace.close)
+            finally:
+                if close_engine:
+                    engine.close()
+
+    app = FastAPI(title="moeserve", version="0.1.0", lifespan=lifespan)
+    app.state.server = ServerState(
+        settings=settings,
+        client=client,
+        metrics=metrics,
+        tokenizer=engine.tokenizer,
+        max_model_len=engine.max_model_len,
+        created=int(time.time()),
+        trace=trace,
+    )
+    install_error_handlers(app)
+    auth = Depends(api_key_guard(settings.api_key))
+    app.include_router(completions.make_router(), dependencies=[auth])
+    app.include_router(chat.make_router(), dependencies=[auth])
+    app.include_router(misc.make_router(auth))
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    return app

@@ -1,0 +1,142 @@
+"""Errors as OpenAI error objects: ``{"error": {"message", "type", "param", "code"}}``.
+
+Every failure a client can see goes through here, so the shape never varies:
+
+====  ========================  ====================  =============================================
+code  type                      error code            when
+====  ========================  ====================  =============================================
+400   invalid_request_error     invalid_value         a value out of range, an unsupported option,
+                                                      or a ``MoeServeError`` from the runtime
+                                                      (e.g. the prompt is longer than the context)
+401   authentication_error      invalid_api_key       ``--api-key`` set, key missing or wrong
+404   invalid_request_error     model_not_found       ``model`` is not the served model
+404   invalid_request_error     not_found             no such route
+413   invalid_request_error     request_too_large     body larger than ``--max-body-bytes``
+422   invalid_request_error     invalid_schema        body is not JSON or does not fit the schema
+429   rate_limit_error          queue_full            ``--max-queue`` requests already waiting
+500   internal_error            internal_error        a bug; the server keeps serving
+503   service_unavailable       shutting_down /       draining for shutdown, or the engine thread
+                                engine_dead           died
+====  ========================  ====================  =============================================
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from moe_runtime.errors import MoeServeError
+
+log = logging.getLogger("moeserve.server")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error answered with ``status`` and an OpenAI error object.
+
+    Args:
+        status: HTTP status code.
+        message: one line for the user.
+        code: machine-readable error code (see the module table).
+        param: the request field at fault, if any.
+    """
+
+    def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.code, self.param)
+
+
+def error_body(status: int, message: str, code: str, param: str | None = None) -> dict[str, Any]:
+    """The OpenAI error object for ``status`` (also sent as an SSE event when a stream fails)."""
+    err_type = _TYPES.get(status, "invalid_request_error" if status < 500 else "internal_error")
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, code, param), status_code=status)
+
+
+def invalid(message: str, param: str | None = None) -> APIError:
+    """A 400 for a value the server cannot honour."""
+    return APIError(400, message, "invalid_value", param)
+
+
+def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) or None
+
+
+async def _api_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = list(exc.errors()) or [{"loc": (), "msg": "invalid request", "type": "invalid"}]
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        error = (first.get("ctx") or {}).get("error", "")
+        return error_response(422, f"the body is not valid JSON: {error}", "invalid_schema")
+    locs = [tuple(p for p in e.get("loc", ()) if p != "body") for e in errors]
+    common = locs[0]
+    for loc in locs[1:]:
+        n = next((i for i, (a, b) in enumerate(zip(common, loc)) if a != b), min(len(common), len(loc)))
+        common = common[:n]
+    param = _loc_to_param(common)
+    if len(errors) > 1 and common and all(len(loc) > len(common) for loc in locs):  # no union branch fits
+        options = ", ".join(dict.fromkeys(str(loc[len(common)]) for loc in locs))
+        message = f"{param}: matches none of the allowed forms ({options})"
+    else:
+        message = f"{_loc_to_param(locs[0]) or 'body'}: {first['msg']}"
+        if len(errors) > 1:
+            message += f" (and {len(errors) - 1} more error(s))"
+    return error_response(422, message, "invalid_schema", param)
+
+
+async def _runtime_error(_: Request, exc: Exception) -> JSONResponse:
+    return error_response(400, str(exc), "invalid_value")
+
+
+async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+    code = codes.get(exc.status_code, "http_error")
+    return JSONResponse(
+        error_body(exc.status_code, str(exc.detail), code),
+        status_code=exc.status_code,
+        headers=getattr(exc, "headers", None),
+    )
+
+
+async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+    log.exception("internal error while serving a request", exc_info=exc)
+    return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map every exception a route can raise onto an OpenAI error response."""
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(MoeServeError, _runtime_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)

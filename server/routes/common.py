@@ -1,0 +1,158 @@
+"""Helpers shared by the completion and chat routes: checks, sampling params, usage, ids."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable
+
+from fastapi import Request
+
+from moe_runtime.engine.request import RequestOutput, SamplingParams, TokenLogprob
+from server.engine_client import EngineRequest, RequestStream
+from server.errors import APIError, invalid
+from server.protocol import ExpertUsage, Usage, _SamplingFields
+from server.state import ServerState
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def new_id(prefix: str) -> str:
+    """``<prefix>-<32 hex>``: the response id; engine request ids append ``-<choice index>``."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    """``created``: Unix epoch seconds."""
+    return int(time.time())
+
+
+def check_model(state: ServerState, model: str | None) -> str:
+    """The model name to answer with.
+
+    Raises:
+        APIError: 404 when ``model`` is given and is not the served model.
+    """
+    served = state.settings.served_model_name
+    if model is not None and model != served:
+        msg = f"the model {model!r} does not exist; this server serves {served!r}"
+        raise APIError(404, msg, "model_not_found", "model")
+    return served
+
+
+def check_unsupported(body: _SamplingFields) -> None:
+    """400 for OpenAI options this server does not implement (rather than silently ignoring)."""
+    if body.n < 1:
+        raise invalid(f"n must be >= 1, got {body.n}", "n")
+    if body.presence_penalty:
+        raise invalid("presence_penalty is not supported (send 0 or omit it)", "presence_penalty")
+    if body.frequency_penalty:
+        raise invalid("frequency_penalty is not supported (send 0 or omit it)", "frequency_penalty")
+    if body.logit_bias:
+        raise invalid("logit_bias is not supported", "logit_bias")
+    if body.stream_options is not None and not body.stream:
+        raise invalid("stream_options is only allowed with stream=true", "stream_options")
+
+
+def sampling_params(
+    body: _SamplingFields, max_tokens: int, logprobs: int | None, choice: int
+) -> SamplingParams:
+    """Engine sampling parameters for choice ``choice`` of a request.
+
+    OpenAI defaults: temperature 1, top_p 1. With ``seed``, choice ``i`` is seeded ``seed + i``
+    so the ``n`` choices differ yet the response is reproducible.
+
+    Raises:
+        RequestError: a value out of range (answered with 400).
+    """
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=0 if body.top_k is None else body.top_k,
+        seed=None if body.seed is None else body.seed + choice,
+        stop=[s for s in stop if s],
+        stop_token_ids=list(body.stop_token_ids or []),
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+    )
+
+
+def engine_requests(
+    response_id: str,
+    body: _SamplingFields,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    logprobs: int | None,
+) -> list[EngineRequest]:
+    """One engine request per (prompt, choice); choice index = prompt index * n + choice."""
+    out = []
+    for p, ids in enumerate(prompts):
+        for c in range(body.n):
+            index = p * body.n + c
+            params = sampling_params(body, max_tokens[p], logprobs, c)
+            out.append(EngineRequest(f"{response_id}-{index}", ids, params))
+    return out
+
+
+def choice_index(request_id: str) -> int:
+    return int(request_id.rsplit("-", 1)[1])
+
+
+def max_tokens_for(requested: int | None, prompt_len: int, max_model_len: int) -> int:
+    """``requested``, or (when None) what the context leaves after the prompt (at least 1).
+
+    A request asking for more than the context leaves is not refused: it ends with
+    ``finish_reason="length"`` when the context is full.
+    """
+    if requested is None:
+        return max(1, max_model_len - prompt_len)
+    if requested < 1:
+        raise invalid(f"max_tokens must be >= 1, got {requested}", "max_tokens")
+    return requested
+
+
+def usage(prompt_lens: Iterable[int], finals: Iterable[RequestOutput]) -> Usage:
+    """OpenAI usage plus ``expert_stats``; prompt tokens count once per prompt, not per choice."""
+    prompt_tokens = sum(prompt_lens)
+    completion_tokens = hits = misses = 0
+    blocking_s = 0.0
+    for out in finals:
+        completion_tokens += out.num_output_tokens
+        hits += out.expert_stats.hits
+        misses += out.expert_stats.misses
+        blocking_s += out.expert_stats.blocking_s
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        expert_stats=ExpertUsage(
+            buffer_hits=hits, buffer_misses=misses, blocking_ms=round(blocking_s * 1000.0, 3)
+        ),
+    )
+
+
+def tokenize(state: ServerState, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    """Raises APIError 400 when the checkpoint has no tokenizer."""
+    if state.tokenizer is None:
+        raise invalid("this model has no tokenizer.json: send the prompt as token ids", param)
+    return state.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def token_text(state: ServerState, token_id: int) -> str:
+    return state.tokenizer.token_text(token_id) if state.tokenizer is not None else f"<{token_id}>"
+
+
+async def collect(stream: RequestStream) -> dict[int, tuple[RequestOutput, list[TokenLogprob]]]:
+    """Run a stream to the end: choice index -> (final output, every token's logprobs)."""
+    logprobs: dict[int, list[TokenLogprob]] = {}
+    finals: dict[int, tuple[RequestOutput, list[TokenLogprob]]] = {}
+    async for out in stream:
+        index = choice_index(out.request_id)
+        logprobs.setdefault(index, []).extend(out.logprobs or [])
+        if out.finished:
+            finals[index] = (out, logprobs[index])
+    return finals

@@ -1,0 +1,163 @@
+"""``POST /v1/completions``: text completion, streamed (SSE) or whole, in the OpenAI schema.
+
+``prompt`` may be a string, a list of strings, a list of token ids or a list of token-id lists;
+each prompt gets ``n`` choices, numbered ``prompt_index * n + choice``. Every (prompt, choice)
+is one engine request, so they batch with everything else in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request, Response
+
+from moe_runtime.engine.request import RequestOutput, TokenLogprob
+from server.engine_client import RequestStream
+from server.errors import APIError, invalid
+from server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
+from server.routes.common import (
+    check_model,
+    check_unsupported,
+    choice_index,
+    collect,
+    engine_requests,
+    get_state,
+    max_tokens_for,
+    new_id,
+    now,
+    token_text,
+    tokenize,
+    usage,
+)
+from server.sse import DONE, EventStreamResponse, sse_event, unless_disconnected
+from server.state import ServerState
+
+
+def make_router() -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/completions", response_model=None)
+    async def create_completion(body: CompletionRequest, request: Request) -> Response | CompletionResponse:
+        return await _complete(get_state(request), body, request)
+
+    return router
+
+
+def _prompts(state: ServerState, prompt: str | list) -> tuple[list[list[int]], list[str]]:
+    """Token ids of each prompt and its text (for ``echo``)."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise invalid("prompt is empty", "prompt")
+    if isinstance(prompt[0], int):
+        prompt = [prompt]
+    ids: list[list[int]] = []
+    texts: list[str] = []
+    for p in prompt:
+        if isinstance(p, str):
+            ids.append(tokenize(state, p, "prompt"))
+            texts.append(p)
+        else:
+            ids.append(list(p))
+            texts.append(state.tokenizer.decode(p) if state.tokenizer is not None else "")
+    return ids, texts
+
+
+def _logprobs(state: ServerState, lps: list[TokenLogprob], offset: int) -> CompletionLogprobs:
+    """OpenAI completion logprobs; ``text_offset`` counts characters from ``offset``."""
+    out = CompletionLogprobs()
+    for lp in lps:
+        text = token_text(state, lp.token_id)
+        out.tokens.append(text)
+        out.token_logprobs.append(lp.logprob)
+        out.top_logprobs.append({token_text(state, t): v for t, v in lp.top.items()})
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+async def _complete(
+    state: ServerState, body: CompletionRequest, request: Request
+) -> Response | CompletionResponse:
+    model = check_model(state, body.model)
+    check_unsupported(body)
+    if body.best_of is not None and body.best_of != body.n:
+        raise invalid("best_of other than n is not supported", "best_of")
+    if body.suffix:
+        raise invalid("suffix is not supported", "suffix")
+    if body.echo and body.logprobs is not None:
+        raise invalid("echo with logprobs is not supported (no prompt logprobs)", "echo")
+    prompts, texts = _prompts(state, body.prompt)
+    max_tokens = [max_tokens_for(body.max_tokens, len(p), state.max_model_len) for p in prompts]
+    response_id, created = new_id("cmpl"), now()
+    stream = await state.client.submit(engine_requests(response_id, body, prompts, max_tokens, body.logprobs))
+    echo = [texts[i // body.n] if body.echo else "" for i in range(len(prompts) * body.n)]
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        events = _events(state, stream, response_id, created, model, echo, prompts, include_usage)
+        return EventStreamResponse(events, on_close=stream.abort)
+    finals = await unless_disconnected(request, lambda: collect(stream), stream.abort)
+    if finals is None:  # the client left; nobody reads this
+        return Response(status_code=499)
+    choices = []
+    for index in sorted(finals):
+        out, lps = finals[index]
+        choices.append(
+            CompletionChoice(
+                index=index,
+                text=echo[index] + out.text,
+                logprobs=_logprobs(state, lps, len(echo[index])) if body.logprobs is not None else None,
+                finish_reason=out.finish_reason,
+            )
+        )
+    return CompletionResponse(
+        id=response_id,
+        created=created,
+        model=model,
+        choices=choices,
+        usage=usage((len(p) for p in prompts), (o for o, _ in finals.values())),
+    )
+
+
+async def _events(
+    state: ServerState,
+    stream: RequestStream,
+    response_id: str,
+    created: int,
+    model: str,
+    echo: list[str],
+    prompts: list[list[int]],
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """SSE chunks: one per choice and step that produced text (or finished), usage, ``[DONE]``."""
+
+    def chunk(choices: list[CompletionChoice], **extra: object) -> str:
+        resp = CompletionResponse(id=response_id, created=created, model=model, choices=choices)
+        payload = resp.model_dump(exclude=None if include_usage else {"usage"})
+        payload.update(extra)
+        return sse_event(payload)
+
+    offsets = [len(e) for e in echo]
+    finals: list[RequestOutput] = []
+    try:
+        for index, text in enumerate(echo):
+            if text:
+                yield chunk([CompletionChoice(index=index, text=text)])
+        async for out in stream:
+            index = choice_index(out.request_id)
+            lps = None
+            if out.logprobs:
+                lps = _logprobs(state, out.logprobs, offsets[index])
+                offsets[index] = lps.text_offset[-1] + len(lps.tokens[-1])
+            if out.new_text or out.finished or lps is not None:
+                reason = out.finish_reason if out.finished else None
+                yield chunk(
+                    [CompletionChoice(index=index, text=out.new_text, logprobs=lps, finish_reason=reason)]
+                )
+            if out.finished:
+                finals.append(out)
+        if include_usage:
+            yield chunk([], usage=usage((len(p) for p in prompts), finals).model_dump())
+    except APIError as exc:
+        yield sse_event(exc.body())
+    yield DONE

@@ -1,0 +1,46 @@
+"""Running an app under uvicorn with a drain-aware shutdown (used by ``moeserve serve`` and tests)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, which marks the engine client draining as soon as SIGINT/SIGTERM arrives.
+
+    Requests that still arrive on open keep-alive connections then get 503 while running ones
+    finish; uvicorn waits up to ``timeout_graceful_shutdown`` for them, then the app's lifespan
+    exit drains the engine and saves the EAMC.
+    """
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        app = config.app
+        self.client = app.state.server.client if isinstance(app, FastAPI) else None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.client is not None:
+            self.client.draining = True
+        super().handle_exit(sig, frame)
+
+
+def make_server(
+    app: FastAPI,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "info",
+    drain_timeout_s: float = 30.0,
+) -> DrainingServer:
+    """A uvicorn server for ``app`` (HTTP/1.1, lifespan on); call ``.run()`` to serve."""
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=drain_timeout_s,
+    )
+    return DrainingServer(config)

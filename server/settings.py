@@ -1,0 +1,49 @@
+"""Settings of the HTTP layer (the engine's own settings live in ``moe_runtime.config``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_runtime.errors import ConfigError
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    """What ``moeserve serve`` flags choose for the HTTP service.
+
+    Attributes:
+        served_model_name: the one model id this server answers to (``/v1/models``; any other
+            ``model`` in a request is a 404).
+        api_key: when set, every ``/v1/*`` request needs ``Authorization: Bearer <api_key>``
+            (401 otherwise); ``/health`` and ``/metrics`` stay open.
+        max_wait_ms: auto-batching window (MoE-Infinity §7.4): when the engine is idle and a
+            request arrives, wait up to this long for more before the first step (0 = never wait).
+        max_queue: most engine requests waiting for a batch slot; beyond it requests get 429.
+        max_body_bytes: largest request body accepted; larger bodies get 413.
+        drain_timeout_s: on shutdown, how long running requests may take to finish before they
+            are aborted.
+        eamc_save_every: save the EAMC after every this many finished requests (0 = only at
+            shutdown); needs an EAMC path.
+    """
+
+    served_model_name: str = "moeserve"
+    api_key: str | None = None
+    max_wait_ms: float = 5.0
+    max_queue: int = 256
+    max_body_bytes: int = 1 << 20
+    drain_timeout_s: float = 30.0
+    eamc_save_every: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.served_model_name:
+            raise ConfigError("--served-model-name must not be empty")
+        if self.max_wait_ms < 0:
+            raise ConfigError(f"--max-wait-ms must be >= 0, got {self.max_wait_ms}")
+        if self.max_queue < 1:
+            raise ConfigError(f"--max-queue must be >= 1, got {self.max_queue}")
+        if self.max_body_bytes < 1:
+            raise ConfigError(f"--max-body-bytes must be >= 1, got {self.max_body_bytes}")
+        if self.drain_timeout_s < 0:
+            raise ConfigError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
+        if self.eamc_save_every < 0:
+            raise ConfigError(f"--eamc-save-every must be >= 0, got {self.eamc_save_every}")
