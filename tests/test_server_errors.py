@@ -1,0 +1,150 @@
+"""Every error case of the server with raw httpx: status, OpenAI error object, server still fine."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from moe_runtime.config import RuntimeConfig
+from moe_runtime.engine.engine import LLMEngine
+from server.settings import ServerSettings
+from server.testing import serve_in_thread
+
+MODEL = "tiny"
+KEY = "sk-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def http(tiny_qwen3):
+    engine = LLMEngine.from_pretrained(tiny_qwen3, RuntimeConfig(max_batch_size=4, max_model_len=64))
+    settings = ServerSettings(served_model_name=MODEL, api_key=KEY, max_body_bytes=4096, max_wait_ms=0)
+    with (
+        serve_in_thread(engine, settings) as running,
+        httpx.Client(base_url=running.base_url, timeout=60) as c,
+    ):
+        c.running = running
+        yield c
+
+
+def assert_error(r: httpx.Response, status: int, code: str, param: str | None = "<any>") -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["code"] == code
+    if param != "<any>":
+        assert err["param"] == param
+    return err
+
+
+def post(http: httpx.Client, body: dict, path: str = "/v1/completions", **kw) -> httpx.Response:
+    return http.post(path, json=body, headers=kw.pop("headers", AUTH), **kw)
+
+
+def test_401_without_or_with_wrong_key(http):
+    err = assert_error(post(http, {"prompt": "x"}, headers={}), 401, "invalid_api_key")
+    assert err["type"] == "authentication_error"
+    assert_error(
+        post(http, {"prompt": "x"}, headers={"Authorization": "Bearer nope"}), 401, "invalid_api_key"
+    )
+    assert_error(http.get("/v1/models"), 401, "invalid_api_key")
+    assert http.get("/v1/models", headers=AUTH).json()["data"][0]["id"] == MODEL
+    assert http.get("/health").status_code == 200  # probes need no key
+    assert http.get("/metrics").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x", "temperature": -1}, None),
+        ({"prompt": "x", "top_p": 0}, None),
+        ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "logprobs": 21}, None),
+        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": ""}, None),
+        ({"prompt": [5] * 64}, None),  # the prompt fills the whole 64-token context
+        ({"prompt": [1, 2, 10_000]}, None),  # token id out of range
+    ],
+)
+def test_400_invalid_values(http, body, param):
+    err = assert_error(post(http, body), 400, "invalid_value", param)
+    assert err["type"] == "invalid_request_error"
+
+
+def test_400_chat_values(http):
+    msgs = [{"role": "user", "content": "hi"}]
+    path = "/v1/chat/completions"
+    assert_error(
+        post(http, {"messages": msgs, "top_logprobs": 2}, path), 400, "invalid_value", "top_logprobs"
+    )
+    assert_error(post(http, {"messages": []}, path), 400, "invalid_value", "messages")
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    assert_error(post(http, {"messages": image}, path), 400, "invalid_value", "messages.0")
+
+
+def test_prompt_too_long_streaming_is_a_plain_400(http):
+    r = post(http, {"prompt": [5] * 80, "stream": True})
+    err = assert_error(r, 400, "invalid_value")
+    assert "64" in err["message"]
+
+
+def test_404_unknown_model_and_route(http):
+    assert_error(post(http, {"prompt": "x", "model": "gpt-4"}), 404, "model_not_found", "model")
+    chat = {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}
+    assert_error(post(http, chat, "/v1/chat/completions"), 404, "model_not_found")
+    assert_error(http.get("/v1/nothing", headers=AUTH), 404, "not_found")
+
+
+def test_413_body_too_large(http):
+    big = {"prompt": "x" * 5000}
+    assert_error(post(http, big), 413, "request_too_large")
+
+    def chunked():  # no Content-Length: counted while it arrives
+        yield b'{"prompt": "'
+        for _ in range(10):
+            yield b"y" * 1000
+        yield b'"}'
+
+    r = http.post("/v1/completions", content=chunked(), headers={**AUTH, "Content-Type": "application/json"})
+    assert_error(r, 413, "request_too_large")
+
+
+def test_422_schema_errors(http):
+    assert_error(post(http, {"max_tokens": 3}), 422, "invalid_schema", "prompt")
+    err = assert_error(post(http, {"prompt": 5}), 422, "invalid_schema", "prompt")
+    assert "allowed forms" in err["message"]
+    assert_error(post(http, {"prompt": "x", "n": "many"}), 422, "invalid_schema", "n")
+    r = http.post(
+        "/v1/completions", content=b"{not json", headers={**AUTH, "Content-Type": "application/json"}
+    )
+    assert_error(r, 422, "invalid_schema")
+    assert_error(post(http, {"messages": "hi"}, "/v1/chat/completions"), 422, "invalid_schema", "messages")
+
+
+def test_a_failing_request_never_takes_the_server_down(http):
+    state = http.running.app.state.server
+    tokenizer = state.tokenizer
+
+    class Broken:
+        def encode(self, *a, **k):
+            raise RuntimeError("tokenizer exploded")
+
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+    state.tokenizer = Broken()
+    try:
+        err = assert_error(post(http, {"prompt": "x"}), 500, "internal_error")
+        assert err["type"] == "internal_error"
+    finally:
+        state.tokenizer = tokenizer
+    assert http.get("/health").status_code == 200
+    r = post(http, {"prompt": "x", "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    assert http.running.client.engine.num_running == 0
