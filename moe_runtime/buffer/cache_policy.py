@@ -34,6 +34,12 @@ class CachePolicy:
     def on_evict(self, slot: int, key: int) -> None:
         """The expert in ``slot`` is being evicted."""
 
+    def on_prefetch_unused(self, slot: int, key: int) -> None:
+        """A prefetched expert's layer ran without it (a mis-prefetch); it is unprotected now."""
+
+    def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
+        """MoE layer ``layer`` routed its tokens (``topk_ids [T, k]`` on the host)."""
+
     def victim(self, candidates: np.ndarray) -> int:
         """Slot to evict among ``candidates`` (non-empty int array): the lowest priority."""
         return int(candidates[np.argmin(self.priority[candidates])])
@@ -50,13 +56,22 @@ class LRUPolicy(CachePolicy):
     def on_use(self, slot: int, key: int) -> None:
         self.priority[slot] = self.tick()
 
+    def on_prefetch_unused(self, slot: int, key: int) -> None:
+        self.priority[slot] = self.tick()
+
 
 CACHE_POLICIES: dict[str, type[CachePolicy]] = {"lru": LRUPolicy}
 
 
-def make_cache_policy(name: str, num_slots: int, num_experts: int) -> CachePolicy:
+def make_cache_policy(name: str, num_slots: int, num_experts: int, **context) -> CachePolicy:
+    """Build a registered policy; ``context`` (``num_layers``, ``recorder``, ``oracle``...) reaches
+    policies whose constructors take it."""
     from moe_runtime.errors import ConfigError
 
     if name not in CACHE_POLICIES:
         raise ConfigError(f"--cache-policy {name!r} is unknown (choose from {', '.join(CACHE_POLICIES)})")
-    return CACHE_POLICIES[name](num_slots, num_experts)
+    cls = CACHE_POLICIES[name]
+    import inspect
+
+    accepted = inspect.signature(cls.__init__).parameters
+    return cls(num_slots, num_experts, **{k: v for k, v in context.items() if k in accepted})

@@ -11,7 +11,9 @@ compute thread spends waiting is the blocking time. Weights are read-only: evict
 back to the host.
 
 Threads: one I/O thread per device partition (``_io_loop``); one lock/condition shared by all
-partitions, so the compute thread can wait for "any of my experts landed" across devices.
+partitions, so the compute thread can wait for "any of my experts landed" across devices. The slot
+state machine itself lives in :class:`~moe_runtime.buffer.partition.Partition` (shared with the
+simulator).
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from moe_runtime.buffer.cache_policy import make_cache_policy
-from moe_runtime.buffer.partition import FREE, LOADING, READY, Partition
+from moe_runtime.buffer.partition import READY, Partition
 from moe_runtime.buffer.placement import home_devices
 from moe_runtime.io.link import LinkModel
 from moe_runtime.io.transfer_queue import Transfer
@@ -52,8 +55,9 @@ class ExpertBuffer:
         store: the host expert store (source of every transfer).
         devices: one entry per device partition (the same CPU device may repeat to emulate several).
         slots_per_device: slots in each partition (>= 1).
-        cache_policy: registry name (``lru``, ...).
+        cache_policy: registry name (``lru``, ``eam``, ...).
         link: ``(gbps, latency_us)`` to emulate a link per device, or None.
+        policy_context: extra constructor arguments for the cache policy (``recorder``, ...).
     """
 
     def __init__(
@@ -63,6 +67,7 @@ class ExpertBuffer:
         slots_per_device: int,
         cache_policy: str = "lru",
         link: tuple[float, float] | None = None,
+        policy_context: dict[str, Any] | None = None,
     ) -> None:
         self.store = store
         self.num_layers, self.num_experts = store.num_layers, store.num_experts
@@ -72,6 +77,7 @@ class ExpertBuffer:
         self.cond = threading.Condition()
         self._closing = False
         self.parts: list[Partition] = []
+        ctx = {"num_layers": self.num_layers, **(policy_context or {})}
         for i, dev in enumerate(devices):
             homed = np.flatnonzero(self.home == i)
             n = max(1, min(slots_per_device, len(homed)))
@@ -81,18 +87,26 @@ class ExpertBuffer:
                 if alias
                 else torch.empty((n, store.expert_numel), dtype=store.data.dtype, device=dev)
             )
+            policy = make_cache_policy(cache_policy, n, self.num_experts, **ctx)
             part = Partition(
                 i,
+                n,
+                self.num_experts,
+                store.expert_nbytes,
+                policy,
+                self.stats,
                 dev,
                 slots,
                 store.hidden_size,
                 store.intermediate_size,
-                make_cache_policy(cache_policy, n, self.num_experts),
                 LinkModel(*link) if link else None,
             )
             self.parts.append(part)
             if n >= len(homed):  # every expert homed here fits: load all once, up front
-                self._preload(part, homed, copy=not alias)
+                if not alias:
+                    for s, key in enumerate(homed.tolist()):
+                        part.slots[s].copy_(store.expert(key))
+                part.preload(homed.tolist())
         self.all_resident = all(len(p.key_slot) == int((self.home == p.index).sum()) for p in self.parts)
         self._threads = [
             threading.Thread(target=self._io_loop, args=(p,), name=f"moeserve-io-{p.index}", daemon=True)
@@ -100,16 +114,6 @@ class ExpertBuffer:
         ]
         for t in self._threads:
             t.start()
-
-    # ------------------------------------------------------------------ set-up / tear-down
-    def _preload(self, part: Partition, keys: np.ndarray, copy: bool) -> None:
-        for s, key in enumerate(keys.tolist()):
-            if copy:
-                part.slots[s].copy_(self.store.expert(key))
-            part.slot_key[s], part.state[s] = key, READY
-            part.key_slot[key] = s
-            part.policy.on_fill(s, key, prefetch=False)
-        part.free = [s for s in range(part.num_slots - 1, len(keys) - 1, -1)]
 
     def close(self) -> None:
         """Stop the I/O threads (idempotent)."""
@@ -123,22 +127,29 @@ class ExpertBuffer:
     def num_slots(self) -> int:
         return sum(p.num_slots for p in self.parts)
 
-    @property
-    def slot_nbytes(self) -> int:
-        return self.store.expert_nbytes
+    def partition_of(self, key: int) -> Partition:
+        return self.parts[self.home[key]]
 
     def resident(self, layer: int, expert: int) -> bool:
         key = layer * self.num_experts + expert
-        part = self.parts[self.home[key]]
         with self.cond:
-            s = part.key_slot.get(key)
-            return s is not None and part.state[s] == READY
+            return self.partition_of(key).ready_slot(key) is not None
 
-    def resident_keys(self) -> set[int]:
-        with self.cond:
-            return {k for p in self.parts for k, s in p.key_slot.items() if p.state[s] == READY}
+    def resident_or_loading(self, key: int) -> bool:
+        """Caller holds ``cond`` (policies call this from ``after_routing``)."""
+        return key in self.partition_of(key).key_slot
+
+    def prefetch_capacity(self) -> int:
+        """Slots prefetches could fill now, over all devices (caller holds ``cond``)."""
+        return sum(p.capacity_for_prefetch() for p in self.parts)
 
     # ------------------------------------------------------------------ compute side
+    def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
+        """Forward the layer's routing to the cache policies (e.g. EAM counts)."""
+        with self.cond:
+            for part in self.parts:
+                part.policy.after_routing(layer, request_ids, topk_ids)
+
     def run_layer(self, layer: int, experts: list[int]) -> Iterator[ExpertHandle]:
         """Yield the layer's needed experts, resident ones first, then each as it lands.
 
@@ -149,6 +160,9 @@ class ExpertBuffer:
         ready: list[tuple[int, Partition, int]] = []
         waiting: list[tuple[int, Partition]] = []
         with self.cond:
+            needed = {layer * E + e for e in experts}
+            for part in self.parts:
+                part.settle_prefetches(layer, needed)
             for e in experts:
                 key = layer * E + e
                 part = self.parts[self.home[key]]
@@ -159,7 +173,7 @@ class ExpertBuffer:
                     part.pins[s] += 1
                     st.hits[layer] += 1
                     st.device_hits[part.index] += 1
-                    if part.prefetched[s]:
+                    if part.unused[s]:
                         st.hits_prefetched[layer] += 1
                     ready.append((e, part, s))
                     continue
@@ -181,10 +195,7 @@ class ExpertBuffer:
             while waiting:
                 with self.cond:
                     t0 = time.perf_counter()
-                    while True:
-                        found = self._first_landed(layer, waiting)
-                        if found is not None:
-                            break
+                    while (found := self._first_landed(layer, waiting)) is None:
                         self.cond.wait()
                     blocked = time.perf_counter() - t0
                     e, part = waiting.pop(found)
@@ -203,8 +214,7 @@ class ExpertBuffer:
 
     def _first_landed(self, layer: int, waiting: list[tuple[int, Partition]]) -> int | None:
         for i, (e, part) in enumerate(waiting):
-            s = part.key_slot.get(layer * self.num_experts + e)
-            if s is not None and part.state[s] == READY:
+            if part.ready_slot(layer * self.num_experts + e) is not None:
                 return i
         return None
 
@@ -212,11 +222,7 @@ class ExpertBuffer:
         ev = part.copier.release_event()
         with self.cond:
             part.release_events[s] = ev
-            part.pins[s] -= 1
-            if part.prefetched[s]:
-                part.prefetched[s] = False
-                self.stats.prefetch_used += 1
-            part.policy.on_use(s, int(part.slot_key[s]))
+            part.release(s)
             self.cond.notify_all()
 
     def _abandon(self, layer: int, waiting: list[tuple[int, Partition]]) -> None:
@@ -233,7 +239,7 @@ class ExpertBuffer:
         """Queue prefetches ``[(flat key, priority), ...]`` (higher priority first).
 
         With ``replace``, queued prefetches that are not in ``plan`` are cancelled (in-flight ones
-        finish). Keys already resident or loading are skipped.
+        finish). Keys already resident or loading are skipped. Caller may hold ``cond``.
         """
         st = self.stats
         with self.cond:
@@ -257,23 +263,6 @@ class ExpertBuffer:
             self.cond.notify_all()
 
     # ------------------------------------------------------------------ I/O thread
-    def _allocate(self, part: Partition, t: Transfer) -> int | None:
-        """Take a free slot or evict the cache policy's victim; None when nothing may be taken."""
-        if part.free:
-            return part.free.pop()
-        cands = part.evictable(for_demand=t.demand)
-        if len(cands) == 0:
-            return None
-        s = part.policy.victim(cands)
-        old = int(part.slot_key[s])
-        part.policy.on_evict(s, old)
-        del part.key_slot[old]
-        if part.prefetched[s]:
-            part.prefetched[s] = False
-            self.stats.prefetch_wasted_bytes += self.store.expert_nbytes
-        part.state[s] = FREE
-        return s
-
     def _io_loop(self, part: Partition) -> None:
         part.copier.bind_thread()
         nbytes = self.store.expert_nbytes
@@ -286,7 +275,7 @@ class ExpertBuffer:
                     if t is None:
                         self.cond.wait()
                         continue
-                    s = self._allocate(part, t)
+                    s = part.allocate(t)
                     if s is not None:
                         break
                     if t.demand:
@@ -295,21 +284,11 @@ class ExpertBuffer:
                         part.queue.cancel(t.key)  # nothing evictable for a prefetch: drop it
                         self.stats.prefetch_cancelled += 1
                 part.queue.pop()
-                part.slot_key[s], part.state[s] = t.key, LOADING
-                part.key_slot[t.key] = s
-                if t.demand:
-                    part.pins[s] += 1
                 after = part.release_events[s]
             started = time.perf_counter()
             part.copier.copy(part.slots[s], self.store.expert(t.key), after)
             if part.link is not None:
                 part.link.hold(nbytes, started)
             with self.cond:
-                part.state[s] = READY
-                part.prefetched[s] = not t.demand
-                if t.demand:
-                    self.stats.demand_bytes += nbytes
-                else:
-                    self.stats.prefetch_bytes += nbytes
-                part.policy.on_fill(s, t.key, prefetch=not t.demand)
+                part.land(s, t)
                 self.cond.notify_all()
