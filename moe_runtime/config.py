@@ -138,7 +138,10 @@ class RuntimeConfig:
         max_num_batched_tokens: most tokens (prefill + decode) in one engine step.
         max_model_len: KV-cache length per sequence; ``None`` = the model's context length
             capped at 4096.
-        cache_policy / prefetch_policy: names from the policy registries (``lru``, ``on-demand``).
+        cache_policy / prefetch_policy: names from the policy registries (``lru``, ``eam``, ...;
+            ``on-demand``, ``eam``, ``next-layer-all``, ``model-counts``, ``hot-experts``, ``oracle``).
+        prefetch_depth: later layers a prefetch plan may cover (multi-layer lookahead); None = all.
+        eamc_capacity: entries of the EAM collection the ``eam`` policies match against.
         pin_memory: pin the host expert store (default: when CUDA is available).
         cpu_threads: intra-op threads for CPU compute (``torch.set_num_threads``, process-wide);
             None leaves torch's default. The CLI defaults to 1: on small experts thread fan-out
@@ -157,6 +160,8 @@ class RuntimeConfig:
     max_model_len: int | None = None
     cache_policy: str = "lru"
     prefetch_policy: str = "on-demand"
+    prefetch_depth: int | None = None
+    eamc_capacity: int = 1000
     pin_memory: bool | None = None
     cpu_threads: int | None = None
 
@@ -177,6 +182,10 @@ class RuntimeConfig:
             raise ConfigError(f"--max-batch-size must be >= 1, got {self.max_batch_size}")
         if self.max_num_batched_tokens < 1:
             raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.prefetch_depth is not None and self.prefetch_depth < 1:
+            raise ConfigError(f"--prefetch-depth must be >= 1, got {self.prefetch_depth}")
+        if self.eamc_capacity < 1:
+            raise ConfigError(f"--eamc-capacity must be >= 1, got {self.eamc_capacity}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ConfigError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -63,11 +63,20 @@ class LRUPolicy(CachePolicy):
 CACHE_POLICIES: dict[str, type[CachePolicy]] = {"lru": LRUPolicy}
 
 
+def _register_builtin() -> None:
+    from moe_runtime.buffer.policies import EAMCachePolicy, ModelCountsCachePolicy, OracleCachePolicy
+
+    for cls in (EAMCachePolicy, ModelCountsCachePolicy, OracleCachePolicy):
+        CACHE_POLICIES[cls.name] = cls
+
+
 def make_cache_policy(name: str, num_slots: int, num_experts: int, **context) -> CachePolicy:
     """Build a registered policy; ``context`` (``num_layers``, ``recorder``, ``oracle``...) reaches
     policies whose constructors take it."""
     from moe_runtime.errors import ConfigError
 
+    if len(CACHE_POLICIES) == 1:
+        _register_builtin()
     if name not in CACHE_POLICIES:
         raise ConfigError(f"--cache-policy {name!r} is unknown (choose from {', '.join(CACHE_POLICIES)})")
     cls = CACHE_POLICIES[name]

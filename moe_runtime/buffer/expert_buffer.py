@@ -78,6 +78,8 @@ class ExpertBuffer:
         self._closing = False
         self.parts: list[Partition] = []
         ctx = {"num_layers": self.num_layers, **(policy_context or {})}
+        self.oracle = ctx.get("oracle")  # an OracleSchedule whose cursor follows the routed layers
+        self.access_log: list[tuple[int, tuple[int, ...]]] | None = None  # set to [] to record
         for i, dev in enumerate(devices):
             homed = np.flatnonzero(self.home == i)
             n = max(1, min(slots_per_device, len(homed)))
@@ -147,6 +149,8 @@ class ExpertBuffer:
     def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
         """Forward the layer's routing to the cache policies (e.g. EAM counts)."""
         with self.cond:
+            if self.oracle is not None:
+                self.oracle.advance(layer)
             for part in self.parts:
                 part.policy.after_routing(layer, request_ids, topk_ids)
 
@@ -159,6 +163,8 @@ class ExpertBuffer:
         E, st = self.num_experts, self.stats
         ready: list[tuple[int, Partition, int]] = []
         waiting: list[tuple[int, Partition]] = []
+        if self.access_log is not None:
+            self.access_log.append((layer, tuple(experts)))
         with self.cond:
             needed = {layer * E + e for e in experts}
             for part in self.parts:

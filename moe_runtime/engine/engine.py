@@ -21,7 +21,7 @@ from moe_runtime.engine.detokenizer import take_delta, update_text
 from moe_runtime.engine.request import RequestOutput, SamplingParams, Sequence, SequenceStatus
 from moe_runtime.engine.sampler import sample
 from moe_runtime.engine.scheduler import ScheduledSeq, Scheduler
-from moe_runtime.errors import RequestError
+from moe_runtime.errors import ConfigError, RequestError
 from moe_runtime.layers.kv_cache import KVCache
 from moe_runtime.loader import LoadedModel, load_checkpoint
 from moe_runtime.model import MoEModel
@@ -37,10 +37,29 @@ class LLMEngine:
     Args:
         loaded: a :class:`LoadedModel` (see :meth:`from_pretrained`).
         runtime: the user's settings.
-        recorder: the tracer's ``RequestRecorder`` (or any object with its methods), or None.
+        recorder: the tracer's ``RequestRecorder`` (or any object with its methods), or None. The
+            ``eam`` policies need one; it is created (with an EAMC of ``runtime.eamc_capacity``)
+            when they are chosen and none is given.
+        eamc: the EAM collection the ``eam`` prefetch policy matches against (default: the
+            recorder's).
+        policy_context: extra policy inputs, e.g. ``{"oracle": OracleSchedule(...)}``.
     """
 
-    def __init__(self, loaded: LoadedModel, runtime: RuntimeConfig, recorder: Any | None = None) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        runtime: RuntimeConfig,
+        recorder: Any | None = None,
+        eamc: Any | None = None,
+        policy_context: dict[str, Any] | None = None,
+    ) -> None:
+        cfg = loaded.config
+        needs_trace = "eam" in (runtime.prefetch_policy, runtime.cache_policy)
+        if needs_trace and recorder is None:
+            recorder = _default_recorder(cfg, runtime, eamc)
+        if eamc is None and recorder is not None:
+            eamc = getattr(recorder, "eamc", None)
+        self.eamc = eamc
         self.loaded, self.runtime, self.recorder = loaded, runtime, recorder
         if runtime.cpu_threads is not None:
             torch.set_num_threads(runtime.cpu_threads)
@@ -57,8 +76,9 @@ class LLMEngine:
         else:
             devices = [device] * n_dev
         link = (runtime.link_gbps, runtime.link_latency_us) if runtime.link_gbps else None
+        context = {"recorder": recorder, **(policy_context or {})}
         self.buffer = ExpertBuffer(
-            loaded.store, devices, math.ceil(slots / n_dev), runtime.cache_policy, link
+            loaded.store, devices, math.ceil(slots / n_dev), runtime.cache_policy, link, context
         )
         self.kv = KVCache(
             cfg.num_layers,
@@ -77,6 +97,9 @@ class LLMEngine:
             num_experts=cfg.num_experts,
             top_k=cfg.top_k,
             recorder=recorder,
+            depth=runtime.prefetch_depth,
+            eamc=eamc,
+            **(policy_context or {}),
         )
         self.model.recorder = recorder
         self.model.prefetcher = self.prefetcher
@@ -87,6 +110,10 @@ class LLMEngine:
         self._generators: dict[str, torch.Generator] = {}
         self.device = device
         self.last_logits: torch.Tensor | None = None
+
+    @property
+    def num_steps(self) -> int:
+        return self.stats.steps
 
     @classmethod
     def from_pretrained(
@@ -319,3 +346,15 @@ class LLMEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _default_recorder(cfg, runtime: RuntimeConfig, eamc: Any | None) -> Any:
+    """A tracer recorder with an EAMC, for the ``eam`` policies."""
+    try:
+        from tracer.eamc import EAMC
+        from tracer.recorder import RequestRecorder
+    except ImportError as exc:  # pragma: no cover - the tracer ships with the package
+        raise ConfigError(f"the eam policies need the tracer package ({exc})") from None
+    if eamc is None:
+        eamc = EAMC(cfg.num_moe_layers, cfg.num_experts, capacity=runtime.eamc_capacity)
+    return RequestRecorder(cfg.num_moe_layers, cfg.num_experts, cfg.top_k, eamc=eamc)

@@ -59,6 +59,15 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
         help="KV-cache length per sequence (default: the model's context, at most 4096)",
     )
     g.add_argument(
+        "--prefetch-depth", type=int, default=None, help="later layers a prefetch plan covers (default: all)"
+    )
+    g.add_argument(
+        "--eamc-capacity",
+        type=int,
+        default=1000,
+        help="EAM collection entries for the eam policies (default: 1000)",
+    )
+    g.add_argument(
         "--cpu-threads",
         type=int,
         default=1,
@@ -86,6 +95,8 @@ def runtime_from_args(args: argparse.Namespace) -> RuntimeConfig:
         cache_policy=args.cache_policy,
         prefetch_policy=args.prefetch_policy,
         cpu_threads=args.cpu_threads,
+        prefetch_depth=args.prefetch_depth,
+        eamc_capacity=args.eamc_capacity,
     )
 
 

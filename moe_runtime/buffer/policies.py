@@ -1,0 +1,111 @@
+"""Cache policies beyond LRU: activation-aware (``eam``), lifetime counts and Belady (``oracle``).
+
+``eam`` follows MoE-Infinity §5.2: prefetched-not-yet-used and in-flight experts are protected by
+the buffer itself; after an expert is used, or its prefetch turns out unused, its slot's priority
+resets to the running requests' request-EAM count for that expert, boosted for early layers
+(prefetching helps them least), so evictions take the experts the current requests use least.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from moe_runtime.buffer.cache_policy import CachePolicy
+from moe_runtime.errors import ConfigError
+
+
+class EAMCachePolicy(CachePolicy):
+    """Priority = ``(count + 0.5) * (1 + (L - 1 - layer) / L)`` plus a tiny recency term.
+
+    ``count`` is the running requests' request-EAM count for the expert (tokens routed to it so
+    far, prefill and decode, this iteration's routed layers included), read from the tracer's
+    recorder after every routed layer. The 0.5 keeps the early-layer boost meaningful for
+    experts no running request used yet; the recency term (< 0.01) breaks ties LRU-wise.
+    """
+
+    name = "eam"
+
+    def __init__(
+        self, num_slots: int, num_experts: int, num_layers: int = 1, recorder: Any | None = None
+    ) -> None:
+        super().__init__(num_slots, num_experts)
+        if recorder is None:
+            raise ConfigError(
+                "--cache-policy eam needs the request tracer (it is created automatically by the engine)"
+            )
+        self.recorder = recorder
+        self.num_layers = num_layers
+        self.counts = np.zeros(num_layers * num_experts)
+        self.boost = 1.0 + (num_layers - 1 - np.arange(num_layers)) / num_layers
+
+    def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
+        self.counts = self.recorder.query(request_ids, layer).sum(axis=0).reshape(-1)
+
+    def _reset(self, slot: int, key: int) -> None:
+        layer = key // self.num_experts
+        self.priority[slot] = (self.counts[key] + 0.5) * self.boost[layer] + 1e-9 * self.tick()
+
+    def on_fill(self, slot: int, key: int, prefetch: bool) -> None:
+        self._reset(slot, key)
+
+    def on_use(self, slot: int, key: int) -> None:
+        self._reset(slot, key)
+
+    def on_prefetch_unused(self, slot: int, key: int) -> None:
+        self._reset(slot, key)
+
+
+class ModelCountsCachePolicy(CachePolicy):
+    """BrainStorm-style: priority = lifetime activation count of the expert over all requests."""
+
+    name = "model-counts"
+
+    def __init__(self, num_slots: int, num_experts: int, num_layers: int = 1) -> None:
+        super().__init__(num_slots, num_experts)
+        self.counts = np.zeros(num_layers * num_experts)
+        self._slot_key = np.full(num_slots, -1)
+
+    def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
+        e = self.num_experts
+        self.counts[layer * e : (layer + 1) * e] += np.bincount(topk_ids.reshape(-1), minlength=e)
+
+    def _reset(self, slot: int, key: int) -> None:
+        self._slot_key[slot] = key
+        self.priority[slot] = self.counts[key] + 1e-9 * self.tick()
+
+    def on_fill(self, slot: int, key: int, prefetch: bool) -> None:
+        self._reset(slot, key)
+
+    def on_use(self, slot: int, key: int) -> None:
+        self._reset(slot, key)
+
+    def on_prefetch_unused(self, slot: int, key: int) -> None:
+        self._reset(slot, key)
+
+    def victim(self, candidates: np.ndarray) -> int:
+        keys = self._slot_key[candidates]
+        return int(candidates[np.argmin(self.counts[keys] + 1e-9 * self.priority[candidates])])
+
+
+class OracleCachePolicy(CachePolicy):
+    """Belady: evict the candidate whose next use is furthest in the recorded future."""
+
+    name = "oracle"
+
+    def __init__(self, num_slots: int, num_experts: int, oracle: Any | None = None) -> None:
+        super().__init__(num_slots, num_experts)
+        if oracle is None:
+            raise ConfigError(
+                "--cache-policy oracle needs a recorded access log (see moeserve bench policies)"
+            )
+        self.oracle = oracle
+        self._slot_key = np.full(num_slots, -1)
+
+    def on_fill(self, slot: int, key: int, prefetch: bool) -> None:
+        self._slot_key[slot] = key
+
+    def victim(self, candidates: np.ndarray) -> int:
+        nxt = [self.oracle.next_use(int(k)) for k in self._slot_key[candidates]]
+        return int(candidates[int(np.argmax(nxt))])

@@ -1,0 +1,80 @@
+"""Prefetch policy interface, the ``on-demand`` baseline and the plan builder all policies share.
+
+A policy is called once per MoE layer per step, right after the router's top-k ids reach the host
+(:meth:`PrefetchPolicy.after_routing`). It scores experts of later layers and hands the buffer a
+re-prioritised plan (MoE-Infinity §5.1, "prefetching process"): the highest-scoring experts not yet
+resident or loading, at most as many as there are slots a prefetch may take, nearer layers weighted
+up by ``1 - (i - l) / L``; queued transfers that fell out of the plan are cancelled, in-flight ones
+finish. A needed expert that is not resident becomes a demand fetch, which jumps every prefetch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+class PrefetchPolicy:
+    """Base class and the ``on-demand`` baseline: never prefetch (Mixtral-Offloading style).
+
+    Args:
+        buffer: the :class:`~moe_runtime.buffer.ExpertBuffer`.
+        num_layers: L MoE layers; num_experts: E; top_k: experts per token.
+        recorder: the tracer's ``RequestRecorder`` when tracing is on, else None.
+        depth: how many later layers a plan may cover (multi-layer lookahead), >= 1.
+    """
+
+    name = "on-demand"
+
+    def __init__(
+        self,
+        buffer: Any,
+        num_layers: int,
+        num_experts: int,
+        top_k: int,
+        recorder: Any | None = None,
+        depth: int | None = None,
+        **_: Any,
+    ) -> None:
+        self.buffer = buffer
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.recorder = recorder
+        self.depth = max(1, depth or num_layers)
+
+    def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
+        """Called after MoE layer ``layer`` routed; ``topk_ids`` is ``[T, k]`` on the host."""
+
+    def end_step(self) -> None:
+        """Called once the step's last layer ran."""
+
+    # ------------------------------------------------------------------ shared plan builder
+    def proximity(self, layer: int) -> np.ndarray:
+        """``[L]`` weights ``1 - (i - l) / L`` for layers ``l < i <= l + depth``, 0 elsewhere (§5.1)."""
+        i = np.arange(self.num_layers)
+        w = 1.0 - (i - layer) / self.num_layers
+        w[(i <= layer) | (i > layer + self.depth)] = 0.0
+        return w
+
+    def issue(self, scores: np.ndarray, limit: int | None = None) -> list[tuple[int, float]]:
+        """Prefetch the best experts of ``scores [L, E]`` (0 = never) that are not resident or loading.
+
+        At most ``limit`` (default: the slots a prefetch may take now). Returns the plan handed to
+        the buffer, ``[(flat key, priority)]`` best first; queued prefetches not in it are cancelled.
+        """
+        flat = scores.reshape(-1)
+        cand = np.flatnonzero(flat > 0)
+        order = cand[np.argsort(-flat[cand], kind="stable")]
+        buf = self.buffer
+        with buf.cond:
+            k = buf.prefetch_capacity() if limit is None else limit
+            plan: list[tuple[int, float]] = []
+            for key in order.tolist():
+                if len(plan) >= k:
+                    break
+                if not buf.resident_or_loading(key):
+                    plan.append((key, float(flat[key])))
+            buf.prefetch(plan, replace=True)
+        return plan

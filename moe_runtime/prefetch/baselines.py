@@ -1,0 +1,77 @@
+"""Baseline prefetch policies the activation-aware one must beat, behind the same interface.
+
+* ``next-layer-all`` — DeepSpeed-Inference's dependency prefetch: after layer ``l`` routes, fetch
+  every expert of layer ``l + 1`` (MoE-Infinity §5.1, Figure 6a).
+* ``model-counts`` — BrainStorm/DeepUM-style model-level tracing: lifetime activation counts over
+  all requests rank the experts of later layers (Figure 6b).
+* ``hot-experts`` — Klotski's correlation table: how often a token that chose expert ``a`` at
+  layer ``l`` chooses ``b`` at ``l + 1``; the current tokens' choices predict the next layer
+  (Klotski §4).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from moe_runtime.prefetch.base import PrefetchPolicy
+
+
+class NextLayerAllPrefetch(PrefetchPolicy):
+    name = "next-layer-all"
+
+    def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
+        if layer + 1 >= self.num_layers:
+            return
+        scores = np.zeros((self.num_layers, self.num_experts))
+        scores[layer + 1] = 1.0
+        self.issue(scores)
+
+
+class ModelCountsPrefetch(PrefetchPolicy):
+    """Lifetime counts ``[L, E]``, updated with every routed token, row-normalised into
+    probabilities and weighted by layer proximity."""
+
+    name = "model-counts"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.counts = np.zeros((self.num_layers, self.num_experts))
+
+    def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
+        self.counts[layer] += np.bincount(topk_ids.reshape(-1), minlength=self.num_experts)
+        totals = self.counts.sum(axis=1, keepdims=True)
+        prob = np.divide(self.counts, totals, out=np.zeros_like(self.counts), where=totals > 0)
+        self.issue(prob * self.proximity(layer)[:, None])
+
+
+class HotExpertsPrefetch(PrefetchPolicy):
+    """Correlation table ``[L-1, E, E]`` of consecutive-layer choices, learned online."""
+
+    name = "hot-experts"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.table = np.zeros((max(1, self.num_layers - 1), self.num_experts, self.num_experts))
+        self._prev: tuple[int, np.ndarray] | None = None
+
+    def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
+        E = self.num_experts
+        if self._prev is not None and self._prev[0] == layer - 1 and len(self._prev[1]) == len(topk_ids):
+            prev = self._prev[1]  # [T, k] choices at layer - 1
+            pairs = prev[:, :, None] * E + topk_ids[:, None, :]  # [T, k1, k2]
+            self.table[layer - 1] += np.bincount(pairs.reshape(-1), minlength=E * E).reshape(E, E)
+        self._prev = (layer, topk_ids)
+        if layer + 1 >= self.num_layers:
+            return
+        chosen = np.bincount(topk_ids.reshape(-1), minlength=E).astype(np.float64)  # [E]
+        nxt = chosen @ self.table[layer]  # [E] expected co-activations at layer + 1
+        if nxt.sum() <= 0:
+            return
+        scores = np.zeros((self.num_layers, E))
+        scores[layer + 1] = nxt / nxt.sum()
+        self.issue(scores)
+
+    def end_step(self) -> None:
+        self._prev = None

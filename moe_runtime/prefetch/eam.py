@@ -1,0 +1,69 @@
+"""Activation-aware prefetching: match the running requests against the EAMC (MoE-Infinity §5.1).
+
+NOTE: after MoE layer ``l`` routes, each running request's EAM so far (its request EAM plus this
+iteration's rows up to ``l``; the recorder builds it) is matched against the EAMC by cosine
+similarity with prefix matching (rows L2-normalised, unseen rows zero, so the score is the sum of
+per-layer cosines over seen layers). The top matches of all running requests are summed and
+row-normalised into per-expert activation probabilities for every later layer, weighted by layer
+proximity ``1 - (i - l) / L`` (Figure 7), and the best experts not yet resident are handed to the
+I/O queue as a re-prioritised plan. With an empty EAMC nothing is prefetched (cold start): the
+EAMC fills online as requests finish, or is loaded from a file saved by an earlier run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from moe_runtime.errors import ConfigError
+from moe_runtime.prefetch.base import PrefetchPolicy
+
+
+def row_normalise(x: np.ndarray) -> np.ndarray:
+    """L2-normalise the last axis of ``x [..., E]``; zero rows stay zero."""
+    norm = np.linalg.norm(x, axis=-1, keepdims=True)
+    return np.divide(x, norm, out=np.zeros_like(x, dtype=np.float32), where=norm > 0)
+
+
+class EAMPrefetch(PrefetchPolicy):
+    """Args (beyond the base): eamc: the EAM collection to match against; matches: top matches
+    per request (default 4); min_prob: experts below this activation probability are not
+    prefetched (default 0.02)."""
+
+    name = "eam"
+
+    def __init__(
+        self, *args: Any, eamc: Any | None = None, matches: int = 4, min_prob: float = 0.02, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        if self.recorder is None or eamc is None:
+            raise ConfigError(
+                "--prefetch-policy eam needs the request tracer and an EAMC "
+                "(created automatically by the engine)"
+            )
+        self.eamc = eamc
+        self.matches = matches
+        self.min_prob = min_prob
+        self.last_probs: np.ndarray | None = None  # [L, E] of the latest plan, for tests and stats
+
+    def predict(self, layer: int, request_ids: list[str]) -> np.ndarray | None:
+        """Activation probabilities ``[L, E]`` aggregated from the top EAMC matches, or None."""
+        if len(self.eamc) == 0 or not request_ids:
+            return None
+        queries = row_normalise(self.recorder.query(request_ids, layer).astype(np.float32))  # [B, L, E]
+        _, idx = self.eamc.search(queries, k=min(self.matches, len(self.eamc)))
+        idx = idx[idx >= 0]
+        if idx.size == 0:
+            return None
+        agg = self.eamc.entries()[idx].sum(axis=0)  # [L, E]
+        totals = agg.sum(axis=1, keepdims=True)
+        return np.divide(agg, totals, out=np.zeros_like(agg), where=totals > 0)
+
+    def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
+        probs = self.predict(layer, request_ids)
+        self.last_probs = probs
+        if probs is None:
+            return
+        probs = np.where(probs >= self.min_prob, probs, 0.0)
+        self.issue(probs * self.proximity(layer)[:, None])

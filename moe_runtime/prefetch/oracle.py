@@ -1,0 +1,93 @@
+"""The oracle (Belady): replays a recorded expert-access log, so it knows the future.
+
+It is the ideal row of MoE-Infinity's Table 5: perfect prefetching (exactly the experts the next
+layers will use, nearest first) and Belady caching (evict the expert whose next use is furthest).
+The log comes from an earlier run of the same workload (outputs are identical across policies, so
+the access sequence is too): one entry per MoE layer execution, ``(layer, experts)``, in order —
+:attr:`ExpertBuffer.access_log` records it. The buffer advances the schedule's cursor once per
+routed layer.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any
+
+import numpy as np
+
+from moe_runtime.errors import ConfigError
+from moe_runtime.prefetch.base import PrefetchPolicy
+
+NEVER = float("inf")
+
+
+class OracleSchedule:
+    """The future, indexed by position (= the n-th MoE layer execution of the run).
+
+    Args:
+        log: ``[(layer, (expert, ...)), ...]`` in execution order.
+        num_experts: E, to form flat keys ``layer * E + expert``.
+    """
+
+    def __init__(self, log: list[tuple[int, tuple[int, ...]]], num_experts: int) -> None:
+        self.log = [(layer, tuple(experts)) for layer, experts in log]
+        self.num_experts = num_experts
+        self.cursor = -1
+        uses: dict[int, list[int]] = {}
+        for pos, (layer, experts) in enumerate(self.log):
+            for e in experts:
+                uses.setdefault(layer * num_experts + e, []).append(pos)
+        self._uses = uses
+
+    def advance(self, layer: int) -> int:
+        """Move to the next execution of ``layer``; returns the cursor.
+
+        Raises:
+            ConfigError: the run diverged from the recorded log (a different workload).
+        """
+        self.cursor += 1
+        if self.cursor >= len(self.log) or self.log[self.cursor][0] != layer:
+            raise ConfigError(
+                f"oracle: the run diverged from the recorded access log at position "
+                f"{self.cursor} (layer {layer}); replay the same workload"
+            )
+        return self.cursor
+
+    def next_use(self, key: int) -> float:
+        """Position of ``key``'s next use strictly after the cursor (inf if never)."""
+        uses = self._uses.get(key)
+        if not uses:
+            return NEVER
+        i = bisect.bisect_right(uses, self.cursor)
+        return uses[i] if i < len(uses) else NEVER
+
+    def upcoming(self, horizon: int) -> list[tuple[int, int]]:
+        """``[(distance, key)]`` for the next ``horizon`` positions after the cursor."""
+        out = []
+        for d in range(1, horizon + 1):
+            pos = self.cursor + d
+            if pos >= len(self.log):
+                break
+            layer, experts = self.log[pos]
+            out.extend((d, layer * self.num_experts + e) for e in experts)
+        return out
+
+
+class OraclePrefetch(PrefetchPolicy):
+    """Prefetch exactly what the next ``depth`` layer executions use, nearest first."""
+
+    name = "oracle"
+
+    def __init__(self, *args: Any, oracle: OracleSchedule | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if oracle is None:
+            raise ConfigError(
+                "--prefetch-policy oracle needs a recorded access log (see moeserve bench policies)"
+            )
+        self.oracle = oracle
+
+    def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
+        scores = np.zeros(self.num_layers * self.num_experts)
+        for d, key in self.oracle.upcoming(self.depth):
+            scores[key] = max(scores[key], 1.0 - d / (self.depth + 1))
+        self.issue(scores.reshape(self.num_layers, self.num_experts))
