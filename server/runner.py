@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from typing import Any
 
 import uvicorn
@@ -13,7 +14,8 @@ class DrainingServer(uvicorn.Server):
 
     Requests that still arrive on open keep-alive connections then get 503 while running ones
     finish; uvicorn waits up to ``timeout_graceful_shutdown`` for them, then the app's lifespan
-    exit drains the engine and saves the EAMC.
+    exit drains the engine and saves the EAMC. After a SIGTERM the process then exits with
+    status 0 (uvicorn alone would re-raise the signal); SIGINT still ends as an interrupt.
     """
 
     def __init__(self, config: uvicorn.Config) -> None:
@@ -25,6 +27,9 @@ class DrainingServer(uvicorn.Server):
         if self.client is not None:
             self.client.draining = True
         super().handle_exit(sig, frame)
+        captured = getattr(self, "_captured_signals", None)
+        if sig == signal.SIGTERM and captured and captured[-1] == sig:
+            captured.pop()  # a drained SIGTERM is a clean exit (status 0): uvicorn would re-raise it
 
 
 def make_server(

@@ -50,6 +50,7 @@ def test_401_without_or_with_wrong_key(http):
         post(http, {"prompt": "x"}, headers={"Authorization": "Bearer nope"}), 401, "invalid_api_key"
     )
     assert_error(http.get("/v1/models"), 401, "invalid_api_key")
+    assert_error(post(http, {"prompt": 5}, headers={}), 401, "invalid_api_key")  # before schema checks
     assert http.get("/v1/models", headers=AUTH).json()["data"][0]["id"] == MODEL
     assert http.get("/health").status_code == 200  # probes need no key
     assert http.get("/metrics").status_code == 200

@@ -1,0 +1,205 @@
+"""Server lifecycle: client disconnects abort, 429 on a full queue, 503 when draining or when the
+engine died, EAMC saving hooks, and SIGTERM draining a real ``moeserve serve`` process."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from moe_runtime.config import RuntimeConfig
+from moe_runtime.engine.engine import LLMEngine
+from server.settings import ServerSettings
+from server.testing import serve_in_thread
+from server.tracing import TraceHooks
+
+LONG = {"prompt": "The quick", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_qwen3):
+    with LLMEngine.from_pretrained(tiny_qwen3, RuntimeConfig(max_batch_size=2)) as engine:
+        yield engine
+
+
+def wait_until(predicate, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def aborted(engine) -> int:
+    return engine.stats.requests_finished.get("abort", 0)
+
+
+def test_disconnect_frees_the_request(engine):
+    with (
+        serve_in_thread(engine, close_engine=False) as running,
+        httpx.Client(base_url=running.base_url) as http,
+    ):
+        before = aborted(engine)
+        with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            assert engine.num_running == 1
+        wait_until(lambda: engine.num_running == 0 and aborted(engine) == before + 1)
+        with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
+            http.post("/v1/completions", json={**LONG, "max_tokens": 250}, timeout=0.3)
+        wait_until(lambda: engine.num_running == 0 and aborted(engine) == before + 2)
+        wait_until(lambda: running.client.num_open == 0)
+        m = http.get("/metrics").text
+        assert f'moeserve_request_success_total{{finished_reason="abort"}} {before + 2}.0' in m
+        ok = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert ok.status_code == 200
+
+
+def test_auto_batching_window_gathers_a_burst_into_one_step(engine):
+    """MoE-Infinity §7.4: an idle engine waits up to max_wait_ms for more requests, and stops
+    waiting as soon as max_batch_size (2 here) are waiting."""
+    settings = ServerSettings(max_wait_ms=5000)
+    with serve_in_thread(engine, settings, close_engine=False) as running:
+        steps = engine.stats.steps
+        body = {"prompt": "Paris", "max_tokens": 1, "temperature": 0}
+
+        def one() -> None:
+            assert httpx.post(running.base_url + "/v1/completions", json=body, timeout=30).status_code == 200
+
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=one) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert engine.stats.steps - steps == 1  # both prefills (and their first tokens) in one step
+        assert time.monotonic() - t0 < 4.0  # did not sit out the 5 s window: the batch was full
+
+
+def test_429_when_the_queue_is_full_then_503_when_draining(engine):
+    settings = ServerSettings(max_queue=1, max_wait_ms=0)
+    with serve_in_thread(engine, settings, close_engine=False) as running:
+        http = httpx.Client(base_url=running.base_url, timeout=30)
+        streams = []
+        try:
+            for _ in range(2):  # both batch slots busy
+                streams.append(http.stream("POST", "/v1/completions", json={**LONG, "stream": True}))
+                assert streams[-1].__enter__().status_code == 200
+            wait_until(lambda: running.client.snapshot.num_running == 2)
+            streams.append(http.stream("POST", "/v1/completions", json={**LONG, "stream": True}))
+            assert streams[-1].__enter__().status_code == 200  # waits: queue 1/1
+            r = http.post("/v1/completions", json=LONG)
+            assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+        finally:
+            for s in streams:
+                s.__exit__(None, None, None)
+            http.close()
+        wait_until(lambda: engine.num_running == 0 and engine.num_waiting == 0)
+        running.client.draining = True
+        r = httpx.post(running.base_url + "/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+        assert httpx.get(running.base_url + "/health").status_code == 503
+
+
+def test_engine_death_is_503_and_health_turns_503(engine, monkeypatch):
+    def boom() -> list:
+        raise RuntimeError("simulated engine failure")
+
+    monkeypatch.setattr(engine, "step", boom)
+    with (
+        serve_in_thread(engine, close_engine=False) as running,
+        httpx.Client(base_url=running.base_url) as http,
+    ):
+        assert http.get("/health").status_code == 200
+        r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        assert http.get("/health").status_code == 503
+        r = http.post("/v1/completions", json={"prompt": "x", "stream": True})
+        assert r.status_code == 503
+        assert http.get("/metrics").status_code == 200  # the process still answers
+    monkeypatch.undo()
+    for rid in list(engine._seqs):  # the failed request stayed in the engine
+        engine.abort_request(rid)
+
+
+class FakeEAMC:
+    def __init__(self) -> None:
+        self.saved: list[str] = []
+
+    def __len__(self) -> int:
+        return 3
+
+    def save(self, path) -> None:
+        self.saved.append(str(path))
+
+
+def test_eamc_saved_every_n_and_at_shutdown(engine, tmp_path):
+    eamc = FakeEAMC()
+    hooks = TraceHooks(engine, eamc, tmp_path / "eamc", save_every=2)
+    settings = ServerSettings(eamc_save_every=2)
+    with serve_in_thread(engine, settings, hooks, close_engine=False) as running:
+        for _ in range(4):
+            r = httpx.post(
+                running.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30
+            )
+            assert r.status_code == 200
+        wait_until(lambda: len(eamc.saved) == 2)
+        assert "moeserve_eamc_entries 3.0" in httpx.get(running.base_url + "/metrics").text
+    assert len(eamc.saved) == 3 and eamc.saved[-1] == str(tmp_path / "eamc")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_drains_running_requests(tiny_qwen3):
+    port = free_port()
+    cmd = [sys.executable, "-m", "moeserve", "serve", "--model", str(tiny_qwen3), "--port", str(port)]
+    cmd += ["--served-model-name", "tiny", "--log-level", "warning", "--max-wait-ms", "0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+
+        def healthy() -> bool:
+            assert proc.poll() is None, proc.communicate()[1]
+            try:
+                return httpx.get(base + "/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(healthy, 60)
+        events: list[dict] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            body = {**LONG, "max_tokens": 40, "stream": True, "model": "tiny"}
+            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        events.append(json.loads(line[6:]))
+                        started.set()
+                    elif line == "data: [DONE]":
+                        events.append({"done": True})
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert started.wait(30)
+        proc.send_signal(signal.SIGTERM)
+        reader.join(60)
+        assert events[-1] == {"done": True}
+        assert events[-2]["choices"][0]["finish_reason"] == "length"  # ran to the end
+        assert proc.wait(60) == 0
+        assert "buffer" in proc.stderr.read()  # the engine summary line
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
