@@ -1,0 +1,159 @@
+"""Semantics of the prefetch and cache policies (MoE-Infinity §5) on the real buffer and engine."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from moe_runtime.buffer import ExpertBuffer
+from moe_runtime.buffer.cache_policy import LRUPolicy
+from moe_runtime.buffer.partition import Partition
+from moe_runtime.buffer.policies import EAMCachePolicy
+from moe_runtime.io.transfer_queue import Transfer
+from moe_runtime.prefetch import make_prefetch_policy
+from moe_runtime.prefetch.base import PrefetchPolicy
+from moe_runtime.stats import ExpertStats
+from moe_runtime.store import HostExpertStore
+
+L, E = 4, 5
+
+
+class FakeRecorder:
+    """Returns a fixed EAM so-far for every request."""
+
+    def __init__(self, eam: np.ndarray) -> None:
+        self.eam = eam
+
+    def query(self, request_ids, upto_layer):
+        return np.stack([self.eam for _ in request_ids])
+
+
+class FakeEAMC:
+    def __init__(self, entries: np.ndarray) -> None:
+        self._entries = entries.astype(np.float32)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def entries(self) -> np.ndarray:
+        return self._entries
+
+    def search(self, queries, k):
+        flat = self._entries.reshape(len(self._entries), -1)
+        sims = queries.reshape(len(queries), -1) @ flat.T
+        idx = np.argsort(-sims, axis=1)[:, :k]
+        return np.take_along_axis(sims, idx, 1), idx
+
+
+def small_store() -> HostExpertStore:
+    store = HostExpertStore(L, E, 4, 2, torch.float32)
+    store.data.normal_()
+    return store
+
+
+def test_proximity_weights_follow_the_formula():
+    pol = PrefetchPolicy(buffer=None, num_layers=8, num_experts=4, top_k=2, depth=3)
+    w = pol.proximity(2)
+    expected = np.zeros(8)
+    for i in (3, 4, 5):
+        expected[i] = 1 - (i - 2) / 8
+    np.testing.assert_allclose(w, expected)
+
+
+def test_eam_plan_priorities_follow_the_formula():
+    buf = ExpertBuffer(small_store(), [torch.device("cpu")], 12, link=(1e-7, 0.0))  # transfers never finish
+    try:
+        entry = np.zeros((L, E))
+        entry[1] = [0, 3, 1, 0, 0]
+        entry[2] = [0, 0, 0, 2, 2]
+        entry[3] = [4, 0, 0, 0, 0]
+        pol = make_prefetch_policy(
+            "eam",
+            buffer=buf,
+            num_layers=L,
+            num_experts=E,
+            top_k=2,
+            recorder=FakeRecorder(entry),
+            eamc=FakeEAMC(entry[None]),
+            min_prob=0.0,
+        )
+        pol.after_routing(0, ["r"], np.zeros((1, 2), dtype=np.int64))
+        probs = entry / entry.sum(axis=1, keepdims=True).clip(min=1)
+        want = {}
+        for i in (1, 2, 3):
+            for e in range(E):
+                if probs[i, e] > 0:
+                    want[i * E + e] = probs[i, e] * (1 - i / L)
+        with buf.cond:
+            part = buf.parts[0]
+            queued = {k: t.priority for k, t in part.queue._queued.items()}
+            inflight = set(part.key_slot)  # the first one may already be in flight
+        assert set(queued) | inflight == set(want)
+        for k, prio in queued.items():
+            assert prio == pytest.approx(want[k])
+        # nearer layers first: layer-1 expert 1 (0.75 * 3/4) beats layer-3 expert 0 (1.0 * 1/4)
+        assert want[1 * E + 1] > want[3 * E + 0]
+    finally:
+        buf.close()
+
+
+def test_protected_slots_are_never_evicted():
+    stats = ExpertStats(L)
+    part = Partition(0, 3, E, 100, LRUPolicy(3, E), stats)
+    for key in (0, 1, 2):
+        t = Transfer(key, demand=(key != 1))
+        slot = part.allocate(t)
+        assert slot is not None
+        part.land(slot, t)
+    part.release(part.key_slot[0])  # slot of key 0: used, unpinned, least recent
+    # key 1 is an unused prefetch (protected from prefetches), key 2 is pinned by demand
+    victim_for_prefetch = part.allocate(Transfer(10, demand=False))
+    assert part.slot_key[victim_for_prefetch] == 10 and 0 not in part.key_slot
+    part.land(victim_for_prefetch, Transfer(10, demand=False))
+    # now: 10 and 1 are unused prefetches, 2 pinned: a prefetch finds nothing evictable
+    assert part.allocate(Transfer(11, demand=False)) is None
+    # a demand may take an unused prefetch, never the pinned slot
+    s = part.allocate(Transfer(12, demand=True))
+    assert s is not None and 2 in part.key_slot and part.slot_key[s] == 12
+    assert stats.prefetch_wasted_bytes == 100
+
+
+def test_eam_cache_priority_resets_to_request_counts_with_early_layer_boost():
+    counts = np.zeros((L, E))
+    counts[0, 1] = 3
+    counts[3, 1] = 3
+    pol = EAMCachePolicy(4, E, num_layers=L, recorder=FakeRecorder(counts))
+    pol.after_routing(0, ["a", "b"], np.zeros((1, 2), dtype=np.int64))  # two requests -> counts doubled
+    pol.on_use(0, 0 * E + 1)
+    pol.on_use(1, 3 * E + 1)
+    pol.on_use(2, 3 * E + 2)
+    assert pol.priority[0] == pytest.approx((6 + 0.5) * (1 + 3 / 4), abs=1e-6)
+    assert pol.priority[1] == pytest.approx((6 + 0.5) * 1.0, abs=1e-6)
+    assert pol.priority[2] == pytest.approx(0.5, abs=1e-6)
+    assert pol.victim(np.array([0, 1, 2])) == 2
+
+
+def test_next_layer_all_prefetches_the_whole_next_layer():
+    buf = ExpertBuffer(small_store(), [torch.device("cpu")], 8)
+    try:
+        pol = make_prefetch_policy("next-layer-all", buffer=buf, num_layers=L, num_experts=E, top_k=2)
+        pol.after_routing(1, ["r"], np.zeros((1, 2), dtype=np.int64))
+        deadline = time.time() + 5
+        while time.time() < deadline and not all(buf.resident(2, e) for e in range(E)):
+            time.sleep(0.005)
+        assert all(buf.resident(2, e) for e in range(E))
+        assert buf.stats.prefetch_issued == E
+    finally:
+        buf.close()
+
+
+def test_unknown_policy_names_are_refused():
+    from moe_runtime.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="prefetch-policy"):
+        make_prefetch_policy("magic", buffer=None, num_layers=1, num_experts=1, top_k=1)
+    with pytest.raises(ConfigError, match="cache-policy"):
+        ExpertBuffer(small_store(), [torch.device("cpu")], 2, cache_policy="magic")
