@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +86,24 @@ class RequestRecord:
         return self.status == "ok"
 
 
+async def sse_lines(resp: httpx.Response) -> AsyncIterator[str]:
+    """Lines of a ``text/event-stream`` body, split only where the SSE spec splits.
+
+    NOTE: not ``Response.aiter_lines``: it splits like ``str.splitlines``, also at U+2028, U+0085
+    and similar, which JSON leaves unescaped, so token text holding one would cut a ``data:``
+    line in two. SSE lines end at ``\r\n``, ``\n`` or ``\r`` only; bytes are split before
+    decoding so a multi-byte character is never cut.
+    """
+    buf = b""
+    async for chunk in resp.aiter_bytes():
+        buf += chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            yield line.decode("utf-8")
+    if buf:
+        yield buf.decode("utf-8")
+
+
 def _error_message(resp: httpx.Response) -> str:
     """One line from an OpenAI-style error body (``{"error": {"message": ...}}``) or raw text."""
     try:
@@ -151,7 +170,7 @@ async def stream_completion(
                 await resp.aread()
                 rec.status, rec.error = "http_error", _error_message(resp)
                 return rec
-            async for line in resp.aiter_lines():
+            async for line in sse_lines(resp):
                 if not line.startswith("data:"):
                     continue  # blank separators, comments, event names
                 data = line[5:].strip()
@@ -180,7 +199,7 @@ async def stream_completion(
     except httpx.TimeoutException as exc:
         rec.status, rec.error = "timeout", f"{type(exc).__name__}: {exc}"
         return rec
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+    except (httpx.HTTPError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         rec.status, rec.error = "stream_error", f"{type(exc).__name__}: {exc}"
         return rec
     except Exception as exc:  # a bug or surprise must not end the run; it is reported instead

@@ -1,8 +1,13 @@
 """Scrape the server's Prometheus ``/metrics`` before and after a run and take the difference.
 
 Counter names are those of ``DESIGN.md`` (prefix ``moeserve_``). Buffer hit rate over a run is
-``Δ moeserve_expert_hits_total / Δ moeserve_expert_lookups_total`` summed over all label sets
-(layers, devices); blocking time is ``Δ moeserve_expert_blocking_seconds_total``.
+``Δ moeserve_expert_hits_total / Δ moeserve_expert_lookups_total``; blocking time is
+``Δ moeserve_expert_blocking_seconds_total``.
+
+NOTE: moeserve exports each expert counter as two families of series in one metric, per layer
+``{layer="<i>", device="all"}`` and per device ``{layer="all", device="<d>"}`` (``server/metrics.py``);
+summing both would count everything twice. :meth:`MetricsSnapshot.total` therefore sums only the
+``layer="all"`` series when there are any, else only the ``device="all"`` ones, else all series.
 """
 
 from __future__ import annotations
@@ -30,16 +35,25 @@ class MetricsSnapshot:
     samples: dict[SampleKey, float] = field(default_factory=dict)
 
     def total(self, name: str) -> float | None:
-        """Sum of a sample name over all label sets; ``None`` when the server has no such sample."""
-        vals = [v for (n, _), v in self.samples.items() if n == name]
-        return sum(vals) if vals else None
+        """Sum of a sample name over one family of label sets (see the module note).
+
+        Returns ``None`` when the server has no such sample.
+        """
+        series = [(dict(labels), v) for (n, labels), v in self.samples.items() if n == name]
+        if not series:
+            return None
+        for label in ("layer", "device"):
+            picked = [v for lab, v in series if lab.get(label) == "all"]
+            if picked:
+                return sum(picked)
+        return sum(v for _, v in series)
 
     def by_label(self, name: str, label: str) -> dict[str, float]:
-        """Values of a sample name summed per value of one label."""
+        """Values of a sample name summed per value of one label (its ``"all"`` series left out)."""
         out: dict[str, float] = {}
         for (n, labels), v in self.samples.items():
-            if n == name:
-                key = dict(labels).get(label, "")
+            key = dict(labels).get(label, "")
+            if n == name and key != "all":
                 out[key] = out.get(key, 0.0) + v
         return out
 
@@ -65,8 +79,8 @@ class ServerDelta:
         expert_lookups, expert_hits: expert buffer lookups and hits (all layers and devices).
         hit_rate: ``expert_hits / expert_lookups`` (``None`` when there were no lookups).
         blocking_s: time the compute thread waited for expert copies, seconds.
-        success_by_reason: finished requests per ``finished_reason``.
-        requests_success: sum of ``success_by_reason``.
+        success_by_reason: finished requests per ``finished_reason`` (``abort`` included).
+        requests_success: sum of ``success_by_reason`` except ``abort``.
         generation_tokens, prompt_tokens: tokens counted by the server.
         transfer_bytes: expert bytes copied host -> device, per ``kind`` (prefetch / demand).
         hits_by_layer: per-layer hit rate over the run.
@@ -106,7 +120,7 @@ def diff(before: MetricsSnapshot, after: MetricsSnapshot) -> ServerDelta:
         transfer_bytes=_d_label(before, after, TRANSFER, "kind"),
     )
     if d.success_by_reason:
-        d.requests_success = sum(d.success_by_reason.values())
+        d.requests_success = sum(v for k, v in d.success_by_reason.items() if k != "abort")
     if d.expert_lookups and d.expert_hits is not None:
         d.hit_rate = d.expert_hits / d.expert_lookups
     lookups = _d_label(before, after, LOOKUPS, "layer")

@@ -24,6 +24,7 @@ class ReplayConfig:
         trace: Azure trace CSV; ``None`` = Poisson arrivals at ``rps``.
         rps: target average rate, requests/s (trace: time-scaled to it; else Poisson).
         speedup: trace time divided by this (exclusive with ``rps``).
+        trace_offset_s: skip the trace's first this many seconds (trace time, before scaling).
         duration_s: only arrivals in the first this many seconds (after scaling).
         max_requests: at most this many requests.
         max_tokens_cap: ``max_tokens`` = min(trace ``GeneratedTokens``, this); the value itself
@@ -46,6 +47,7 @@ class ReplayConfig:
     trace: Path | None = None
     rps: float | None = None
     speedup: float | None = None
+    trace_offset_s: float = 0.0
     duration_s: float | None = None
     max_requests: int | None = None
     max_tokens_cap: int = 256
@@ -76,6 +78,8 @@ class ReplayConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ClientError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+        if self.trace_offset_s < 0:
+            raise ClientError(f"--trace-offset must be >= 0, got {self.trace_offset_s}")
         if self.out is None:
             self.out = Path("runs") / time.strftime("replay-%Y%m%d-%H%M%S")
 
@@ -88,6 +92,7 @@ class ReplayConfig:
             "prompts": self.prompts.name,
             "rps": self.rps,
             "speedup": self.speedup,
+            "trace_offset_s": self.trace_offset_s,
             "duration_s": self.duration_s,
             "max_requests": self.max_requests,
             "max_tokens_cap": self.max_tokens_cap,
@@ -113,6 +118,9 @@ def add_replay_args(p: argparse.ArgumentParser, with_rate: bool = True) -> None:
         rate.add_argument("--rps", type=float, default=None, help="target average rate, requests/s")
         rate.add_argument("--speedup", type=float, default=None, help="divide trace time by this")
         p.add_argument("--out", type=Path, default=None, help="output folder (default: runs/replay-<time>)")
+    p.add_argument(
+        "--trace-offset", type=float, default=0.0, help="skip the trace's first SEC seconds (trace time)"
+    )
     p.add_argument("--duration", type=float, default=None, help="only arrivals in the first SEC seconds")
     p.add_argument("--max-requests", type=int, default=None, help="at most N requests")
     p.add_argument(
@@ -155,6 +163,7 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> ReplayConfig
         trace=args.trace,
         rps=getattr(args, "rps", None),
         speedup=getattr(args, "speedup", None),
+        trace_offset_s=args.trace_offset,
         duration_s=args.duration,
         max_requests=args.max_requests,
         max_tokens_cap=args.max_tokens_cap,

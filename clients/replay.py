@@ -34,7 +34,7 @@ from clients.prompts import (
     load_prompts,
 )
 from clients.report import Summary, render, summarize
-from clients.trace import Arrival, load_azure_trace, poisson_arrivals, scale_trace, window
+from clients.trace import Arrival, load_azure_trace, poisson_arrivals, scale_trace, skip, window
 
 # Tokens kept free of the context budget for special tokens and re-tokenisation at the cut.
 CONTEXT_MARGIN = 8
@@ -82,7 +82,7 @@ def arrivals_for(cfg: ReplayConfig) -> list[Arrival]:
     if cfg.trace is None:
         assert cfg.rps is not None  # checked by ReplayConfig
         return poisson_arrivals(cfg.rps, cfg.duration_s, cfg.max_requests, cfg.seed)
-    rows = load_azure_trace(cfg.trace)
+    rows = skip(load_azure_trace(cfg.trace), cfg.trace_offset_s)
     return window(scale_trace(rows, rps=cfg.rps, speedup=cfg.speedup), cfg.duration_s, cfg.max_requests)
 
 

@@ -125,6 +125,23 @@ def load_azure_trace(path: Path) -> list[TraceRow]:
     return rows
 
 
+def skip(rows: list[TraceRow], offset_s: float) -> list[TraceRow]:
+    """Rows from ``offset_s`` seconds of trace time on, re-based so the first is at 0.
+
+    Raises:
+        ClientError: no row is left.
+    """
+    if offset_s <= 0:
+        return rows
+    kept = [r for r in rows if r.offset_s >= offset_s]
+    if not kept:
+        raise ClientError(
+            f"--trace-offset {offset_s:g} s is past the trace's end ({rows[-1].offset_s:.1f} s)"
+        )
+    base = kept[0].offset_s
+    return [TraceRow(r.offset_s - base, r.context_tokens, r.generated_tokens) for r in kept]
+
+
 def native_rate(rows: list[TraceRow]) -> float:
     """Average arrival rate of a trace, requests/s (``(n - 1) / span``; ``inf`` for a zero span)."""
     span = rows[-1].offset_s - rows[0].offset_s

@@ -1,6 +1,6 @@
 """Replay client against a tiny stand-in OpenAI server on loopback (forces 4xx / 5xx / timing).
 
-The stand-in streams ``max_tokens`` one-character chunks, ``tokens_delay_s`` apart, and counts what
+The stand-in streams ``max_tokens`` short text chunks, ``tokens_delay_s`` apart, and counts what
 it served in Prometheus counters named like moeserve's, so the report's server section is exercised.
 """
 
@@ -85,8 +85,10 @@ class StandIn:
             async def gen():
                 for i in range(n):
                     await asyncio.sleep(self.token_delay_s)
-                    choice = {"index": 0, "text": "x", "finish_reason": "length" if i == n - 1 else None}
-                    yield f"data: {json.dumps({'choices': [choice]})}\n\n"
+                    # raw U+2028 / U+0085 in JSON text are legal and must not split an SSE line
+                    text = "x\u2028\x85é"
+                    choice = {"index": 0, "text": text, "finish_reason": "length" if i == n - 1 else None}
+                    yield f"data: {json.dumps({'choices': [choice]}, ensure_ascii=False)}\r\n\r\n"
                 self.success += 1
                 self.gen_tokens += n
                 self.lookups += 4 * n
