@@ -10,6 +10,7 @@ import importlib
 
 BENCH_MODULES: list[str] = [
     "moe_runtime.bench.decode",
+    "moe_runtime.bench.policies",
     "clients.sweep",
 ]
 
