@@ -25,6 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from clients.http import RequestRecord, RequestSpec, get_json, get_text, stream_completion
 from clients.metrics_scrape import MetricsSnapshot, ServerDelta, diff, parse_metrics
 from clients.options import DEFAULT_MAX_CONTEXT, ReplayConfig
+from clients.plots import plot_run
 from clients.prompts import (
     CharEstimate,
     HFTokenizer,
@@ -144,10 +145,46 @@ async def send_all(
     return records, wall
 
 
+async def _scrape_after(
+    client: httpx.AsyncClient, url: str, before: MetricsSnapshot | None, succeeded: int
+) -> tuple[MetricsSnapshot | None, str | None]:
+    """Scrape again until the server's finished-request count covers the run (at most ~1 s).
+
+    The server counts a request when its engine step ends, which can land a moment after the
+    client read ``[DONE]``.
+    """
+    for _ in range(20):
+        after, text = await _scrape(client, url)
+        if after is None or before is None:
+            return after, text
+        done = diff(before, after).requests_success
+        if done is None or done >= succeeded:
+            return after, text
+        await asyncio.sleep(0.05)
+    return after, text
+
+
+def write_outputs(
+    out: Path, records: list[RequestRecord], summary: Summary, scrapes: dict[str, str | None], title: str
+) -> Path | None:
+    """``requests.jsonl``, ``summary.json``, ``summary.txt``, the raw scrapes and the run plot."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "requests.jsonl", "w", encoding="utf-8") as fh:
+        for r in records:
+            fh.write(json.dumps(asdict(r)) + "\n")
+    (out / "summary.json").write_text(json.dumps(summary.to_json(), indent=2) + "\n", encoding="utf-8")
+    for name, text in scrapes.items():
+        if text is not None:
+            (out / name).write_text(text, encoding="utf-8")
+    text_console = Console(record=True, width=110, file=io.StringIO())
+    render(summary, text_console)
+    (out / "summary.txt").write_text(text_console.export_text(), encoding="utf-8")
+    return plot_run(records, out, title)
+
+
 async def run_async(cfg: ReplayConfig, console: Console | None = None) -> Summary:
     """Run one replay (see the module docstring); writes its files to ``cfg.out``."""
     console = console or Console(stderr=True)
-    out = Path(cfg.out)  # set by ReplayConfig
     arrivals = arrivals_for(cfg)  # bad input files fail here, before any request
     prompts = load_prompts(cfg.prompts)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
@@ -159,28 +196,21 @@ async def run_async(cfg: ReplayConfig, console: Console | None = None) -> Summar
         if models is None:
             console.print(f"[yellow]warning[/yellow]: {cfg.url}/v1/models did not answer; sending anyway")
         model = cfg.model or first.get("id") or DEFAULT_MODEL
-        max_context = cfg.max_context or first.get("max_model_len") or DEFAULT_MAX_CONTEXT
-        specs = build_requests(cfg, arrivals, prompts, int(max_context))
+        max_context = int(cfg.max_context or first.get("max_model_len") or DEFAULT_MAX_CONTEXT)
+        specs = build_requests(cfg, arrivals, prompts, max_context)
         before, before_text = await _scrape(client, cfg.url)
         records, wall = await send_all(client, cfg, specs, model, console)
-        await asyncio.sleep(0.05)  # let the server's last counter updates land before scraping
-        after, after_text = await _scrape(client, cfg.url)
+        after, after_text = await _scrape_after(client, cfg.url, before, sum(r.ok for r in records))
     server: ServerDelta | None = diff(before, after) if before and after else None
-    settings = cfg.settings() | {"model": model, "max_context": int(max_context)}
+    settings = cfg.settings() | {"model": model, "max_context": max_context}
     summary = summarize(records, wall, settings, cfg.slo_tpot_ms, server)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "requests.jsonl", "w", encoding="utf-8") as fh:
-        for r in records:
-            fh.write(json.dumps(asdict(r)) + "\n")
-    (out / "summary.json").write_text(json.dumps(summary.to_json(), indent=2) + "\n", encoding="utf-8")
-    for name, text in (("metrics_before.prom", before_text), ("metrics_after.prom", after_text)):
-        if text is not None:
-            (out / name).write_text(text, encoding="utf-8")
-    text_console = Console(record=True, width=110, file=io.StringIO())
-    render(summary, text_console)
-    (out / "summary.txt").write_text(text_console.export_text(), encoding="utf-8")
+    rate = f"{cfg.rps:g} req/s" if cfg.rps else f"speedup {cfg.speedup or 1:g}"
+    scrapes = {"metrics_before.prom": before_text, "metrics_after.prom": after_text}
+    assert cfg.out is not None  # ReplayConfig fills in a default
+    out = cfg.out
+    png = write_outputs(out, records, summary, scrapes, f"{settings['trace']} at {rate}, {model} @ {cfg.url}")
     render(summary, console)
-    console.print(f"records: {out / 'requests.jsonl'}  summary: {out / 'summary.json'}")
+    console.print(f"records: {out / 'requests.jsonl'}  summary: {out / 'summary.json'}  plot: {png}")
     return summary
 
 

@@ -24,6 +24,7 @@ from rich.console import Console
 
 from clients.errors import ClientError
 from clients.options import add_replay_args, config_from_args
+from clients.plots import plot_sweep
 from clients.replay import run_async
 from clients.report import Summary
 
@@ -69,46 +70,6 @@ def sweep_rows(summaries: list[Summary]) -> list[dict[str, Any]]:
     return rows
 
 
-def plot(rows: list[dict[str, Any]], out: Path, title: str) -> list[Path]:
-    """Draw ``sweep-latency.png`` (TPOT and TTFT percentiles vs RPS) and ``sweep-hitrate.png``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    x = [r["rps"] for r in rows]
-
-    def ys(key: str) -> list[float]:
-        return [float("nan") if r[key] is None else r[key] for r in rows]
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for p, style in (("p50", "o-"), ("p90", "s--"), ("p99", "^:")):
-        ax1.plot(x, ys(f"tpot_{p}_ms"), style, label=f"TPOT {p}")
-        ax2.plot(x, ys(f"ttft_{p}_ms"), style, label=f"TTFT {p}")
-    for ax, name in ((ax1, "TPOT (ms)"), (ax2, "TTFT (ms)")):
-        ax.set_xlabel("request rate (req/s)")
-        ax.set_ylabel(name)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    lat = out / "sweep-latency.png"
-    fig.savefig(lat, dpi=120)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(5, 4))
-    ax.plot(x, ys("hit_rate"), "o-")
-    ax.set_xlabel("request rate (req/s)")
-    ax.set_ylabel("expert buffer hit rate")
-    ax.set_ylim(0, 1.02)
-    ax.grid(alpha=0.3)
-    ax.set_title(title, fontsize=8)
-    fig.tight_layout()
-    hit = out / "sweep-hitrate.png"
-    fig.savefig(hit, dpi=120)
-    plt.close(fig)
-    return [lat, hit]
-
-
 def run(args: argparse.Namespace) -> int:
     rates = parse_rates(args.rates)
     out = args.out or Path("runs") / time.strftime("sweep-%Y%m%d-%H%M%S")
@@ -129,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         "summaries": [asdict(s) for s in summaries],
     }
     (out / "sweep.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    pngs = plot(rows, out, title)
+    pngs = plot_sweep(rows, out, title)
     if args.json:
         json.dump({"settings": result["settings"], "rows": rows}, sys.stdout, indent=2)
         sys.stdout.write("\n")

@@ -10,8 +10,9 @@ from rich.console import Console
 from clients.errors import ClientError
 from clients.http import RequestRecord
 from clients.metrics_scrape import diff, parse_metrics
+from clients.plots import plot_run, plot_sweep
 from clients.report import latency_stats, render, summarize
-from clients.sweep import parse_rates, plot, sweep_rows
+from clients.sweep import parse_rates, sweep_rows
 
 # moeserve's layout: per-layer series with device="all" and per-device series with layer="all"
 BEFORE = """# TYPE moeserve_expert_lookups_total counter
@@ -119,5 +120,6 @@ def test_sweep_rates_and_plots(tmp_path: Path) -> None:
     summaries = [summarize([rec(i) for i in range(3)], 2.0, {"rps": r}) for r in (1.0, 2.0)]
     rows = sweep_rows(summaries)
     assert [r["rps"] for r in rows] == [1.0, 2.0] and rows[0]["hit_rate"] is None
-    for png in plot(rows, tmp_path, "test"):
-        assert png.read_bytes()[:4] == b"\x89PNG"
+    for png in plot_sweep(rows, tmp_path, "test") + [plot_run([rec(i) for i in range(3)], tmp_path, "t")]:
+        assert png is not None and png.read_bytes()[:4] == b"\x89PNG"
+    assert plot_run([rec(0, ok=False, status="timeout")], tmp_path, "t") is None
