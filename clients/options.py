@@ -106,41 +106,65 @@ class ReplayConfig:
 def add_replay_args(p: argparse.ArgumentParser, with_rate: bool = True) -> None:
     """Add the replay flags (``with_rate=False`` leaves out ``--rps``/``--speedup``/``--out``)."""
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--prompts", type=Path, required=True, help="prompt JSONL ({dataset, task, prompt})")
+    p.add_argument(
+        "--prompts", type=Path, required=True, metavar="JSONL", help="prompt JSONL ({dataset, task, prompt})"
+    )
     p.add_argument(
         "--trace",
         type=Path,
         default=None,
+        metavar="CSV",
         help="Azure LLM trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens); default: Poisson",
     )
     if with_rate:
         rate = p.add_mutually_exclusive_group()
-        rate.add_argument("--rps", type=float, default=None, help="target average rate, requests/s")
-        rate.add_argument("--speedup", type=float, default=None, help="divide trace time by this")
-        p.add_argument("--out", type=Path, default=None, help="output folder (default: runs/replay-<time>)")
+        rate.add_argument(
+            "--rps", type=float, default=None, metavar="R", help="target average rate, requests/s"
+        )
+        rate.add_argument(
+            "--speedup", type=float, default=None, metavar="S", help="divide trace time by this"
+        )
+        p.add_argument(
+            "--out",
+            type=Path,
+            default=None,
+            metavar="DIR",
+            help="output folder (default: runs/replay-<time>)",
+        )
     p.add_argument(
-        "--trace-offset", type=float, default=0.0, help="skip the trace's first SEC seconds (trace time)"
+        "--trace-offset",
+        type=float,
+        default=0.0,
+        metavar="SEC",
+        help="skip the trace's first SEC seconds (trace time)",
     )
-    p.add_argument("--duration", type=float, default=None, help="only arrivals in the first SEC seconds")
-    p.add_argument("--max-requests", type=int, default=None, help="at most N requests")
+    p.add_argument(
+        "--duration", type=float, default=None, metavar="SEC", help="only arrivals in the first SEC seconds"
+    )
+    p.add_argument("--max-requests", type=int, default=None, metavar="N", help="at most N requests")
     p.add_argument(
         "--max-tokens-cap",
         type=int,
+        metavar="N",
         default=256,
         help="max_tokens = min(trace GeneratedTokens, N); N without a trace (default: 256)",
     )
     p.add_argument(
         "--max-context",
         type=int,
+        metavar="N",
         default=None,
         help="prompt + output tokens limit (default: server's max_model_len, else 2048)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of prompt choice and Poisson gaps")
-    p.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT SLO for goodput, ms")
-    p.add_argument("--model", default=None, help="model name to send (default: first of /v1/models)")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of prompt choice and Poisson gaps")
+    p.add_argument("--slo-tpot-ms", type=float, default=None, metavar="X", help="TPOT SLO for goodput, ms")
+    p.add_argument(
+        "--model", default=None, metavar="NAME", help="model name to send (default: first of /v1/models)"
+    )
     p.add_argument(
         "--tokenizer",
         type=Path,
+        metavar="PATH",
         default=None,
         help="tokenizer.json (or checkpoint folder) to size prompts; default: chars estimate",
     )
@@ -150,7 +174,9 @@ def add_replay_args(p: argparse.ArgumentParser, with_rate: bool = True) -> None:
         default=DEFAULT_CHARS_PER_TOKEN,
         help=f"prompt length estimate without --tokenizer (default: {DEFAULT_CHARS_PER_TOKEN})",
     )
-    p.add_argument("--timeout", type=float, default=300.0, help="longest wait for the next byte, s")
+    p.add_argument(
+        "--timeout", type=float, default=300.0, metavar="SEC", help="longest wait for the next byte, s"
+    )
     p.add_argument("--ignore-eos", action="store_true", help="ask the server to run to max_tokens")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 

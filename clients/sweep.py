@@ -106,8 +106,15 @@ def register_bench(benches: argparse._SubParsersAction) -> None:
         "TPOT/TTFT percentiles and the expert buffer hit rate against the request rate.",
     )
     add_replay_args(p, with_rate=False)
-    p.add_argument("--rates", required=True, help="comma-separated request rates, req/s, e.g. 0.5,1,2")
+    p.add_argument(
+        "--rates",
+        required=True,
+        metavar="R1,R2,...",
+        help="comma-separated request rates, req/s, e.g. 0.5,1,2",
+    )
     p.add_argument("--pause", type=float, default=2.0, help="seconds between rates (default: 2)")
-    p.add_argument("--out", type=Path, default=None, help="output folder (default: runs/sweep-<time>)")
+    p.add_argument(
+        "--out", type=Path, default=None, metavar="DIR", help="output folder (default: runs/sweep-<time>)"
+    )
     p.add_argument("--json", action="store_true", help="print the per-rate rows as JSON on stdout")
     p.set_defaults(func=run)
