@@ -1,0 +1,324 @@
+"""Per-request expert-activation recording on the engine thread (MoE-Infinity §4.1, §5.2).
+
+The runtime calls, per engine step: :meth:`RequestRecorder.record` once per MoE layer (right after
+routing), :meth:`~RequestRecorder.query` when a prefetch/cache policy wants the EAMs so far, and
+:meth:`~RequestRecorder.end_step` once the step's forward is done; per request:
+:meth:`~RequestRecorder.begin_request` when it is admitted and :meth:`~RequestRecorder.finish`
+(commit to the EAMC and the trace file) or :meth:`~RequestRecorder.abort` (drop) at the end.
+
+NOTE: storage. Every live request owns a slot in two preallocated tables of shape
+``(slots, 2, L, E)`` int64 (phase 0 = prefill, 1 = decode): ``_eam`` holds the request EAMs of
+finished steps, ``_step`` the current step's iteration EAMs; float32 copies summed over the phase
+(``_sum``, ``_step_sum``) make :meth:`RequestRecorder.query` one gather and one add. ``record``
+maps batch positions to slots once per distinct ``request_ids`` list, counts the layer's
+(token, choice) pairs with one ``bincount`` on ``(seq * 2 + phase) * E + expert`` and adds the
+``(B, 2, E)`` result into ``_step[slots, :, layer]``; ``end_step`` adds ``_step`` into ``_eam``
+for the touched slots. No per-token Python loop runs unless a trace writer is attached (it needs
+the per-token choices).
+
+Counting: each of a token's ``k`` choices counts once, so for every layer the row sum of a
+request EAM equals ``top_k *`` (tokens of the request seen at that layer).
+
+Not thread-safe: one engine thread drives it (the EAMC it commits to is read on the same thread).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from tracer.eam import EAM_DTYPE
+
+if TYPE_CHECKING:
+    from tracer.eamc import EAMC
+    from tracer.trace_file import TraceRecord, TraceWriter
+
+_PREFILL, _DECODE = 0, 1
+
+
+class _Live:
+    """Bookkeeping of one live request (slot, trace metadata, per-token choices if tracing)."""
+
+    __slots__ = ("slot", "prompt_len", "task", "ids", "weights", "prefill_tokens", "pending")
+
+    def __init__(self, slot: int, prompt_len: int, task: str | None) -> None:
+        self.slot, self.prompt_len, self.task = slot, prompt_len, task
+        self.ids: list[np.ndarray] = []  # per step: (n, L, k) int64, -1 = layer not recorded
+        self.weights: list[np.ndarray] = []  # per step: (n, L, k) float32
+        self.prefill_tokens = 0
+        self.pending: dict[int, tuple[np.ndarray, np.ndarray, bool]] = {}  # layer -> this step's rows
+
+
+class RequestRecorder:
+    """Iteration and request EAMs of the live requests; commits finished ones.
+
+    Args:
+        num_layers: ``L``, MoE layers (``moe_layer`` indices are ``0..L-1``).
+        num_experts: ``E``.
+        top_k: experts per token.
+        eamc: collection that :meth:`finish` adds request EAMs (prefill + decode) to, or None.
+        trace_writer: writer that :meth:`finish` appends the request's trace line to, or None.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_experts: int,
+        top_k: int,
+        eamc: EAMC | None = None,
+        trace_writer: TraceWriter | None = None,
+    ) -> None:
+        self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
+        self.eamc, self.trace_writer = eamc, trace_writer
+        self._live: dict[str, _Live] = {}
+        self._free: list[int] = []
+        self._eam = np.zeros((0, 2, num_layers, num_experts), dtype=EAM_DTYPE)
+        self._step = np.zeros_like(self._eam)
+        self._sum = np.zeros((0, num_layers, num_experts), dtype=np.float32)  # _eam summed over phase
+        self._step_sum = np.zeros_like(self._sum)  # _step summed over phase
+        self._touched = np.zeros(0, dtype=bool)
+        self._last_ids: list[str] | None = None
+        self._last_slots = np.zeros(0, dtype=np.int64)
+        self.committed = 0
+
+    # -- requests ---------------------------------------------------------------------------------
+    def begin_request(self, request_id: str, prompt_len: int, task: str | None = None) -> None:
+        """Start tracing ``request_id`` (prompt of ``prompt_len`` tokens, optional task label).
+
+        Raises:
+            ValueError: the id is already live.
+        """
+        if request_id in self._live:
+            raise ValueError(f"request {request_id!r} is already being recorded")
+        if not self._free:
+            self._grow()
+        self._live[request_id] = _Live(self._free.pop(), prompt_len, task)
+        self._last_ids = None
+
+    def _grow(self) -> None:
+        old = self._eam.shape[0]
+        new = max(8, 2 * old)
+        for name in ("_eam", "_step", "_sum", "_step_sum"):
+            old_table = getattr(self, name)
+            table = np.zeros((new, *old_table.shape[1:]), dtype=old_table.dtype)
+            table[:old] = old_table
+            setattr(self, name, table)
+        self._touched = np.concatenate([self._touched, np.zeros(new - old, dtype=bool)])
+        self._free.extend(range(new - 1, old - 1, -1))
+
+    def _slots(self, request_ids: list[str]) -> np.ndarray:
+        if request_ids is self._last_ids or request_ids == self._last_ids:
+            return self._last_slots
+        try:
+            slots = np.fromiter(
+                (self._live[r].slot for r in request_ids), dtype=np.int64, count=len(request_ids)
+            )
+        except KeyError as exc:
+            raise KeyError(
+                f"request {exc.args[0]!r} was not begun (begin_request) or already ended"
+            ) from None
+        self._last_ids, self._last_slots = list(request_ids), slots
+        return slots
+
+    # -- per layer --------------------------------------------------------------------------------
+    def record(
+        self,
+        moe_layer: int,
+        request_ids: list[str],
+        token_seq: np.ndarray,
+        token_prefill: np.ndarray,
+        topk_ids: np.ndarray,
+        topk_weights: np.ndarray,
+    ) -> None:
+        """Count one MoE layer's routing of a batch into the requests' iteration EAMs.
+
+        Args:
+            moe_layer: index among MoE layers, ``0..L-1`` (not the decoder-layer index).
+            request_ids: the batch's requests; ``token_seq`` indexes this list.
+            token_seq: ``(T,)`` int64 batch position of each token; a request's tokens are
+                contiguous and in order.
+            token_prefill: ``(T,)`` bool, True for prompt tokens.
+            topk_ids: ``(T, k)`` int64 expert ids.
+            topk_weights: ``(T, k)`` float32 gate weights (kept only for trace files).
+
+        Raises:
+            KeyError: a request id was not begun.
+            ValueError: shapes disagree, or a layer/expert id is out of range.
+        """
+        num_experts, batch = self.num_experts, len(request_ids)
+        if not 0 <= moe_layer < self.num_layers:
+            raise ValueError(f"moe_layer {moe_layer} outside [0, {self.num_layers})")
+        topk_ids = np.asarray(topk_ids)
+        if (
+            topk_ids.ndim != 2
+            or token_seq.shape != (topk_ids.shape[0],)
+            or token_prefill.shape != token_seq.shape
+        ):
+            raise ValueError(
+                f"token_seq {token_seq.shape}, token_prefill {token_prefill.shape} and topk_ids "
+                f"{topk_ids.shape} must be (T,), (T,) and (T, k)"
+            )
+        if topk_ids.size and (topk_ids.min() < 0 or topk_ids.max() >= num_experts):
+            raise ValueError(
+                f"expert ids must lie in [0, {num_experts}), got [{topk_ids.min()}, {topk_ids.max()}]"
+            )
+        slots = self._slots(request_ids)
+        phase = (~np.asarray(token_prefill, dtype=bool)).astype(np.int64)  # [T] 0 prefill, 1 decode
+        key = ((np.asarray(token_seq, dtype=np.int64) * 2 + phase) * num_experts)[
+            :, None
+        ] + topk_ids  # [T, k]
+        counts = np.bincount(key.ravel(), minlength=batch * 2 * num_experts)  # [B*2*E]
+        counts = counts.reshape(batch, 2, num_experts)
+        self._step[slots, :, moe_layer, :] += counts
+        self._step_sum[slots, moe_layer, :] += counts[:, 0] + counts[:, 1]
+        self._touched[slots] = True
+        if self.trace_writer is not None:
+            self._keep_choices(moe_layer, request_ids, token_seq, token_prefill, topk_ids, topk_weights)
+
+    def _keep_choices(
+        self,
+        moe_layer: int,
+        request_ids: list[str],
+        token_seq: np.ndarray,
+        token_prefill: np.ndarray,
+        topk_ids: np.ndarray,
+        topk_weights: np.ndarray,
+    ) -> None:
+        order = np.argsort(token_seq, kind="stable")
+        bounds = np.searchsorted(token_seq[order], np.arange(len(request_ids) + 1))
+        weights = np.asarray(topk_weights, dtype=np.float32)
+        for b, rid in enumerate(request_ids):
+            rows = order[bounds[b] : bounds[b + 1]]
+            if rows.size:
+                prefill = bool(token_prefill[rows[0]])
+                self._live[rid].pending[moe_layer] = (topk_ids[rows], weights[rows], prefill)
+
+    def _flush_choices(self, live: _Live) -> None:
+        """Move the current step's per-layer choices into ``(n, L, k)`` token rows."""
+        if not live.pending:
+            return
+        n = max(ids.shape[0] for ids, _, _ in live.pending.values())
+        k = next(iter(live.pending.values()))[0].shape[1]
+        ids = np.full((n, self.num_layers, k), -1, dtype=np.int64)
+        weights = np.zeros((n, self.num_layers, k), dtype=np.float32)
+        for layer, (lid, lw, _) in live.pending.items():
+            ids[: lid.shape[0], layer] = lid
+            weights[: lw.shape[0], layer] = lw
+        if any(prefill for _, _, prefill in live.pending.values()):
+            live.prefill_tokens += n
+        live.ids.append(ids)
+        live.weights.append(weights)
+        live.pending.clear()
+
+    # -- per step ---------------------------------------------------------------------------------
+    def end_step(self) -> None:
+        """Close the iteration: add every touched request's iteration EAM into its request EAM."""
+        touched = np.flatnonzero(self._touched)
+        if touched.size:
+            self._eam[touched] += self._step[touched]
+            self._sum[touched] += self._step_sum[touched]
+            self._step[touched] = 0
+            self._step_sum[touched] = 0
+            self._touched[touched] = False
+        if self.trace_writer is not None:
+            for live in self._live.values():
+                self._flush_choices(live)
+
+    def query(self, request_ids: list[str], upto_layer: int) -> np.ndarray:
+        """The requests' EAMs so far, for EAMC matching and cache priorities (§5.1, §5.2).
+
+        Args:
+            request_ids: requests to return, in this order.
+            upto_layer: last MoE layer routed in the current step (``-1``: none yet).
+
+        Returns:
+            ``(B, L, E)`` float32 counts: each request's EAM of earlier steps (prefill + decode)
+            plus, for rows ``<= upto_layer``, the current step's iteration EAM. Raw counts; pass
+            them to :meth:`tracer.eamc.EAMC.search`, which normalises rows.
+
+        Raises:
+            KeyError: a request id is not live.
+        """
+        slots = self._slots(request_ids)
+        out = self._sum[slots]  # [B, L, E] copy
+        if upto_layer >= 0:
+            out[:, : upto_layer + 1] += self._step_sum[slots, : upto_layer + 1]
+        return out
+
+    def request_eam(self, request_id: str) -> tuple[np.ndarray, np.ndarray]:
+        """``(prefill, decode)`` ``(L, E)`` int64 copies of the request EAM (finished steps only).
+
+        Raises:
+            KeyError: the request is not live.
+        """
+        slot = self._get(request_id).slot
+        return self._eam[slot, _PREFILL].copy(), self._eam[slot, _DECODE].copy()
+
+    def _get(self, request_id: str) -> _Live:
+        try:
+            return self._live[request_id]
+        except KeyError:
+            raise KeyError(f"request {request_id!r} was not begun (begin_request) or already ended") from None
+
+    # -- end of a request -------------------------------------------------------------------------
+    def finish(self, request_id: str) -> None:
+        """Commit a finished request: its EAM (prefill + decode, the current step's counts
+        included) goes into the EAMC if any, its trace line to the trace writer if any.
+
+        A request that routed no token is released without a commit.
+
+        Raises:
+            KeyError: the request is not live.
+        """
+        live = self._get(request_id)
+        slot = live.slot
+        if self._touched[slot]:
+            self._eam[slot] += self._step[slot]
+            self._step[slot] = 0
+        total = self._eam[slot].sum(axis=0)  # [L, E]
+        if self.eamc is not None and total.any():
+            self.eamc.add(total)
+        if self.trace_writer is not None:
+            self._flush_choices(live)
+            if live.ids:
+                self.trace_writer.write(self._trace_record(request_id, live))
+        self.committed += 1
+        self._release(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request without committing anything.
+
+        Raises:
+            KeyError: the request is not live.
+        """
+        self._get(request_id)
+        self._release(request_id)
+
+    def _release(self, request_id: str) -> None:
+        live = self._live.pop(request_id)
+        for table in (self._eam, self._step, self._sum, self._step_sum):
+            table[live.slot] = 0
+        self._touched[live.slot] = False
+        self._free.append(live.slot)
+        self._last_ids = None
+
+    def _trace_record(self, request_id: str, live: _Live) -> TraceRecord:
+        from tracer.trace_file import TraceRecord
+
+        return TraceRecord(
+            request_id=request_id,
+            task=live.task,
+            prompt_len=live.prompt_len,
+            num_layers=self.num_layers,
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            num_prefill=live.prefill_tokens,
+            ids=np.concatenate(live.ids),
+            weights=np.concatenate(live.weights),
+        )
+
+    @property
+    def live_requests(self) -> list[str]:
+        """Ids of the requests being recorded."""
+        return list(self._live)
