@@ -11,8 +11,6 @@ folder and ``os.replace``s it over the target, so a crash never leaves a half-wr
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import zipfile
 import zlib
 from pathlib import Path
@@ -20,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tracer.atomic import atomic_file
 from tracer.errors import TracerError
 
 if TYPE_CHECKING:
@@ -47,16 +46,8 @@ def save_eamc(eamc: EAMC, path: str | Path, fingerprint: dict[str, Any] | None =
             raise ValueError(f"fingerprint {key}={fp[key]!r} but the EAMC has {key}={value}")
     meta = {"format": FORMAT, "fingerprint": fp, "capacity": eamc.capacity, "index": eamc.index_kind}
     entries = np.ascontiguousarray(eamc.entries().reshape(len(eamc), eamc.dim))
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, meta=np.array(json.dumps(meta, sort_keys=True)), entries=entries)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path, "wb") as f:
+        np.savez(f, meta=np.array(json.dumps(meta, sort_keys=True)), entries=entries)
 
 
 def _read(path: Path) -> tuple[dict[str, Any], np.ndarray]:

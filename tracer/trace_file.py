@@ -15,8 +15,6 @@ which is the input the simulator and :mod:`tracer.predict_eval` use.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from tracer.atomic import atomic_file
 from tracer.eam import eam_from_choices
 from tracer.errors import TracerError
 
@@ -237,13 +236,6 @@ class TraceWriter:
 
 def write_traces(path: str | Path, records: list[TraceRecord]) -> None:
     """Write ``records`` to a new file at ``path`` atomically (temp file + ``os.replace``)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for rec in records:
-                f.write(json.dumps(rec.to_json(), separators=(",", ":")) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path, "w", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(rec.to_json(), separators=(",", ":")) + "\n")
