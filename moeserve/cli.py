@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "moeserve.commands.serve",
     "moeserve.commands.bench",
     "moeserve.commands.replay",
+    "moeserve.commands.trace",
 ]
 
 
@@ -37,12 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from clients.errors import ClientError
     from moe_runtime.errors import MoeServeError
+    from tracer.errors import TracerError
 
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (MoeServeError, ClientError) as exc:
+    except (MoeServeError, ClientError, TracerError) as exc:
         print(f"moeserve: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -12,6 +12,7 @@ BENCH_MODULES: list[str] = [
     "moe_runtime.bench.decode",
     "moe_runtime.bench.policies",
     "clients.sweep",
+    "tracer.bench_eamc",
 ]
 
 
