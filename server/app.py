@@ -40,15 +40,17 @@ def create_app(
         engine: an :class:`~moe_runtime.engine.engine.LLMEngine` no other thread uses; the app's
             engine thread becomes its only caller while the app runs.
         settings: HTTP settings (defaults: :class:`ServerSettings`).
-        trace: tracer hooks (EAMC saving and metrics), or None.
+        trace: tracer hooks (EAMC saving, trace writers); default: report ``engine.eamc``, if
+            any, in ``/metrics`` and save nothing.
         close_engine: close the engine when the app shuts down.
     """
     settings = settings or ServerSettings()
+    trace = trace if trace is not None else TraceHooks(engine)
     client = EngineClient(
         engine,
         max_wait_ms=settings.max_wait_ms,
         max_queue=settings.max_queue,
-        after_step=trace.after_step if trace is not None else None,
+        after_step=trace.after_step,
     )
     metrics = ServerMetrics(client, trace)
     client.on_finished = metrics.observe
@@ -62,8 +64,7 @@ def create_app(
         finally:
             await client.drain(settings.drain_timeout_s)
             try:
-                if trace is not None:
-                    await asyncio.to_thread(trace.close)
+                await asyncio.to_thread(trace.close)
             finally:
                 if close_engine:
                     engine.close()

@@ -113,7 +113,9 @@ class EngineClient:
     Args:
         engine: the engine (this client's thread becomes its only caller).
         max_wait_ms: auto-batching window when the engine is idle (milliseconds).
-        max_queue: most engine requests waiting for a batch slot before adds get 429.
+        max_queue: most engine requests beyond a full batch (open requests minus
+            ``max_batch_size``); an add that would pass it gets 429. Counting against the batch
+            size rather than the running snapshot keeps admission independent of step timing.
         on_finished: called on the event loop with each finished ``RequestOutput`` (histograms);
             a public attribute, settable later.
         after_step: called on the engine thread after every step (EAMC saving); exceptions in it
@@ -171,15 +173,18 @@ class EngineClient:
         """Queue a group of engine requests; returns once the engine accepted all of them.
 
         Raises:
-            APIError: 503 while draining or after the engine died; 429 when the waiting queue
-                is full; 400 when the engine refuses a request (the group is then dropped whole).
+            APIError: 503 while draining or after the engine died; 429 when more than
+                ``max_queue`` requests would wait beyond a full batch; 400 when the engine
+                refuses a request (the group is then dropped whole).
         """
         if self.draining:
             raise APIError(503, "the server is shutting down", "shutting_down")
         if not self.alive:
             raise APIError(503, "the engine is not running", "engine_dead")
-        if self.num_waiting + len(requests) > self.max_queue:
-            raise APIError(429, f"too many requests waiting ({self.num_waiting}); retry later", "queue_full")
+        queued = len(self._streams) + len(requests) - self.max_batch_size
+        if queued > self.max_queue:
+            msg = f"too many requests waiting for a batch slot (at most {self.max_queue}); retry later"
+            raise APIError(429, msg, "queue_full")
         assert self._loop is not None and self._idle is not None
         stream = RequestStream(self, [r.request_id for r in requests])
         for r in requests:

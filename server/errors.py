@@ -14,6 +14,7 @@ code  type                      error code            when
 413   invalid_request_error     request_too_large     body larger than ``--max-body-bytes``
 422   invalid_request_error     invalid_schema        body is not JSON or does not fit the schema
 429   rate_limit_error          queue_full            ``--max-queue`` requests already waiting
+                                                      beyond a full batch
 500   internal_error            internal_error        a bug; the server keeps serving
 503   service_unavailable       shutting_down /       draining for shutdown, or the engine thread
                                 engine_dead           died

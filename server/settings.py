@@ -18,7 +18,8 @@ class ServerSettings:
             (401 otherwise); ``/health`` and ``/metrics`` stay open.
         max_wait_ms: auto-batching window (MoE-Infinity §7.4): when the engine is idle and a
             request arrives, wait up to this long for more before the first step (0 = never wait).
-        max_queue: most engine requests waiting for a batch slot; beyond it requests get 429.
+        max_queue: most engine requests waiting beyond a full batch (``max_batch_size``
+            running); a request that would pass it gets 429.
         max_body_bytes: largest request body accepted; larger bodies get 413.
         drain_timeout_s: on shutdown, how long running requests may take to finish before they
             are aborted.

@@ -20,7 +20,7 @@ class ServerState:
     tokenizer: the checkpoint's tokenizer, or None (then only token-id prompts work).
     max_model_len: context length in tokens (prompt + output).
     created: Unix time the server started (``/v1/models``).
-    trace: tracer hooks (EAMC saving), or None.
+    trace: tracer hooks (EAMC saving and figures).
     """
 
     settings: ServerSettings
@@ -29,4 +29,4 @@ class ServerState:
     tokenizer: Any | None
     max_model_len: int
     created: int
-    trace: TraceHooks | None = None
+    trace: TraceHooks | None = None  # always set by create_app

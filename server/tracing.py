@@ -21,23 +21,24 @@ class TraceHooks:
     """Periodic and final EAMC saves plus the figures ``/metrics`` reads.
 
     Args:
-        engine: the engine (its ``stats.requests_finished`` counts finished requests).
-        eamc: the EAM collection the recorder commits to, or None.
-        eamc_path: where to save it (``eamc.save(path)``), or None for never.
+        engine: the engine (its ``stats.requests_finished`` counts finished requests; its
+            ``eamc`` attribute, when present, is the collection to save and report).
+        eamc_path: where to save the EAMC (``eamc.save(path)``), or None for never.
         save_every: save after every this many finished requests (0 = only at shutdown).
         closers: objects with ``close()`` to call at shutdown (trace writers).
+        eamc: the collection, when it is not ``engine.eamc``.
     """
 
     def __init__(
         self,
         engine: Any,
-        eamc: Any | None = None,
         eamc_path: Path | None = None,
         save_every: int = 0,
         closers: list[Any] | None = None,
+        eamc: Any | None = None,
     ) -> None:
-        self.engine, self.eamc, self.eamc_path = engine, eamc, eamc_path
-        self.save_every = save_every
+        self.engine, self.eamc_path, self.save_every = engine, eamc_path, save_every
+        self.eamc = eamc if eamc is not None else getattr(engine, "eamc", None)
         self.closers = closers or []
         self._saved_at = self._finished()
         self.saves = 0
@@ -80,33 +81,50 @@ class TraceHooks:
         return int(stats.num_queries), float(stats.seconds)
 
 
-def build_tracing(
-    engine_config: Any,
-    record_trace: Path | None,
-    eamc_path: Path | None,
-) -> tuple[Any | None, Any | None, list[Any]]:
-    """Make ``(recorder, eamc, closers)`` for the requested tracing (all None/empty when off).
+def model_fingerprint(cfg: Any) -> dict[str, Any]:
+    """What an EAMC file must match to be used with this model (saved with the collection)."""
+    return {
+        "architecture": cfg.architecture,
+        "num_layers": cfg.num_moe_layers,
+        "num_experts": cfg.num_experts,
+    }
 
-    ``eamc_path`` is loaded when the file exists, else a new collection is created there.
+
+def build_tracing(
+    cfg: Any, eamc_capacity: int, record_trace: Path | None, eamc_path: Path | None
+) -> tuple[Any | None, Any | None, list[Any]]:
+    """Make ``(recorder, eamc, closers)`` for the requested tracing (None, None, [] when off).
+
+    With ``eamc_path`` the collection is loaded when the file exists (its model fingerprint must
+    match), else created empty with ``eamc_capacity`` entries; the recorder commits each finished
+    request's EAM to it, whatever the prefetch policy, so serving fills it online.
 
     Raises:
-        ConfigError: tracing was asked for but the ``tracer`` package is not installed.
+        ConfigError: the tracer package is missing, the EAMC file is unreadable or belongs to
+            another model, or the trace file cannot be opened.
     """
     if record_trace is None and eamc_path is None:
         return None, None, []
     try:
-        from tracer.eamc import EAMC
         from tracer.recorder import RequestRecorder
         from tracer.trace_file import TraceWriter
     except ImportError as exc:
         raise ConfigError(f"--record-trace/--eamc-path need the tracer package ({exc})") from None
-    cfg = engine_config
+    from tracer.eamc import EAMC
+    from tracer.errors import TracerError
+
+    fingerprint = model_fingerprint(cfg)
     eamc = None
-    if eamc_path is not None:
-        if eamc_path.exists():
-            eamc = EAMC.load(eamc_path)
-        else:
-            eamc = EAMC(num_layers=cfg.num_moe_layers, num_experts=cfg.num_experts)
-    writer = TraceWriter(record_trace) if record_trace is not None else None
+    if eamc_path is not None and eamc_path.exists():
+        try:
+            eamc = EAMC.load(eamc_path, fingerprint)
+        except TracerError as exc:
+            raise ConfigError(f"--eamc-path: {exc}") from None
+    elif eamc_path is not None:
+        eamc = EAMC(cfg.num_moe_layers, cfg.num_experts, capacity=eamc_capacity, fingerprint=fingerprint)
+    try:
+        writer = TraceWriter(record_trace) if record_trace is not None else None
+    except OSError as exc:
+        raise ConfigError(f"--record-trace {record_trace}: cannot open ({exc.strerror})") from None
     recorder = RequestRecorder(cfg.num_moe_layers, cfg.num_experts, cfg.top_k, trace_writer=writer, eamc=eamc)
     return recorder, eamc, [writer] if writer is not None else []

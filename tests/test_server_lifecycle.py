@@ -19,6 +19,7 @@ from moe_runtime.engine.engine import LLMEngine
 from server.settings import ServerSettings
 from server.testing import serve_in_thread
 from server.tracing import TraceHooks
+from tracer.eamc import EAMC
 
 LONG = {"prompt": "The quick", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
 
@@ -89,12 +90,9 @@ def test_429_when_the_queue_is_full_then_503_when_draining(engine):
         http = httpx.Client(base_url=running.base_url, timeout=30)
         streams = []
         try:
-            for _ in range(2):  # both batch slots busy
+            for _ in range(3):  # both batch slots busy, then one waiting: the queue (1) is full
                 streams.append(http.stream("POST", "/v1/completions", json={**LONG, "stream": True}))
                 assert streams[-1].__enter__().status_code == 200
-            wait_until(lambda: running.client.snapshot.num_running == 2)
-            streams.append(http.stream("POST", "/v1/completions", json={**LONG, "stream": True}))
-            assert streams[-1].__enter__().status_code == 200  # waits: queue 1/1
             r = http.post("/v1/completions", json=LONG)
             assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
         finally:
@@ -142,7 +140,7 @@ class FakeEAMC:
 
 def test_eamc_saved_every_n_and_at_shutdown(engine, tmp_path):
     eamc = FakeEAMC()
-    hooks = TraceHooks(engine, eamc, tmp_path / "eamc", save_every=2)
+    hooks = TraceHooks(engine, tmp_path / "eamc", save_every=2, eamc=eamc)
     settings = ServerSettings(eamc_save_every=2)
     with serve_in_thread(engine, settings, hooks, close_engine=False) as running:
         for _ in range(4):
@@ -161,10 +159,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_sigterm_drains_running_requests(tiny_qwen3):
-    port = free_port()
+def test_sigterm_drains_running_requests_then_saves_the_eamc(tiny_qwen3, tmp_path):
+    port, eamc_path, trace_path = free_port(), tmp_path / "eamc.npz", tmp_path / "trace.jsonl"
     cmd = [sys.executable, "-m", "moeserve", "serve", "--model", str(tiny_qwen3), "--port", str(port)]
     cmd += ["--served-model-name", "tiny", "--log-level", "warning", "--max-wait-ms", "0"]
+    cmd += ["--prefetch-policy", "eam", "--eamc-path", str(eamc_path), "--record-trace", str(trace_path)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -177,6 +176,7 @@ def test_sigterm_drains_running_requests(tiny_qwen3):
                 return False
 
         wait_until(healthy, 60)
+        assert "moeserve_eamc_entries 0.0" in httpx.get(base + "/metrics").text
         events: list[dict] = []
         started = threading.Event()
 
@@ -199,6 +199,8 @@ def test_sigterm_drains_running_requests(tiny_qwen3):
         assert events[-2]["choices"][0]["finish_reason"] == "length"  # ran to the end
         assert proc.wait(60) == 0
         assert "buffer" in proc.stderr.read()  # the engine summary line
+        assert len(EAMC.load(eamc_path)) == 1  # the drained request's EAM, saved at shutdown
+        assert len(trace_path.read_text().splitlines()) == 1
     finally:
         if proc.poll() is None:
             proc.kill()

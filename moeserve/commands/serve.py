@@ -27,7 +27,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="auto-batching window: when idle, wait this long for more requests before a step (default: 5)",
     )
     g.add_argument(
-        "--max-queue", type=int, default=256, help="most requests waiting for a batch slot; then 429"
+        "--max-queue",
+        type=int,
+        default=256,
+        help="most requests waiting beyond a full batch; then 429 (default: 256)",
     )
     g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body; then 413")
     g.add_argument(
@@ -80,12 +83,12 @@ def run(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args)
     settings = _settings(args, Path(model_dir))
     loaded = load_checkpoint(model_dir, runtime)
-    recorder, eamc, closers = build_tracing(loaded.config, args.record_trace, args.eamc_path)
-    engine = LLMEngine(loaded, runtime, recorder)
+    recorder, eamc, closers = build_tracing(
+        loaded.config, runtime.eamc_capacity, args.record_trace, args.eamc_path
+    )
+    engine = LLMEngine(loaded, runtime, recorder, eamc=eamc)
     print(engine.summary(), file=sys.stderr, flush=True)
-    trace = None
-    if recorder is not None:
-        trace = TraceHooks(engine, eamc, args.eamc_path, args.eamc_save_every, closers)
+    trace = TraceHooks(engine, args.eamc_path, args.eamc_save_every, closers)
     app = create_app(engine, settings, trace)
     server = make_server(app, args.host, args.port, args.log_level, settings.drain_timeout_s)
     server.run()
