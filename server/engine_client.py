@@ -173,7 +173,8 @@ class EngineClient:
         """Queue a group of engine requests; returns once the engine accepted all of them.
 
         Raises:
-            APIError: 503 while draining or after the engine died; 429 when more than
+            APIError: 503 while draining or after the engine died; 400 when the group alone
+                is larger than a full batch plus the queue; 429 when more than
                 ``max_queue`` requests would wait beyond a full batch; 400 when the engine
                 refuses a request (the group is then dropped whole).
         """
@@ -181,6 +182,12 @@ class EngineClient:
             raise APIError(503, "the server is shutting down", "shutting_down")
         if not self.alive:
             raise APIError(503, "the engine is not running", "engine_dead")
+        if len(requests) > self.max_batch_size + self.max_queue:
+            msg = (
+                f"the request needs {len(requests)} sequences (prompts x n); this server holds at "
+                f"most {self.max_batch_size + self.max_queue} (--max-batch-size + --max-queue)"
+            )
+            raise APIError(400, msg, "invalid_value", "n")
         queued = len(self._streams) + len(requests) - self.max_batch_size
         if queued > self.max_queue:
             msg = f"too many requests waiting for a batch slot (at most {self.max_queue}); retry later"

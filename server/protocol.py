@@ -25,7 +25,7 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _SamplingFields(_Request):
+class SamplingFields(_Request):
     """Fields common to completions and chat completions."""
 
     model: str | None = None
@@ -45,7 +45,7 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     """``POST /v1/completions``: ``prompt`` is text, a list of texts, token ids or lists of ids."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -67,7 +67,7 @@ class ChatMessage(_Request):
     name: str | None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``: rendered with the checkpoint's chat template."""
 
     messages: list[ChatMessage]

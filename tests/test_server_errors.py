@@ -62,6 +62,7 @@ def test_401_without_or_with_wrong_key(http):
         ({"prompt": "x", "temperature": -1}, None),
         ({"prompt": "x", "top_p": 0}, None),
         ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": "x", "n": 300}, "n"),  # more than --max-batch-size + --max-queue
         ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
         ({"prompt": "x", "logprobs": 21}, None),
         ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),

@@ -11,7 +11,7 @@ from fastapi import Request
 from moe_runtime.engine.request import RequestOutput, SamplingParams, TokenLogprob
 from server.engine_client import EngineRequest, RequestStream
 from server.errors import APIError, invalid
-from server.protocol import ExpertUsage, Usage, _SamplingFields
+from server.protocol import ExpertUsage, SamplingFields, Usage
 from server.state import ServerState
 
 
@@ -42,7 +42,7 @@ def check_model(state: ServerState, model: str | None) -> str:
     return served
 
 
-def check_unsupported(body: _SamplingFields) -> None:
+def check_unsupported(body: SamplingFields) -> None:
     """400 for OpenAI options this server does not implement (rather than silently ignoring)."""
     if body.n < 1:
         raise invalid(f"n must be >= 1, got {body.n}", "n")
@@ -57,7 +57,7 @@ def check_unsupported(body: _SamplingFields) -> None:
 
 
 def sampling_params(
-    body: _SamplingFields, max_tokens: int, logprobs: int | None, choice: int
+    body: SamplingFields, max_tokens: int, logprobs: int | None, choice: int
 ) -> SamplingParams:
     """Engine sampling parameters for choice ``choice`` of a request.
 
@@ -83,7 +83,7 @@ def sampling_params(
 
 def engine_requests(
     response_id: str,
-    body: _SamplingFields,
+    body: SamplingFields,
     prompts: list[list[int]],
     max_tokens: list[int],
     logprobs: int | None,
