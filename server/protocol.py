@@ -14,11 +14,22 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+_NULL_IS_A_VALUE = {"max_tokens"}  # completions: null = the rest of the context, not 16
 
 
 class _Request(BaseModel):
+    """Unknown fields are ignored; ``null`` means "the default" (OpenAI clients send it)."""
+
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k in _NULL_IS_A_VALUE}
+        return data
 
 
 class StreamOptions(_Request):

@@ -129,6 +129,13 @@ def test_422_schema_errors(http):
     assert_error(post(http, {"messages": "hi"}, "/v1/chat/completions"), 422, "invalid_schema", "messages")
 
 
+def test_null_fields_mean_their_default(http):
+    nulls = dict.fromkeys(["n", "stream", "echo", "logprobs", "temperature", "stop", "seed", "user"])
+    r = post(http, {"prompt": "x", "max_tokens": 2, **nulls})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1
+
+
 def test_a_failing_request_never_takes_the_server_down(http):
     state = http.running.app.state.server
     tokenizer = state.tokenizer
