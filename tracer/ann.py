@@ -56,7 +56,7 @@ class IVFIndex:
         ids = np.array([slot], dtype=np.int64)
         vec = data[slot : slot + 1]
         if self._present[slot]:
-            self._index.update_vectors(1, faiss.swig_ptr(ids), faiss.swig_ptr(vec))
+            self._index.update_vectors(ids, vec)
         else:
             self._index.add_with_ids(vec, ids)
             self._present[slot] = True

@@ -1,7 +1,8 @@
 """EAMC files: save atomically, load with a model-fingerprint check (MoE-Infinity §5.3).
 
 File layout (numpy ``.npz``, no pickle): ``meta`` is a 0-d unicode array holding one JSON object
-``{"format": "moeserve-eamc/1", "fingerprint": {...}, "capacity": C, "index": "flat"}``, and
+``{"format": "moeserve-eamc/1", "fingerprint": {...}, "capacity": C, "index": "flat"}`` (plus
+``nlist``/``nprobe`` for an IVF collection), and
 ``entries`` is the ``(n, L * E)`` float32 matrix of stored entries, each ``E``-wide row
 L2-normalised (or zero). The fingerprint always holds ``num_layers`` and ``num_experts``; the
 runtime adds what identifies the model (architecture, ...). A save writes a temp file in the same
@@ -44,7 +45,14 @@ def save_eamc(eamc: EAMC, path: str | Path, fingerprint: dict[str, Any] | None =
     for key, value in (("num_layers", eamc.num_layers), ("num_experts", eamc.num_experts)):
         if fp.setdefault(key, value) != value:
             raise ValueError(f"fingerprint {key}={fp[key]!r} but the EAMC has {key}={value}")
-    meta = {"format": FORMAT, "fingerprint": fp, "capacity": eamc.capacity, "index": eamc.index_kind}
+    meta: dict[str, Any] = {
+        "format": FORMAT,
+        "fingerprint": fp,
+        "capacity": eamc.capacity,
+        "index": eamc.index_kind,
+    }
+    if eamc._ivf is not None:
+        meta.update(nlist=eamc._ivf.nlist, nprobe=eamc._ivf.nprobe)
     entries = np.ascontiguousarray(eamc.entries().reshape(len(eamc), eamc.dim))
     with atomic_file(path, "wb") as f:
         np.savez(f, meta=np.array(json.dumps(meta, sort_keys=True)), entries=entries)
@@ -139,6 +147,10 @@ def load_eamc(
                 )
     kwargs.setdefault("capacity", capacity)
     kwargs.setdefault("index", meta.get("index", "flat"))
+    if kwargs["index"] == "ivf":
+        for key in ("nlist", "nprobe"):
+            if isinstance(meta.get(key), int) and meta[key] > 0:
+                kwargs.setdefault(key, meta[key])
     if kwargs["capacity"] < entries.shape[0]:
         raise TracerError(
             f"{path}: holds {entries.shape[0]} entries, more than capacity {kwargs['capacity']}"

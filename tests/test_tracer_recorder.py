@@ -1,0 +1,184 @@
+"""RequestRecorder: attribution under batching, row sums, query semantics, commit/abort."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tracer.eamc import EAMC
+from tracer.recorder import RequestRecorder
+from tracer.trace_file import TraceWriter, load_traces
+
+L, E, K = 3, 6, 2
+
+
+class _Script:
+    """Random per-request routing: ``routes[rid]`` is (T, L, k) ids, the first ``prompt`` prefill."""
+
+    def __init__(self, seed: int, prompts: dict[str, int], decode: dict[str, int]) -> None:
+        rng = np.random.default_rng(seed)
+        self.prompts, self.decode = prompts, decode
+        self.routes = {
+            rid: np.argsort(rng.random((prompts[rid] + decode[rid], L, E)), axis=-1)[..., :K]
+            for rid in prompts
+        }
+        self.weights = {rid: rng.random(r.shape, dtype=np.float32) for rid, r in self.routes.items()}
+
+    def steps(self, rids: list[str], chunk: int) -> list[list[tuple[str, int, int, bool]]]:
+        """Engine steps: per step, (rid, first token, count, prefill) for each scheduled request."""
+        pos = dict.fromkeys(rids, 0)
+        out = []
+        while any(pos[r] < self.prompts[r] + self.decode[r] for r in rids):
+            step = []
+            for r in rids:
+                p = pos[r]
+                if p < self.prompts[r]:
+                    n = min(chunk, self.prompts[r] - p)
+                    step.append((r, p, n, True))
+                elif p < self.prompts[r] + self.decode[r]:
+                    n = 1
+                    step.append((r, p, 1, False))
+                else:
+                    continue
+                pos[r] += n
+            out.append(step)
+        return out
+
+
+def _drive(rec: RequestRecorder, script: _Script, rids: list[str], chunk: int = 4) -> None:
+    for step in script.steps(rids, chunk):
+        ids_batch = [r for r, _, _, _ in step]
+        seq = np.concatenate([np.full(n, b) for b, (_, _, n, _) in enumerate(step)]).astype(np.int64)
+        prefill = np.concatenate([np.full(n, pf) for _, _, n, pf in step])
+        for layer in range(L):
+            topk = np.concatenate([script.routes[r][p : p + n, layer] for r, p, n, _ in step])
+            w = np.concatenate([script.weights[r][p : p + n, layer] for r, p, n, _ in step])
+            rec.record(layer, ids_batch, seq, prefill, topk, w)
+        rec.end_step()
+
+
+def _alone(script: _Script, rid: str) -> tuple[np.ndarray, np.ndarray]:
+    rec = RequestRecorder(L, E, K)
+    rec.begin_request(rid, script.prompts[rid])
+    _drive(rec, script, [rid])
+    return rec.request_eam(rid)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    prompts=st.lists(st.integers(1, 9), min_size=1, max_size=4),
+    decode=st.lists(st.integers(0, 5), min_size=4, max_size=4),
+    chunk=st.integers(1, 6),
+)
+def test_batching_never_mixes_requests(seed: int, prompts: list[int], decode: list[int], chunk: int) -> None:
+    rids = [f"r{i}" for i in range(len(prompts))]
+    script = _Script(seed, dict(zip(rids, prompts, strict=False)), dict(zip(rids, decode, strict=False)))
+    rec = RequestRecorder(L, E, K)
+    for r in rids:
+        rec.begin_request(r, script.prompts[r])
+    _drive(rec, script, rids, chunk)
+    for r in rids:
+        prefill, dec = rec.request_eam(r)
+        alone_p, alone_d = _alone(script, r)
+        np.testing.assert_array_equal(prefill, alone_p)
+        np.testing.assert_array_equal(dec, alone_d)
+        # row sum == tokens seen at that layer x top_k, prefill and decode apart
+        assert (prefill.sum(axis=1) == script.prompts[r] * K).all()
+        assert (dec.sum(axis=1) == script.decode[r] * K).all()
+
+
+def test_query_adds_this_steps_rows_up_to_the_layer() -> None:
+    rec = RequestRecorder(L, E, K)
+    rec.begin_request("a", 2)
+    rec.begin_request("b", 1)
+    seq, pf = np.array([0, 0, 1]), np.ones(3, bool)
+    ids = np.array([[0, 1], [0, 2], [5, 4]])
+    rec.record(0, ["a", "b"], seq, pf, ids, np.ones((3, 2), np.float32))
+    q = rec.query(["b", "a"], upto_layer=0)
+    assert q.shape == (2, L, E) and q.dtype == np.float32
+    assert q[1, 0].tolist() == [2, 1, 1, 0, 0, 0] and q[0, 0].tolist() == [0, 0, 0, 0, 1, 1]
+    assert (q[:, 1:] == 0).all()
+    rec.record(1, ["a", "b"], seq, pf, ids, np.ones((3, 2), np.float32))
+    assert (rec.query(["a"], upto_layer=0)[0, 1] == 0).all()  # layer 1 not included yet
+    assert rec.query(["a"], upto_layer=1)[0, 1].sum() == 4
+    rec.end_step()
+    assert rec.request_eam("a")[0].sum() == 8  # layers 0 and 1, 2 tokens x 2 choices
+    # next step: earlier steps show on every row, whatever upto_layer
+    assert rec.query(["a"], upto_layer=-1)[0].sum(axis=1).tolist() == [4, 4, 0]
+
+
+def test_finish_commits_to_eamc_and_abort_does_not(tmp_path: Path) -> None:
+    eamc = EAMC(L, E, capacity=4)
+    writer = TraceWriter(tmp_path / "t.jsonl")
+    rec = RequestRecorder(L, E, K, eamc=eamc, trace_writer=writer)
+    script = _Script(1, {"a": 3, "b": 2, "c": 2}, {"a": 2, "b": 1, "c": 0})
+    for r in ("a", "b", "c"):
+        rec.begin_request(r, script.prompts[r], task="demo")
+    _drive(rec, script, ["a", "b", "c"], chunk=2)
+    total_a = sum(rec.request_eam("a"))
+    rec.finish("a")
+    rec.abort("b")
+    rec.begin_request("idle", 5)
+    rec.finish("idle")  # routed nothing: released without a commit
+    writer.close()
+    assert len(eamc) == 1
+    np.testing.assert_allclose(eamc.search(total_a, k=1)[0][0, 0], L, rtol=1e-5)
+    records = load_traces(tmp_path / "t.jsonl")
+    assert [r.request_id for r in records] == ["a"]
+    tr = records[0]
+    assert (tr.task, tr.prompt_len, tr.num_prefill, tr.num_tokens) == ("demo", 3, 3, 5)
+    np.testing.assert_array_equal(tr.ids, script.routes["a"])
+    np.testing.assert_allclose(tr.weights, np.round(script.weights["a"], 4), atol=1e-6)
+    np.testing.assert_array_equal(tr.eam(prefill=True), rec_eam := _alone(script, "a")[0])
+    assert rec_eam.sum() == 3 * L * K
+    assert rec.live_requests == ["c"]
+    with pytest.raises(KeyError):
+        rec.request_eam("b")
+
+
+def test_finish_includes_an_open_step() -> None:
+    eamc = EAMC(L, E, capacity=2)
+    rec = RequestRecorder(L, E, K, eamc=eamc)
+    rec.begin_request("a", 1)
+    for layer in range(L):
+        rec.record(
+            layer, ["a"], np.array([0]), np.array([True]), np.array([[1, 2]]), np.ones((1, 2), np.float32)
+        )
+    rec.finish("a")  # no end_step: the step's counts are still committed
+    assert len(eamc) == 1 and (eamc.entries()[0][:, [1, 2]] > 0).all()
+
+
+def test_slots_are_reused_and_zeroed() -> None:
+    rec = RequestRecorder(L, E, K)
+    for i in range(20):
+        rec.begin_request(f"r{i}", 1)
+        rec.record(
+            0, [f"r{i}"], np.array([0]), np.array([False]), np.array([[0, 1]]), np.ones((1, 2), np.float32)
+        )
+        rec.end_step()
+        assert rec.request_eam(f"r{i}")[1].sum() == 2
+        rec.finish(f"r{i}")
+    assert rec._eam.shape[0] == 8  # one slot, recycled
+
+
+def test_bad_calls_rejected() -> None:
+    rec = RequestRecorder(L, E, K)
+    rec.begin_request("a", 1)
+    one = np.ones((1, 2), np.float32)
+    with pytest.raises(ValueError, match="already"):
+        rec.begin_request("a", 1)
+    with pytest.raises(KeyError, match="'zz' was not begun"):
+        rec.record(0, ["zz"], np.array([0]), np.array([True]), np.array([[0, 1]]), one)
+    with pytest.raises(ValueError, match="moe_layer"):
+        rec.record(L, ["a"], np.array([0]), np.array([True]), np.array([[0, 1]]), one)
+    with pytest.raises(ValueError, match="expert ids"):
+        rec.record(0, ["a"], np.array([0]), np.array([True]), np.array([[0, E]]), one)
+    with pytest.raises(ValueError, match="must be"):
+        rec.record(0, ["a"], np.array([0, 0]), np.array([True]), np.array([[0, 1]]), one)
+    with pytest.raises(KeyError):
+        rec.finish("zz")
