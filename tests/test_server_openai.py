@@ -130,32 +130,36 @@ def test_models_and_async_client(running):
 
 def test_batching_changes_nothing(running):
     """32 concurrent greedy requests (more than the 8 batch slots, so requests join and leave the
-    running batch) return exactly what each returns alone."""
+    running batch) return exactly what each returns alone; so do 8 seeded sampled ones."""
     tok = running.app.state.server.tokenizer
     text = "The quick brown fox jumps over the lazy dog def add return class Stack push self"
-    prompts = [tok.encode(text[i % 9 : i % 9 + 4 + 3 * (i % 5)]) for i in range(32)]
-    body = dict(model=MODEL, max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = [tok.encode(text[i % 9 : i % 9 + 4 + 3 * (i % 5)]) for i in range(40)]
+    sampling = [{"temperature": 0} if i < 32 else {"temperature": 0.9, "seed": i} for i in range(40)]
+    body = dict(model=MODEL, max_tokens=6, ignore_eos=True, logprobs=0)
 
-    async def run_all(concurrent: bool) -> list[list[str]]:
+    async def run_all(concurrent: bool) -> list[dict]:
         async with httpx.AsyncClient(base_url=running.base_url, timeout=120) as http:
 
-            async def one(p: list[int]) -> list[str]:
-                r = await http.post("/v1/completions", json={**body, "prompt": p, "logprobs": 0})
+            async def one(i: int) -> dict:
+                r = await http.post("/v1/completions", json={**body, **sampling[i], "prompt": prompts[i]})
                 r.raise_for_status()
-                return r.json()["choices"][0]["logprobs"]["tokens"]
+                choice = r.json()["choices"][0]
+                return {"text": choice["text"], **choice["logprobs"]}
 
             if concurrent:
-                return list(await asyncio.gather(*(one(p) for p in prompts)))
-            return [await one(p) for p in prompts]
+                return list(await asyncio.gather(*(one(i) for i in range(40))))
+            return [await one(i) for i in range(40)]
 
     engine = running.client.engine
     steps0 = engine.stats.steps
     alone = asyncio.run(run_all(concurrent=False))
     steps1 = engine.stats.steps
     together = asyncio.run(run_all(concurrent=True))
-    assert together == alone
     assert engine.stats.steps - steps1 < (steps1 - steps0) / 4  # they really shared steps
-    assert all(len(t) == 6 for t in alone)
+    for a, t in zip(alone, together):
+        assert t["text"] == a["text"] and t["tokens"] == a["tokens"]
+        assert t["token_logprobs"] == pytest.approx(a["token_logprobs"], abs=1e-3)  # same token ids
+        assert len(a["tokens"]) == 6
 
 
 def _scrape(base_url: str) -> dict[str, float]:
