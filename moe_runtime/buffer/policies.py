@@ -16,7 +16,23 @@ from moe_runtime.buffer.cache_policy import CachePolicy
 from moe_runtime.errors import ConfigError
 
 
-class EAMCachePolicy(CachePolicy):
+class _ResetPolicy(CachePolicy):
+    """A policy whose slot priority is recomputed by ``_reset`` on fill, use and mis-prefetch."""
+
+    def _reset(self, slot: int, key: int) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def on_fill(self, slot: int, key: int, prefetch: bool) -> None:
+        self._reset(slot, key)
+
+    def on_use(self, slot: int, key: int) -> None:
+        self._reset(slot, key)
+
+    def on_prefetch_unused(self, slot: int, key: int) -> None:
+        self._reset(slot, key)
+
+
+class EAMCachePolicy(_ResetPolicy):
     """Priority = ``(count + 0.5) * (1 + (L - 1 - layer) / L)`` plus a tiny recency term.
 
     ``count`` is the running requests' request-EAM count for the expert (tokens routed to it so
@@ -47,17 +63,8 @@ class EAMCachePolicy(CachePolicy):
         layer = key // self.num_experts
         self.priority[slot] = (self.counts[key] + 0.5) * self.boost[layer] + 1e-9 * self.tick()
 
-    def on_fill(self, slot: int, key: int, prefetch: bool) -> None:
-        self._reset(slot, key)
 
-    def on_use(self, slot: int, key: int) -> None:
-        self._reset(slot, key)
-
-    def on_prefetch_unused(self, slot: int, key: int) -> None:
-        self._reset(slot, key)
-
-
-class ModelCountsCachePolicy(CachePolicy):
+class ModelCountsCachePolicy(_ResetPolicy):
     """BrainStorm-style: priority = lifetime activation count of the expert over all requests."""
 
     name = "model-counts"
@@ -74,15 +81,6 @@ class ModelCountsCachePolicy(CachePolicy):
     def _reset(self, slot: int, key: int) -> None:
         self._slot_key[slot] = key
         self.priority[slot] = self.counts[key] + 1e-9 * self.tick()
-
-    def on_fill(self, slot: int, key: int, prefetch: bool) -> None:
-        self._reset(slot, key)
-
-    def on_use(self, slot: int, key: int) -> None:
-        self._reset(slot, key)
-
-    def on_prefetch_unused(self, slot: int, key: int) -> None:
-        self._reset(slot, key)
 
     def victim(self, candidates: np.ndarray) -> int:
         keys = self._slot_key[candidates]
