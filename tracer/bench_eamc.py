@@ -5,6 +5,9 @@ Fills an EAMC to capacity with seeded synthetic request EAMs (:mod:`tracer.synth
 ``add`` of a full collection (a search for the most similar entry + an overwrite). With
 ``--index ivf`` it also measures recall@k of the approximate index against the exact search on
 the same queries. The paper reports 21 us per query at 1k entries and 226 us at 10k.
+
+The 1-minute load average is printed with the settings: on a shared host, other processes (on
+the same core or its SMT sibling) can slow a search several-fold, so compare runs at similar load.
 """
 
 from __future__ import annotations
@@ -37,13 +40,16 @@ def _median_us(fn: Any, iters: int, warmup: int) -> tuple[float, float]:
     return float(np.median(times) * 1e6), float(np.percentile(times, 90) * 1e6)
 
 
-def fill(eamc: EAMC, seed: int, chunk: int = 1000) -> float:
-    """Fill ``eamc`` to capacity with synthetic EAMs; returns seconds spent in ``add``."""
+def fill(eamc: EAMC, seed: int, chunk: int = 1000, **synth: Any) -> float:
+    """Fill ``eamc`` to capacity with synthetic EAMs (``synth``: :func:`synthetic_eams` options);
+    returns seconds spent in ``add``."""
     spent = 0.0
     start = 0
     while len(eamc) < eamc.capacity:
         n = min(chunk, eamc.capacity - len(eamc))
-        eams = synthetic_eams(n, eamc.num_layers, eamc.num_experts, seed=seed, request_seed=1000 + start)
+        eams = synthetic_eams(
+            n, eamc.num_layers, eamc.num_experts, seed=seed, request_seed=1000 + start, **synth
+        )
         t0 = time.perf_counter()
         for e in eams:
             eamc.add(e)
@@ -70,8 +76,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.layers, args.experts, capacity=args.capacity, index=args.index, threads=args.threads,
         nlist=args.nlist, nprobe=args.nprobe,
     )  # fmt: skip
-    fill_s = fill(eamc, args.seed)
-    pool = synthetic_eams(_POOL, args.layers, args.experts, seed=args.seed, request_seed=1).astype(np.float32)
+    synth = {"groups": args.groups, "noise": args.noise}
+    fill_s = fill(eamc, args.seed, **synth)
+    pool = synthetic_eams(_POOL, args.layers, args.experts, seed=args.seed, request_seed=1, **synth)
+    pool = pool.astype(np.float32)
     result: dict[str, Any] = {
         "settings": {
             "layers": args.layers, "experts": args.experts, "dim": args.layers * args.experts,
@@ -79,7 +87,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "threads": args.threads, "iters": args.iters, "warmup": args.warmup, "seed": args.seed,
             "faiss": faiss.__version__, "cpus": os.cpu_count(),
             "cpu": platform.processor() or platform.machine(),
-            "data": "synthetic EAMs (tracer.synth, 64 groups), full-row queries",
+            "data": f"synthetic EAMs (groups={args.groups} noise={args.noise}), full-row queries",
+            "loadavg_1m": round(os.getloadavg()[0], 2),
         },
         "fill_seconds": round(fill_s, 3),
     }  # fmt: skip
@@ -166,5 +175,9 @@ def register_bench(benches: argparse._SubParsersAction) -> None:
     p.add_argument("--iters", type=int, default=500, help="timed searches per batch size")
     p.add_argument("--warmup", type=int, default=50, help="untimed searches first")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--groups", type=int, default=64, help="activation patterns of the synthetic EAMs")
+    p.add_argument(
+        "--noise", type=float, default=0.3, help="per-request share of the synthetic EAMs in [0, 1]"
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd)

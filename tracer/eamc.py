@@ -19,6 +19,8 @@ rest.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,26 @@ import numpy as np
 from tracer import eam as _eam
 
 INDEX_KINDS = ("flat", "ivf")
+
+
+@contextmanager
+def _omp_threads(threads: int) -> Iterator[None]:
+    """Run faiss with ``threads`` OpenMP threads, restoring the calling thread's setting after.
+
+    NOTE: faiss parallelises even a one-query search or a one-vector IVF add over its OpenMP
+    team; on a busy 2-core host a team of 2 waits for a descheduled thread and a 20 us search
+    can take milliseconds. The setting is per calling thread, so restoring it leaves the rest
+    of the process (torch, other faiss users) as it was.
+    """
+    prev = faiss.omp_get_max_threads()
+    if prev == threads:
+        yield
+        return
+    faiss.omp_set_num_threads(threads)
+    try:
+        yield
+    finally:
+        faiss.omp_set_num_threads(prev)
 
 
 @dataclass(slots=True)
@@ -140,7 +162,8 @@ class EAMC:
             slot = int(idx[0, 0])
         self._data[slot] = vec[0]
         if self._ivf is not None:
-            self._ivf.put(self._data, self._n, slot)
+            with _omp_threads(self.threads):
+                self._ivf.put(self._data, self._n, slot)
         return slot
 
     # -- search ---------------------------------------------------------------------------------
@@ -188,8 +211,9 @@ class EAMC:
         idx = np.empty((nq, k), dtype=np.int64)
         if k == 0:
             return sims, idx
-        prev = faiss.omp_get_max_threads()
-        faiss.omp_set_num_threads(self.threads)
+        prev = faiss.omp_get_max_threads()  # inline _omp_threads: this is the hot path
+        if prev != self.threads:
+            faiss.omp_set_num_threads(self.threads)
         try:
             if self._ivf is not None and self._ivf.trained:
                 self._ivf.search(xq, k, sims, idx)
@@ -199,7 +223,8 @@ class EAMC:
                     faiss.swig_ptr(sims), faiss.swig_ptr(idx),
                 )  # fmt: skip
         finally:
-            faiss.omp_set_num_threads(prev)
+            if prev != self.threads:
+                faiss.omp_set_num_threads(prev)
         return sims, idx
 
     @staticmethod
@@ -243,4 +268,5 @@ class EAMC:
         self._data[:n] = entries
         self._n = n
         if self._ivf is not None and n >= self._ivf.train_after:
-            self._ivf.rebuild(self._data, n)
+            with _omp_threads(self.threads):
+                self._ivf.rebuild(self._data, n)
