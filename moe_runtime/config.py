@@ -129,7 +129,8 @@ class RuntimeConfig:
             ``(layer, expert)`` (MoE-Infinity §5.3). On CPU these are emulated devices, each with
             its own buffer and I/O thread.
         dtype: ``bf16``, ``fp16`` or ``fp32`` for all weights and activations.
-        buffer_slots: expert slots per device; ``None`` derives it from ``buffer_fraction``.
+        buffer_slots: expert slots in total (split evenly over ``num_devices``); ``None`` derives
+            it from ``buffer_fraction``.
         buffer_fraction: share of all experts the buffer holds (0, 1], used when
             ``buffer_slots`` is ``None``; 1.0 keeps every expert resident.
         link_gbps: emulated host->device bandwidth in GB/s (1e9 bytes/s); ``None`` = no emulation.
