@@ -88,7 +88,12 @@ class ModelCountsCachePolicy(_ResetPolicy):
 
 
 class OracleCachePolicy(CachePolicy):
-    """Belady: evict the candidate whose next use is furthest in the recorded future."""
+    """Belady: evict the candidate whose next use is furthest in the recorded future.
+
+    An expert the running layer execution needs and has not used yet counts as needed now
+    (it may be evictable between routing and the layer's run); once used, its next use is the
+    following one.
+    """
 
     name = "oracle"
 
@@ -100,10 +105,15 @@ class OracleCachePolicy(CachePolicy):
             )
         self.oracle = oracle
         self._slot_key = np.full(num_slots, -1)
+        self._used_at: dict[int, int] = {}  # key -> cursor of its latest use
 
     def on_fill(self, slot: int, key: int, prefetch: bool) -> None:
         self._slot_key[slot] = key
 
+    def on_use(self, slot: int, key: int) -> None:
+        self._used_at[key] = self.oracle.cursor
+
     def victim(self, candidates: np.ndarray) -> int:
-        nxt = [self.oracle.next_use(int(k)) for k in self._slot_key[candidates]]
+        cur, used, nxt_use = self.oracle.cursor, self._used_at, self.oracle.next_use
+        nxt = [nxt_use(k, current=used.get(k) != cur) for k in self._slot_key[candidates].tolist()]
         return int(candidates[int(np.argmax(nxt))])

@@ -53,18 +53,19 @@ class OracleSchedule:
             )
         return self.cursor
 
-    def next_use(self, key: int) -> float:
-        """Position of ``key``'s next use strictly after the cursor (inf if never)."""
+    def next_use(self, key: int, current: bool = False) -> float:
+        """Position of ``key``'s next use strictly after the cursor (inf if never); with
+        ``current``, a use at the cursor itself counts (the running position still needs it)."""
         uses = self._uses.get(key)
         if not uses:
             return NEVER
-        i = bisect.bisect_right(uses, self.cursor)
+        i = (bisect.bisect_left if current else bisect.bisect_right)(uses, self.cursor)
         return uses[i] if i < len(uses) else NEVER
 
-    def upcoming(self, horizon: int) -> list[tuple[int, int]]:
-        """``[(distance, key)]`` for the next ``horizon`` positions after the cursor."""
+    def upcoming(self, horizon: int, start: int = 1) -> list[tuple[int, int]]:
+        """``[(distance, key)]`` for positions ``cursor + start .. cursor + horizon``."""
         out = []
-        for d in range(1, horizon + 1):
+        for d in range(start, horizon + 1):
             pos = self.cursor + d
             if pos >= len(self.log):
                 break
@@ -74,7 +75,12 @@ class OracleSchedule:
 
 
 class OraclePrefetch(PrefetchPolicy):
-    """Prefetch exactly what the next ``depth`` layer executions use, nearest first."""
+    """Prefetch exactly what the next ``depth`` layer executions use, nearest first.
+
+    Belady's "do no harm": only experts among each device's ``slots`` soonest-needed ones
+    (counting the running position's) are prefetched, so a prefetch never displaces an expert
+    that is needed sooner (with the oracle cache policy evicting the furthest next use).
+    """
 
     name = "oracle"
 
@@ -88,6 +94,17 @@ class OraclePrefetch(PrefetchPolicy):
 
     def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
         scores = np.zeros(self.num_layers * self.num_experts)
-        for d, key in self.oracle.upcoming(self.depth):
-            scores[key] = max(scores[key], 1.0 - d / (self.depth + 1))
+        home, parts = self.buffer.home, self.buffer.parts
+        room = [p.num_slots for p in parts]  # per device: soonest-needed experts still to place
+        seen: set[int] = set()
+        for d, key in self.oracle.upcoming(self.depth, start=0):
+            if key in seen:
+                continue
+            seen.add(key)
+            dev = int(home[key])
+            if room[dev] == 0:
+                continue
+            room[dev] -= 1
+            if d > 0:
+                scores[key] = 1.0 - d / (self.depth + 1)
         self.issue(scores.reshape(self.num_layers, self.num_experts))
