@@ -1,0 +1,280 @@
+"""``SimBuffer``: the runtime's slot state machine driven by an event clock instead of threads.
+
+NOTE: the runtime, re-timed. :class:`~moe_runtime.buffer.expert_buffer.ExpertBuffer` has a compute
+thread and one I/O thread per device sharing a lock; here both are one clock. ``now`` is the compute
+thread's time. Each device's I/O "thread" holds at most one transfer, finishing at ``done_at``.
+Before the compute side reads or changes anything at ``now`` (every public method, and every
+``with buffer.cond:`` a policy takes), all I/O events up to ``now`` are replayed in order: a
+transfer lands (:meth:`Partition.land`), then the I/O thread peeks its queue at that instant
+exactly as ``ExpertBuffer._io_loop`` does (allocate a free or evictable slot, else a demand waits
+for a release and a prefetch is dropped). Compute-side changes (new transfers, releases) wake an
+idle I/O thread at ``now``. Because compute-side actions happen in time order and I/O is replayed
+up to each one first, every decision sees the state the threaded runtime would see, minus thread
+wake-up jitter. The state machine, queues and cache policies are the runtime's own objects
+(:class:`Partition`, :class:`TransferQueue`, :func:`make_cache_policy`); only the clock is new.
+
+Semantics mirrored from ``ExpertBuffer.run_layer``: a hit is an expert READY when its layer runs;
+a needed expert whose prefetch is in flight is a late prefetch (a miss that waits); a missing one
+is queued as demand, which jumps every prefetch; resident experts compute first, then each waiting
+one in landing order; the time compute waits is the blocking time (MoE-Infinity §5.1-5.2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from moe_runtime.buffer.cache_policy import make_cache_policy
+from moe_runtime.buffer.partition import READY, Partition
+from moe_runtime.buffer.placement import home_devices
+from moe_runtime.io.transfer_queue import Transfer
+from moe_runtime.stats import ExpertStats
+
+INF = float("inf")
+
+
+class _Cond:
+    """Stands in for the runtime's ``threading.Condition``: entering it replays I/O up to ``now``."""
+
+    __slots__ = ("_buffer",)
+
+    def __init__(self, buffer: SimBuffer) -> None:
+        self._buffer = buffer
+
+    def __enter__(self) -> _Cond:
+        self._buffer.advance()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class _IO:
+    """One device's I/O thread: the transfer in flight (slot, Transfer, finish time) or idle."""
+
+    __slots__ = ("slot", "transfer", "done_at")
+
+    def __init__(self) -> None:
+        self.slot = -1
+        self.transfer: Transfer | None = None
+        self.done_at = INF
+
+
+class SimBuffer:
+    """Expert buffer over simulated time, with the interface the prefetch policies use.
+
+    Args:
+        num_layers, num_experts: ``L`` and ``E``.
+        slots_per_device: slots of each device partition (>= 1), as ``ExpertBuffer`` takes them.
+        num_devices: partitions; an expert's home is ``home_devices`` (MoE-Infinity §5.3).
+        expert_nbytes: bytes per expert (byte counters).
+        transfer_s: seconds per expert copy on each device's link.
+        cache_policy: registry name (``lru``, ``eam``, ``model-counts``, ``oracle``).
+        policy_context: extra policy constructor arguments (``recorder``, ``oracle``).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_experts: int,
+        slots_per_device: int,
+        num_devices: int,
+        expert_nbytes: int,
+        transfer_s: float,
+        cache_policy: str = "lru",
+        policy_context: dict[str, Any] | None = None,
+    ) -> None:
+        self.num_layers, self.num_experts = num_layers, num_experts
+        self.home = home_devices(num_layers, num_experts, num_devices)
+        self._home = self.home.tolist()
+        self.stats = ExpertStats(num_layers, num_devices)
+        self.transfer_s = transfer_s
+        self.now = 0.0
+        self.cond = _Cond(self)
+        ctx = {"num_layers": num_layers, **(policy_context or {})}
+        self.oracle = ctx.get("oracle")
+        self.access_log: list[tuple[int, tuple[int, ...]]] | None = None
+        self.parts: list[Partition] = []
+        for i in range(num_devices):
+            homed = np.flatnonzero(self.home == i)
+            n = max(1, min(slots_per_device, len(homed)))
+            policy = make_cache_policy(cache_policy, n, num_experts, **ctx)
+            part = Partition(i, n, num_experts, expert_nbytes, policy, self.stats)
+            if n >= len(homed):  # every expert homed here fits: resident from the start
+                part.preload(homed.tolist())
+            self.parts.append(part)
+        self._io = [_IO() for _ in self.parts]
+        self._next_done = INF  # earliest done_at over self._io
+        self.all_resident = all(len(p.key_slot) == int((self.home == p.index).sum()) for p in self.parts)
+
+    @property
+    def num_slots(self) -> int:
+        return sum(p.num_slots for p in self.parts)
+
+    # ------------------------------------------------------------------ the clock
+    def advance(self, until: float | None = None) -> None:
+        """Replay every I/O event up to ``until`` (default ``now``): landings and the next starts."""
+        t = self.now if until is None else until
+        if self._next_done > t:
+            return
+        for i, io in enumerate(self._io):
+            while io.done_at <= t:
+                at = io.done_at
+                self.parts[i].land(io.slot, io.transfer)
+                io.transfer, io.done_at = None, INF
+                self._start(i, at)
+        self._next_done = min(io.done_at for io in self._io)
+
+    def next_event(self) -> float:
+        """Time of the earliest transfer completion (inf when every link is idle)."""
+        return self._next_done
+
+    def _start(self, i: int, at: float) -> None:
+        """I/O thread ``i`` is idle at ``at``: take the next transfer it may start (``_io_loop``)."""
+        part, io = self.parts[i], self._io[i]
+        q = part.queue
+        while True:
+            t = q.peek()
+            if t is None:
+                return
+            s = part.allocate(t)
+            if s is not None:
+                break
+            if t.demand:
+                return  # waits for the compute side to release a slot
+            q.cancel(t.key)  # nothing evictable for a prefetch: drop it
+            self.stats.prefetch_cancelled += 1
+        q.pop()
+        io.slot, io.transfer, io.done_at = s, t, at + self.transfer_s
+        if io.done_at < self._next_done:
+            self._next_done = io.done_at
+
+    def _kick(self, i: int) -> None:
+        if self._io[i].transfer is None:
+            self._start(i, self.now)
+
+    # ------------------------------------------------------------------ policy interface
+    def resident_or_loading(self, key: int) -> bool:
+        """Caller holds ``cond``."""
+        return key in self.parts[self._home[key]].key_slot
+
+    def prefetch_capacity(self) -> int:
+        """Slots prefetches could fill now, over all devices (caller holds ``cond``)."""
+        return sum(p.capacity_for_prefetch() for p in self.parts)
+
+    def resident(self, layer: int, expert: int) -> bool:
+        key = layer * self.num_experts + expert
+        self.advance()
+        return self.parts[self._home[key]].ready_slot(key) is not None
+
+    def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
+        """Forward the layer's routing to the cache policies; advance the oracle's cursor."""
+        self.advance()
+        if self.oracle is not None:
+            self.oracle.advance(layer)
+        for part in self.parts:
+            part.policy.after_routing(layer, request_ids, topk_ids)
+
+    def prefetch(self, plan: list[tuple[int, float]], replace: bool = True) -> None:
+        """Queue prefetches ``[(flat key, priority)]`` (``ExpertBuffer.prefetch``, same rules)."""
+        self.advance()
+        st = self.stats
+        if replace:
+            wanted = {k for k, _ in plan}
+            for part in self.parts:
+                for key in part.queue.queued_prefetch_keys():
+                    if key not in wanted:
+                        part.queue.cancel(key)
+                        st.prefetch_cancelled += 1
+        for key, prio in plan:
+            part = self.parts[self._home[key]]
+            if key in part.key_slot:
+                continue
+            queued = part.queue.queued(key)
+            if queued is not None and (queued.demand or queued.priority == prio):
+                continue
+            if queued is None:
+                st.prefetch_issued += 1
+            part.queue.push(Transfer(key, demand=False, priority=prio, queued_at=self.now))
+        for i in range(len(self.parts)):
+            self._kick(i)
+
+    # ------------------------------------------------------------------ compute side
+    def run_layer(self, layer: int, experts: list[int], compute_s: Callable[[int], float]) -> float:
+        """Run MoE layer ``layer`` needing ``experts`` (ascending ids); ``compute_s(e)`` is the
+        seconds expert ``e`` computes. Advances ``now`` past the layer; returns its blocking seconds."""
+        E, st = self.num_experts, self.stats
+        if self.access_log is not None:
+            self.access_log.append((layer, tuple(experts)))
+        self.advance()
+        needed = None
+        for part in self.parts:
+            if part.prefetched.any():  # settle_prefetches is a no-op otherwise (skip its numpy work)
+                needed = needed or {layer * E + e for e in experts}
+                part.settle_prefetches(layer, needed)
+        ready: list[tuple[int, Partition, int]] = []
+        waiting: list[tuple[int, Partition]] = []
+        hits = 0
+        for e in experts:
+            key = layer * E + e
+            part = self.parts[self._home[key]]
+            st.device_lookups[part.index] += 1
+            s = part.key_slot.get(key)
+            if s is not None and part.state[s] == READY:
+                part.pins[s] += 1
+                hits += 1
+                st.device_hits[part.index] += 1
+                if part.unused[s]:
+                    st.hits_prefetched[layer] += 1
+                ready.append((e, part, s))
+                continue
+            if s is not None:  # its prefetch is in flight: wait for it
+                part.pins[s] += 1
+                st.late_prefetches[layer] += 1
+            else:
+                part.queue.push(Transfer(key, demand=True, queued_at=self.now))
+                st.demand_fetches[layer] += 1
+            waiting.append((e, part))
+        st.lookups[layer] += len(experts)
+        st.hits[layer] += hits
+        if waiting:
+            for i in range(len(self.parts)):
+                self._kick(i)
+        for e, part, s in ready:
+            self.now += compute_s(e)
+            self._release(part, s)
+        blocked_total = 0.0
+        while waiting:
+            t0 = self.now
+            self.advance()
+            while (found := self._first_landed(layer, waiting)) is None:
+                nxt = self.next_event()
+                if nxt == INF:
+                    raise RuntimeError(f"simulator deadlock at layer {layer}: nothing in flight")
+                self.now = nxt
+                self.advance()
+            e, part = waiting.pop(found)
+            blocked = self.now - t0
+            if blocked:
+                blocked_total += blocked
+                st.blocking_s[layer] += blocked
+                st.device_blocking_s[part.index] += blocked
+            s = part.key_slot[layer * E + e]
+            self.now += compute_s(e)
+            self._release(part, s)
+        return blocked_total
+
+    def _first_landed(self, layer: int, waiting: list[tuple[int, Partition]]) -> int | None:
+        E = self.num_experts
+        for i, (e, part) in enumerate(waiting):
+            s = part.key_slot.get(layer * E + e)
+            if s is not None and part.state[s] == READY:
+                return i
+        return None
+
+    def _release(self, part: Partition, s: int) -> None:
+        self.advance()
+        part.release(s)
+        self._kick(part.index)

@@ -1,0 +1,303 @@
+"""Replay a workload through the runtime's scheduler, tracer hooks, policies and buffer state machine.
+
+NOTE: one simulated engine step mirrors ``LLMEngine.step`` and ``moe_block``. The runtime's own
+:class:`~moe_runtime.engine.scheduler.Scheduler` picks the step's sequences and token counts (a
+prompt is prefilled in one step unless it exceeds the token budget). Per MoE layer, in the
+runtime's order: the dense part runs (``CostModel.layer_s``), the router's top-k ids come from
+the trace, then ``recorder.record`` -> ``buffer.after_routing`` -> ``prefetcher.after_routing``
+(which may re-plan the I/O queue) -> ``buffer.run_layer``: resident experts compute first while
+transfers proceed, each missing one computes as it lands, and the time compute waits is blocking
+time. After the last layer: the step's fixed cost (LM head, sampling), ``recorder.end_step``,
+``prefetcher.end_step``, then finished requests commit their EAMs to the EAMC
+(``recorder.finish``). Requests run in static groups of ``batch`` (``moeserve bench policies``
+does the same): a group's requests start together and leave as they finish; the next group starts
+when the whole group is done. TPOT is measured per group as the mean step time after the first
+step, and reported as the median over groups, exactly as the benchmark does.
+
+Tokens whose routing is missing at a layer (``-1`` in imported logs) skip that layer.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from moe_runtime.engine.request import SamplingParams, Sequence
+from moe_runtime.engine.scheduler import ScheduledSeq, Scheduler
+from moe_runtime.prefetch import OracleSchedule, make_prefetch_policy
+from moe_runtime.sim.buffer import SimBuffer
+from moe_runtime.sim.cost import CostModel
+from moe_runtime.sim.workload import SimRequest
+from moe_runtime.stats import ExpertStats
+
+
+@dataclass(slots=True)
+class SimConfig:
+    """Simulation settings (runtime flags of the same names).
+
+    Attributes:
+        slots: expert slots in total (split over devices as the engine does: ``ceil(slots / n)``).
+        num_devices: device partitions (hash placement, MoE-Infinity §5.3).
+        batch: requests per static group (the engine's ``max_batch_size``).
+        max_num_batched_tokens: token budget per step.
+        prefetch_depth: later layers a prefetch plan covers (None = all).
+        eamc_capacity: EAMC entries for the ``eam`` policies.
+        host_time_scale: charge this multiple of the measured wall time of the tracer and policy
+            hooks to the simulated compute thread (calibration: 1.0; default 0: deterministic).
+    """
+
+    slots: int
+    num_devices: int = 1
+    batch: int = 1
+    max_num_batched_tokens: int = 4096
+    prefetch_depth: int | None = None
+    eamc_capacity: int = 1000
+    host_time_scale: float = 0.0
+
+
+@dataclass(slots=True)
+class PolicyRun:
+    """What one policy did on the eval part (counters are eval-only deltas)."""
+
+    label: str
+    prefetch: str
+    cache: str
+    slots: int
+    tokens: int
+    steps: int
+    tpot_s: float
+    sim_seconds: float
+    stats: dict[str, Any]
+    wall_s: float
+    sim_lookups: int  # lookups simulated in this run, warm part included (speed measurement)
+    access_log: list[tuple[int, tuple[int, ...]]] | None = field(default=None, repr=False)
+
+    @property
+    def lookups(self) -> int:
+        return int(self.stats["lookups"])
+
+    @property
+    def hit_rate(self) -> float:
+        return self.stats["hits"] / self.lookups if self.lookups else 0.0
+
+    @property
+    def blocking_s_per_token(self) -> float:
+        return self.stats["blocking_s"] / self.tokens if self.tokens else 0.0
+
+    @property
+    def bytes_per_token(self) -> float:
+        moved = self.stats["demand_bytes"] + self.stats["prefetch_bytes"]
+        return moved / self.tokens if self.tokens else 0.0
+
+
+def stats_delta(before: ExpertStats, after: ExpertStats) -> dict[str, Any]:
+    """``after - before`` of every total in :meth:`ExpertStats.summary` (unrounded blocking)."""
+    a, b = after.summary(), before.summary()
+    out = {k: a[k] - b[k] for k in a if k != "hit_rate"}
+    out["blocking_s"] = after.total_blocking_s - before.total_blocking_s
+    return out
+
+
+class Simulator:
+    """Runs policies over workloads at one model shape, cost model and buffer size.
+
+    Args:
+        num_layers, num_experts, top_k: the trace's ``L``, ``E``, ``k``.
+        expert_bytes: bytes per expert (byte counters only; time comes from ``cost``).
+        cost: the cost model.
+        config: buffer and batching settings.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_experts: int,
+        top_k: int,
+        expert_bytes: int,
+        cost: CostModel,
+        config: SimConfig,
+    ) -> None:
+        self.L, self.E, self.k = num_layers, num_experts, top_k
+        self.expert_bytes = expert_bytes
+        self.cost = cost
+        self.config = config
+
+    def run(
+        self,
+        prefetch: str,
+        cache: str,
+        warm: list[SimRequest],
+        evals: list[SimRequest],
+        oracle_log: list[tuple[int, tuple[int, ...]]] | None = None,
+        record_log: bool = False,
+        label: str | None = None,
+    ) -> PolicyRun:
+        """Warm (skipped for the oracle, as in ``bench policies``), then measure ``evals``.
+
+        Raises:
+            ConfigError: unknown policy name, or the oracle without ``oracle_log``.
+        """
+        t_wall = time.perf_counter()
+        state = self.make_state(prefetch, cache, oracle_log)
+        buf = state.buffer
+        if oracle_log is None:
+            self._run_batches(state, warm)
+        if record_log:
+            buf.access_log = []
+        st0 = buf.stats.snapshot()
+        t0 = buf.now
+        tpots, steps = self._run_batches(state, evals)
+        return PolicyRun(
+            label or f"{prefetch}+{cache}",
+            prefetch,
+            cache,
+            buf.num_slots,
+            sum(r.output_tokens for r in evals),
+            steps,
+            statistics.median(tpots) if tpots else 0.0,
+            buf.now - t0,
+            stats_delta(st0, buf.stats),
+            time.perf_counter() - t_wall,
+            buf.stats.total_lookups,
+            buf.access_log,
+        )
+
+    def make_state(
+        self, prefetch: str, cache: str, oracle_log: list[tuple[int, tuple[int, ...]]] | None = None
+    ) -> RunState:
+        """The live objects of one run, built as ``LLMEngine.__init__`` builds them: a tracer
+        recorder with an EAMC only for the ``eam`` policies, the buffer with the cache policy, the
+        prefetch policy from the runtime's registry, the oracle schedule when a log is given.
+
+        Raises:
+            ConfigError: unknown policy name, or an oracle policy without ``oracle_log``.
+        """
+        cfg = self.config
+        context: dict[str, Any] = {}
+        if oracle_log is not None:
+            context["oracle"] = OracleSchedule(oracle_log, self.E)
+        recorder = eamc = None
+        if "eam" in (prefetch, cache):  # the engine creates a tracer only for these (_default_recorder)
+            from tracer.eamc import EAMC
+            from tracer.recorder import RequestRecorder
+
+            eamc = EAMC(self.L, self.E, capacity=cfg.eamc_capacity)
+            recorder = RequestRecorder(self.L, self.E, self.k, eamc=eamc)
+        per_device = -(-min(cfg.slots, self.L * self.E) // cfg.num_devices)
+        buf = SimBuffer(
+            self.L, self.E, per_device, cfg.num_devices, self.expert_bytes, self.cost.transfer_s, cache,
+            {"recorder": recorder, **context},
+        )  # fmt: skip
+        prefetcher = make_prefetch_policy(
+            prefetch, buffer=buf, num_layers=self.L, num_experts=self.E, top_k=self.k,
+            recorder=recorder, depth=cfg.prefetch_depth, eamc=eamc, **context,
+        )  # fmt: skip
+        return RunState(buf, prefetcher, recorder)
+
+    # ------------------------------------------------------------------ steps
+    def _run_batches(self, state: RunState, reqs: list[SimRequest]) -> tuple[list[float], int]:
+        """Run ``reqs`` in static groups; returns per-group TPOT (s) and the number of steps."""
+        cfg, buf, recorder = self.config, state.buffer, state.recorder
+        params = SamplingParams(max_tokens=1 << 30, temperature=0, ignore_eos=True)
+        tpots: list[float] = []
+        n_steps = 0
+        for i in range(0, len(reqs), cfg.batch):
+            sched = Scheduler(cfg.batch, cfg.max_num_batched_tokens)
+            for j, r in enumerate(reqs[i : i + cfg.batch]):
+                rid = f"{i + j}:{r.request_id}"
+                state.by_id[rid] = r
+                sched.add(Sequence(rid, [0] * r.num_prefill, params, r.task))
+                if recorder is not None:
+                    recorder.begin_request(rid, r.num_prefill, r.task)
+            times: list[float] = []
+            first = True
+            while sched.has_unfinished():
+                scheduled = sched.schedule()
+                t0 = buf.now
+                self._step(state, scheduled)
+                n_steps += 1
+                if not first:
+                    times.append(buf.now - t0)
+                first = False
+                for s in scheduled:
+                    seq = s.seq
+                    seq.num_computed += s.num_new
+                    if seq.num_computed >= state.by_id[seq.request_id].num_rows:
+                        sched.finish(seq)
+                        del state.by_id[seq.request_id]
+                        if recorder is not None:
+                            recorder.finish(seq.request_id)
+            tpots.append(sum(times) / max(1, len(times)))
+        return tpots, n_steps
+
+    def _step(self, state: RunState, scheduled: list[ScheduledSeq]) -> None:
+        """One engine step over ``scheduled`` (see the module note)."""
+        buf, recorder, prefetcher, cost = state.buffer, state.recorder, state.prefetcher, self.cost
+        rids, ids_parts, w_parts, prefill_parts, counts_new = [], [], [], [], []
+        ctx = 0
+        for s in scheduled:
+            r = state.by_id[s.seq.request_id]
+            start, n = s.seq.num_computed, s.num_new
+            rids.append(s.seq.request_id)
+            ids_parts.append(r.ids[start : start + n])
+            w_parts.append(r.weights[start : start + n])
+            prefill_parts.append(np.arange(start, start + n) < r.num_prefill)
+            counts_new.append(n)
+            ctx += start + n
+        ids = ids_parts[0] if len(ids_parts) == 1 else np.concatenate(ids_parts)  # [T, L, k]
+        weights = w_parts[0] if len(w_parts) == 1 else np.concatenate(w_parts)
+        token_seq = np.repeat(np.arange(len(rids), dtype=np.int64), counts_new)  # [T]
+        token_prefill = np.concatenate(prefill_parts)  # [T]
+        missing = (ids < 0).any(axis=(0, 2)).tolist()  # [L] layers with unrecorded tokens
+        needed, counts = _layer_counts(ids, self.E)
+        layer_s = cost.layer_s(ids.shape[0], ctx)
+        expert_s = cost.expert_s
+        scale = self.config.host_time_scale
+        for layer in range(self.L):
+            buf.now += layer_s
+            lid, lw, lseq, lpre = ids[:, layer, :], weights[:, layer, :], token_seq, token_prefill
+            if missing[layer]:
+                keep = (lid >= 0).all(axis=1)
+                lid, lw, lseq, lpre = lid[keep], lw[keep], lseq[keep], lpre[keep]
+            t_host = time.perf_counter() if scale else 0.0
+            if recorder is not None:
+                recorder.record(layer, rids, lseq, lpre, lid, lw)
+            buf.after_routing(layer, rids, lid)
+            prefetcher.after_routing(layer, rids, lid)
+            if scale:
+                buf.now += scale * (time.perf_counter() - t_host)
+            cl = counts[layer]
+            buf.run_layer(layer, needed[layer], lambda e, cl=cl: expert_s(cl[e]))
+        buf.now += cost.step_fixed_s
+        if recorder is not None:
+            recorder.end_step()
+        prefetcher.end_step()
+
+
+def _layer_counts(ids: np.ndarray, num_experts: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Per layer: the needed experts (ascending) and every expert's token count, for a step's
+    ``ids [T, L, k]`` (``-1`` skipped), with one ``bincount`` for all layers."""
+    num_layers = ids.shape[1]
+    layer = np.arange(num_layers, dtype=np.int64)[None, :, None]
+    valid = ids >= 0
+    flat = (layer * num_experts + ids)[valid] if not valid.all() else (layer * num_experts + ids).ravel()
+    counts = np.bincount(flat, minlength=num_layers * num_experts).reshape(num_layers, num_experts)
+    rows, cols = np.nonzero(counts)
+    bounds = np.searchsorted(rows, np.arange(num_layers + 1)).tolist()
+    cols_l = cols.tolist()
+    needed = [cols_l[bounds[i] : bounds[i + 1]] for i in range(num_layers)]
+    return needed, counts.tolist()
+
+
+class RunState:
+    """One policy run's live objects: the buffer, the prefetch policy, the recorder (or None)."""
+
+    __slots__ = ("buffer", "prefetcher", "recorder", "by_id")
+
+    def __init__(self, buffer: SimBuffer, prefetcher: Any, recorder: Any | None) -> None:
+        self.buffer, self.prefetcher, self.recorder = buffer, prefetcher, recorder
+        self.by_id: dict[str, SimRequest] = {}

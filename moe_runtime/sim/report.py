@@ -1,0 +1,124 @@
+"""Paper-style result tables of the simulator (MoE-Infinity §7.2-7.3, Tables 2, 3 and 5).
+
+Table 2 normalises GPU blocking time to on-demand fetching, Table 3 bandwidth (bytes moved) to
+on-demand, Table 5 reports the buffer hit rate with the oracle as "Ideal". The simulator prints
+all three views in one table per buffer size, with absolute figures beside the ratios, and the
+settings (model and hardware profiles, cost model, slots, batch, trace) underneath.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from moe_runtime.sim.engine import PolicyRun
+
+MiB = 1 << 20
+
+
+@dataclass(slots=True)
+class Row:
+    """One policy's figures (per generated token unless named otherwise)."""
+
+    policy: str
+    prefetch: str
+    cache: str
+    slots: int
+    lookups: int
+    hits: int
+    hit_rate: float
+    blocking_ms_per_token: float
+    bytes_per_token: float
+    tpot_ms: float
+    tokens: int
+    prefetch_issued: int
+    prefetch_used: int
+    prefetch_cancelled: int
+    late_prefetches: int
+    demand_fetches: int
+    sim_lookups: int
+    wall_s: float
+
+
+def row_of(run: PolicyRun) -> Row:
+    st = run.stats
+    return Row(
+        policy=run.label,
+        prefetch=run.prefetch,
+        cache=run.cache,
+        slots=run.slots,
+        lookups=run.lookups,
+        hits=int(st["hits"]),
+        hit_rate=run.hit_rate,
+        blocking_ms_per_token=1e3 * run.blocking_s_per_token,
+        bytes_per_token=run.bytes_per_token,
+        tpot_ms=1e3 * run.tpot_s,
+        tokens=run.tokens,
+        prefetch_issued=int(st["prefetch_issued"]),
+        prefetch_used=int(st["prefetch_used"]),
+        prefetch_cancelled=int(st["prefetch_cancelled"]),
+        late_prefetches=int(st["late_prefetches"]),
+        demand_fetches=int(st["demand_fetches"]),
+        sim_lookups=run.sim_lookups,
+        wall_s=run.wall_s,
+    )
+
+
+def as_json(settings: dict[str, Any], rows: list[Row]) -> dict[str, Any]:
+    return {"settings": settings, "results": [asdict(r) for r in rows]}
+
+
+def _ratio(x: float, base: float | None) -> str:
+    return f"{100 * x / base:.0f}%" if base else "-"
+
+
+def print_tables(settings: dict[str, Any], rows: list[Row], title: str = "moeserve simulate") -> None:
+    """The paper-style table (one block per buffer size) and the settings line."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=160)
+    table = Table(title=title)
+    cols = (
+        "slots",
+        "policy",
+        "hit rate (T5)",
+        "vs oracle",
+        "block ms/tok",
+        "block vs on-demand (T2)",
+        "MiB/tok",
+        "bytes vs on-demand (T3)",
+        "TPOT ms",
+        "prefetch used/issued",
+    )
+    for col in cols:
+        table.add_column(col, justify="right")
+    for slots in sorted({r.slots for r in rows}):
+        block = [r for r in rows if r.slots == slots]
+        base = next((r for r in block if r.prefetch == "on-demand"), None)
+        oracle = next((r for r in block if r.prefetch == "oracle"), None)
+        for r in block:
+            table.add_row(
+                str(slots),
+                r.policy,
+                f"{r.hit_rate:.3f}",
+                f"{r.hit_rate - oracle.hit_rate:+.3f}" if oracle else "-",
+                f"{r.blocking_ms_per_token:.2f}",
+                _ratio(r.blocking_ms_per_token, base.blocking_ms_per_token if base else None),
+                f"{r.bytes_per_token / MiB:.1f}",
+                _ratio(r.bytes_per_token, base.bytes_per_token if base else None),
+                f"{r.tpot_ms:.2f}",
+                f"{r.prefetch_used}/{r.prefetch_issued}",
+            )
+    console.print(table)
+    console.print("settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()), soft_wrap=True)
+
+
+def print_single(settings: dict[str, Any], row: Row) -> None:
+    """One policy: the four headline figures, then the settings line."""
+    print(
+        f"{row.policy}: hit rate {row.hit_rate:.3f} ({row.hits}/{row.lookups} lookups), "
+        f"blocking {row.blocking_ms_per_token:.2f} ms/token, {row.bytes_per_token / MiB:.1f} MiB/token, "
+        f"predicted TPOT {row.tpot_ms:.2f} ms ({row.tokens} tokens)"
+    )
+    print("settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
