@@ -1,0 +1,136 @@
+"""``moeserve simulate``: replay a routing trace through the runtime's policies at a real model's scale.
+
+See ``docs/simulator.md``. One policy prints hit rate, blocking time per token, bytes per token and
+the predicted TPOT; ``--all-policies`` prints the paper-style tables (MoE-Infinity Tables 2, 3, 5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "simulate",
+        help="trace-driven simulation of expert prefetching/caching at a real model's scale",
+        description="Replay a trace file (moeserve-trace/1) through the runtime's buffer state machine, "
+        "cache and prefetch policies with a roofline cost model instead of real copies and kernels.",
+    )
+    p.add_argument("--trace", required=True, help="trace file (moeserve-trace/1 JSON lines)")
+    p.add_argument("--warm-trace", default=None, help="separate trace that warms (default: split --trace)")
+    p.add_argument("--model-profile", default="mixtral-8x7b", help="model profile (default: mixtral-8x7b)")
+    p.add_argument("--hardware", default="a5000", help="GPU+LINK profile or alias (default: a5000)")
+    p.add_argument("--policy", default="eam", help="prefetch policy (default: eam)")
+    p.add_argument("--cache-policy", default=None, help="cache policy (default: the policy's pairing)")
+    p.add_argument("--all-policies", action="store_true", help="every combination of bench policies")
+    p.add_argument("--buffer-slots", type=int, default=None, help="slots in total (default: from memory)")
+    p.add_argument("--num-devices", type=int, default=1, help="GPUs, experts hashed over them")
+    p.add_argument("--batch", type=int, default=1, help="trace requests decoded together")
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096, help="token budget per step")
+    p.add_argument("--warm", type=int, default=1, help="requests per task that warm the EAMC (default 1)")
+    p.add_argument("--warm-pick", default="first", choices=["first", "last"], help="which ones warm")
+    p.add_argument(
+        "--map-profile",
+        action="store_true",
+        help="allow a trace of another shape: the profile's costs on the trace's L, E, k (labelled)",
+    )
+    p.add_argument("--kv-tokens", type=int, default=None, help="KV-cache tokens reserved (default 8192)")
+    p.add_argument("--prefetch-depth", type=int, default=None, help="layers a prefetch plan covers")
+    p.add_argument("--eamc-capacity", type=int, default=1000)
+    p.add_argument("--host-overhead-us", type=float, default=0.0, help="host time per MoE layer (µs)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
+
+
+def _check(args: argparse.Namespace) -> None:
+    from moe_runtime.errors import ConfigError
+
+    for name in ("batch", "num_devices", "max_num_batched_tokens", "eamc_capacity"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.buffer_slots is not None and args.buffer_slots < 1:
+        raise ConfigError(f"--buffer-slots must be >= 1, got {args.buffer_slots}")
+    if args.warm < 0:
+        raise ConfigError(f"--warm must be >= 0, got {args.warm}")
+    if args.prefetch_depth is not None and args.prefetch_depth < 1:
+        raise ConfigError(f"--prefetch-depth must be >= 1, got {args.prefetch_depth}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from moe_runtime.bench.policies import COMBOS
+    from moe_runtime.errors import ConfigError
+    from moe_runtime.sim.cost import CostModel
+    from moe_runtime.sim.engine import SimConfig, Simulator
+    from moe_runtime.sim.hardware import get_hardware
+    from moe_runtime.sim.models import DEFAULT_KV_TOKENS, get_model
+    from moe_runtime.sim.report import as_json, print_single, print_tables, row_of
+    from moe_runtime.sim.runner import combo_for, run_combos
+    from moe_runtime.sim.workload import load_workload, split_warm_eval
+
+    _check(args)
+    profile = get_model(args.model_profile)
+    hw = get_hardware(args.hardware)
+    combos = list(COMBOS) if args.all_policies else [combo_for(args.policy, args.cache_policy)]
+    wl = load_workload(args.trace)
+    shape = (wl.num_layers, wl.num_experts, wl.top_k)
+    if shape != (profile.num_layers, profile.num_experts, profile.top_k):
+        if not args.map_profile:
+            raise ConfigError(
+                f"--trace {args.trace} has L={shape[0]} E={shape[1]} k={shape[2]} but --model-profile "
+                f"{profile.name} has L={profile.num_layers} E={profile.num_experts} k={profile.top_k}; "
+                "pass --map-profile to replay it with the profile's expert and layer costs"
+            )
+        profile = profile.mapped(*shape)
+    if args.warm_trace:
+        warm_wl = load_workload(args.warm_trace)
+        if (warm_wl.num_layers, warm_wl.num_experts, warm_wl.top_k) != shape:
+            raise ConfigError(f"--warm-trace {args.warm_trace}: shape differs from --trace {args.trace}")
+        warm, evals = warm_wl.requests, wl.requests
+    else:
+        warm, evals = split_warm_eval(wl, args.warm, args.warm_pick)
+    kv_tokens = DEFAULT_KV_TOKENS if args.kv_tokens is None else args.kv_tokens
+    slots = args.buffer_slots or args.num_devices * profile.buffer_slots(hw, kv_tokens)
+    slots = min(slots, profile.total_experts)
+    cost = CostModel.roofline(profile, hw, args.host_overhead_us)
+    config = SimConfig(
+        slots=slots,
+        num_devices=args.num_devices,
+        batch=args.batch,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        prefetch_depth=args.prefetch_depth,
+        eamc_capacity=args.eamc_capacity,
+    )
+    sim = Simulator(*shape, profile.expert_bytes, cost, config)
+    t0 = time.perf_counter()
+    c0 = time.process_time()
+    runs = run_combos(sim, combos, warm, evals)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    rows = [row_of(r) for r in runs]
+    simulated = sum(r.sim_lookups for r in runs)
+    settings = {
+        "trace": args.trace,
+        "warm": args.warm_trace or f"{args.warm}/task ({args.warm_pick})",
+        "warm_requests": len(warm),
+        "eval_requests": len(evals),
+        "model_profile": profile.name,
+        "expert_MiB": round(profile.expert_bytes / 2**20, 1),
+        "hardware": hw.describe(),
+        "slots": slots,
+        "slots_share": f"{slots / profile.total_experts:.1%}",
+        "num_devices": args.num_devices,
+        "batch": args.batch,
+        **cost.describe(),
+        "sim_lookups": simulated,
+        "sim_wall_s": round(wall, 2),
+        "lookups_per_cpu_s": math.floor(simulated / cpu) if cpu else 0,
+    }
+    if args.json:
+        print(json.dumps(as_json(settings, rows), indent=2))
+    elif len(rows) == 1:
+        print_single(settings, rows[0])
+    else:
+        print_tables(settings, rows, title=f"moeserve simulate: {profile.name} on {hw.name}")
+    return 0
