@@ -20,7 +20,6 @@ COMMAND_MODULES = [
     "moeserve.commands.bench",
     "moeserve.commands.replay",
     "moeserve.commands.trace",
-    "moeserve.commands.train_tiny",
     "moeserve.commands.simulate",
 ]
 
