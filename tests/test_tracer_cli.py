@@ -99,7 +99,7 @@ def test_predict_eval_scores_known_cases() -> None:
     rec = TraceRecord("a", None, 0, L, E, K, 0, ids, np.ones(ids.shape, np.float32))
     result = evaluate([rec], [rec], distances=(1, 2), matches=1)
     rows = {(r["method"], r["d"]): r for r in result["rows"]}
-    for method in ("eamc", "model-counts", "prev-token"):
+    for method in ("eamc", "model-counts", "prev-token", "request-eam"):
         assert rows[(method, 1)]["precision"] == 1.0 == rows[(method, 1)]["recall"]
     assert rows[("eamc", 1)]["events"] == 4 * (L - 1)  # tokens 1..4, layers 0..L-2
     assert result["settings"]["eval_tokens"] == 4
@@ -113,7 +113,7 @@ def test_predict_eval_cli_and_shape_mismatch(tmp_path: Path, capsys: pytest.Capt
     _run(capsys, "trace", "import", str(src), "--out", str(tmp_path / "t.jsonl"), "--num-experts", "8")
     trace = str(tmp_path / "t.jsonl")
     out = json.loads(_run(capsys, "trace", "predict-eval", "--warm", trace, "--eval", trace, "--json"))
-    assert {r["method"] for r in out["rows"]} == {"eamc", "model-counts", "prev-token"}
+    assert {r["method"] for r in out["rows"]} == {"eamc", "model-counts", "prev-token", "request-eam"}
     assert out["settings"]["eamc_entries"] == 3
     other = TraceRecord(
         "b", None, 0, L, 16, K, 0, np.zeros((1, L, K), np.int64), np.zeros((1, L, K), np.float32)

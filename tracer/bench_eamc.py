@@ -2,7 +2,9 @@
 
 Fills an EAMC to capacity with seeded synthetic request EAMs (:mod:`tracer.synth`), then times
 ``EAMC.search`` (row normalisation + faiss k-NN) at batch 1 and batch 16 after a warm-up, and the
-``add`` of a full collection (a search for the most similar entry + an overwrite). With
+``add`` of a full collection (a search for the most similar entry + an overwrite), and (flat
+index) the incremental :class:`tracer.prefix_match.PrefixMatcher`: one ``begin_step`` per step
+plus one ``update`` per MoE layer, amortised per layer. With
 ``--index ivf`` it also measures recall@k of the approximate index against the exact search on
 the same queries. The paper reports 21 us per query at 1k entries and 226 us at 10k.
 
@@ -23,6 +25,7 @@ import faiss
 import numpy as np
 
 from tracer.eamc import EAMC
+from tracer.prefix_match import PrefixMatcher
 from tracer.synth import synthetic_eams
 
 PAPER_US = {1000: 21.0, 10000: 226.0}
@@ -56,6 +59,38 @@ def fill(eamc: EAMC, seed: int, chunk: int = 1000, **synth: Any) -> float:
         spent += time.perf_counter() - t0
         start += n
     return spent
+
+
+def prefix_step(eamc: EAMC, pool: np.ndarray, batch: int, k: int, steps: int, seed: int) -> dict[str, float]:
+    """Time :class:`PrefixMatcher` over ``steps`` engine steps (warm-up step first): ``begin_step``
+    once per step, then ``update`` once per layer with one more token's counts in that row."""
+    m = PrefixMatcher(eamc, k=k)
+    rng = np.random.default_rng(seed)
+    num_layers = eamc.num_layers
+    begins, updates = [], []
+    for s in range(steps + 1):
+        at = (s * batch) % len(pool)
+        so_far = pool[at : at + batch]
+        step = rng.multinomial(2, np.full(eamc.num_experts, 1 / eamc.num_experts), size=(batch, num_layers))
+        t0 = time.perf_counter()
+        m.begin_step(so_far)
+        t_begin = time.perf_counter() - t0
+        query = so_far.copy()
+        for layer in range(num_layers):
+            query[:, layer] += step[:, layer]
+            t0 = time.perf_counter()
+            m.update(layer, query)
+            if s:
+                updates.append(time.perf_counter() - t0)
+        if s:
+            begins.append(t_begin)
+    begin_us, update_us = float(np.median(begins) * 1e6), float(np.median(updates) * 1e6)
+    return {
+        "begin_step_median_us": round(begin_us, 1),
+        "update_median_us": round(update_us, 1),
+        "per_layer_us": round(begin_us / num_layers + update_us, 1),
+        "steps": steps,
+    }
 
 
 def recall_at_k(eamc: EAMC, queries: np.ndarray, k: int) -> float:
@@ -110,6 +145,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "p90_us": round(p90, 1),
             "per_query_us": round(med / batch, 1),
         }
+        if args.index == "flat":
+            steps = max(10, args.iters // args.layers)
+            result[f"prefix_batch{batch}"] = prefix_step(eamc, pool, batch, args.k, steps, args.seed)
     state = {"i": 0}
 
     def add_one() -> None:
@@ -146,6 +184,17 @@ def _print(result: dict[str, Any]) -> None:
         )
     a = result["add_full"]
     table.add_row("add (full: replace most similar)", f"{a['median_us']:.1f}", f"{a['p90_us']:.1f}", "")
+    for batch in (1, 16):
+        r = result.get(f"prefix_batch{batch}")
+        if r:
+            per_q = f"{r['per_layer_us'] / batch:.1f}"
+            table.add_row(
+                f"PrefixMatcher.begin_step, batch {batch}", f"{r['begin_step_median_us']:.1f}", "", ""
+            )
+            table.add_row(f"PrefixMatcher.update, batch {batch}", f"{r['update_median_us']:.1f}", "", "")
+            table.add_row(
+                f"  per layer incl. begin_step/L, batch {batch}", f"{r['per_layer_us']:.1f}", "", per_q
+            )
     console.print(table)
     for key in ("recall_at_1", f"recall_at_{s['k']}", "paper_us_per_query"):
         if key in result:

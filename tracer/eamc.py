@@ -110,6 +110,7 @@ class EAMC:
         }
         self._data = np.zeros((capacity, self.dim), dtype=np.float32)  # [C, L*E] row-normalised
         self._n = 0
+        self.version = 0  # bumped by every add (lets PrefixMatcher notice a change)
         self.query_stats = QueryStats()
         self._ivf = None
         if index == "ivf":
@@ -161,6 +162,7 @@ class EAMC:
             _, idx = self._knn(vec, 1)
             slot = int(idx[0, 0])
         self._data[slot] = vec[0]
+        self.version += 1
         if self._ivf is not None:
             with _omp_threads(self.threads):
                 self._ivf.put(self._data, self._n, slot)
@@ -267,6 +269,7 @@ class EAMC:
         n = entries.shape[0]
         self._data[:n] = entries
         self._n = n
+        self.version += 1
         if self._ivf is not None and n >= self._ivf.train_after:
             with _omp_threads(self.threads):
                 self._ivf.rebuild(self._data, n)

@@ -14,6 +14,8 @@ step). At generated token ``t`` and MoE layer ``l``, each method predicts ``m`` 
 * **model-counts** -- BrainStorm/DeepUM-style lifetime counts: every warm token plus every eval
   token seen so far, per expert; the ``m`` most counted experts of layer ``l + d``.
 * **prev-token** -- the ``k`` experts the previous token chose at layer ``l + d``.
+* **request-eam** -- the ``m`` experts the request itself used most so far at layer ``l + d``
+  (its request EAM; the within-request skew that MoE-Infinity's cache priorities use, §5.2).
 
 The actual set is the experts token ``t`` chose at layer ``l + d``. Precision = hits / predicted,
 recall = hits / actual, both summed over all (token, layer) events before dividing. With
@@ -32,7 +34,7 @@ from tracer.eamc import EAMC
 from tracer.errors import TracerError
 from tracer.trace_file import TraceRecord
 
-METHODS = ("eamc", "model-counts", "prev-token")
+METHODS = ("eamc", "model-counts", "prev-token", "request-eam")
 
 
 def _onehot_choices(ids: np.ndarray, num_experts: int) -> np.ndarray:
@@ -171,6 +173,7 @@ def _predict_token(
             tallies[("eamc", d)].add(np.zeros_like(actual), actual, valid)
         tallies[("model-counts", d)].add(_top_m(lifetime[dst], m), actual, valid)
         tallies[("prev-token", d)].add(tok_onehot[t - 1, dst], actual, valid)
+        tallies[("request-eam", d)].add(_top_m(cum[t, dst], m), actual, valid)
 
 
 def print_eval(result: dict[str, Any]) -> None:

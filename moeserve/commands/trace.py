@@ -57,6 +57,7 @@ def _predict_eval(args: argparse.Namespace) -> int:
         matches=args.matches,
         predict_k=args.predict_k,
         capacity=args.capacity,
+        online=args.online,
     )
     result["settings"].update(warm=str(args.warm), eval=str(args.eval))
     if args.json:
@@ -90,5 +91,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--matches", type=int, default=4, help="EAMC matches aggregated per query")
     p.add_argument("--predict-k", type=int, default=None, help="experts predicted per layer (default top_k)")
     p.add_argument("--capacity", type=int, default=1000, help="EAMC capacity")
+    p.add_argument("--online", action="store_true", help="add each eval request to the EAMC after it")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_predict_eval)

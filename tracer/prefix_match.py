@@ -1,0 +1,124 @@
+"""Incremental prefix matching: one EAMC query per MoE layer without rescanning every layer.
+
+NOTE: why. The runtime matches once per MoE layer per step (MoE-Infinity §5.1), and from layer
+``l - 1`` to layer ``l`` the query changes in one row only (row ``l`` gains this step's counts).
+The score of an entry is a sum of per-layer cosines (:mod:`tracer.eamc`), so
+:class:`PrefixMatcher` keeps the ``(L, B, n)`` table of per-layer cosines of the batch's queries
+against the entries: :meth:`PrefixMatcher.begin_step` fills it from the EAMs of earlier steps (the
+cost of one full search), and :meth:`PrefixMatcher.update` recomputes only row ``layer``
+(``B * n * E`` multiply-adds instead of ``B * n * L * E``) and lets a faiss heap pick the top
+``k`` of the running sums. Results equal :meth:`tracer.eamc.EAMC.search` on the same queries up
+to float rounding (ties may order differently). It always scans exactly (the flat matrix), so it
+suits the capacities the flat index serves (up to ~10k entries).
+
+If the EAMC changes between ``begin_step`` and an ``update`` (an ``add``), the table is rebuilt
+on that ``update`` from the current query rows.
+"""
+
+from __future__ import annotations
+
+import faiss
+import numpy as np
+
+from tracer.eam import normalize_rows
+from tracer.eamc import EAMC
+
+
+class PrefixMatcher:
+    """Per-step incremental prefix matching of a batch against an EAMC.
+
+    Args:
+        eamc: the collection (read, never changed).
+        k: matches per query.
+
+    Typical use, per engine step, with the tracer's recorder::
+
+        m.begin_step(recorder.query(request_ids, -1))  # EAMs of earlier steps
+        for layer in range(L):                          # after routing layer `layer`
+            sims, idx = m.update(layer, recorder.query(request_ids, layer))
+    """
+
+    def __init__(self, eamc: EAMC, k: int = 4) -> None:
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        self.eamc, self.k = eamc, k
+        self._q = np.zeros((0, eamc.num_layers, eamc.num_experts), dtype=np.float32)  # [B, L, E]
+        self._cos = np.zeros((eamc.num_layers, 0, 0), dtype=np.float32)  # [L, B, n]
+        self._sum = np.zeros((0, 0), dtype=np.float32)  # [B, n]
+        self._version = -1
+        self._heap: faiss.float_minheap_array_t | None = None
+        self._sims = np.empty((0, 0), dtype=np.float32)
+        self._idx = np.empty((0, 0), dtype=np.int64)
+
+    def _entries(self) -> np.ndarray:
+        n = len(self.eamc)
+        return self.eamc._data[:n].reshape(n, self.eamc.num_layers, self.eamc.num_experts)  # [n, L, E]
+
+    def _rebuild(self) -> None:
+        ent = self._entries()
+        self._cos = np.matmul(self._q.transpose(1, 0, 2), ent.transpose(1, 2, 0))  # [L, B, n]
+        self._sum = self._cos.sum(axis=0)  # [B, n]
+        self._version = self.eamc.version
+
+    def begin_step(self, so_far: np.ndarray) -> None:
+        """Start a step: ``so_far`` ``(B, L, E)`` are the batch's EAMs of earlier steps (raw counts;
+        rows not reached yet zero). Costs about one full :meth:`EAMC.search`.
+
+        Raises:
+            ValueError: ``so_far`` is not ``(B, L, E)``.
+        """
+        so_far = np.asarray(so_far)
+        shape = (self.eamc.num_layers, self.eamc.num_experts)
+        if so_far.ndim != 3 or so_far.shape[1:] != shape:
+            raise ValueError(f"so_far must be (B, {shape[0]}, {shape[1]}), got {so_far.shape}")
+        self._q = normalize_rows(so_far)
+        self._rebuild()
+
+    def update(self, layer: int, query: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Row ``layer`` of the queries changed; return the best ``k`` matches of each.
+
+        Args:
+            layer: the MoE layer just routed.
+            query: ``(B, L, E)`` current queries (only row ``layer`` is read) or ``(B, E)`` that row.
+
+        Returns:
+            ``(sims, idx)``, both ``(B, min(k, len(eamc)))``, as :meth:`EAMC.search`.
+
+        Raises:
+            ValueError: the batch size differs from ``begin_step``'s or the shape is wrong.
+        """
+        query = np.asarray(query)
+        row = query[:, layer] if query.ndim == 3 else query
+        if row.shape != (self._q.shape[0], self.eamc.num_experts):
+            raise ValueError(
+                f"query row must be ({self._q.shape[0]}, {self.eamc.num_experts}), got {row.shape}"
+            )
+        self._q[:, layer] = normalize_rows(row)
+        if self._version != self.eamc.version:
+            self._rebuild()
+        else:
+            ent = self._entries()
+            new = self._q[:, layer] @ ent[:, layer].T  # [B, n]
+            self._sum += new
+            self._sum -= self._cos[layer]
+            self._cos[layer] = new
+        return self._top_k()
+
+    def _top_k(self) -> tuple[np.ndarray, np.ndarray]:
+        """faiss min-heaps (one per query) over the running sums; kept between calls (each SWIG
+        call costs ~1 us, so the heap object and its buffers are made once per shape)."""
+        batch, n = self._sum.shape
+        k = min(self.k, n)
+        if k == 0:
+            return np.empty((batch, 0), dtype=np.float32), np.empty((batch, 0), dtype=np.int64)
+        if self._heap is None or self._sims.shape != (batch, k):
+            self._sims = np.empty((batch, k), dtype=np.float32)
+            self._idx = np.empty((batch, k), dtype=np.int64)
+            heap = faiss.float_minheap_array_t()
+            heap.nh, heap.k = batch, k
+            heap.val, heap.ids = faiss.swig_ptr(self._sims), faiss.swig_ptr(self._idx)
+            self._heap = heap
+        self._sims.fill(-np.inf)  # = heapify: every heap starts below any score
+        self._heap.addn(n, faiss.swig_ptr(self._sum))
+        self._heap.reorder()
+        return self._sims.copy(), self._idx.copy()
