@@ -141,3 +141,14 @@ def test_ivf_index_trains_then_tracks_replacements() -> None:
     assert slot == 0
     sims, idx = eamc.search(eams[0].astype(np.float32), k=1)
     assert idx[0, 0] == 0 and sims[0, 0] == pytest.approx(L, rel=1e-5)
+
+
+def test_layer_major_copy_follows_adds_and_replacements() -> None:
+    eamc = EAMC(L, E, capacity=6)
+    eams = _eams(12, seed=4)
+    for eam in eams[:3]:
+        eamc.add(eam)
+    eamc.layer_major()  # made now, then kept in step by add
+    for eam in eams[3:]:
+        eamc.add(eam)
+    np.testing.assert_array_equal(eamc.layer_major(), eamc.entries().transpose(1, 0, 2))

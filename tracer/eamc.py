@@ -111,6 +111,7 @@ class EAMC:
         self._data = np.zeros((capacity, self.dim), dtype=np.float32)  # [C, L*E] row-normalised
         self._n = 0
         self.version = 0  # bumped by every add (lets PrefixMatcher notice a change)
+        self._by_layer: np.ndarray | None = None  # [L, C, E] copy, made by layer_major()
         self.query_stats = QueryStats()
         self._ivf = None
         if index == "ivf":
@@ -133,6 +134,23 @@ class EAMC:
         Copy it to keep it: a later :meth:`add` may overwrite a row.
         """
         view = self._data[: self._n].reshape(self._n, self.num_layers, self.num_experts)
+        view.flags.writeable = False
+        return view
+
+    def layer_major(self) -> np.ndarray:
+        """``(L, n, E)`` float32 read-only view of a layer-major copy of the entries.
+
+        Made on the first call (one pass over the entries, then ``L * E`` more floats written per
+        :meth:`add`; it doubles the memory), so row ``l`` of every entry is one contiguous
+        ``(n, E)`` block (used by :class:`tracer.prefix_match.PrefixMatcher`).
+        """
+        if self._by_layer is None:
+            n = self._n
+            self._by_layer = np.zeros((self.num_layers, self.capacity, self.num_experts), dtype=np.float32)
+            self._by_layer[:, :n] = (
+                self._data[:n].reshape(n, self.num_layers, self.num_experts).transpose(1, 0, 2)
+            )
+        view = self._by_layer[:, : self._n]
         view.flags.writeable = False
         return view
 
@@ -162,6 +180,8 @@ class EAMC:
             _, idx = self._knn(vec, 1)
             slot = int(idx[0, 0])
         self._data[slot] = vec[0]
+        if self._by_layer is not None:
+            self._by_layer[:, slot] = vec.reshape(self.num_layers, self.num_experts)
         self.version += 1
         if self._ivf is not None:
             with _omp_threads(self.threads):
@@ -269,6 +289,7 @@ class EAMC:
         n = entries.shape[0]
         self._data[:n] = entries
         self._n = n
+        self._by_layer = None
         self.version += 1
         if self._ivf is not None and n >= self._ivf.train_after:
             with _omp_threads(self.threads):
