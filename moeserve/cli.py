@@ -20,6 +20,7 @@ COMMAND_MODULES = [
     "moeserve.commands.bench",
     "moeserve.commands.replay",
     "moeserve.commands.trace",
+    "moeserve.commands.train_tiny",
     "moeserve.commands.simulate",
 ]
 
