@@ -31,6 +31,7 @@ import numpy as np
 from tracer import eam as _eam
 
 INDEX_KINDS = ("flat", "ivf")
+BLAS_MIN_BATCH = 8  # batches this large search through faiss's BLAS path (see EAMC._knn)
 
 
 @contextmanager
@@ -239,11 +240,25 @@ class EAMC:
         try:
             if self._ivf is not None and self._ivf.trained:
                 self._ivf.search(xq, k, sims, idx)
-            else:
+            elif nq < BLAS_MIN_BATCH:
                 faiss.knn_inner_product(
                     faiss.swig_ptr(xq), faiss.swig_ptr(self._data), self.dim, nq, n, k,
                     faiss.swig_ptr(sims), faiss.swig_ptr(idx),
                 )  # fmt: skip
+            else:
+                # NOTE: faiss scans entry by entry per query unless the batch passes its BLAS
+                # threshold (not met at our sizes); one sgemm reads the entries once for the
+                # whole batch: measured 1.9x (32x8, 1k) to 4.5x (35x128, 1k) faster at batch 16,
+                # but 3-4x slower at batch 1-2 (crossover ~4), hence BLAS_MIN_BATCH.
+                saved = faiss.cvar.distance_compute_blas_threshold
+                faiss.cvar.distance_compute_blas_threshold = 0
+                try:
+                    faiss.knn_inner_product(
+                        faiss.swig_ptr(xq), faiss.swig_ptr(self._data), self.dim, nq, n, k,
+                        faiss.swig_ptr(sims), faiss.swig_ptr(idx),
+                    )  # fmt: skip
+                finally:
+                    faiss.cvar.distance_compute_blas_threshold = saved
         finally:
             if prev != self.threads:
                 faiss.omp_set_num_threads(prev)
