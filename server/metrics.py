@@ -61,6 +61,11 @@ class RuntimeCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         snap = self.client.snapshot
+        yield _gauge(
+            "engine_up",
+            "1 while the engine thread runs, 0 once it died (/health is 503).",
+            1 if self.client.alive else 0,
+        )
         yield _gauge("requests_running", "Requests in the running batch.", snap.num_running)
         yield _gauge("requests_waiting", "Requests waiting for a batch slot.", self.client.num_waiting)
         yield _counter("prompt_tokens", "Prompt tokens prefilled.", snap.stats.prompt_tokens)

@@ -116,12 +116,14 @@ def test_engine_death_is_503_and_health_turns_503(engine, monkeypatch):
         httpx.Client(base_url=running.base_url) as http,
     ):
         assert http.get("/health").status_code == 200
+        assert "moeserve_engine_up 1.0" in http.get("/metrics").text
         r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
         assert http.get("/health").status_code == 503
         r = http.post("/v1/completions", json={"prompt": "x", "stream": True})
         assert r.status_code == 503
-        assert http.get("/metrics").status_code == 200  # the process still answers
+        metrics = http.get("/metrics")  # the process still answers, and says the engine is down
+        assert metrics.status_code == 200 and "moeserve_engine_up 0.0" in metrics.text
     monkeypatch.undo()
     for rid in list(engine._seqs):  # the failed request stayed in the engine
         engine.abort_request(rid)
