@@ -24,7 +24,7 @@ import faiss
 import numpy as np
 
 from tracer.eam import normalize_rows
-from tracer.eamc import EAMC
+from tracer.eamc import EAMC, _omp_threads
 
 
 class PrefixMatcher:
@@ -94,7 +94,8 @@ class PrefixMatcher:
         if so_far.ndim != 3 or so_far.shape[1:] != shape:
             raise ValueError(f"so_far must be (B, {shape[0]}, {shape[1]}), got {so_far.shape}")
         self._q = normalize_rows(so_far)
-        self._rebuild()
+        with _omp_threads(self.eamc.threads):
+            self._rebuild()
 
     def update(self, layer: int, query: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Row ``layer`` of the queries changed; return the best ``k`` matches of each.
@@ -116,13 +117,14 @@ class PrefixMatcher:
                 f"query row must be ({self._q.shape[0]}, {self.eamc.num_experts}), got {row.shape}"
             )
         self._q[:, layer] = normalize_rows(row)
-        if self._version != self.eamc.version:
-            self._rebuild()
-        else:
-            self._sum -= self._cos[layer]
-            self._layer_cos(self.eamc.layer_major(), layer, self._cos[layer])
-            self._sum += self._cos[layer]
-        return self._top_k()
+        with _omp_threads(self.eamc.threads):  # faiss heaps go parallel on large batches
+            if self._version != self.eamc.version:
+                self._rebuild()
+            else:
+                self._sum -= self._cos[layer]
+                self._layer_cos(self.eamc.layer_major(), layer, self._cos[layer])
+                self._sum += self._cos[layer]
+            return self._top_k()
 
     def _top_k(self) -> tuple[np.ndarray, np.ndarray]:
         """faiss min-heaps (one per query) over the running sums; kept between calls (each SWIG
