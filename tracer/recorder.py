@@ -149,7 +149,11 @@ class RequestRecorder:
         num_experts, batch = self.num_experts, len(request_ids)
         if not 0 <= moe_layer < self.num_layers:
             raise ValueError(f"moe_layer {moe_layer} outside [0, {self.num_layers})")
-        topk_ids = np.asarray(topk_ids)
+        topk_ids, token_seq, token_prefill = (
+            np.asarray(topk_ids),
+            np.asarray(token_seq),
+            np.asarray(token_prefill),
+        )
         if (
             topk_ids.ndim != 2
             or token_seq.shape != (topk_ids.shape[0],)
