@@ -41,7 +41,7 @@ def _parse(path: Path) -> dict[tuple[str, int], list[tuple[int, int, list[int], 
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise TracerError(f"{where}: bad JSON ({exc.msg} at column {exc.colno})") from None
+                raise TracerError(f"{where}: bad JSON ({exc.msg}, column {exc.colno})") from None
             if not isinstance(obj, dict):
                 raise TracerError(f"{where}: expected a JSON object")
             for name in _FIELDS:

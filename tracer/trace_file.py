@@ -183,7 +183,7 @@ def iter_traces(path: str | Path) -> Iterator[TraceRecord]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise TracerError(f"{where}: bad JSON ({exc.msg} at column {exc.colno})") from None
+                raise TracerError(f"{where}: bad JSON ({exc.msg}, column {exc.colno})") from None
             yield TraceRecord.from_json(obj, where)
 
 
