@@ -10,7 +10,7 @@ exactly as ``ExpertBuffer._io_loop`` does (allocate a free or evictable slot, el
 for a release and a prefetch is dropped). Compute-side changes (new transfers, releases) wake an
 idle I/O thread at ``now``. Because compute-side actions happen in time order and I/O is replayed
 up to each one first, every decision sees the state the threaded runtime would see, minus thread
-wake-up jitter. The state machine, queues and cache policies are the runtime's own objects
+scheduling jitter (a fixed ``wake_s`` models the hand-back to a waiting compute thread). The state machine, queues and cache policies are the runtime's own objects
 (:class:`Partition`, :class:`TransferQueue`, :func:`make_cache_policy`); only the clock is new.
 
 Semantics mirrored from ``ExpertBuffer.run_layer``: a hit is an expert READY when its layer runs;
@@ -71,6 +71,7 @@ class SimBuffer:
         num_devices: partitions; an expert's home is ``home_devices`` (MoE-Infinity §5.3).
         expert_nbytes: bytes per expert (byte counters).
         transfer_s: seconds per expert copy on each device's link.
+        wake_s: seconds from a copy landing to the waiting compute thread resuming.
         cache_policy: registry name (``lru``, ``eam``, ``model-counts``, ``oracle``).
         policy_context: extra policy constructor arguments (``recorder``, ``oracle``).
     """
@@ -85,12 +86,14 @@ class SimBuffer:
         transfer_s: float,
         cache_policy: str = "lru",
         policy_context: dict[str, Any] | None = None,
+        wake_s: float = 0.0,
     ) -> None:
         self.num_layers, self.num_experts = num_layers, num_experts
         self.home = home_devices(num_layers, num_experts, num_devices)
         self._home = self.home.tolist()
         self.stats = ExpertStats(num_layers, num_devices)
         self.transfer_s = transfer_s
+        self.wake_s = wake_s
         self.now = 0.0
         self.cond = _Cond(self)
         ctx = {"num_layers": num_layers, **(policy_context or {})}
@@ -205,21 +208,24 @@ class SimBuffer:
     def run_layer(self, layer: int, experts: list[int], compute_s: Callable[[int], float]) -> float:
         """Run MoE layer ``layer`` needing ``experts`` (ascending ids); ``compute_s(e)`` is the
         seconds expert ``e`` computes. Advances ``now`` past the layer; returns its blocking seconds."""
-        E, st = self.num_experts, self.stats
+        E, st, parts, home = self.num_experts, self.stats, self.parts, self._home
+        base = layer * E
         if self.access_log is not None:
             self.access_log.append((layer, tuple(experts)))
-        self.advance()
-        needed = None
-        for part in self.parts:
-            if part.prefetched.any():  # settle_prefetches is a no-op otherwise (skip its numpy work)
-                needed = needed or {layer * E + e for e in experts}
-                part.settle_prefetches(layer, needed)
+        if self._next_done <= self.now:
+            self.advance()
+        if st.prefetch_issued:  # no slot is an unused prefetch before the first prefetch
+            needed = None
+            for part in parts:
+                if part.prefetched.any():  # settle_prefetches is a no-op otherwise (skip its numpy work)
+                    needed = needed or {base + e for e in experts}
+                    part.settle_prefetches(layer, needed)
         ready: list[tuple[int, Partition, int]] = []
-        waiting: list[tuple[int, Partition]] = []
+        waiting: list[tuple[int, int, Partition]] = []  # (expert, key, partition)
         hits = 0
         for e in experts:
-            key = layer * E + e
-            part = self.parts[self._home[key]]
+            key = base + e
+            part = parts[home[key]]
             st.device_lookups[part.index] += 1
             s = part.key_slot.get(key)
             if s is not None and part.state[s] == READY:
@@ -236,11 +242,11 @@ class SimBuffer:
             else:
                 part.queue.push(Transfer(key, demand=True, queued_at=self.now))
                 st.demand_fetches[layer] += 1
-            waiting.append((e, part))
+            waiting.append((e, key, part))
         st.lookups[layer] += len(experts)
         st.hits[layer] += hits
         if waiting:
-            for i in range(len(self.parts)):
+            for i in range(len(parts)):
                 self._kick(i)
         for e, part, s in ready:
             self.now += compute_s(e)
@@ -248,33 +254,39 @@ class SimBuffer:
         blocked_total = 0.0
         while waiting:
             t0 = self.now
-            self.advance()
-            while (found := self._first_landed(layer, waiting)) is None:
-                nxt = self.next_event()
-                if nxt == INF:
-                    raise RuntimeError(f"simulator deadlock at layer {layer}: nothing in flight")
-                self.now = nxt
+            if self._next_done <= t0:
                 self.advance()
-            e, part = waiting.pop(found)
+            woke = False
+            while (found := _first_landed(waiting)) is None:
+                if self._next_done == INF:
+                    raise RuntimeError(f"simulator deadlock at layer {layer}: nothing in flight")
+                self.now = self._next_done
+                self.advance()
+                woke = True
+            if woke and self.wake_s:
+                self.now += self.wake_s
+            e, key, part = waiting.pop(found)
             blocked = self.now - t0
             if blocked:
                 blocked_total += blocked
                 st.blocking_s[layer] += blocked
                 st.device_blocking_s[part.index] += blocked
-            s = part.key_slot[layer * E + e]
             self.now += compute_s(e)
-            self._release(part, s)
+            self._release(part, part.key_slot[key])
         return blocked_total
 
-    def _first_landed(self, layer: int, waiting: list[tuple[int, Partition]]) -> int | None:
-        E = self.num_experts
-        for i, (e, part) in enumerate(waiting):
-            s = part.key_slot.get(layer * E + e)
-            if s is not None and part.state[s] == READY:
-                return i
-        return None
-
     def _release(self, part: Partition, s: int) -> None:
-        self.advance()
+        if self._next_done <= self.now:
+            self.advance()
         part.release(s)
-        self._kick(part.index)
+        if self._io[part.index].transfer is None:
+            self._start(part.index, self.now)
+
+
+def _first_landed(waiting: list[tuple[int, int, Partition]]) -> int | None:
+    """Index of the first waiting expert whose slot is READY (``ExpertBuffer._first_landed``)."""
+    for i, (_, key, part) in enumerate(waiting):
+        s = part.key_slot.get(key)
+        if s is not None and part.state[s] == READY:
+            return i
+    return None

@@ -37,6 +37,8 @@ class CostModel:
         layer_bytes_s, layer_flop_s_per_token: the dense part's roofline ``max(bytes, flop * n)``.
         kv_s_per_ctx_token: per MoE layer and context token attended (KV-cache read).
         step_fixed_s: per step (LM head, sampling, scheduling).
+        wake_s: after waiting for a copy, the compute thread resumes this long after it landed
+            (a threaded runtime's hand-back: notify, thread wake-up; 0 on a GPU's event wait).
         label: how the numbers were obtained (printed with results).
     """
 
@@ -50,6 +52,7 @@ class CostModel:
     layer_flop_s_per_token: float = 0.0
     kv_s_per_ctx_token: float = 0.0
     step_fixed_s: float = 0.0
+    wake_s: float = 0.0
     label: str = ""
     _memo: dict[int, float] = field(default_factory=dict, repr=False)
 
@@ -81,6 +84,7 @@ class CostModel:
         layer_fixed_s: float,
         layer_b_s: float,
         step_fixed_s: float,
+        wake_s: float = 0.0,
         label: str = "measured",
     ) -> CostModel:
         """Linear measured model: an expert for ``n`` tokens takes ``a + b * n`` seconds, a layer's
@@ -92,6 +96,7 @@ class CostModel:
             layer_fixed_s=layer_fixed_s,
             layer_flop_s_per_token=layer_b_s,
             step_fixed_s=step_fixed_s,
+            wake_s=wake_s,
             label=label,
         )
 
@@ -120,4 +125,5 @@ class CostModel:
             "expert_us_1tok": round(self.expert_s(1) * 1e6, 2),
             "layer_us_1tok": round(self.layer_s(1, 0) * 1e6, 2),
             "step_fixed_us": round(self.step_fixed_s * 1e6, 2),
+            "wake_us": round(self.wake_s * 1e6, 2),
         }

@@ -190,7 +190,7 @@ class Simulator:
         per_device = -(-min(cfg.slots, self.L * self.E) // cfg.num_devices)
         buf = SimBuffer(
             self.L, self.E, per_device, cfg.num_devices, self.expert_bytes, self.cost.transfer_s, cache,
-            {"recorder": recorder, **context},
+            {"recorder": recorder, **context}, self.cost.wake_s,
         )  # fmt: skip
         prefetcher = make_prefetch_policy(
             prefetch, buffer=buf, num_layers=self.L, num_experts=self.E, top_k=self.k,
@@ -259,12 +259,15 @@ class Simulator:
         scale = self.config.host_time_scale
         for layer in range(self.L):
             buf.now += layer_s
-            lid, lw, lseq, lpre = ids[:, layer, :], weights[:, layer, :], token_seq, token_prefill
-            if missing[layer]:
-                keep = (lid >= 0).all(axis=1)
-                lid, lw, lseq, lpre = lid[keep], lw[keep], lseq[keep], lpre[keep]
+            lid = ids[:, layer, :]
+            keep = (lid >= 0).all(axis=1) if missing[layer] else None
+            if keep is not None:
+                lid = lid[keep]
             t_host = time.perf_counter() if scale else 0.0
             if recorder is not None:
+                lw, lseq, lpre = weights[:, layer, :], token_seq, token_prefill
+                if keep is not None:
+                    lw, lseq, lpre = lw[keep], lseq[keep], lpre[keep]
                 recorder.record(layer, rids, lseq, lpre, lid, lw)
             buf.after_routing(layer, rids, lid)
             prefetcher.after_routing(layer, rids, lid)
