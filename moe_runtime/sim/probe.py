@@ -1,0 +1,146 @@
+"""Timing probes on the runtime for calibration: wrap, from the outside, the methods whose timing the
+simulator's cost model stands for, while the unchanged runtime (``bench policies``) runs.
+
+:class:`RuntimeProbe` temporarily wraps ``ExpertBuffer.run_layer`` (one record per MoE layer:
+start, end, experts, blocking seconds), ``MoEModel.forward`` (one record per step: start, end,
+tokens) and ``LinkModel.hold`` (seconds from a copy's start until the emulated link released it),
+keyed by buffer so each policy run of the benchmark can be analysed on its own. Nothing in the
+runtime changes; the wrappers are removed on exit.
+
+:func:`costs_from_records` turns one run's records into the simulator's cost parameters: the
+expert phase of a layer minus its blocking is fitted as ``c + a * experts + b * token-choices``;
+the gap between consecutive layers (attention, router, tracer and policy hooks) as
+``d0 + d1 * tokens``; the rest of a step (embedding, LM head, sampling, scheduling) as a constant.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class RunRecords:
+    """Records of one buffer (one policy run): layers ``(t0, t1, experts, blocked_s)``, forwards
+    ``(t0, t1, tokens)``, link holds ``(started, released)``."""
+
+    layers: list[tuple[float, float, int, float]] = field(default_factory=list)
+    forwards: list[tuple[float, float, int]] = field(default_factory=list)
+    holds: list[tuple[float, float]] = field(default_factory=list)
+
+
+class RuntimeProbe:
+    """Context manager; ``runs`` lists one :class:`RunRecords` per ``ExpertBuffer`` in creation order."""
+
+    def __init__(self) -> None:
+        self.runs: list[RunRecords] = []
+        self._by_buffer: dict[int, RunRecords] = {}
+        self._keep: list[Any] = []  # keeps buffers alive so ids are not reused
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def _records(self, buffer: Any) -> RunRecords:
+        rec = self._by_buffer.get(id(buffer))
+        if rec is None:
+            rec = self._by_buffer[id(buffer)] = RunRecords()
+            self.runs.append(rec)
+            self._keep.append(buffer)
+        return rec
+
+    def __enter__(self) -> RuntimeProbe:
+        from moe_runtime.buffer.expert_buffer import ExpertBuffer
+        from moe_runtime.io.link import LinkModel
+        from moe_runtime.model import MoEModel
+
+        probe = self
+        run_layer, forward, hold = ExpertBuffer.run_layer, MoEModel.forward, LinkModel.hold
+        links: dict[int, RunRecords] = {}
+
+        def timed_run_layer(buf: Any, layer: int, experts: list[int]) -> Iterator[Any]:
+            rec = probe._records(buf)
+            for part in buf.parts:
+                if part.link is not None:
+                    links[id(part.link)] = rec
+            b0 = buf.stats.total_blocking_s
+            t0 = time.perf_counter()
+            yield from run_layer(buf, layer, experts)
+            rec.layers.append((t0, time.perf_counter(), len(experts), buf.stats.total_blocking_s - b0))
+
+        def timed_forward(model: Any, input_ids: Any, step: Any) -> Any:
+            t0 = time.perf_counter()
+            out = forward(model, input_ids, step)
+            probe._records(model.buffer).forwards.append((t0, time.perf_counter(), int(input_ids.shape[0])))
+            return out
+
+        def timed_hold(link: Any, nbytes: int, started: float) -> None:
+            hold(link, nbytes, started)
+            rec = links.get(id(link))
+            if rec is not None:
+                rec.holds.append((started, time.perf_counter()))
+
+        for cls, name, fn in (
+            (ExpertBuffer, "run_layer", timed_run_layer),
+            (MoEModel, "forward", timed_forward),
+            (LinkModel, "hold", timed_hold),
+        ):
+            self._saved.append((cls, name, getattr(cls, name)))
+            setattr(cls, name, fn)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for cls, name, fn in self._saved:
+            setattr(cls, name, fn)
+        self._saved.clear()
+        self._keep.clear()
+
+
+def _fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares ``y ~ x @ coef``. No outlier trimming: on a busy host the long tail (the
+    thread preempted, the GIL held elsewhere) is real time the runtime spent, and blocking and
+    TPOT are means."""
+    return np.linalg.lstsq(x, y, rcond=None)[0]
+
+
+@dataclass(slots=True)
+class Costs:
+    """Cost parameters in seconds (see :meth:`moe_runtime.sim.cost.CostModel.measured`)."""
+
+    expert_a_s: float
+    expert_b_s: float
+    layer_a_s: float
+    layer_b_s: float
+    step_s: float
+    transfer_s: float | None
+
+
+def costs_from_records(rec: RunRecords, num_layers: int, top_k: int) -> Costs:
+    """Fit one run's non-blocking times (see the module note). ``transfer_s`` is the mean link
+    hold, or None when the run had no emulated link."""
+    fwd = sorted(rec.forwards)
+    layers = sorted(rec.layers)
+    starts = np.asarray([f[0] for f in fwd])
+    idx = np.searchsorted(starts, [lay[0] for lay in layers], side="right") - 1  # forward of each layer
+    tokens = np.asarray([fwd[i][2] for i in idx], dtype=np.float64)
+    lay = np.asarray([(t0, t1, n, b) for t0, t1, n, b in layers], dtype=np.float64)
+    busy = lay[:, 1] - lay[:, 0] - lay[:, 3]
+    c, a, b = _fit(np.column_stack([np.ones(len(lay)), lay[:, 2], tokens * top_k]), busy)
+    gaps, gap_tokens, step_rest = [], [], []
+    for i, (f0, _, n) in enumerate(fwd):
+        sel = np.flatnonzero(idx == i)
+        if len(sel) != num_layers:
+            continue
+        prev_end = f0
+        for j in sel:
+            gaps.append(lay[j, 0] - prev_end)
+            gap_tokens.append(n)
+            prev_end = lay[j, 1]
+        if i + 1 < len(fwd):
+            period = fwd[i + 1][0] - f0
+            step_rest.append(period - (prev_end - f0))
+    d0, d1 = _fit(np.column_stack([np.ones(len(gaps)), gap_tokens]), np.asarray(gaps))
+    step_s = float(np.mean(step_rest)) if step_rest else 0.0
+    transfer = float(np.mean([end - start for start, end in rec.holds])) if rec.holds else None
+    return Costs(float(a), float(b), float(d0 + c), float(d1), step_s, transfer)
