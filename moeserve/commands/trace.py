@@ -4,6 +4,8 @@
   (MoE-Infinity §3.1) of a trace file.
 * ``import SRC... --out DST`` -- convert per-token routing logs (``*_routing.jsonl``) into our
   trace format (``docs/trace-format.md``).
+* ``record --prompts JSONL --out FILE`` -- run task-labelled prompts through the runtime and
+  record their traces (``moe_runtime/bench/record_traces.py``).
 * ``predict-eval --warm FILE --eval FILE`` -- precision/recall of predicting the experts of layer
   ``l + d`` by EAMC matching, lifetime counts and the previous token (MoE-Infinity §5.1, §7.2).
 
@@ -69,7 +71,7 @@ def _predict_eval(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``trace`` and its sub-subcommands to the ``moeserve`` parser."""
-    parser = sub.add_parser("trace", help="expert-activation traces: stats, import, predict-eval")
+    parser = sub.add_parser("trace", help="expert-activation traces: stats, import, record, predict-eval")
     cmds = parser.add_subparsers(dest="trace_command", metavar="TRACE_COMMAND")
     cmds.required = True
 
@@ -94,3 +96,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--online", action="store_true", help="add each eval request to the EAMC after it")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_predict_eval)
+
+    from moe_runtime.bench.record_traces import add_record_parser
+
+    add_record_parser(cmds)
