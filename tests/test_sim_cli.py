@@ -123,3 +123,10 @@ def test_profile_without_room_for_an_expert_errors(
 
     with pytest.raises(ConfigError, match="deepseek-v3.*leave no room"):
         get_model("deepseek-v3").buffer_slots(get_hardware("a5000"), kv_tokens=200_000)
+
+
+def test_list_profiles_and_missing_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(["--list-profiles"], capsys)
+    assert code == 0 and "mixtral-8x7b" in out and "nvlink-c2c" in out
+    code, out, err = run_cli([], capsys)
+    assert code == 2 and "--trace is required" in err and len(err.strip().splitlines()) == 1

@@ -122,3 +122,45 @@ def print_single(settings: dict[str, Any], row: Row) -> None:
         f"predicted TPOT {row.tpot_ms:.2f} ms ({row.tokens} tokens)"
     )
     print("settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
+
+
+def print_profiles(kv_tokens: int) -> None:
+    """Model profiles (sizes computed from their config shapes) with the buffer slots each GPU
+    holds, then the hardware pieces with their effective figures and sources."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from moe_runtime.errors import ConfigError
+    from moe_runtime.sim.hardware import GPUS, LINK_EFFICIENCY, LINKS, GiB, get_hardware
+    from moe_runtime.sim.models import MODELS
+
+    console = Console(width=170)
+    models = Table(title=f"model profiles (slots: GPU memory - dense - KV for {kv_tokens} tokens - 1 GiB)")
+    for col in ("profile", "L", "E", "k", "expert MiB", "experts GiB", "dense params", "total params",
+                "dense GiB", *(f"slots {g}" for g in GPUS)):  # fmt: skip
+        models.add_column(col, justify="right")
+    for m in MODELS.values():
+        total = (m.dense_params + m.total_experts * m.expert_params) / 1e9
+        slots = []
+        for g in GPUS:
+            try:
+                slots.append(str(m.buffer_slots(get_hardware(f"{g}+pcie4"), kv_tokens)))
+            except ConfigError:
+                slots.append("0")
+        models.add_row(
+            m.name, str(m.num_layers), str(m.num_experts), str(m.top_k), f"{m.expert_bytes / MiB:.1f}",
+            f"{m.total_experts * m.expert_bytes / GiB:.1f}", f"{m.dense_params / 1e9:.2f}B",
+            f"{total:.1f}B", f"{m.dense_bytes / GiB:.2f}", *slots,
+        )  # fmt: skip
+    console.print(models)
+    hw = Table(title=f"hardware (links at {LINK_EFFICIENCY:.0%} of the raw rate)")
+    for col in ("name", "memory GiB", "peak TFLOP/s", "HBM GB/s", "raw GB/s", "effective GB/s", "us/copy",
+                "source"):  # fmt: skip
+        hw.add_column(col, justify="right")
+    for g in GPUS.values():
+        hw.add_row(g.name, f"{g.memory_bytes / GiB:.0f}", f"{g.peak_flops / 1e12:.1f}", f"{g.hbm_gbps:.0f}",
+                   "", "", "", g.source)  # fmt: skip
+    for lk in LINKS.values():
+        hw.add_row(lk.name, "", "", "", f"{lk.raw_gbps:.1f}", f"{lk.gbps:.1f}", f"{lk.latency_us:.0f}",
+                   lk.source)  # fmt: skip
+    console.print(hw)

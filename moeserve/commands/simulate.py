@@ -19,7 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Replay a trace file (moeserve-trace/1) through the runtime's buffer state machine, "
         "cache and prefetch policies with a roofline cost model instead of real copies and kernels.",
     )
-    p.add_argument("--trace", required=True, help="trace file (moeserve-trace/1 JSON lines)")
+    p.add_argument("--trace", default=None, help="trace file (moeserve-trace/1 JSON lines); required")
+    p.add_argument("--list-profiles", action="store_true", help="print the model and hardware profiles")
     p.add_argument("--warm-trace", default=None, help="separate trace that warms (default: split --trace)")
     p.add_argument("--model-profile", default="mixtral-8x7b", help="model profile (default: mixtral-8x7b)")
     p.add_argument("--hardware", default="a5000", help="GPU+LINK profile or alias (default: a5000)")
@@ -70,6 +71,13 @@ def run(args: argparse.Namespace) -> int:
     from moe_runtime.sim.runner import combo_for, run_combos
     from moe_runtime.sim.workload import load_workload, split_warm_eval
 
+    if args.list_profiles:
+        from moe_runtime.sim.report import print_profiles
+
+        print_profiles(args.kv_tokens or DEFAULT_KV_TOKENS)
+        return 0
+    if not args.trace:
+        raise ConfigError("--trace is required (a moeserve-trace/1 file; see moeserve trace import)")
     _check(args)
     profile = get_model(args.model_profile)
     hw = get_hardware(args.hardware)
