@@ -157,3 +157,53 @@ def test_unknown_policy_names_are_refused():
         make_prefetch_policy("magic", buffer=None, num_layers=1, num_experts=1, top_k=1)
     with pytest.raises(ConfigError, match="cache-policy"):
         ExpertBuffer(small_store(), [torch.device("cpu")], 2, cache_policy="magic")
+
+
+COMBOS = [
+    ("on-demand", "lru"),
+    ("next-layer-all", "lru"),
+    ("model-counts", "model-counts"),
+    ("hot-experts", "lru"),
+    ("eam", "eam"),
+]
+
+
+def _run_policy(path, prefetch, cache, prompts, context=None, warm=None, log=False):
+    from moe_runtime.config import RuntimeConfig
+    from moe_runtime.engine.engine import LLMEngine
+    from moe_runtime.engine.request import SamplingParams
+
+    rt = RuntimeConfig(
+        buffer_slots=6, max_batch_size=2, max_model_len=64, prefetch_policy=prefetch, cache_policy=cache
+    )
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    with LLMEngine.from_pretrained(path, rt, policy_context=context) as engine:
+        for p in warm or []:
+            engine.generate([p], params)
+        if log:
+            engine.buffer.access_log = []
+        st0 = engine.buffer.stats.snapshot()
+        outs = [o.output_token_ids for o in engine.generate(prompts, params)]
+        st = engine.buffer.stats
+        hit = (st.total_hits - st0.total_hits) / (st.total_lookups - st0.total_lookups)
+        return outs, hit, engine.buffer.access_log, engine
+
+
+def test_outputs_identical_across_policies_and_oracle_hits_most(tiny_checkpoints):
+    from moe_runtime.prefetch import OracleSchedule
+
+    path = tiny_checkpoints["qwen2_moe"]
+    warm = [[3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13, 14]]
+    prompts = [[5, 17, 33, 2, 250, 7], [9, 1, 44]]
+    ref, base_hit, log, _ = _run_policy(path, "on-demand", "lru", prompts, warm=warm, log=True)
+    hits = {"on-demand": base_hit}
+    for prefetch, cache in COMBOS[1:]:
+        outs, hits[prefetch], _, engine = _run_policy(path, prefetch, cache, prompts, warm=warm)
+        assert outs == ref, prefetch
+        if prefetch == "eam":
+            assert len(engine.eamc) == len(warm) + len(prompts)  # filled online by finished requests
+    outs, oracle_hit, _, _ = _run_policy(
+        path, "oracle", "oracle", prompts, context={"oracle": OracleSchedule(log, 8)}
+    )
+    assert outs == ref
+    assert oracle_hit >= max(hits.values()) - 1e-9, (oracle_hit, hits)

@@ -117,10 +117,15 @@ class LLMEngine:
 
     @classmethod
     def from_pretrained(
-        cls, model_dir: str | Path, runtime: RuntimeConfig | None = None, recorder: Any | None = None
+        cls,
+        model_dir: str | Path,
+        runtime: RuntimeConfig | None = None,
+        recorder: Any | None = None,
+        **kwargs: Any,
     ) -> LLMEngine:
+        """Load ``model_dir`` and build the engine; ``kwargs`` go to the constructor (``eamc``, ...)."""
         runtime = runtime or RuntimeConfig()
-        return cls(load_checkpoint(model_dir, runtime), runtime, recorder)
+        return cls(load_checkpoint(model_dir, runtime), runtime, recorder, **kwargs)
 
     # ------------------------------------------------------------------ requests
     def add_request(
