@@ -5,7 +5,7 @@ so a hit is purely a caching question, and the buffer holds at least the experts
 execution needs (no expert streams through a slot within a layer, where the compute order, not
 the policy, picks the victim). With a slow link the oracle is not an upper bound on *hit rate*:
 its prefetch can still be in flight when the layer runs (a late prefetch counts as a miss) where
-a cache-only policy happened to keep the expert; ``docs/simulator.md`` shows such a case.
+a cache-only policy happened to keep the expert (see ``docs/simulator.md``).
 """
 
 from __future__ import annotations
