@@ -10,8 +10,9 @@ exactly as ``ExpertBuffer._io_loop`` does (allocate a free or evictable slot, el
 for a release and a prefetch is dropped). Compute-side changes (new transfers, releases) wake an
 idle I/O thread at ``now``. Because compute-side actions happen in time order and I/O is replayed
 up to each one first, every decision sees the state the threaded runtime would see, minus thread
-scheduling jitter (a fixed ``wake_s`` models the hand-back to a waiting compute thread). The state machine, queues and cache policies are the runtime's own objects
-(:class:`Partition`, :class:`TransferQueue`, :func:`make_cache_policy`); only the clock is new.
+scheduling jitter (a fixed ``wake_s`` models the hand-back to a waiting compute thread). The
+state machine, queues and cache policies are the runtime's own objects (:class:`Partition`,
+:class:`TransferQueue`, :func:`make_cache_policy`); only the clock is new.
 
 Semantics mirrored from ``ExpertBuffer.run_layer``: a hit is an expert READY when its layer runs;
 a needed expert whose prefetch is in flight is a late prefetch (a miss that waits); a missing one

@@ -91,7 +91,7 @@ def measure_link(loaded: Any, args: argparse.Namespace, n: int = 40) -> dict[str
     """Through a real ``ExpertBuffer`` with the bench's link (means, seconds): a lone demand miss
     from asking to holding the expert (``demand_miss_s``); its link hold (``hold_s``); the rest,
     landing and handing back to the compute thread (``wake_s``); the I/O thread's gap between
-    back-to-back copies (``io_gap_s``, four misses per layer); the nominal link time."""
+    back-to-back copies (``io_gap_s``, median, four misses per layer); the nominal link time."""
     from moe_runtime.buffer import ExpertBuffer
     from moe_runtime.io.link import LinkModel
 
@@ -126,7 +126,7 @@ def measure_link(loaded: Any, args: argparse.Namespace, n: int = 40) -> dict[str
         "demand_miss_s": miss,
         "hold_s": hold,
         "wake_s": max(0.0, miss - hold),
-        "io_gap_s": max(0.0, float(np.mean(gaps))) if gaps else 0.0,
+        "io_gap_s": max(0.0, float(np.median(gaps))) if gaps else 0.0,
         "nominal_s": LinkModel(*link).transfer_seconds(store.expert_nbytes),
     }
 
@@ -234,7 +234,8 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
             blocks = [rp[0]["results"][n]["blocking_ms_per_token"] for rp in reps]
             spread = f"{min(blocks):.3f}-{max(blocks):.3f}"
             inrun = costs_from_records(rec, cfg.num_moe_layers, cfg.top_k)
-            inrun.transfer_s = (inrun.transfer_s or link["hold_s"]) + link["io_gap_s"]
+            gap = link["io_gap_s"] if inrun.io_gap_s is None else inrun.io_gap_s
+            inrun.transfer_s = (inrun.transfer_s or link["hold_s"]) + gap
             inrun_costs.append({"repeat": rep, "buffer_fraction": r["buffer_fraction"], "policy": r["policy"],
                                 **asdict(inrun)})  # fmt: skip
             frac, wake = r["buffer_fraction"], link["wake_s"]

@@ -114,11 +114,13 @@ class Costs:
     layer_b_s: float
     step_s: float
     transfer_s: float | None
+    io_gap_s: float | None = None
 
 
 def costs_from_records(rec: RunRecords, num_layers: int, top_k: int) -> Costs:
     """Fit one run's non-blocking times (see the module note). ``transfer_s`` is the mean link
-    hold, or None when the run had no emulated link."""
+    hold and ``io_gap_s`` the median gap between back-to-back copies (the I/O thread landing one
+    and starting the next), or None when the run had no emulated link."""
     fwd = sorted(rec.forwards)
     layers = sorted(rec.layers)
     starts = np.asarray([f[0] for f in fwd])
@@ -142,5 +144,11 @@ def costs_from_records(rec: RunRecords, num_layers: int, top_k: int) -> Costs:
             step_rest.append(period - (prev_end - f0))
     d0, d1 = _fit(np.column_stack([np.ones(len(gaps)), gap_tokens]), np.asarray(gaps))
     step_s = float(np.mean(step_rest)) if step_rest else 0.0
-    transfer = float(np.mean([end - start for start, end in rec.holds])) if rec.holds else None
-    return Costs(float(a), float(b), float(d0 + c), float(d1), step_s, transfer)
+    transfer = io_gap = None
+    if rec.holds:
+        holds = sorted(rec.holds)
+        transfer = float(np.mean([end - start for start, end in holds]))
+        gaps = np.asarray([b[0] - a[1] for a, b in zip(holds, holds[1:])])
+        back_to_back = gaps[(gaps >= 0) & (gaps < 0.5 * transfer)]  # the next copy was already queued
+        io_gap = float(np.median(back_to_back)) if back_to_back.size else None
+    return Costs(float(a), float(b), float(d0 + c), float(d1), step_s, transfer, io_gap)
