@@ -69,21 +69,24 @@ def moe_block(
     offsets = np.concatenate(([0], np.cumsum(counts)))
     order = torch.argsort(sorted_ids.reshape(-1), stable=True)  # [T*k] flat positions grouped by expert
     needed = np.flatnonzero(counts).tolist()
-    contrib = torch.empty((x.shape[0] * k, x.shape[1]), dtype=x.dtype, device=x.device)  # [T*k, H]
+    xs_sorted = x[order // k]  # [T*k, H] token rows grouped by expert (one gather for the layer)
+    w_sorted = w_flat[order, None]  # [T*k, 1]
+    y_sorted = torch.empty_like(xs_sorted)  # [T*k, H] expert outputs, same grouping
     hit = np.zeros(num_experts, dtype=bool)
     blocked = np.zeros(num_experts, dtype=np.float64)
     for h in buffer.run_layer(moe_layer, needed):
         e = h.expert
-        sel = order[offsets[e] : offsets[e + 1]]  # flat (token, rank) positions routed to e
-        xs = x[sel // k]
+        a, b = offsets[e], offsets[e + 1]  # rows of xs_sorted routed to e
+        xs = xs_sorted[a:b]
         if h.device != x.device:
             xs = xs.to(h.device)
         gate, up = F.linear(xs, h.gate_up).chunk(2, dim=-1)
         y = F.linear(F.silu(gate) * up, h.down)
         if h.device != x.device:
             y = y.to(x.device)
-        contrib.index_copy_(0, sel, (y * w_flat[sel, None]).to(x.dtype))
+        y_sorted[a:b] = y * w_sorted[a:b]
         hit[e], blocked[e] = h.hit, h.blocked_s
+    contrib = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)  # back to (token, rank) order
     contrib = contrib.view(-1, k, x.shape[1])
     out = contrib[:, 0]
     for j in range(1, k):
