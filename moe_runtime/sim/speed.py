@@ -54,9 +54,15 @@ def synthetic_workload(
 
 
 def measure(
-    wl: Workload, profile: str, hardware: str, batch: int, slots: int | None, top: int
+    wl: Workload,
+    profile: str,
+    hardware: str,
+    batch: int,
+    slots: int | None,
+    top: int,
+    policies: list[str] | None = None,
 ) -> list[dict[str, object]]:
-    """Run every bench combination once; returns per-policy speed rows."""
+    """Run each bench combination (or those labelled in ``policies``) once; per-policy speed rows."""
     from moe_runtime.sim.runner import run_combos
 
     model = get_model(profile).mapped(wl.num_layers, wl.num_experts, wl.top_k)
@@ -69,7 +75,7 @@ def measure(
     )  # fmt: skip
     base = run_combos(sim, [COMBOS[0]], warm, evals)[0]
     rows = []
-    for combo in COMBOS:
+    for combo in [c for c in COMBOS if policies is None or c[0] in policies]:
         prof = cProfile.Profile() if top else None
         c0, t0 = time.process_time(), time.perf_counter()
         if prof:
@@ -106,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=32, help="synthetic decode tokens per request")
     p.add_argument("--prefill", type=int, default=0, help="synthetic prompt tokens per request")
     p.add_argument("--profile", type=int, default=0, help="print the top N functions by own time")
+    p.add_argument("--policies", default=None, help="comma-separated bench labels (default: all)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.trace:
@@ -114,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         m = get_model(args.model_profile)
         shape = (m.num_layers, m.num_experts, m.top_k)
         wl = synthetic_workload(*shape, args.requests, args.tokens, args.prefill)
-    rows = measure(wl, args.model_profile, args.hardware, args.batch, args.buffer_slots, args.profile)
+    labels = args.policies.split(",") if args.policies else None
+    rows = measure(wl, args.model_profile, args.hardware, args.batch, args.buffer_slots, args.profile, labels)
     settings = {
         "trace": args.trace or "synthetic",
         "shape": f"L={wl.num_layers} E={wl.num_experts} k={wl.top_k}",
