@@ -2,8 +2,8 @@
 
 * :func:`plot_run` -> ``replay-latency.png``: per-request TTFT and e2e latency against send time
   (with the arrival rate per second behind them), and the CDF of TPOT.
-* :func:`plot_sweep` -> ``sweep-latency.png`` (TPOT and TTFT percentiles vs request rate, the shape
-  of MoE-Infinity Figure 9) and ``sweep-hitrate.png`` (expert buffer hit rate vs request rate).
+* :func:`plot_sweep` -> ``sweep-latency.png`` (TPOT and TTFT percentiles vs offered rate, the shape
+  of MoE-Infinity Figure 9) and ``sweep-hitrate.png`` (expert buffer hit rate vs offered rate).
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ def plot_run(records: list[RequestRecord], out: Path, title: str) -> Path | None
 def plot_sweep(rows: list[dict[str, Any]], out: Path, title: str) -> list[Path]:
     """``sweep-latency.png`` and ``sweep-hitrate.png`` from :func:`clients.sweep.sweep_rows` rows."""
     plt = _pyplot()
-    x = [r["rps"] for r in rows]
+    # x = the rate actually offered (a trace window's local rate differs from the target --rps)
+    x = [r["offered_rps"] if r["offered_rps"] is not None else r["rps"] for r in rows]
 
     def ys(key: str) -> list[float]:
         return [float("nan") if r[key] is None else r[key] for r in rows]
@@ -75,8 +76,9 @@ def plot_sweep(rows: list[dict[str, Any]], out: Path, title: str) -> list[Path]:
     for p, style in (("p50", "o-"), ("p90", "s--"), ("p99", "^:")):
         ax1.plot(x, ys(f"tpot_{p}_ms"), style, label=f"TPOT {p}")
         ax2.plot(x, ys(f"ttft_{p}_ms"), style, label=f"TTFT {p}")
+    ax2.set_yscale("log")  # queueing makes TTFT span orders of magnitude past saturation
     for ax, name in ((ax1, "TPOT (ms)"), (ax2, "TTFT (ms)")):
-        ax.set_xlabel("request rate (req/s)")
+        ax.set_xlabel("offered request rate (req/s)")
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
         ax.legend()
@@ -87,7 +89,7 @@ def plot_sweep(rows: list[dict[str, Any]], out: Path, title: str) -> list[Path]:
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(5, 4))
     ax.plot(x, ys("hit_rate"), "o-")
-    ax.set_xlabel("request rate (req/s)")
+    ax.set_xlabel("offered request rate (req/s)")
     ax.set_ylabel("expert buffer hit rate")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
