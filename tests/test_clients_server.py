@@ -128,7 +128,7 @@ def test_counts_match_server_counters(server_url, tiny_qwen3, prompts, tmp_path:
         assert abs(r["prompt_tokens"] - ctx) <= 3
     # sends follow the trace schedule
     assert [r["scheduled_s"] for r in recs] == pytest.approx(TIMES, abs=1e-6)
-    assert all(abs(r["sent_s"] - r["scheduled_s"]) < 0.1 for r in recs)
+    assert all(abs(r["sent_s"] - r["scheduled_s"]) < 0.2 for r in recs)
     assert s.ttft.count == len(TIMES) and s.tpot.count == sum(1 for _, g in LENGTHS if g > 1)
 
 
