@@ -16,6 +16,13 @@ import numpy as np
 from moe_runtime.train import routing_analysis as ra
 from moe_runtime.train.corpus import DOMAINS
 
+LABELS = {
+    "trained": "trained",
+    "random": "random init",
+    "random_forced": "random init, trained's tokens",
+    "uniform": "uniform routing",
+}
+
 
 def plot_all(log: dict[str, Any], a: dict[str, Any], img_dir: Path) -> dict[str, str]:
     """Draw the four card figures into ``img_dir``; returns figure key -> file name."""
@@ -48,13 +55,13 @@ def plot_all(log: dict[str, Any], a: dict[str, Any], img_dir: Path) -> dict[str,
     files["training"] = _save(fig, img_dir / "model-card-training.png")
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name, style in (("trained", "o"), ("random", "x")):
+    for name, style in (("trained", "o"), ("random", "x")):  # prompts are the same for both
         ax.scatter(
             a[name]["prompt_len"],
             100 * np.array(a[name]["prefill_ratio"]),
             marker=style,
             s=18,
-            label=f"{name}: mean {100 * np.mean(a[name]['prefill_ratio']):.1f} %",
+            label=f"{LABELS[name]}: mean {100 * np.mean(a[name]['prefill_ratio']):.1f} %",
         )
     lengths = np.arange(1, max(a["trained"]["prompt_len"]) + 1)
     cfg_k, cfg_e = log["shape"]["top_k"], log["shape"]["num_experts"]
@@ -77,9 +84,11 @@ def plot_all(log: dict[str, Any], a: dict[str, Any], img_dir: Path) -> dict[str,
     files["prefill"] = _save(fig, img_dir / "model-card-prefill-ratio.png")
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name in ("trained", "random", "uniform"):
+    for name in ("trained", "random", "random_forced", "uniform"):
         bs = sorted(int(b) for b in a[name]["batch_ratio"])
-        ax.plot(bs, [100 * a[name]["batch_ratio"][b] for b in bs], marker="o", label=f"tiny-moe {name}")
+        ax.plot(
+            bs, [100 * a[name]["batch_ratio"][b] for b in bs], marker="o", label=f"tiny-moe {LABELS[name]}"
+        )
     for name, (_, _, ratios) in ra.PAPER_TABLE1.items():
         ax.plot(ra.BATCH_SIZES, ratios, ls=":", marker=".", label=f"paper: {name}")
     ax.set(
@@ -95,9 +104,11 @@ def plot_all(log: dict[str, Any], a: dict[str, Any], img_dir: Path) -> dict[str,
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
     layers = np.arange(len(a["trained"]["jsd_per_layer"]))
     for off, name in ((-0.2, "trained"), (0.2, "random")):
-        ax1.bar(layers + off, a[name]["jsd_per_layer"], width=0.4, label=name)
-        ax2.plot(layers, 100 * np.array(a[name]["decode_top25_share_per_layer"]), marker="o", label=name)
-    ax2.axhline(100 * a["uniform"]["decode_top25_share"], color="0.5", ls="--", label="uniform routing")
+        ax1.bar(layers + off, a[name]["jsd_per_layer"], width=0.4, label=LABELS[name])
+    for name in ("trained", "random", "random_forced"):
+        share = 100 * np.array(a[name]["decode_top25_share_per_layer"])
+        ax2.plot(layers, share, marker="o", label=LABELS[name])
+    ax2.axhline(100 * a["uniform"]["decode_top25_share"], color="0.5", ls="--", label=LABELS["uniform"])
     ax1.set(xlabel="MoE layer", ylabel="JSD (bits)", title="Domain specialisation: mean pairwise JSD")
     ax2.set(xlabel="MoE layer", ylabel="share (%)", title="Decode reuse: top-25 % experts' share")
     ax1.legend(fontsize=8)

@@ -45,6 +45,10 @@ NGRAM = 13  # words; shared n-grams of this length count as overlap
 SPLIT_SALT = "moeserve-tiny-moe-split-v1"
 CHUNK_CHARS = 2000  # documents are cut into pieces of about this many characters
 MIN_DOC_CHARS = 120
+HELDOUT_PERMILLE = 50  # share of sources held out, in 1/1000
+FLAN_ROWS_PER_SET = 1500  # FLAN-v2 CoT rows used per set (after the replayed ones)
+SHAKESPEARE_GROUP = 5  # consecutive Shakespeare pieces sharing one split source
+CHAT_PERMILLE = 500  # share of QA rows rendered with the chat template, in 1/1000
 _EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "lib2to3", "turtledemo"}
 _WORD = re.compile(r"\w+")
 
@@ -169,25 +173,28 @@ def technical_docs(root: Path | None = None) -> list[Doc]:
 
 
 def literary_docs(data_dir: Path) -> list[Doc]:
-    """Tiny Shakespeare cut into ~1.5 KB runs of speeches; 5 consecutive runs share a source."""
+    """Tiny Shakespeare cut into ~1.5 KB runs of speeches; :data:`SHAKESPEARE_GROUP` consecutive runs
+    share a source."""
     text = (data_dir / "corpus" / "tinyshakespeare" / "input.txt").read_text(encoding="utf-8")
     speeches = [s + "\n\n" for s in text.split("\n\n")]
-    pieces = list(_chunks(speeches, limit=1500))
+    pieces = list(_chunks(speeches, limit=1500))  # characters
     return [
-        Doc("literary", f"shakespeare/{i // 5}", c) for i, c in enumerate(pieces) if len(c) >= MIN_DOC_CHARS
+        Doc("literary", f"shakespeare/{i // SHAKESPEARE_GROUP}", c)
+        for i, c in enumerate(pieces)
+        if len(c) >= MIN_DOC_CHARS
     ]
 
 
 def _qa_text(source: str, question: str, answer: str) -> str:
     """Plain ``Question:/Answer:`` text, or (for half the rows, by hash) a chat exchange."""
-    if _bucket(source, "moeserve-tiny-moe-chat") < 500:
+    if _bucket(source, "moeserve-tiny-moe-chat") < CHAT_PERMILLE:
         # The packer appends EOS after every document, so the chat text ends right after the answer.
         messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
         return render_chat(messages, eos_token="").rstrip("\n")
     return f"Question: {question}\nAnswer: {answer}"
 
 
-def qa_docs(data_dir: Path, flan_rows_per_set: int = 1500) -> list[Doc]:
+def qa_docs(data_dir: Path, flan_rows_per_set: int = FLAN_ROWS_PER_SET) -> list[Doc]:
     """MMLU test rows >= :data:`REPLAYED_ROWS` + dev rows, and FLAN-v2 CoT rows after the first
     :data:`REPLAYED_ROWS` (at most ``flan_rows_per_set`` per set). Sources are the row ids the
     replayed prompt files use, so :func:`check_row_ids` can compare them."""
@@ -265,7 +272,7 @@ def check_row_ids(docs: list[Doc], prompts: list[dict]) -> None:
 
 
 def build_corpus(
-    data_dir: Path | None = None, heldout_permille: int = 50, max_train_chars: int = 6_000_000
+    data_dir: Path | None = None, heldout_permille: int = HELDOUT_PERMILLE, max_train_chars: int = 6_000_000
 ) -> CorpusSplit:
     """Build all domains, drop replayed-prompt overlap, split train / held-out by source.
 

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from moe_runtime.train import card_figures
+from moe_runtime.train import corpus as C
 from moe_runtime.train import routing_analysis as ra
 from moe_runtime.train.corpus import DOMAINS, CorpusSplit
 from moe_runtime.train.tokenizer import CHAT_TEMPLATE, EOS_TOKEN
@@ -51,13 +52,20 @@ def analyse(model_dir: Path, split: CorpusSplit, log: Callable[[str], None] = pr
     ).eval()
     random_init = new_model(AutoConfig.from_pretrained(model_dir), s["seed"]).eval()
     cfg = trained.config
-    out: dict[str, Any] = {"prompts": len(prompts)}
+    out: dict[str, Any] = {
+        "prompts": len(prompts),
+        "num_experts": trained.config.num_experts,
+        "top_k": trained.config.num_experts_per_tok,
+    }
     traces = {}
     for name, model in (("trained", trained), ("random", random_init)):
         t0 = time.time()
         routed = {d: ra.window_routing(model, w) for d, w in windows.items()}
         traces[name] = [ra.trace_request(model, doc, ids) for doc, ids in prompts]
         out[name] = ra.summarise(traces[name], routed, cfg.num_experts, cfg.num_experts_per_tok)
+        if name == "random":  # the same routers on the trained model's tokens (see routing_analysis)
+            forced = [ra.forced_trace(model, t) for t in traces["trained"]]
+            out["random_forced"] = ra.summarise(forced, routed, cfg.num_experts, cfg.num_experts_per_tok)
         log(f"analysed {name} model in {time.time() - t0:.0f} s")
     out["uniform"] = ra.uniform_reference(cfg.num_experts, cfg.num_experts_per_tok, traces["trained"])
     out["completions"] = []
@@ -86,6 +94,10 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f} %"
 
 
+def _opt(value: float | None, fmt: Callable[[float], str]) -> str:
+    return "-" if value is None else fmt(value)
+
+
 def _row(*cells: object) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
@@ -96,7 +108,7 @@ def render(
     """The card's markdown text."""
     sh, st, p, t = log["shape"], log["settings"], log["params"], log["time_s"]
     size = (model_dir / "model.safetensors").stat().st_size
-    tr, rn, un = a["trained"], a["random"], a["uniform"]
+    tr = a["trained"]
     k, e = sh["top_k"], sh["num_experts"]
     lines = [
         "# Model card: `tiny-moe`, the bundled default model",
@@ -154,7 +166,7 @@ def render(
         "```",
         "",
         "A conversation renders as `<|user|>\\n{message}\\n<|assistant|>\\n`; the role markers are single "
-        "special tokens. Half of the QA training rows were rendered this way.",
+        f"special tokens. {C.CHAT_PERMILLE / 10:g} % of the QA training rows were rendered this way.",
         "",
         "## Training",
         "",
@@ -187,21 +199,22 @@ def render(
         "",
         "Domains: `code` (Python source of half of the stdlib files, tests excluded), "
         "`technical` (docstrings of the other half + `pydoc_data` topics), `literary` (Tiny Shakespeare), "
-        "`qa` (MMLU test rows after the first 20 per subject + dev rows; FLAN-v2 CoT rows after the first "
-        "20 per set, at most 1,500 per set). The held-out split is 5 % of *sources* (a file, a topic, "
-        "5 consecutive Shakespeare passages, a QA row) "
-        "by a salted hash independent of the seed.",
+        f"`qa` (MMLU test rows after the first {C.REPLAYED_ROWS} per subject + dev rows; FLAN-v2 CoT rows "
+        f"after the first {C.REPLAYED_ROWS} per set, at most {C.FLAN_ROWS_PER_SET:,} per set). The held-out "
+        f"split is {C.HELDOUT_PERMILLE / 10:g} % of *sources* (a file, a topic, {C.SHAKESPEARE_GROUP} "
+        "consecutive Shakespeare passages, a QA row) by a salted hash independent of the seed.",
         "",
         "No benchmark prompt is trained on: the QA row ids are checked disjoint from the ids in "
         "`prompts/prompts_combined.jsonl` and `prompts/prompts_extra.jsonl` "
-        "(which replay the first 20 rows), "
-        "and every document sharing a word 13-gram with any replayed prompt is dropped; the final split is "
+        f"(which replay the first {C.REPLAYED_ROWS} rows), "
+        f"and every document sharing a word {C.NGRAM}-gram with any replayed prompt is dropped; "
+        "the final split is "
         "re-checked to have zero such overlap (`moe_runtime/train/corpus.py`, `tests/test_tiny_model.py`).",
         "",
         _row(
             "domain",
             "docs built",
-            "dropped (13-gram overlap)",
+            f"dropped ({C.NGRAM}-gram overlap)",
             "train docs / sources",
             "train chars",
             "train tokens",
@@ -240,106 +253,7 @@ def render(
             for d in DOMAINS
         ],
         "",
-        "## Routing structure on held-out text (trained vs. random init)",
-        "",
-        "Same architecture and seed at random init vs. the trained checkpoint; "
-        f"{a['prompts']} held-out requests "
-        f"({PROMPTS_PER_DOMAIN} per domain; QA prompts end where the answer starts, others are cut to "
-        f"{'/'.join(map(str, ra.PROMPT_LENGTHS))} tokens), each decoded greedily for {ra.DECODE_STEPS} "
-        "iterations (EOS ignored). JSD, NMI and expert load use the held-out loss windows. "
-        "Definitions: `moe_runtime/train/routing_analysis.py`.",
-        "",
-        _row("measure", "trained", "random init", "uniform routing"),
-        _row("---", "---:", "---:", "---:"),
-        _row(
-            "domain JSD, mean over layers and domain pairs (bits)",
-            f"{tr['jsd_mean']:.3f}",
-            f"{rn['jsd_mean']:.3f}",
-            "0",
-        ),
-        _row(
-            "adjacent-layer NMI of top-1 experts, mean",
-            f"{np.mean(tr['adjacent_layer_nmi']):.3f}",
-            f"{np.mean(rn['adjacent_layer_nmi']):.3f}",
-            "0",
-        ),
-        _row(
-            f"decode: share of activations on a request's top 25 % experts ({ra.DECODE_STEPS} iterations)",
-            _pct(tr["decode_top25_share"]),
-            _pct(rn["decode_top25_share"]),
-            _pct(un["decode_top25_share"]),
-        ),
-        _row(
-            "prefill activation ratio per request, mean",
-            _pct(np.mean(tr["prefill_ratio"])),
-            _pct(np.mean(rn["prefill_ratio"])),
-            _pct(np.mean(un["prefill_ratio"])),
-        ),
-        _row(
-            f"decode activation ratio per request over {ra.DECODE_STEPS} iterations, mean",
-            _pct(np.mean(tr["decode_ratio"])),
-            _pct(np.mean(rn["decode_ratio"])),
-            _pct(un["decode_ratio"]),
-        ),
-        _row(
-            "expert load, least / most used expert (x uniform share), worst layer",
-            f"{min(tr['expert_load_min']):.2f} / {max(tr['expert_load_max']):.2f}",
-            f"{min(rn['expert_load_min']):.2f} / {max(rn['expert_load_max']):.2f}",
-            "1.00 / 1.00",
-        ),
-        "",
-        _row("MoE layer", *range(len(tr["jsd_per_layer"]))),
-        _row("---", *["---:"] * len(tr["jsd_per_layer"])),
-        _row("JSD trained", *[f"{v:.3f}" for v in tr["jsd_per_layer"]]),
-        _row("JSD random", *[f"{v:.3f}" for v in rn["jsd_per_layer"]]),
-        _row("top-25 % share trained", *[_pct(v) for v in tr["decode_top25_share_per_layer"]]),
-        _row("top-25 % share random", *[_pct(v) for v in rn["decode_top25_share_per_layer"]]),
-        _row("NMI(l, l+1) trained", *[f"{v:.3f}" for v in tr["adjacent_layer_nmi"]], ""),
-        _row("NMI(l, l+1) random", *[f"{v:.3f}" for v in rn["adjacent_layer_nmi"]], ""),
-        "",
-        "Domain pairs (JSD, mean over layers): "
-        + ", ".join(
-            f"{pair} {v:.3f} (random {rn['jsd_pairs'][pair]:.3f})" for pair, v in tr["jsd_pairs"].items()
-        )
-        + ". Decode top-25 % share by domain (trained): "
-        + ", ".join(f"{d} {_pct(v)}" for d, v in tr["decode_top25_share_by_domain"].items())
-        + ".",
-        "",
-        f"![routing]({img_rel}/{imgs['routing']})",
-        "",
-        "### Activation ratios vs. MoE-Infinity Table 1 and Figure 2",
-        "",
-        "Per decode iteration, the share of a layer's experts a batch of `bs` concurrent held-out requests "
-        "uses (the paper's Table 1 measure); paper rows are its published figures for much larger models:",
-        "",
-        _row("model (experts, top-k)", *[f"bs={b}" for b in ra.BATCH_SIZES]),
-        _row("---", *["---:"] * 6),
-        *[
-            _row(f"{name} ({e_}, top-{k_}) [paper]", *[f"{v:.1f}" for v in vals])
-            for name, (e_, k_, vals) in ra.PAPER_TABLE1.items()
-        ],
-        *[
-            _row(
-                f"tiny-moe {name} ({e}, top-{k})",
-                *[
-                    f"{100 * a[name]['batch_ratio'][b]:.1f}" if b in a[name]["batch_ratio"] else "-"
-                    for b in ra.BATCH_SIZES
-                ],
-            )
-            for name in ("trained", "random", "uniform")
-        ],
-        "",
-        f"![batch ratio]({img_rel}/{imgs['batch']})",
-        "",
-        "Prefill (Figure 2): the trained model touches "
-        f"{_pct(np.mean(tr['prefill_ratio']))} of a layer's experts "
-        f"per request on average (prompts of {np.mean(tr['prompt_len']):.0f} tokens on average), against "
-        + ", ".join(f"{v:g} % for {n}" for n, v in ra.PAPER_FIG2_MEAN.items())
-        + f" in the paper; random init {_pct(np.mean(rn['prefill_ratio']))}, uniform routing "
-        f"{_pct(np.mean(un['prefill_ratio']))}.",
-        "",
-        f"![prefill ratio]({img_rel}/{imgs['prefill']})",
-        "",
+        *_routing_section(a, imgs, img_rel),
         "## Greedy completions (held-out prompts, trained model)",
         "",
     ]
@@ -367,6 +281,164 @@ def render(
         "",
     ]
     return "\n".join(lines)
+
+
+MODELS = ("trained", "random", "random_forced")
+MODEL_LABELS = {
+    "trained": "trained",
+    "random": "random init",
+    "random_forced": "random init, trained model's tokens",
+}
+
+
+def _than(x: float, y: float) -> str:
+    return "higher than" if x > y else "lower than" if x < y else "equal to"
+
+
+def _reading(a: dict[str, Any]) -> list[str]:
+    """A generated paragraph reading the routing table (every comparison is computed)."""
+    tr, rn, rf, un = a["trained"], a["random"], a["random_forced"], a["uniform"]
+    rf_share = rf["decode_top25_share_per_layer"]
+    trend = "rising with depth" if rf_share[-1] > rf_share[0] else "not rising with depth"
+    return [
+        "Reading the table: random init is not uniform routing. On the same tokens as the trained model, "
+        f"its routers concentrate a request on few experts ({trend}: top-25 % share {_pct(rf_share[0])} in "
+        f"the first layer, {_pct(rf_share[-1])} in the last), so its low activation ratios come from "
+        "routers that barely depend on the token, not from specialisation. "
+        "The trained model routes token by token (a request touches "
+        f"{_pct(np.mean(tr['decode_ratio']))} of a layer's experts over {ra.DECODE_STEPS} decode iterations, "
+        f"vs. {_pct(np.mean(rf['decode_ratio']))}), its domains diverge "
+        f"{tr['jsd_mean'] / max(rn['jsd_mean'], 1e-12):.1f}x as much (JSD), its adjacent-layer NMI is "
+        f"{_than(np.mean(tr['adjacent_layer_nmi']), np.mean(rn['adjacent_layer_nmi']))} random init's, and "
+        f"within a request its top 25 % experts still take {_pct(tr['decode_top25_share'])} of the "
+        f"activations, against {_pct(un['decode_top25_share'])} under uniform routing.",
+        "",
+    ]
+
+
+def _routing_section(a: dict[str, Any], imgs: dict[str, str], img_rel: str) -> list[str]:
+    """Markdown of the routing comparison (trained vs. random init vs. uniform routing)."""
+    tr, rn, un = a["trained"], a["random"], a["uniform"]
+    e, k = a["num_experts"], a["top_k"]
+    n_layers = len(tr["jsd_per_layer"])
+
+    def per_model(fmt, key, uniform: str = "") -> list[str]:
+        return [fmt(a[m][key]) for m in MODELS] + [uniform]
+
+    mean_pct = lambda v: _pct(np.mean(v))
+    mean_3 = lambda v: f"{np.mean(v):.3f}"
+    uniform_32 = lambda e_, k_: ra.uniform_ratio(e_, k_, 32)
+    return [
+        "## Routing structure on held-out text (trained vs. random init)",
+        "",
+        f"Same architecture and seed at random init vs. the trained checkpoint; {a['prompts']} held-out "
+        f"requests ({PROMPTS_PER_DOMAIN} per domain; QA prompts end where the answer starts, others are cut "
+        f"to {'/'.join(map(str, ra.PROMPT_LENGTHS))} tokens), each decoded greedily for {ra.DECODE_STEPS} "
+        "iterations (EOS ignored). A random-init model's greedy output soon repeats one token, so decode "
+        "figures are also given for the random-init routers on the trained model's tokens (teacher-forced: "
+        "same token stream, only the routers differ). JSD, NMI and expert load use the held-out loss "
+        "windows. Definitions: `moe_runtime/train/routing_analysis.py`.",
+        "",
+        _row("measure", *[MODEL_LABELS[m] for m in MODELS], "uniform routing"),
+        _row("---", "---:", "---:", "---:", "---:"),
+        _row(
+            "domain JSD, mean over layers and domain pairs (bits)",
+            *per_model(lambda v: f"{v:.3f}", "jsd_mean", "0"),
+        ),
+        _row("adjacent-layer NMI of top-1 experts, mean", *per_model(mean_3, "adjacent_layer_nmi", "0")),
+        _row(
+            f"distinct tokens among the {ra.DECODE_STEPS} output tokens, mean",
+            *per_model(lambda v: f"{np.mean(v):.1f}", "distinct_output_tokens"),
+        ),
+        _row(
+            "decode: share of a request's activations on its top 25 % experts "
+            f"({ra.DECODE_STEPS} iterations)",
+            *per_model(_pct, "decode_top25_share", _pct(un["decode_top25_share"])),
+        ),
+        _row(
+            f"decode activation ratio per request over {ra.DECODE_STEPS} iterations, mean",
+            *per_model(mean_pct, "decode_ratio", _pct(un["decode_ratio"])),
+        ),
+        _row(
+            "prefill activation ratio per request, mean",
+            *per_model(mean_pct, "prefill_ratio", mean_pct(un["prefill_ratio"])),
+        ),
+        _row(
+            "expert load: least / most used expert (x uniform share), over layers",
+            *[f"{min(a[m]['expert_load_min']):.2f} / {max(a[m]['expert_load_max']):.2f}" for m in MODELS[:2]],
+            "",
+            "1.00 / 1.00",
+        ),
+        _row(
+            "experts under 0.1x the uniform share, most in one layer",
+            *[str(max(a[m]["experts_below_tenth_share"])) for m in MODELS[:2]],
+            "",
+            "0",
+        ),
+        "",
+        _row("MoE layer", *range(n_layers)),
+        _row("---", *["---:"] * n_layers),
+        _row("JSD trained", *[f"{v:.3f}" for v in tr["jsd_per_layer"]]),
+        _row("JSD random init", *[f"{v:.3f}" for v in rn["jsd_per_layer"]]),
+        _row("NMI(l, l+1) trained", *[f"{v:.3f}" for v in tr["adjacent_layer_nmi"]], ""),
+        _row("NMI(l, l+1) random init", *[f"{v:.3f}" for v in rn["adjacent_layer_nmi"]], ""),
+        *[
+            _row(
+                f"top-25 % share, {MODEL_LABELS[m]}", *[_pct(v) for v in a[m]["decode_top25_share_per_layer"]]
+            )
+            for m in MODELS
+        ],
+        _row("expert load max (x uniform), trained", *[f"{v:.2f}" for v in tr["expert_load_max"]]),
+        _row("experts under 0.1x uniform, trained", *tr["experts_below_tenth_share"]),
+        "",
+        "Domain pairs (JSD, mean over layers): "
+        + ", ".join(
+            f"{pair} {v:.3f} (random {rn['jsd_pairs'][pair]:.3f})" for pair, v in tr["jsd_pairs"].items()
+        )
+        + ". Decode top-25 % share by domain (trained): "
+        + ", ".join(f"{d} {_pct(v)}" for d, v in tr["decode_top25_share_by_domain"].items())
+        + ".",
+        "",
+        f"![routing]({img_rel}/{imgs['routing']})",
+        "",
+        *_reading(a),
+        "### Activation ratios vs. MoE-Infinity Table 1 and Figure 2",
+        "",
+        "Per decode iteration, the share (%) of a layer's experts that a batch of `bs` concurrent held-out "
+        "requests uses (the paper's Table 1 measure). Paper rows are its published figures for much larger "
+        "models; the last column divides the bs=32 figure by what uniform routing with the same experts "
+        "and top-k would give, which puts models with different E and k on one scale:",
+        "",
+        _row("model (experts, top-k)", *[f"bs={b}" for b in ra.BATCH_SIZES], "bs=32 / uniform"),
+        _row("---", *["---:"] * 7),
+        *[
+            _row(
+                f"{name} ({e_}, top-{k_}) [paper]",
+                *[f"{v:.1f}" for v in vals],
+                f"{vals[-1] / 100 / uniform_32(e_, k_):.2f}",
+            )
+            for name, (e_, k_, vals) in ra.PAPER_TABLE1.items()
+        ],
+        *[
+            _row(
+                f"tiny-moe {MODEL_LABELS.get(name, name)} ({e}, top-{k})",
+                *[_opt(a[name]["batch_ratio"].get(b), lambda v: f"{100 * v:.1f}") for b in ra.BATCH_SIZES],
+                _opt(a[name]["batch_ratio"].get(32), lambda v: f"{v / uniform_32(e, k):.2f}"),
+            )
+            for name in (*MODELS, "uniform")
+        ],
+        "",
+        f"![batch ratio]({img_rel}/{imgs['batch']})",
+        "",
+        f"Prefill (Figure 2): the trained model touches {mean_pct(tr['prefill_ratio'])} of a layer's experts "
+        f"per request on average (prompts of {np.mean(tr['prompt_len']):.0f} tokens on average), against "
+        + ", ".join(f"{v:g} % for {n}" for n, v in ra.PAPER_FIG2_MEAN.items())
+        + f" in the paper (128 experts, top-1/top-2); random init {mean_pct(rn['prefill_ratio'])}, uniform "
+        f"routing {mean_pct(un['prefill_ratio'])}.",
+        "",
+        f"![prefill ratio]({img_rel}/{imgs['prefill']})",
+        "",
+    ]
 
 
 def write_card(model_dir: Path, split: CorpusSplit, card: Path, log: Callable[[str], None] = print) -> dict:

@@ -14,6 +14,11 @@ trained model and for the same architecture at random init (same seed), on held-
    prompt length, Figure 2) and during 32 decode iterations, and the per-iteration ratio of a decode
    batch of ``bs`` requests (Table 1), next to the uniform-routing expectation ``1 - (1 - k/E)^n``.
 
+NOTE: a random-init model decoding greedily soon repeats one token, which makes its decode routing
+trivially concentrated. So the decode measures are also taken for the random-init model *on the
+trained model's tokens* (:func:`forced_trace`: one forward over prompt + the trained model's 32
+tokens), which compares the routers on identical token streams.
+
 Routing is read from transformers' router logits (``output_router_logits=True``): top-k of the
 softmax, the same selection our runtime makes. Decoding ignores EOS so every request has exactly
 :data:`DECODE_STEPS` decode iterations.
@@ -111,6 +116,21 @@ def trace_request(model, doc: Doc, prompt_ids: list[int], steps: int = DECODE_ST
         outputs.append(token)
     return RequestTrace(
         doc.domain, doc.source, list(prompt_ids), outputs[:steps], prefill, np.concatenate(decode, axis=1)
+    )
+
+
+@torch.no_grad()
+def forced_trace(model, trace: RequestTrace) -> RequestTrace:
+    """Routing of ``model`` on ``trace``'s prompt and output tokens (teacher-forced, one forward).
+
+    Decode iteration ``i`` feeds output token ``i``, so its routing is that of position ``P + i``.
+    """
+    ids = trace.prompt_ids + trace.output_ids
+    out = model(input_ids=torch.tensor([ids]), use_cache=False, output_router_logits=True)
+    routed = route_ids(out.router_logits, model.config.num_experts_per_tok)  # [L, P + D, k]
+    p = len(trace.prompt_ids)
+    return RequestTrace(
+        trace.domain, trace.source, trace.prompt_ids, trace.output_ids, routed[:, :p], routed[:, p:]
     )
 
 
@@ -234,6 +254,7 @@ def summarise(
         "adjacent_layer_nmi": adjacent_layer_nmi(all_ids),
         "expert_load_min": load.min(1).tolist(),
         "expert_load_max": load.max(1).tolist(),
+        "experts_below_tenth_share": (load < 0.1).sum(1).tolist(),
         "decode_top25_share_per_layer": skew.mean(0).tolist(),
         "decode_top25_share": float(skew.mean()),
         "decode_top25_share_by_domain": {
@@ -243,6 +264,7 @@ def summarise(
         "prefill_ratio": [activation_ratio(t.prefill, num_experts) for t in traces],
         "prompt_len": [len(t.prompt_ids) for t in traces],
         "decode_ratio": [activation_ratio(t.decode, num_experts) for t in traces],
+        "distinct_output_tokens": [len(set(t.output_ids)) for t in traces],
         "batch_ratio": {bs: batch_ratio(traces, bs, num_experts) for bs in BATCH_SIZES if bs <= len(traces)},
     }
 
