@@ -189,6 +189,13 @@ def test_training_recipe_writes_loadable_checkpoint(tmp_path: Path) -> None:
     with torch.no_grad():
         assert torch.isfinite(model(input_ids=torch.tensor([[1, 2, 3]])).logits).all()
     assert load_checkpoint(tmp_path).config.num_experts == 8  # our runtime reads it too
+    again = train(split, tmp_path / "again", shape, settings, log=lambda _: None)
+    assert again["curve"] == [
+        {**c, "elapsed_s": a["elapsed_s"]} for c, a in zip(log["curve"], again["curve"])
+    ]
+    assert (tmp_path / "model.safetensors").read_bytes() == (
+        tmp_path / "again" / "model.safetensors"
+    ).read_bytes()
 
 
 def test_train_tiny_without_transformers_says_how_to_install(monkeypatch) -> None:
