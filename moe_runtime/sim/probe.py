@@ -98,10 +98,19 @@ class RuntimeProbe:
 
 
 def _fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares ``y ~ x @ coef``. No outlier trimming: on a busy host the long tail (the
-    thread preempted, the GIL held elsewhere) is real time the runtime spent, and blocking and
-    TPOT are means."""
-    return np.linalg.lstsq(x, y, rcond=None)[0]
+    """Least squares ``y ~ x @ coef`` with every coefficient >= 0 (a negative cost is noise:
+    columns whose coefficient comes out negative are dropped and the rest refitted). No outlier
+    trimming: on a busy host the long tail (the thread preempted, the GIL held elsewhere) is real
+    time the runtime spent, and blocking and TPOT are means."""
+    active = np.ones(x.shape[1], dtype=bool)
+    coef = np.zeros(x.shape[1])
+    while active.any():
+        sub = np.linalg.lstsq(x[:, active], y, rcond=None)[0]
+        if (sub >= 0).all():
+            coef[active] = sub
+            break
+        active[np.flatnonzero(active)[sub < 0]] = False
+    return coef
 
 
 @dataclass(slots=True)
