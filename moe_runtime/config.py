@@ -139,8 +139,10 @@ class RuntimeConfig:
         max_num_batched_tokens: most tokens (prefill + decode) in one engine step.
         max_model_len: KV-cache length per sequence; ``None`` = the model's context length
             capped at 4096.
-        cache_policy / prefetch_policy: names from the policy registries (``lru``, ``eam``, ...;
-            ``on-demand``, ``eam``, ``next-layer-all``, ``model-counts``, ``hot-experts``, ``oracle``).
+        cache_policy / prefetch_policy: names from the policy registries (``eam`` by default;
+            cache: ``lru``, ``model-counts``, ``oracle``; prefetch: ``on-demand``,
+            ``next-layer-all``, ``model-counts``, ``hot-experts``, ``oracle``). Ignored when every
+            expert is resident.
         prefetch_depth: later layers a prefetch plan may cover (multi-layer lookahead); None = all.
         eamc_capacity: entries of the EAM collection the ``eam`` policies match against.
         pin_memory: pin the host expert store (default: when CUDA is available).
@@ -159,8 +161,8 @@ class RuntimeConfig:
     max_batch_size: int = 16
     max_num_batched_tokens: int = 4096
     max_model_len: int | None = None
-    cache_policy: str = "lru"
-    prefetch_policy: str = "on-demand"
+    cache_policy: str = "eam"
+    prefetch_policy: str = "eam"
     prefetch_depth: int | None = None
     eamc_capacity: int = 1000
     pin_memory: bool | None = None

@@ -46,7 +46,13 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_runtime_and_simulator_count_the_same(checkpoint: Path, tmp_path: Path) -> None:
     slots, batch, cache = 5, 3, "lru"
-    runtime = RuntimeConfig(buffer_slots=slots, cache_policy=cache, max_batch_size=batch, cpu_threads=1)
+    runtime = RuntimeConfig(
+        buffer_slots=slots,
+        cache_policy=cache,
+        prefetch_policy="on-demand",
+        max_batch_size=batch,
+        cpu_threads=1,
+    )
     loaded = load_checkpoint(checkpoint, runtime)
     cfg = loaded.config
     trace = tmp_path / "trace.jsonl"

@@ -66,6 +66,9 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policies", default=",".join(c[0] for c in COMBOS))
     p.add_argument("--link-gbps", type=float, default=0.5, help="emulated link, GB/s (default: 0.5)")
     p.add_argument("--link-latency-us", type=float, default=10.0)
+    p.add_argument(
+        "--prefetch-depth", type=int, default=None, help="later layers a plan covers (default: all)"
+    )
     p.add_argument("--dtype", default="fp32", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--cpu-threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
@@ -144,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
         link_gbps=args.link_gbps,
         link_latency_us=args.link_latency_us,
         max_model_len=args.max_prompt_tokens + args.new_tokens + 8,
+        prefetch_depth=args.prefetch_depth,
     )
     loaded = load_checkpoint(model_dir, base)
     if loaded.tokenizer is None:

@@ -26,6 +26,7 @@ class StepContext:
     logits_index: torch.Tensor  # [N] token indices whose logits are sampled
     all_decode: bool
     max_ctx: int
+    observe: bool = True  # tracing and policies see this step's routing (False when scoring)
     rows_t: torch.Tensor | None = None  # [B] int64
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_ctx] bool
     seq_lookups: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))

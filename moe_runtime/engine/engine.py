@@ -54,8 +54,13 @@ class LLMEngine:
         policy_context: dict[str, Any] | None = None,
     ) -> None:
         cfg = loaded.config
-        needs_trace = "eam" in (runtime.prefetch_policy, runtime.cache_policy)
-        if needs_trace and recorder is None:
+        total = cfg.num_moe_layers * cfg.num_experts
+        slots = min(total, runtime.buffer_slots or max(1, math.ceil(runtime.buffer_fraction * total)))
+        # With every expert resident no policy has anything to decide: skip their per-layer work.
+        offloading = slots < total
+        prefetch_policy = runtime.prefetch_policy if offloading else "on-demand"
+        cache_policy = runtime.cache_policy if offloading else "lru"
+        if "eam" in (prefetch_policy, cache_policy) and recorder is None:
             recorder = _default_recorder(cfg, runtime, eamc)
         if eamc is None and recorder is not None:
             eamc = getattr(recorder, "eamc", None)
@@ -63,12 +68,9 @@ class LLMEngine:
         self.loaded, self.runtime, self.recorder = loaded, runtime, recorder
         if runtime.cpu_threads is not None:
             torch.set_num_threads(runtime.cpu_threads)
-        cfg = self.config = loaded.config
+        self.config = cfg
         self.tokenizer = loaded.tokenizer
         self.max_model_len = runtime.max_model_len or min(cfg.max_position_embeddings, 4096)
-        total = cfg.num_moe_layers * cfg.num_experts
-        slots = runtime.buffer_slots or max(1, math.ceil(runtime.buffer_fraction * total))
-        slots = min(slots, total)
         n_dev = runtime.num_devices
         device = torch.device(runtime.device)
         if device.type == "cuda" and n_dev > 1:
@@ -78,7 +80,12 @@ class LLMEngine:
         link = (runtime.link_gbps, runtime.link_latency_us) if runtime.link_gbps else None
         context = {"recorder": recorder, **(policy_context or {})}
         self.buffer = ExpertBuffer(
-            loaded.store, devices, math.ceil(slots / n_dev), runtime.cache_policy, link, context
+            loaded.store,
+            devices,
+            total if not offloading else math.ceil(slots / n_dev),
+            cache_policy,
+            link,
+            context,
         )
         self.kv = KVCache(
             cfg.num_layers,
@@ -91,7 +98,7 @@ class LLMEngine:
         )
         self.model = MoEModel(cfg, loaded.dense, self.buffer, self.kv, self.max_model_len)
         self.prefetcher = make_prefetch_policy(
-            runtime.prefetch_policy,
+            prefetch_policy,
             buffer=self.buffer,
             num_layers=cfg.num_moe_layers,
             num_experts=cfg.num_experts,
@@ -308,6 +315,7 @@ class LLMEngine:
             step = StepContext.build(
                 ["score"], [row], [0], [len(token_ids)], [True], self.device, all_logits=True
             )
+            step.observe = False
             return self.model.forward(torch.tensor(token_ids, dtype=torch.int64, device=self.device), step)
         finally:
             self.model.recorder, self.model.prefetcher = recorder, prefetcher

@@ -57,7 +57,8 @@ def moe_block(
             ids_host,
             weights.float().cpu().numpy(),
         )
-    buffer.after_routing(moe_layer, step.request_ids, ids_host)
+    if step.observe:
+        buffer.after_routing(moe_layer, step.request_ids, ids_host)
     if prefetcher is not None:
         prefetcher.after_routing(moe_layer, step.request_ids, ids_host)
     # Sort each token's k choices by expert id so the final sum adds contributions in ascending

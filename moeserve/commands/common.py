@@ -73,9 +73,14 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="intra-op threads for CPU compute (default: 1; see docs/benchmarks.md)",
     )
-    g.add_argument("--cache-policy", default="lru", help="expert cache policy (default: lru)")
     g.add_argument(
-        "--prefetch-policy", default="on-demand", help="expert prefetch policy (default: on-demand)"
+        "--cache-policy", default="eam", help="expert cache policy: eam, lru, model-counts (default: eam)"
+    )
+    g.add_argument(
+        "--prefetch-policy",
+        default="eam",
+        help="expert prefetch policy: eam, on-demand, next-layer-all, model-counts, hot-experts "
+        "(default: eam)",
     )
 
 
