@@ -1,0 +1,98 @@
+"""``moeserve bench render FILE``: a benchmark's ``--json`` output as Markdown tables for ``docs/``.
+
+Knows the two runtime benchmarks: ``bench decode`` (TPOT per buffer size, link and batch, with the
+transformers ratio) and ``bench policies`` (MoE-Infinity Tables 2/3/5 layout: hit rate against the
+oracle, blocking time and bytes per token normalised to on-demand, TPOT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def register_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("render", help="print a bench --json file as Markdown tables")
+    p.add_argument("file", type=Path, help="output of `moeserve bench decode|policies --json`")
+    p.set_defaults(func=run)
+
+
+def _settings(settings: dict) -> str:
+    return "Settings: " + ", ".join(f"`{k}={v}`" for k, v in settings.items())
+
+
+def render_decode(data: dict) -> str:
+    lines = [
+        "| buffer | slots | link GB/s | batch | TPOT ms | hit rate | blocking ms/token | KiB/token | "
+        "transformers TPOT ms | ours / transformers |",
+        "|" + "---|" * 10,
+    ]
+    for r in data["results"]:
+        ratio = r.get("ratio_vs_transformers")
+        hf = r.get("transformers_tpot_ms")
+        cells = [
+            f"{r['buffer_fraction']:.0%}",
+            str(r["buffer_slots"]),
+            str(r["link_gbps"] or "off"),
+            str(r["batch"]),
+            f"{r['tpot_ms']:.2f}",
+            f"{r['hit_rate']:.3f}",
+            f"{r['blocking_ms_per_token']:.3f}",
+            f"{r['bytes_per_token'] / 1024:.1f}",
+            f"{hf:.2f}" if hf else "",
+            f"{ratio:.2f}" if ratio else "",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\n" + _settings(data["settings"]) + "\n"
+
+
+def render_policies(data: dict) -> str:
+    out = []
+    rows = data["results"]
+    for fraction in sorted({r["buffer_fraction"] for r in rows}):
+        group = [r for r in rows if r["buffer_fraction"] == fraction]
+        base = next((r for r in group if r["policy"] == "on-demand+lru"), None)
+        oracle = next((r for r in group if r["policy"] == "oracle"), None)
+        lru = base
+        out.append(f"**Buffer {fraction:.0%} of experts ({group[0]['buffer_slots']} slots)**\n")
+        out.append(
+            "| policy | hit rate | vs oracle (points) | vs lru (x) | blocking ms/token "
+            "| blocking vs on-demand | KiB/token | bytes vs on-demand | prefetch precision | TPOT ms |"
+        )
+        out.append("|" + "---|" * 10)
+        for r in group:
+            vs_oracle = f"{100 * (r['hit_rate'] - oracle['hit_rate']):+.1f}" if oracle else ""
+            vs_lru = f"{r['hit_rate'] / lru['hit_rate']:.2f}" if lru and lru["hit_rate"] else ""
+            blk = (
+                f"{r['blocking_ms_per_token'] / base['blocking_ms_per_token']:.2f}"
+                if base and base["blocking_ms_per_token"]
+                else ""
+            )
+            byt = (
+                f"{r['bytes_per_token'] / base['bytes_per_token']:.2f}"
+                if base and base["bytes_per_token"]
+                else ""
+            )
+            prec = f"{r['prefetch_used'] / r['prefetch_issued']:.2f}" if r["prefetch_issued"] else ""
+            out.append(
+                f"| {r['policy']} | {r['hit_rate']:.3f} | {vs_oracle} | {vs_lru} | "
+                f"{r['blocking_ms_per_token']:.2f} | {blk} | {r['bytes_per_token'] / 1024:.0f} | {byt} | "
+                f"{prec} | {r['tpot_ms']:.2f} |"
+            )
+        out.append("")
+    return "\n".join(out) + "\n" + _settings(data["settings"]) + "\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    from moe_runtime.errors import ConfigError
+
+    try:
+        data = json.loads(args.file.read_text())
+        kind = "policies" if "policy" in data["results"][0] else "decode"
+    except (OSError, json.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
+        raise ConfigError(
+            f"{args.file}: not a `moeserve bench decode|policies --json` output ({exc})"
+        ) from None
+    print(render_policies(data) if kind == "policies" else render_decode(data))
+    return 0
