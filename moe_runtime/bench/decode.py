@@ -179,6 +179,8 @@ def run(args: argparse.Namespace) -> int:
         "expert_bytes": loaded.store.expert_nbytes,
         "link_gbps": args.link_gbps,
         "link_latency_us": args.link_latency_us,
+        "prefetch_policy": base.prefetch_policy,
+        "cache_policy": base.cache_policy,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,

@@ -4,7 +4,8 @@ Workload: task-labelled prompts (default ``../shared/data/prompts/prompts_combin
 ``--tasks`` tasks; per task, ``--warm`` prompts fill the EAMC and warm the learned baselines
 (model counts, hot-expert tables) and a disjoint ``--eval`` prompts are measured. Each eval batch
 of ``--batch`` requests generates ``--new-tokens`` greedy tokens. For every buffer size and policy
-the same warm-then-eval sequence runs on a fresh buffer with the emulated link; the oracle replays
+the same warm-then-eval sequence runs on a fresh buffer with the emulated link (plus one run with
+every expert resident, the reference for TPOT); the oracle replays
 the expert-access log recorded during the on-demand run's eval part (outputs, hence accesses, are
 identical across policies — the run checks it). Reported per policy: buffer hit rate, blocking
 time per token, bytes moved per token, TPOT (median over eval batches of the mean decode-step time).
@@ -43,6 +44,7 @@ class PolicyResult:
     bytes_per_token: float
     tpot_ms: float
     prefetch_issued: int
+    prefetch_landed: int  # prefetches that completed a copy into a slot
     prefetch_used: int
     tokens: int
 
@@ -157,9 +159,12 @@ def run(args: argparse.Namespace) -> int:
     )
     cfg = loaded.config
     results: list[PolicyResult] = []
-    for fraction in [float(f) for f in args.fractions.split(",")]:
-        log, reference = None, None
-        for label, prefetch, cache in combos:
+    reference = None  # every run, whatever the buffer or policy, must produce these tokens
+    runs = [(1.0, [("all-resident", "on-demand", "lru")])]
+    runs += [(float(f), combos) for f in args.fractions.split(",")]
+    for fraction, fraction_combos in runs:
+        log = None
+        for label, prefetch, cache in fraction_combos:
             rt = RuntimeConfig(
                 **{
                     **{f.name: getattr(base, f.name) for f in fields(base)},
@@ -195,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
                     moved / tokens,
                     1e3 * statistics.median(tpots),
                     st1.prefetch_issued - st0.prefetch_issued,
+                    (st1.prefetch_bytes - st0.prefetch_bytes) // loaded.store.expert_nbytes,
                     st1.prefetch_used - st0.prefetch_used,
                     tokens,
                 )

@@ -2,7 +2,8 @@
 
 Knows the two runtime benchmarks: ``bench decode`` (TPOT per buffer size, link and batch, with the
 transformers ratio) and ``bench policies`` (MoE-Infinity Tables 2/3/5 layout: hit rate against the
-oracle, blocking time and bytes per token normalised to on-demand, TPOT).
+oracle, blocking time and bytes per token normalised to on-demand, prefetch precision = prefetches
+used / prefetches that landed in a slot, TPOT).
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def render_policies(data: dict) -> str:
                 if base and base["bytes_per_token"]
                 else ""
             )
-            prec = f"{r['prefetch_used'] / r['prefetch_issued']:.2f}" if r["prefetch_issued"] else ""
+            landed = r.get("prefetch_landed", r["prefetch_issued"])
+            prec = f"{r['prefetch_used'] / landed:.2f}" if landed else ""
             out.append(
                 f"| {r['policy']} | {r['hit_rate']:.3f} | {vs_oracle} | {vs_lru} | "
                 f"{r['blocking_ms_per_token']:.2f} | {blk} | {r['bytes_per_token'] / 1024:.0f} | {byt} | "
