@@ -161,10 +161,13 @@ class ExpertBuffer:
         released then. Closing the generator early releases everything it held.
         """
         E, st = self.num_experts, self.stats
-        ready: list[tuple[int, Partition, int]] = []
-        waiting: list[tuple[int, Partition]] = []
         if self.access_log is not None:
             self.access_log.append((layer, tuple(experts)))
+        if self.all_resident:  # nothing is ever evicted: no pins, locks or policy hooks needed
+            yield from self._run_resident(layer, experts)
+            return
+        ready: list[tuple[int, Partition, int]] = []
+        waiting: list[tuple[int, Partition]] = []
         with self.cond:
             needed = {layer * E + e for e in experts}
             for part in self.parts:
@@ -217,6 +220,20 @@ class ExpertBuffer:
                 self._release(part, s)
             if waiting:
                 self._abandon(layer, waiting)
+
+    def _run_resident(self, layer: int, experts: list[int]) -> Iterator[ExpertHandle]:
+        st, n = self.stats, len(experts)
+        keys = [layer * self.num_experts + e for e in experts]
+        with self.cond:
+            st.lookups[layer] += n
+            st.hits[layer] += n
+            for d in self.home[keys].tolist():
+                st.device_lookups[d] += 1
+                st.device_hits[d] += 1
+        for e, key in zip(experts, keys):
+            part = self.parts[self.home[key]]
+            s = part.key_slot[key]
+            yield ExpertHandle(e, part.device, part.gate_up[s], part.down[s], True, 0.0)
 
     def _first_landed(self, layer: int, waiting: list[tuple[int, Partition]]) -> int | None:
         for i, (e, part) in enumerate(waiting):
