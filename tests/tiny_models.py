@@ -21,10 +21,22 @@ TEXT = (
 
 FAMILY_KWARGS = {
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48),
-    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
-                      shared_expert_intermediate_size=64, intermediate_size=64, norm_topk_prob=False),
-    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, intermediate_size=64,
-                      head_dim=16, norm_topk_prob=True),
+    "qwen2_moe": dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=64,
+        intermediate_size=64,
+        norm_topk_prob=False,
+    ),
+    "qwen3_moe": dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        intermediate_size=64,
+        head_dim=16,
+        norm_topk_prob=True,
+    ),
     "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=48),
 }
 
@@ -35,15 +47,19 @@ def write_tokenizer(path: Path) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 8, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB - 8,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator([TEXT], trainer)
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
 
 
-def make_checkpoint(family: str, path: Path, seed: int = 0, num_layers: int = 2,
-                    with_tokenizer: bool = True) -> Path:
+def make_checkpoint(
+    family: str, path: Path, seed: int = 0, num_layers: int = 2, with_tokenizer: bool = True
+) -> Path:
     import transformers
 
     classes = {
@@ -54,9 +70,19 @@ def make_checkpoint(family: str, path: Path, seed: int = 0, num_layers: int = 2,
     }
     config_cls, model_cls = classes[family]
     torch.manual_seed(seed)
-    cfg = config_cls(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=num_layers, num_attention_heads=4,
-                     num_key_value_heads=2, max_position_embeddings=256, eos_token_id=0, bos_token_id=None,
-                     pad_token_id=None, tie_word_embeddings=False, **FAMILY_KWARGS[family])
+    cfg = config_cls(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=0,
+        bos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+        **FAMILY_KWARGS[family],
+    )
     model = model_cls(cfg)
     with torch.no_grad():  # larger weights than the default init, so routing and tokens vary
         for p in model.parameters():
