@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from moe_runtime.bench.prompts import prompts_by_task
+
 COMBOS = [  # (label, prefetch policy, cache policy)
     ("on-demand+lru", "on-demand", "lru"),
     ("next-layer-all+lru", "next-layer-all", "lru"),
@@ -82,17 +84,7 @@ def load_workload(
     path: Path, tokenizer, tasks: int, warm: int, evals: int, max_tokens: int, seed: int
 ) -> tuple[list[list[int]], list[list[int]], list[str]]:
     """Warm and eval prompt token ids (disjoint), drawn from ``tasks`` random tasks with enough prompts."""
-    from moe_runtime.errors import ConfigError
-
-    if not path.exists():
-        raise ConfigError(f"--prompts {path}: file not found")
-    by_task: dict[str, list[str]] = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        try:
-            row = json.loads(line)
-            by_task.setdefault(f"{row['dataset']}/{row['task']}", []).append(row["prompt"])
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ConfigError(f"{path}:{n}: bad prompt row ({exc})") from None
+    by_task = prompts_by_task(path)
     rng = random.Random(seed)
     eligible = sorted(t for t, ps in by_task.items() if len(ps) >= warm + evals)
     chosen = rng.sample(eligible, min(tasks, len(eligible)))

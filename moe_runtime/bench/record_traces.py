@@ -9,10 +9,11 @@ are passed over first, so two calls with different ``--skip`` give disjoint warm
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 from pathlib import Path
+
+from moe_runtime.bench.prompts import prompts_by_task
 
 
 def add_record_parser(sub: argparse._SubParsersAction) -> None:
@@ -34,17 +35,7 @@ def add_record_parser(sub: argparse._SubParsersAction) -> None:
 
 def select_prompts(path: Path, tasks: int, per_task: int, skip: int, seed: int) -> list[tuple[str, str]]:
     """``[(task, prompt)]``: ``tasks`` seeded tasks with enough prompts, ``per_task`` each after ``skip``."""
-    from moe_runtime.errors import ConfigError
-
-    if not path.exists():
-        raise ConfigError(f"--prompts {path}: file not found")
-    by_task: dict[str, list[str]] = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        try:
-            row = json.loads(line)
-            by_task.setdefault(f"{row['dataset']}/{row['task']}", []).append(row["prompt"])
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ConfigError(f"{path}:{n}: bad prompt row ({exc})") from None
+    by_task = prompts_by_task(path)
     rng = random.Random(seed)
     eligible = sorted(t for t, ps in by_task.items() if len(ps) >= skip + per_task)
     out = []

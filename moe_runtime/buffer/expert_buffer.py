@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from moe_runtime.buffer.cache_policy import make_cache_policy
-from moe_runtime.buffer.partition import READY, Partition
+from moe_runtime.buffer.partition import READY, Partition, apply_prefetch_plan
 from moe_runtime.buffer.placement import home_devices
 from moe_runtime.io.link import LinkModel
 from moe_runtime.io.transfer_queue import Transfer
@@ -264,25 +264,8 @@ class ExpertBuffer:
         With ``replace``, queued prefetches that are not in ``plan`` are cancelled (in-flight ones
         finish). Keys already resident or loading are skipped. Caller may hold ``cond``.
         """
-        st = self.stats
         with self.cond:
-            if replace:
-                wanted = {k for k, _ in plan}
-                for part in self.parts:
-                    for key in part.queue.queued_prefetch_keys():
-                        if key not in wanted:
-                            part.queue.cancel(key)
-                            st.prefetch_cancelled += 1
-            for key, prio in plan:
-                part = self.parts[self.home[key]]
-                if key in part.key_slot:
-                    continue
-                queued = part.queue.queued(key)
-                if queued is not None and (queued.demand or queued.priority == prio):
-                    continue
-                if queued is None:
-                    st.prefetch_issued += 1
-                part.queue.push(Transfer(key, demand=False, priority=prio))
+            apply_prefetch_plan(self.parts, self.home, plan, replace, self.stats)
             self.cond.notify_all()
 
     # ------------------------------------------------------------------ I/O thread

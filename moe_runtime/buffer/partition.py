@@ -153,3 +153,39 @@ class Partition:
             if key not in needed:
                 self.prefetched[s] = False
                 self.policy.on_prefetch_unused(s, key)
+
+
+def apply_prefetch_plan(
+    parts: list[Partition],
+    home: np.ndarray,
+    plan: list[tuple[int, float]],
+    replace: bool,
+    stats: ExpertStats,
+    now: float | None = None,
+) -> None:
+    """Queue prefetches ``[(flat key, priority)]`` on each expert's home partition (MoE-Infinity §5.1).
+
+    With ``replace``, queued prefetches not in ``plan`` are cancelled (in-flight copies finish).
+    Keys resident or loading are skipped; a queued transfer is re-pushed only when its priority
+    changed (a queued demand is never downgraded). ``now`` stamps the transfers (simulated time).
+    """
+    if replace:
+        wanted = {k for k, _ in plan}
+        for part in parts:
+            for key in part.queue.queued_prefetch_keys():
+                if key not in wanted:
+                    part.queue.cancel(key)
+                    stats.prefetch_cancelled += 1
+    for key, prio in plan:
+        part = parts[home[key]]
+        if key in part.key_slot:
+            continue
+        queued = part.queue.queued(key)
+        if queued is not None and (queued.demand or queued.priority == prio):
+            continue
+        if queued is None:
+            stats.prefetch_issued += 1
+        t = Transfer(key, demand=False, priority=prio)
+        if now is not None:
+            t.queued_at = now
+        part.queue.push(t)

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from moe_runtime.buffer.cache_policy import make_cache_policy
-from moe_runtime.buffer.partition import READY, Partition
+from moe_runtime.buffer.partition import READY, Partition, apply_prefetch_plan
 from moe_runtime.buffer.placement import home_devices
 from moe_runtime.io.transfer_queue import Transfer
 from moe_runtime.stats import ExpertStats
@@ -184,24 +184,7 @@ class SimBuffer:
     def prefetch(self, plan: list[tuple[int, float]], replace: bool = True) -> None:
         """Queue prefetches ``[(flat key, priority)]`` (``ExpertBuffer.prefetch``, same rules)."""
         self.advance()
-        st = self.stats
-        if replace:
-            wanted = {k for k, _ in plan}
-            for part in self.parts:
-                for key in part.queue.queued_prefetch_keys():
-                    if key not in wanted:
-                        part.queue.cancel(key)
-                        st.prefetch_cancelled += 1
-        for key, prio in plan:
-            part = self.parts[self._home[key]]
-            if key in part.key_slot:
-                continue
-            queued = part.queue.queued(key)
-            if queued is not None and (queued.demand or queued.priority == prio):
-                continue
-            if queued is None:
-                st.prefetch_issued += 1
-            part.queue.push(Transfer(key, demand=False, priority=prio, queued_at=self.now))
+        apply_prefetch_plan(self.parts, self._home, plan, replace, self.stats, now=self.now)
         for i in range(len(self.parts)):
             self._kick(i)
 
