@@ -207,3 +207,23 @@ def test_outputs_identical_across_policies_and_oracle_hits_most(tiny_checkpoints
     )
     assert outs == ref
     assert oracle_hit >= max(hits.values()) - 1e-9, (oracle_hit, hits)
+
+
+def test_eam_plan_with_no_routed_tokens_is_harmless():
+    buf = ExpertBuffer(small_store(), [torch.device("cpu")], 8)
+    try:
+        entry = np.ones((L, E))
+        pol = make_prefetch_policy(
+            "eam",
+            buffer=buf,
+            num_layers=L,
+            num_experts=E,
+            top_k=2,
+            recorder=FakeRecorder(entry),
+            eamc=FakeEAMC(entry[None]),
+        )
+        pol.after_routing(0, ["r"], np.zeros((0, 2), dtype=np.int64))  # e.g. a trace cell with no token
+        pol.after_routing(1, ["r"], np.zeros((1, 2), dtype=np.int64))
+        assert pol.last_probs is not None
+    finally:
+        buf.close()

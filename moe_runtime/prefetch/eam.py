@@ -91,7 +91,7 @@ class EAMPrefetch(PrefetchPolicy):
         # A later layer will need at most as many experts as this step routes (tokens x top-k):
         # keep only that many of its most likely experts, so the plan does not flood the link.
         cap = min(self.num_experts, topk_ids.size)
-        if cap < self.num_experts:
+        if 0 < cap < self.num_experts:
             kth = -np.partition(-probs, cap - 1, axis=1)[:, cap - 1 : cap]  # [L, 1] cap-th largest
             probs = np.where(probs >= kth, probs, 0.0)
         self.issue(probs * self.proximity(layer)[:, None])
