@@ -16,7 +16,6 @@ token or two at some layers) and counted in ``meta["missing_cells"]``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -24,54 +23,42 @@ from typing import Any
 import numpy as np
 
 from tracer.errors import TracerError
-from tracer.trace_file import TraceRecord
+from tracer.trace_file import TraceRecord, iter_json_lines
 
 _FIELDS = ("dataset", "problem_id", "layer", "token_idx", "experts", "gating_probs")
 
 
-def _parse(path: Path) -> dict[tuple[str, int], list[tuple[int, int, list[int], list[float], int]]]:
-    groups: dict[tuple[str, int], list[tuple[int, int, list[int], list[float], int]]] = {}
-    if not path.is_file():
-        raise TracerError(f"{path}: no such routing log")
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TracerError(f"{where}: bad JSON ({exc.msg}, column {exc.colno})") from None
-            if not isinstance(obj, dict):
-                raise TracerError(f"{where}: expected a JSON object")
-            for name in _FIELDS:
-                if name not in obj:
-                    raise TracerError(f"{where}: missing field '{name}'")
-            layer, tok, experts, probs = obj["layer"], obj["token_idx"], obj["experts"], obj["gating_probs"]
-            if not (isinstance(layer, int) and layer >= 0 and isinstance(tok, int) and tok >= 0):
-                raise TracerError(
-                    f"{where}: fields 'layer'/'token_idx' must be ints >= 0, got {layer!r}/{tok!r}"
-                )
-            if (
-                not isinstance(experts, list)
-                or not experts
-                or not all(isinstance(e, int) and e >= 0 for e in experts)
-                or not isinstance(probs, list)
-                or len(probs) != len(experts)
-                or not all(isinstance(p, (int, float)) for p in probs)
-            ):
-                raise TracerError(
-                    f"{where}: fields 'experts'/'gating_probs' must be equal-length id/number lists"
-                )
-            key = (str(obj["dataset"]), int(obj["problem_id"]))
-            groups.setdefault(key, []).append((layer, tok, experts, probs, lineno))
+def _parse(path: Path) -> dict[tuple[str, int], list[tuple[int, int, list[int], list[float], str]]]:
+    groups: dict[tuple[str, int], list[tuple[int, int, list[int], list[float], str]]] = {}
+    for where, obj in iter_json_lines(path, "routing log"):
+        if not isinstance(obj, dict):
+            raise TracerError(f"{where}: expected a JSON object")
+        for name in _FIELDS:
+            if name not in obj:
+                raise TracerError(f"{where}: missing field '{name}'")
+        layer, tok, experts, probs = obj["layer"], obj["token_idx"], obj["experts"], obj["gating_probs"]
+        if not (isinstance(layer, int) and layer >= 0 and isinstance(tok, int) and tok >= 0):
+            raise TracerError(f"{where}: fields 'layer'/'token_idx' must be ints >= 0, got {layer!r}/{tok!r}")
+        if (
+            not isinstance(experts, list)
+            or not experts
+            or not all(isinstance(e, int) and e >= 0 for e in experts)
+            or not isinstance(probs, list)
+            or len(probs) != len(experts)
+            or not all(isinstance(p, (int, float)) for p in probs)
+        ):
+            raise TracerError(
+                f"{where}: fields 'experts'/'gating_probs' must be equal-length id/number lists"
+            )
+        key = (str(obj["dataset"]), int(obj["problem_id"]))
+        groups.setdefault(key, []).append((layer, tok, experts, probs, where))
     return groups
 
 
 def _to_record(
     path: Path,
     key: tuple[str, int],
-    rows: list[tuple[int, int, list[int], list[float], int]],
+    rows: list[tuple[int, int, list[int], list[float], str]],
     num_experts: int,
 ) -> TraceRecord:
     dataset, problem = key
@@ -80,15 +67,13 @@ def _to_record(
     num_tokens = 1 + max(r[1] for r in rows)
     ids = np.full((num_tokens, num_layers, top_k), -1, dtype=np.int64)
     weights = np.zeros((num_tokens, num_layers, top_k), dtype=np.float32)
-    for layer, tok, experts, probs, lineno in rows:
+    for layer, tok, experts, probs, where in rows:
         if len(experts) != top_k:
-            raise TracerError(
-                f"{path}:{lineno}: {len(experts)} experts, the request's other lines have {top_k}"
-            )
+            raise TracerError(f"{where}: {len(experts)} experts, the request's other lines have {top_k}")
         if max(experts) >= num_experts:
-            raise TracerError(f"{path}:{lineno}: expert id {max(experts)} >= num_experts {num_experts}")
+            raise TracerError(f"{where}: expert id {max(experts)} >= num_experts {num_experts}")
         if ids[tok, layer, 0] != -1:
-            raise TracerError(f"{path}:{lineno}: duplicate line for token {tok} at layer {layer}")
+            raise TracerError(f"{where}: duplicate line for token {tok} at layer {layer}")
         ids[tok, layer] = experts
         weights[tok, layer] = probs
     missing = int((ids[:, :, 0] < 0).sum())

@@ -172,19 +172,28 @@ def iter_traces(path: str | Path) -> Iterator[TraceRecord]:
         TracerError: the file is missing, or a line is not JSON or not a valid record (the
             message names the file and the 1-based line number).
     """
+    for where, obj in iter_json_lines(path, "trace file"):
+        yield TraceRecord.from_json(obj, where)
+
+
+def iter_json_lines(path: str | Path, what: str) -> Iterator[tuple[str, Any]]:
+    """Yield ``("file:line", parsed JSON)`` for each non-blank line of a JSON-lines file.
+
+    Raises:
+        TracerError: the file is missing (``"<path>: no such <what>"``) or a line is not JSON.
+    """
     path = Path(path)
     if not path.is_file():
-        raise TracerError(f"{path}: no such trace file")
+        raise TracerError(f"{path}: no such {what}")
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
             try:
-                obj = json.loads(line)
+                yield where, json.loads(line)
             except json.JSONDecodeError as exc:
                 raise TracerError(f"{where}: bad JSON ({exc.msg}, column {exc.colno})") from None
-            yield TraceRecord.from_json(obj, where)
 
 
 def load_traces(path: str | Path) -> list[TraceRecord]:
