@@ -144,6 +144,9 @@ class RuntimeConfig:
             ``next-layer-all``, ``model-counts``, ``hot-experts``, ``oracle``). Ignored when every
             expert is resident.
         prefetch_depth: later layers a prefetch plan may cover (multi-layer lookahead); None = all.
+        router_lookahead: next MoE layers whose ``eam`` prefetch plan also uses the router
+            lookahead (later routers applied to the current residual stream; 0 = the paper's
+            EAMC-only policy). See ``moe_runtime.layers.router_lookahead``.
         eamc_capacity: entries of the EAM collection the ``eam`` policies match against.
         pin_memory: pin the host expert store (default: when CUDA is available).
         cpu_threads: intra-op threads for CPU compute (``torch.set_num_threads``, process-wide);
@@ -164,6 +167,7 @@ class RuntimeConfig:
     cache_policy: str = "eam"
     prefetch_policy: str = "eam"
     prefetch_depth: int | None = None
+    router_lookahead: int = 2
     eamc_capacity: int = 1000
     pin_memory: bool | None = None
     cpu_threads: int | None = None
@@ -187,6 +191,8 @@ class RuntimeConfig:
             raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.prefetch_depth is not None and self.prefetch_depth < 1:
             raise ConfigError(f"--prefetch-depth must be >= 1, got {self.prefetch_depth}")
+        if self.router_lookahead < 0:
+            raise ConfigError(f"--router-lookahead must be >= 0, got {self.router_lookahead}")
         if self.eamc_capacity < 1:
             raise ConfigError(f"--eamc-capacity must be >= 1, got {self.eamc_capacity}")
         if self.cpu_threads is not None and self.cpu_threads < 1:

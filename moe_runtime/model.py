@@ -20,6 +20,7 @@ from moe_runtime.layers.kv_cache import KVCache
 from moe_runtime.layers.moe import moe_block
 from moe_runtime.layers.norm import rms_norm
 from moe_runtime.layers.rotary import Rotary
+from moe_runtime.layers.router_lookahead import RouterLookahead
 
 
 class MoEModel:
@@ -48,6 +49,7 @@ class MoEModel:
         self.moe_index = {layer: i for i, layer in enumerate(cfg.moe_layers)}
         self.recorder: Any | None = None
         self.prefetcher: Any | None = None
+        self.lookahead: RouterLookahead | None = None  # set when the prefetch policy uses it
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, step: StepContext) -> torch.Tensor:
@@ -55,11 +57,23 @@ class MoEModel:
         x = F.embedding(input_ids, w["embed"])  # [T, H]
         for layer in range(cfg.num_layers):
             p = f"layers.{layer}."
+            ahead = None
+            if self.lookahead is not None and step.observe and layer in self.moe_index:
+                ahead = self.lookahead.scores(x, self.moe_index[layer])  # from the layer's input
             x = x + self._attention(rms_norm(x, w[p + "attn_norm"], cfg.rms_norm_eps), layer, step)
             h = rms_norm(x, w[p + "mlp_norm"], cfg.rms_norm_eps)
             if layer in self.moe_index:
                 h = moe_block(
-                    h, w, layer, self.moe_index[layer], cfg, self.buffer, step, self.recorder, self.prefetcher
+                    h,
+                    w,
+                    layer,
+                    self.moe_index[layer],
+                    cfg,
+                    self.buffer,
+                    step,
+                    self.recorder,
+                    self.prefetcher,
+                    ahead,
                 )
             else:
                 h = F.linear(

@@ -26,13 +26,14 @@ import torch
 
 from moe_runtime.bench.prompts import prompts_by_task
 
-COMBOS = [  # (label, prefetch policy, cache policy)
-    ("on-demand+lru", "on-demand", "lru"),
-    ("next-layer-all+lru", "next-layer-all", "lru"),
-    ("model-counts", "model-counts", "model-counts"),
-    ("hot-experts+lru", "hot-experts", "lru"),
-    ("eam", "eam", "eam"),
-    ("oracle", "oracle", "oracle"),
+COMBOS = [  # (label, prefetch policy, cache policy, runtime overrides)
+    ("on-demand+lru", "on-demand", "lru", {}),
+    ("next-layer-all+lru", "next-layer-all", "lru", {}),
+    ("model-counts", "model-counts", "model-counts", {}),
+    ("hot-experts+lru", "hot-experts", "lru", {}),
+    ("eam-paper", "eam", "eam", {"router_lookahead": 0}),  # MoE-Infinity's EAMC-only plan
+    ("eam", "eam", "eam", {}),  # the default: EAMC + router lookahead for the nearest layers
+    ("oracle", "oracle", "oracle", {}),
 ]
 
 
@@ -56,6 +57,25 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("policies", help="hit rate, blocking time, bytes and TPOT per prefetch/cache policy")
     add_model_arg(p)
+    register_workload_args(p)
+    p.add_argument("--fractions", default="0.1,0.25,0.5", help="buffer sizes as shares of all experts")
+    p.add_argument("--policies", default=",".join(c[0] for c in COMBOS))
+    p.add_argument("--link-gbps", type=float, default=0.5, help="emulated link, GB/s (default: 0.5)")
+    p.add_argument("--link-latency-us", type=float, default=10.0)
+    p.add_argument(
+        "--prefetch-depth", type=int, default=None, help="later layers a plan covers (default: all)"
+    )
+    p.add_argument(
+        "--router-lookahead", type=int, default=2, help="router lookahead layers of the eam row (default: 2)"
+    )
+    p.add_argument("--dtype", default="fp32", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--cpu-threads", type=int, default=1)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
+
+
+def register_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload flags shared by ``bench policies`` and ``bench lookahead``."""
     default_prompts = (
         Path(__file__).resolve().parents[2].parent / "shared/data/prompts/prompts_combined.jsonl"
     )
@@ -66,18 +86,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, default=4, help="requests decoded together")
     p.add_argument("--new-tokens", type=int, default=24)
     p.add_argument("--max-prompt-tokens", type=int, default=96)
-    p.add_argument("--fractions", default="0.1,0.25,0.5", help="buffer sizes as shares of all experts")
-    p.add_argument("--policies", default=",".join(c[0] for c in COMBOS))
-    p.add_argument("--link-gbps", type=float, default=0.5, help="emulated link, GB/s (default: 0.5)")
-    p.add_argument("--link-latency-us", type=float, default=10.0)
-    p.add_argument(
-        "--prefetch-depth", type=int, default=None, help="later layers a plan covers (default: all)"
-    )
-    p.add_argument("--dtype", default="fp32", choices=["bf16", "fp16", "fp32"])
-    p.add_argument("--cpu-threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=run)
 
 
 def load_workload(
@@ -142,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
         link_latency_us=args.link_latency_us,
         max_model_len=args.max_prompt_tokens + args.new_tokens + 8,
         prefetch_depth=args.prefetch_depth,
+        router_lookahead=args.router_lookahead,
     )
     loaded = load_checkpoint(model_dir, base)
     if loaded.tokenizer is None:
@@ -152,17 +162,18 @@ def run(args: argparse.Namespace) -> int:
     cfg = loaded.config
     results: list[PolicyResult] = []
     reference = None  # every run, whatever the buffer or policy, must produce these tokens
-    runs = [(1.0, [("all-resident", "on-demand", "lru")])]
+    runs = [(1.0, [("all-resident", "on-demand", "lru", {})])]
     runs += [(float(f), combos) for f in args.fractions.split(",")]
     for fraction, fraction_combos in runs:
         log = None
-        for label, prefetch, cache in fraction_combos:
+        for label, prefetch, cache, overrides in fraction_combos:
             rt = RuntimeConfig(
                 **{
                     **{f.name: getattr(base, f.name) for f in fields(base)},
                     "buffer_fraction": fraction,
                     "prefetch_policy": prefetch,
                     "cache_policy": cache,
+                    **overrides,
                 }
             )
             context = {"oracle": OracleSchedule(log, cfg.num_experts)} if prefetch == "oracle" else None
@@ -218,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
         "batch": args.batch,
         "new_tokens": args.new_tokens,
         "max_prompt_tokens": args.max_prompt_tokens,
+        "router_lookahead": args.router_lookahead,
         "seed": args.seed,
     }
     if args.json:

@@ -23,6 +23,7 @@ from moe_runtime.engine.sampler import sample
 from moe_runtime.engine.scheduler import ScheduledSeq, Scheduler
 from moe_runtime.errors import ConfigError, RequestError
 from moe_runtime.layers.kv_cache import KVCache
+from moe_runtime.layers.router_lookahead import RouterLookahead
 from moe_runtime.loader import LoadedModel, load_checkpoint
 from moe_runtime.model import MoEModel
 from moe_runtime.prefetch import make_prefetch_policy
@@ -106,10 +107,13 @@ class LLMEngine:
             recorder=recorder,
             depth=runtime.prefetch_depth,
             eamc=eamc,
+            lookahead=runtime.router_lookahead,
             **(policy_context or {}),
         )
         self.model.recorder = recorder
         self.model.prefetcher = self.prefetcher
+        if getattr(self.prefetcher, "lookahead_depth", 0) > 0:
+            self.model.lookahead = RouterLookahead(cfg, loaded.dense, self.prefetcher.lookahead_depth)
         self.scheduler = Scheduler(runtime.max_batch_size, runtime.max_num_batched_tokens)
         self.eos_token_ids = loaded.eos_token_ids
         self.stats = EngineStats()

@@ -42,8 +42,13 @@ def moe_block(
     step: StepContext,
     recorder: Any | None,
     prefetcher: Any | None,
+    ahead: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Apply MoE layer ``moe_layer`` (decoder layer ``layer``) to ``x [T, H]``; returns ``[T, H]``."""
+    """Apply MoE layer ``moe_layer`` (decoder layer ``layer``) to ``x [T, H]``; returns ``[T, H]``.
+
+    ``ahead [D, E]``: the router lookahead's scores of the next D MoE layers, if the prefetch policy
+    uses them (``moe_runtime.layers.router_lookahead``); handed to ``prefetcher.observe_lookahead``.
+    """
     p = f"layers.{layer}."
     weights, ids = route(x, w[p + "router"], cfg)
     k, num_experts = cfg.top_k, cfg.num_experts
@@ -60,6 +65,8 @@ def moe_block(
     if step.observe:
         buffer.after_routing(moe_layer, step.request_ids, ids_host)
     if prefetcher is not None:
+        if ahead is not None:
+            prefetcher.observe_lookahead(moe_layer, ahead.cpu().numpy())  # ready: ids synced above
         prefetcher.after_routing(moe_layer, step.request_ids, ids_host)
     # Sort each token's k choices by expert id so the final sum adds contributions in ascending
     # expert order, as the reference's per-expert index_add_ does, whatever order experts ran in.

@@ -10,6 +10,13 @@ I/O queue as a re-prioritised plan (at most ``tokens x top-k`` experts per later
 of §5.1, do not spend the link on experts that cannot all be used). The batch's own EAM so far is
 added to the matches (skewed reuse, §3.1), so a cold EAMC still predicts; the EAMC fills online
 as requests finish, or is loaded from a file saved by an earlier run.
+
+With ``lookahead >= 1`` (our addition, not in the paper) the plan for the next ``lookahead`` layers
+also uses the router lookahead (``moe_runtime.layers.router_lookahead``: those layers' routers
+applied to the current residual stream, Mixtral-Offloading's speculative loading): its expected
+token counts, row-normalised, are added with weight ``lookahead_weight`` to the EAMC probabilities
+of those layers. The EAMC alone still plans the layers further away; without lookahead scores (the
+simulator replays routing only) the policy is the paper's.
 """
 
 from __future__ import annotations
@@ -49,6 +56,8 @@ class EAMPrefetch(PrefetchPolicy):
         matches: int = 16,
         min_prob: float = 0.0,
         own_weight: float = 1.0,
+        lookahead: int = 0,
+        lookahead_weight: float = 2.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -61,6 +70,13 @@ class EAMPrefetch(PrefetchPolicy):
         self.matches = matches
         self.min_prob = min_prob
         self.own_weight = own_weight
+        if lookahead < 0:
+            raise ConfigError(f"--router-lookahead must be >= 0, got {lookahead}")
+        if lookahead_weight < 0:
+            raise ConfigError(f"router lookahead weight must be >= 0, got {lookahead_weight}")
+        self.lookahead_depth = lookahead  # the model computes router lookahead scores when > 0
+        self.lookahead_weight = lookahead_weight
+        self._ahead: tuple[int, np.ndarray] | None = None  # (layer, [D, E]) of the current layer
         self.last_probs: np.ndarray | None = None  # [L, E] of the latest plan, for tests and stats
 
     def predict(self, layer: int, request_ids: list[str]) -> np.ndarray | None:
@@ -82,8 +98,24 @@ class EAMPrefetch(PrefetchPolicy):
         prob = _row_probs(prob)
         return prob if prob.any() else None
 
+    def observe_lookahead(self, layer: int, scores: np.ndarray) -> None:
+        """Router lookahead scores ``[D, E]`` of MoE layers ``layer + 1 .. layer + D``, handed over
+        by the model right before :meth:`after_routing` of ``layer``."""
+        self._ahead = (layer, scores)
+
+    def blend_lookahead(self, layer: int, probs: np.ndarray | None) -> np.ndarray | None:
+        """``probs [L, E]`` with the router lookahead of ``layer`` blended into its next layers."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None or ahead[0] != layer or self.lookahead_weight == 0:
+            return probs
+        scores = ahead[1][: self.lookahead_depth]
+        spec = np.zeros((self.num_layers, self.num_experts), dtype=np.float32)
+        spec[layer + 1 : layer + 1 + len(scores)] = _row_probs(scores.astype(np.float32))
+        blended = spec * self.lookahead_weight if probs is None else probs + spec * self.lookahead_weight
+        return _row_probs(blended)
+
     def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
-        probs = self.predict(layer, request_ids)
+        probs = self.blend_lookahead(layer, self.predict(layer, request_ids))
         self.last_probs = probs
         if probs is None:
             return

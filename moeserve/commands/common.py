@@ -62,6 +62,13 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
         "--prefetch-depth", type=int, default=None, help="later layers a prefetch plan covers (default: all)"
     )
     g.add_argument(
+        "--router-lookahead",
+        type=int,
+        default=2,
+        help="next MoE layers the eam prefetch plan also predicts with their routers applied to the "
+        "current hidden state (0 = the paper's EAMC-only plan; default: 2)",
+    )
+    g.add_argument(
         "--eamc-capacity",
         type=int,
         default=1000,
@@ -101,6 +108,7 @@ def runtime_from_args(args: argparse.Namespace) -> RuntimeConfig:
         prefetch_policy=args.prefetch_policy,
         cpu_threads=args.cpu_threads,
         prefetch_depth=args.prefetch_depth,
+        router_lookahead=args.router_lookahead,
         eamc_capacity=args.eamc_capacity,
     )
 

@@ -1,0 +1,107 @@
+"""Router lookahead: the folded routers equal norm-then-route, it never changes outputs, it feeds
+the ``eam`` plan of the next layers only, and bad settings are refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_runtime.config import RuntimeConfig
+from moe_runtime.errors import ConfigError
+from moe_runtime.layers.norm import rms_norm
+from moe_runtime.layers.router_lookahead import RouterLookahead
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_scores_equal_each_later_layers_norm_and_router(tiny_checkpoints, family):
+    from moe_runtime.loader import load_checkpoint
+
+    loaded = load_checkpoint(tiny_checkpoints[family], RuntimeConfig())
+    cfg, dense = loaded.config, loaded.dense
+    x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(0)) * 3
+    la = RouterLookahead(cfg, dense, depth=4)
+    got = la.scores(x, 0)
+    later = cfg.moe_layers[1:]
+    assert got.shape == (len(later), cfg.num_experts)
+    for d, layer in enumerate(later):
+        h = rms_norm(x, dense[f"layers.{layer}.mlp_norm"], cfg.rms_norm_eps)
+        want = F.softmax(F.linear(h, dense[f"layers.{layer}.router"]).float(), dim=-1).sum(0)
+        torch.testing.assert_close(got[d], want, rtol=1e-5, atol=1e-5)
+    assert la.scores(x, cfg.num_moe_layers - 1) is None  # nothing after the last MoE layer
+
+
+def test_depth_must_be_positive(tiny_qwen3):
+    from moe_runtime.loader import load_checkpoint
+
+    loaded = load_checkpoint(tiny_qwen3, RuntimeConfig())
+    with pytest.raises(ValueError, match="depth"):
+        RouterLookahead(loaded.config, loaded.dense, 0)
+    with pytest.raises(ConfigError, match="--router-lookahead"):
+        RuntimeConfig(router_lookahead=-1)
+
+
+def _generate(path, lookahead, slots):
+    from moe_runtime.engine.engine import LLMEngine
+    from moe_runtime.engine.request import SamplingParams
+
+    rt = RuntimeConfig(buffer_slots=slots, max_batch_size=2, max_model_len=64, router_lookahead=lookahead)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    with LLMEngine.from_pretrained(path, rt) as engine:
+        seen = []
+        observe = getattr(engine.prefetcher, "observe_lookahead", None)
+        if observe is not None:
+
+            def spy(layer, scores):
+                seen.append((layer, scores.copy()))
+                observe(layer, scores)
+
+            engine.prefetcher.observe_lookahead = spy
+        outs = [o.output_token_ids for o in engine.generate([[5, 17, 33, 2], [9, 1, 44, 3, 3]], params)]
+        return outs, seen, engine.model.lookahead
+
+
+def test_lookahead_never_changes_outputs_and_reaches_the_policy(tiny_qwen3):
+    ref, _, _ = _generate(tiny_qwen3, 0, 16)  # all resident: 2 layers x 8 experts
+    off, seen_off, la_off = _generate(tiny_qwen3, 0, 2)
+    on, seen_on, la_on = _generate(tiny_qwen3, 1, 2)
+    assert off == ref and on == ref
+    assert la_off is None and not seen_off
+    assert la_on is not None and seen_on
+    assert {layer for layer, _ in seen_on} == {0}  # the last MoE layer has nothing to look ahead to
+    assert all(s.shape == (1, 8) and s.min() >= 0 for _, s in seen_on)
+
+
+def test_blend_moves_only_the_next_layers_toward_the_guess():
+    from test_policies import FakeEAMC, FakeRecorder, small_store
+
+    from moe_runtime.buffer import ExpertBuffer
+    from moe_runtime.prefetch import make_prefetch_policy
+
+    layers, experts = 4, 5
+    buf = ExpertBuffer(small_store(), [torch.device("cpu")], 12, link=(1e-7, 0.0))
+    try:
+        eam = np.ones((layers, experts))
+        pol = make_prefetch_policy(
+            "eam",
+            buffer=buf,
+            num_layers=layers,
+            num_experts=experts,
+            top_k=2,
+            recorder=FakeRecorder(eam),
+            eamc=FakeEAMC(eam[None]),
+            lookahead=1,
+        )
+        base = pol.predict(0, ["r"])
+        guess = np.array([[0, 0, 0, 3.0, 0], [5.0, 0, 0, 0, 0]])  # layers 1 and 2
+        pol.observe_lookahead(0, guess)
+        blended = pol.blend_lookahead(0, base)
+        np.testing.assert_allclose(blended.sum(axis=1)[1:], 1.0, rtol=1e-6)
+        assert blended[1].argmax() == 3 and blended[1, 3] > base[1, 3]  # depth 1: layer 1 only
+        np.testing.assert_allclose(blended[2:], base[2:])
+        pol.observe_lookahead(2, guess)  # scores of another layer are ignored
+        np.testing.assert_allclose(pol.blend_lookahead(0, base), base)
+        np.testing.assert_allclose(pol.blend_lookahead(0, base), base)  # consumed once
+    finally:
+        buf.close()
