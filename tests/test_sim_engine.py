@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moe_runtime.bench.policies import COMBOS
 from moe_runtime.buffer.partition import Partition
 from moe_runtime.io.transfer_queue import TransferQueue
 from moe_runtime.sim.cost import CostModel
 from moe_runtime.sim.engine import SimConfig, Simulator
+from moe_runtime.sim.runner import SIM_COMBOS as COMBOS
 from moe_runtime.sim.runner import run_combos
 from moe_runtime.sim.workload import SimRequest
 

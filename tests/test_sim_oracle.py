@@ -14,9 +14,9 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moe_runtime.bench.policies import COMBOS
 from moe_runtime.sim.cost import CostModel
 from moe_runtime.sim.engine import SimConfig, Simulator
+from moe_runtime.sim.runner import SIM_COMBOS as COMBOS
 from moe_runtime.sim.runner import run_combos
 from moe_runtime.sim.workload import SimRequest
 

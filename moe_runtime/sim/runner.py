@@ -1,7 +1,10 @@
 """Run policy combinations through the simulator, the way ``moeserve bench policies`` runs them.
 
 The combinations (prefetch policy + cache policy) are the benchmark's own list
-(:data:`moe_runtime.bench.policies.COMBOS`). The oracle replays the expert-access log of the
+(:data:`moe_runtime.bench.policies.COMBOS`, rows ``(label, prefetch, cache, runtime overrides)``).
+The overrides are runtime settings the simulator has no counterpart for (``router_lookahead``: the
+simulator replays recorded routing, there is no residual stream to look ahead on), so they are
+ignored and a row is the pair of policies alone. The oracle replays the expert-access log of the
 on-demand run's eval part (MoE-Infinity Table 5's "Ideal"), so on-demand always runs first.
 """
 
@@ -13,7 +16,8 @@ from moe_runtime.prefetch import PREFETCH_POLICIES
 from moe_runtime.sim.engine import PolicyRun, Simulator
 from moe_runtime.sim.workload import SimRequest
 
-PAIRED_CACHE = {prefetch: cache for _, prefetch, cache in COMBOS}
+SIM_COMBOS: list[tuple[str, str, str]] = [(label, p, c) for label, p, c, *_ in COMBOS]
+PAIRED_CACHE = {prefetch: cache for _, prefetch, cache in SIM_COMBOS}
 
 
 def combo_for(prefetch: str, cache: str | None) -> tuple[str, str, str]:
@@ -26,7 +30,7 @@ def combo_for(prefetch: str, cache: str | None) -> tuple[str, str, str]:
     if prefetch not in PREFETCH_POLICIES:
         raise ConfigError(f"--policy {prefetch!r} is unknown (choose from {', '.join(PREFETCH_POLICIES)})")
     cache = cache or PAIRED_CACHE.get(prefetch, "lru")
-    for label, p, c in COMBOS:
+    for label, p, c in SIM_COMBOS:
         if (p, c) == (prefetch, cache):
             return label, p, c
     return f"{prefetch}+{cache}", prefetch, cache
@@ -34,15 +38,16 @@ def combo_for(prefetch: str, cache: str | None) -> tuple[str, str, str]:
 
 def run_combos(
     sim: Simulator,
-    combos: list[tuple[str, str, str]],
+    combos: list[tuple],
     warm: list[SimRequest],
     evals: list[SimRequest],
 ) -> list[PolicyRun]:
-    """Run each ``(label, prefetch, cache)``; on-demand+lru runs first when the oracle is asked
-    for (its eval access log is the oracle's future) and is reported only if asked for too."""
-    wanted = list(combos)
+    """Run each ``(label, prefetch, cache, ...)`` (extra fields ignored); on-demand+lru runs first
+    when the oracle is asked for (its eval access log is the oracle's future) and is reported only if
+    asked for too."""
+    wanted = [tuple(c[:3]) for c in combos]
     needs_log = any(p == "oracle" or c == "oracle" for _, p, c in wanted)
-    base = COMBOS[0]
+    base = SIM_COMBOS[0]
     order = ([base] if needs_log and base not in wanted else []) + [c for c in wanted if c == base]
     order += [c for c in wanted if c != base]
     runs: dict[tuple[str, str, str], PolicyRun] = {}

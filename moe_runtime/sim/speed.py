@@ -21,7 +21,6 @@ import time
 
 import numpy as np
 
-from moe_runtime.bench.policies import COMBOS
 from moe_runtime.sim.cost import CostModel
 from moe_runtime.sim.engine import SimConfig, Simulator
 from moe_runtime.sim.hardware import get_hardware
@@ -63,7 +62,7 @@ def measure(
     policies: list[str] | None = None,
 ) -> list[dict[str, object]]:
     """Run each bench combination (or those labelled in ``policies``) once; per-policy speed rows."""
-    from moe_runtime.sim.runner import run_combos
+    from moe_runtime.sim.runner import SIM_COMBOS, run_combos
 
     model = get_model(profile).mapped(wl.num_layers, wl.num_experts, wl.top_k)
     hw = get_hardware(hardware)
@@ -73,9 +72,9 @@ def measure(
         wl.num_layers, wl.num_experts, wl.top_k, model.expert_bytes, cost,
         SimConfig(slots=slots or model.buffer_slots(hw), batch=batch),
     )  # fmt: skip
-    base = run_combos(sim, [COMBOS[0]], warm, evals)[0]
+    base = run_combos(sim, [SIM_COMBOS[0]], warm, evals)[0]
     rows = []
-    for combo in [c for c in COMBOS if policies is None or c[0] in policies]:
+    for combo in [c for c in SIM_COMBOS if policies is None or c[0] in policies]:
         prof = cProfile.Profile() if top else None
         c0, t0 = time.process_time(), time.perf_counter()
         if prof:
