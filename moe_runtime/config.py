@@ -167,7 +167,7 @@ class RuntimeConfig:
     cache_policy: str = "eam"
     prefetch_policy: str = "eam"
     prefetch_depth: int | None = None
-    router_lookahead: int = 2
+    router_lookahead: int = 1
     eamc_capacity: int = 1000
     pin_memory: bool | None = None
     cpu_threads: int | None = None

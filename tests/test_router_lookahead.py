@@ -92,6 +92,7 @@ def test_blend_moves_only_the_next_layers_toward_the_guess():
             recorder=FakeRecorder(eam),
             eamc=FakeEAMC(eam[None]),
             lookahead=1,
+            depth=layers,  # the EAMC plans all later layers, the lookahead only the next one
         )
         base = pol.predict(0, ["r"])
         guess = np.array([[0, 0, 0, 3.0, 0], [5.0, 0, 0, 0, 0]])  # layers 1 and 2
@@ -103,5 +104,29 @@ def test_blend_moves_only_the_next_layers_toward_the_guess():
         pol.observe_lookahead(2, guess)  # scores of another layer are ignored
         np.testing.assert_allclose(pol.blend_lookahead(0, base), base)
         np.testing.assert_allclose(pol.blend_lookahead(0, base), base)  # consumed once
+    finally:
+        buf.close()
+
+
+def test_lookahead_alone_sets_the_plan_depth():
+    from test_policies import FakeEAMC, FakeRecorder, small_store
+
+    from moe_runtime.buffer import ExpertBuffer
+    from moe_runtime.prefetch import make_prefetch_policy
+
+    layers, experts = 4, 5
+    buf = ExpertBuffer(small_store(), [torch.device("cpu")], 12, link=(1e-7, 0.0))
+    try:
+        eam = np.ones((layers, experts))
+        kw = dict(buffer=buf, num_layers=layers, num_experts=experts, top_k=2)
+        kw.update(recorder=FakeRecorder(eam), eamc=FakeEAMC(eam[None]))
+        assert make_prefetch_policy("eam", lookahead=2, **kw).depth == 2
+        assert make_prefetch_policy("eam", lookahead=2, depth=3, **kw).depth == 3
+        assert make_prefetch_policy("eam", lookahead=0, **kw).depth == layers  # the paper's plan
+        pol = make_prefetch_policy("eam", lookahead=1, **kw)
+        pol.observe_lookahead(0, np.array([[0, 0, 9.0, 0, 0], [1.0, 0, 0, 0, 0]]))
+        pol.after_routing(0, ["r"], np.zeros((1, 2), dtype=np.int64))
+        assert pol.last_probs[1].argmax() == 2
+        assert not pol.last_probs[2:].any()  # nothing planned beyond the lookahead
     finally:
         buf.close()

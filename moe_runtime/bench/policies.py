@@ -33,6 +33,7 @@ COMBOS = [  # (label, prefetch policy, cache policy, runtime overrides)
     ("hot-experts+lru", "hot-experts", "lru", {}),
     ("eam-paper", "eam", "eam", {"router_lookahead": 0}),  # MoE-Infinity's EAMC-only plan
     ("eam", "eam", "eam", {}),  # the default: EAMC + router lookahead for the nearest layers
+    ("on-demand+eam-reuse", "on-demand", "eam-reuse", {}),  # caching alone, loop-aware
     ("oracle", "oracle", "oracle", {}),
 ]
 
@@ -66,7 +67,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
         "--prefetch-depth", type=int, default=None, help="later layers a plan covers (default: all)"
     )
     p.add_argument(
-        "--router-lookahead", type=int, default=2, help="router lookahead layers of the eam row (default: 2)"
+        "--router-lookahead", type=int, default=1, help="router lookahead layers of the eam row (default: 1)"
     )
     p.add_argument("--dtype", default="fp32", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--cpu-threads", type=int, default=1)

@@ -64,9 +64,14 @@ CACHE_POLICIES: dict[str, type[CachePolicy]] = {"lru": LRUPolicy}
 
 
 def _register_builtin() -> None:
-    from moe_runtime.buffer.policies import EAMCachePolicy, ModelCountsCachePolicy, OracleCachePolicy
+    from moe_runtime.buffer.policies import (
+        EAMCachePolicy,
+        EAMReuseCachePolicy,
+        ModelCountsCachePolicy,
+        OracleCachePolicy,
+    )
 
-    for cls in (EAMCachePolicy, ModelCountsCachePolicy, OracleCachePolicy):
+    for cls in (EAMCachePolicy, EAMReuseCachePolicy, ModelCountsCachePolicy, OracleCachePolicy):
         CACHE_POLICIES[cls.name] = cls
 
 

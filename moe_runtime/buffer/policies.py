@@ -64,6 +64,60 @@ class EAMCachePolicy(_ResetPolicy):
         self.priority[slot] = (self.counts[key] + 0.5) * self.boost[layer] + 1e-9 * self.tick()
 
 
+class EAMReuseCachePolicy(CachePolicy):
+    """Evict the expert whose next use is expected furthest away (Belady with estimated reuse).
+
+    Layers run in a loop, one pass per decode step, so an expert of layer ``j`` seen from the
+    running layer ``l`` is next needed after ``d = ((j - l - 1) mod L) + 1`` layer runs if the
+    next step's tokens pick it, else a whole pass later for every step they do not. With ``r`` the
+    share of the running requests' tokens routed to it so far (their request EAMs, MoE-Infinity
+    §4) and ``T`` tokens per step, a step uses it with ``p = 1 - (1 - r)^T``, so its expected
+    distance is ``d + L (1 / p - 1)``. LRU evicts the experts of the layers just run, which in this
+    loop are needed *last*; this policy keeps the upcoming layers' likely experts instead.
+    """
+
+    name = "eam-reuse"
+
+    def __init__(
+        self, num_slots: int, num_experts: int, num_layers: int = 1, recorder: Any | None = None
+    ) -> None:
+        super().__init__(num_slots, num_experts)
+        if recorder is None:
+            raise ConfigError(
+                "--cache-policy eam-reuse needs the request tracer (it is created automatically by the engine)"
+            )
+        self.recorder = recorder
+        self.num_layers = num_layers
+        self.layer = 0
+        self.p_use = np.zeros(num_layers * num_experts)  # per-step use probability of each key
+        self._slot_key = np.full(num_slots, -1)
+
+    def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
+        self.layer = layer
+        if not request_ids or topk_ids.size == 0:
+            return
+        counts = self.recorder.query(request_ids, layer).sum(axis=0).astype(np.float64)  # [L, E]
+        tokens = counts.sum(axis=1, keepdims=True)
+        share = np.divide(counts, tokens, out=np.zeros_like(counts), where=tokens > 0)
+        share *= topk_ids.shape[1]  # share of tokens choosing the expert (each token picks k)
+        self.p_use = 1.0 - (1.0 - np.minimum(share, 1.0)).reshape(-1) ** topk_ids.shape[0]
+
+    def on_fill(self, slot: int, key: int, prefetch: bool) -> None:
+        self._slot_key[slot] = key
+        self.priority[slot] = self.tick()
+
+    def on_use(self, slot: int, key: int) -> None:
+        self.priority[slot] = self.tick()
+
+    def victim(self, candidates: np.ndarray) -> int:
+        keys = self._slot_key[candidates]
+        L = self.num_layers
+        dist = (keys // self.num_experts - self.layer - 1) % L + 1
+        p = np.maximum(self.p_use[keys], 1e-3)
+        expected = dist + L * (1.0 / p - 1.0)
+        return int(candidates[np.argmax(expected - 1e-9 * self.priority[candidates])])
+
+
 class ModelCountsCachePolicy(_ResetPolicy):
     """BrainStorm-style: priority = lifetime activation count of the expert over all requests."""
 

@@ -61,7 +61,7 @@ class LLMEngine:
         offloading = slots < total
         prefetch_policy = runtime.prefetch_policy if offloading else "on-demand"
         cache_policy = runtime.cache_policy if offloading else "lru"
-        if "eam" in (prefetch_policy, cache_policy) and recorder is None:
+        if (prefetch_policy.startswith("eam") or cache_policy.startswith("eam")) and recorder is None:
             recorder = _default_recorder(cfg, runtime, eamc)
         if eamc is None and recorder is not None:
             eamc = getattr(recorder, "eamc", None)

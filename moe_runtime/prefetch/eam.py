@@ -29,12 +29,6 @@ from moe_runtime.errors import ConfigError
 from moe_runtime.prefetch.base import PrefetchPolicy
 
 
-def row_normalise(x: np.ndarray) -> np.ndarray:
-    """L2-normalise the last axis of ``x [..., E]``; zero rows stay zero."""
-    norm = np.linalg.norm(x, axis=-1, keepdims=True)
-    return np.divide(x, norm, out=np.zeros_like(x, dtype=np.float32), where=norm > 0)
-
-
 class EAMPrefetch(PrefetchPolicy):
     """Args (beyond the base): eamc: the EAM collection to match against; matches: top matches
     per request (default 16); min_prob: experts below this activation probability are not
@@ -75,6 +69,8 @@ class EAMPrefetch(PrefetchPolicy):
         if lookahead_weight < 0:
             raise ConfigError(f"router lookahead weight must be >= 0, got {lookahead_weight}")
         self.lookahead_depth = lookahead  # the model computes router lookahead scores when > 0
+        if lookahead > 0 and kwargs.get("depth") is None:
+            self.depth = lookahead  # plan only the layers the lookahead sees (docs/results.md)
         self.lookahead_weight = lookahead_weight
         self._ahead: tuple[int, np.ndarray] | None = None  # (layer, [D, E]) of the current layer
         self.last_probs: np.ndarray | None = None  # [L, E] of the latest plan, for tests and stats
@@ -85,18 +81,28 @@ class EAMPrefetch(PrefetchPolicy):
         The top EAMC matches of every running request are summed and row-normalised (§5.1); the
         batch's own EAM so far, row-normalised, is added with weight ``own_weight`` (the skewed
         reuse of §3.1: a request keeps choosing the experts it chose) and the sum normalised again.
+        Only the rows of the layers a plan from ``layer`` covers (``layer + 1 .. layer + depth``)
+        are computed; the others are zero.
         """
-        if not request_ids:
+        lo, hi = layer + 1, min(self.num_layers, layer + 1 + self.depth)
+        if not request_ids or lo >= hi:
             return None
-        so_far = self.recorder.query(request_ids, layer).astype(np.float32)  # [B, L, E]
-        prob = _row_probs(so_far.sum(axis=0)) * self.own_weight
-        if len(self.eamc):
-            _, idx = self.eamc.search(row_normalise(so_far), k=min(self.matches, len(self.eamc)))
+        so_far = self.recorder.query(request_ids, layer)  # [B, L, E] token counts
+        rows = _row_probs(so_far[:, lo:hi].sum(axis=0).astype(np.float32))  # [D, E]
+        if self.own_weight != 1.0:
+            rows *= self.own_weight
+        n = len(self.eamc)
+        if n:
+            _, idx = self.eamc.search(so_far.astype(np.float32), k=min(self.matches, n))  # normalises
             idx = idx[idx >= 0]
             if idx.size:
-                prob = prob + _row_probs(self.eamc.entries()[idx].sum(axis=0))
-        prob = _row_probs(prob)
-        return prob if prob.any() else None
+                weight = np.bincount(idx, minlength=n).astype(np.float32)  # [n] times matched
+                rows += _row_probs(np.tensordot(weight, self.eamc.entries()[:, lo:hi], axes=1))
+        if not rows.any():
+            return None
+        prob = np.zeros((self.num_layers, self.num_experts), dtype=np.float32)
+        prob[lo:hi] = _row_probs(rows)
+        return prob
 
     def observe_lookahead(self, layer: int, scores: np.ndarray) -> None:
         """Router lookahead scores ``[D, E]`` of MoE layers ``layer + 1 .. layer + D``, handed over
@@ -108,25 +114,31 @@ class EAMPrefetch(PrefetchPolicy):
         ahead, self._ahead = self._ahead, None
         if ahead is None or ahead[0] != layer or self.lookahead_weight == 0:
             return probs
-        scores = ahead[1][: self.lookahead_depth]
-        spec = np.zeros((self.num_layers, self.num_experts), dtype=np.float32)
-        spec[layer + 1 : layer + 1 + len(scores)] = _row_probs(scores.astype(np.float32))
-        blended = spec * self.lookahead_weight if probs is None else probs + spec * self.lookahead_weight
-        return _row_probs(blended)
+        d = min(self.lookahead_depth, self.depth, len(ahead[1]))
+        spec = _row_probs(ahead[1][:d].astype(np.float32)) * self.lookahead_weight  # [d, E]
+        probs = np.zeros((self.num_layers, self.num_experts), np.float32) if probs is None else probs.copy()
+        lo, hi = layer + 1, layer + 1 + d
+        probs[lo:hi] = _row_probs(probs[lo:hi] + spec)
+        return probs
 
     def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
         probs = self.blend_lookahead(layer, self.predict(layer, request_ids))
         self.last_probs = probs
         if probs is None:
             return
-        probs = np.where(probs >= self.min_prob, probs, 0.0)
+        lo, hi = layer + 1, min(self.num_layers, layer + 1 + self.depth)
+        rows = probs[lo:hi]  # only these layers have non-zero proximity
+        if self.min_prob > 0:
+            rows = np.where(rows >= self.min_prob, rows, 0.0)
         # A later layer will need at most as many experts as this step routes (tokens x top-k):
         # keep only that many of its most likely experts, so the plan does not flood the link.
         cap = min(self.num_experts, topk_ids.size)
         if 0 < cap < self.num_experts:
-            kth = -np.partition(-probs, cap - 1, axis=1)[:, cap - 1 : cap]  # [L, 1] cap-th largest
-            probs = np.where(probs >= kth, probs, 0.0)
-        self.issue(probs * self.proximity(layer)[:, None])
+            kth = -np.partition(-rows, cap - 1, axis=1)[:, cap - 1 : cap]  # [D, 1] cap-th largest
+            rows = np.where(rows >= kth, rows, 0.0)
+        scores = np.zeros_like(probs)
+        scores[lo:hi] = rows * self.proximity(layer)[lo:hi, None]
+        self.issue(scores)
 
 
 def _row_probs(x: np.ndarray) -> np.ndarray:

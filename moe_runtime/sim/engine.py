@@ -181,7 +181,7 @@ class Simulator:
         if oracle_log is not None:
             context["oracle"] = OracleSchedule(oracle_log, self.E)
         recorder = eamc = None
-        if "eam" in (prefetch, cache):  # the engine creates a tracer only for these (_default_recorder)
+        if prefetch.startswith("eam") or cache.startswith("eam"):  # as the engine (_default_recorder)
             from tracer.eamc import EAMC
             from tracer.recorder import RequestRecorder
 

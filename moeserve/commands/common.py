@@ -64,9 +64,9 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--router-lookahead",
         type=int,
-        default=2,
-        help="next MoE layers the eam prefetch plan also predicts with their routers applied to the "
-        "current hidden state (0 = the paper's EAMC-only plan; default: 2)",
+        default=1,
+        help="next MoE layers the eam prefetch plan predicts with their routers applied to the current "
+        "hidden state, and plans (0 = the paper's EAMC-only plan of every later layer; default: 1)",
     )
     g.add_argument(
         "--eamc-capacity",
