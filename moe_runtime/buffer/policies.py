@@ -84,7 +84,7 @@ class EAMReuseCachePolicy(CachePolicy):
         super().__init__(num_slots, num_experts)
         if recorder is None:
             raise ConfigError(
-                "--cache-policy eam-reuse needs the request tracer (it is created automatically by the engine)"
+                "--cache-policy eam-reuse needs the request tracer (created automatically by the engine)"
             )
         self.recorder = recorder
         self.num_layers = num_layers
