@@ -71,39 +71,101 @@ def get(frac, name):
 
 
 resident = get(1.0, "all-resident")
+fracs = sorted({r["buffer_fraction"] for r in res if r["buffer_fraction"] < 1})
+rows_eam = [n for n in ("eam", "eam-paper") if any(r["policy"] == n for r in res)]
+
+
+def verdict(ok):
+    return "met" if ok else "not met"
+
+
 checks = []
-for frac in sorted({r["buffer_fraction"] for r in res if r["buffer_fraction"] < 1}):
-    e, od = get(frac, "eam"), get(frac, "on-demand+lru")
+for frac in fracs:
+    od = get(frac, "on-demand+lru")
+    vals = [get(frac, n)["blocking_ms_per_token"] / od["blocking_ms_per_token"] for n in rows_eam]
     checks.append(
-        f"| {frac:.0%} | blocking: eam / on-demand | {e['blocking_ms_per_token'] / od['blocking_ms_per_token']:.2f} | <= 0.40 | "
-        f"{'met' if e['blocking_ms_per_token'] / od['blocking_ms_per_token'] <= 0.40 else 'not met'} |"
+        f"| {frac:.0%} | blocking: eam / on-demand | "
+        + " | ".join(f"{v:.2f} ({verdict(v <= 0.40)})" for v in vals)
+        + " | <= 0.40 |"
     )
-e, lru, orc = get(0.25, "eam"), get(0.25, "on-demand+lru"), get(0.25, "oracle")
-hr = e["hit_rate"] / lru["hit_rate"] if lru["hit_rate"] else float("inf")
-checks.append(f"| 25% | hit rate: eam / lru | {hr:.2f} | >= 1.5 | {'met' if hr >= 1.5 else 'not met'} |")
-gap = 100 * (orc["hit_rate"] - e["hit_rate"])
+lru, orc = get(0.25, "on-demand+lru"), get(0.25, "oracle")
+hr = [get(0.25, n)["hit_rate"] / lru["hit_rate"] for n in rows_eam]
 checks.append(
-    f"| 25% | hit rate: oracle - eam (points) | {gap:.1f} | <= 5 | {'met' if gap <= 5 else 'not met'} |"
+    "| 25% | hit rate: eam / lru | "
+    + " | ".join(f"{v:.2f} ({verdict(v >= 1.5)})" for v in hr)
+    + " | >= 1.5 |"
 )
-tp = e["tpot_ms"] / resident["tpot_ms"]
-checks.append(f"| 25% | TPOT: eam / all-resident | {tp:.2f} | <= 1.5 | {'met' if tp <= 1.5 else 'not met'} |")
+gap = [100 * (orc["hit_rate"] - get(0.25, n)["hit_rate"]) for n in rows_eam]
+checks.append(
+    "| 25% | hit rate: oracle - eam (points) | "
+    + " | ".join(f"{v:.1f} ({verdict(v <= 5)})" for v in gap)
+    + " | <= 5 |"
+)
+tp = [get(0.25, n)["tpot_ms"] / resident["tpot_ms"] for n in rows_eam]
+checks.append(
+    "| 25% | TPOT: eam / all-resident | "
+    + " | ".join(f"{v:.2f} ({verdict(v <= 1.5)})" for v in tp)
+    + " | <= 1.5 |"
+)
+tp_orc = orc["tpot_ms"] / resident["tpot_ms"]
+st_ = pol["settings"]
+link_ms = {
+    n: 1e3
+    * get(0.25, n)["bytes_per_token"]
+    * st_["batch"]
+    * (1 / (st_["link_gbps"] * 1e9) + st_["link_latency_us"] * 1e-6 / st_["expert_bytes"])
+    for n in ("eam", "oracle", "on-demand+lru")
+}
+link_txt = ", ".join(f"`{n}` {v:.1f} ms" for n, v in link_ms.items())
 mc = []
-for frac in sorted({r["buffer_fraction"] for r in res if r["buffer_fraction"] < 1}):
+for frac in fracs:
     e = get(frac, "eam")
     beaten = [
         n
-        for n in ("on-demand+lru", "next-layer-all+lru", "hot-experts+lru")
-        if e["hit_rate"] > get(frac, n)["hit_rate"]
+        for n in ("on-demand+lru", "next-layer-all+lru", "hot-experts+lru", "model-counts", "eam-paper")
+        if any(r["policy"] == n for r in res)
+        and e["hit_rate"] > get(frac, n)["hit_rate"]
         and e["blocking_ms_per_token"] < get(frac, n)["blocking_ms_per_token"]
     ]
     m = get(frac, "model-counts")
     od = get(frac, "on-demand+lru")
     mc.append(
-        f"- {frac:.0%} buffer: `eam` beats {', '.join(f'`{b}`' for b in beaten) or 'none of the baselines'} on both hit rate and blocking; "
-        f"against `model-counts` (BrainStorm-style lifetime counts): hit rate {e['hit_rate']:.3f} vs {m['hit_rate']:.3f}, "
-        f"bytes moved {e['bytes_per_token'] / od['bytes_per_token']:.2f}x vs {m['bytes_per_token'] / od['bytes_per_token']:.2f}x on-demand's."
+        f"- {frac:.0%} buffer: `eam` beats {', '.join(f'`{b}`' for b in beaten) or 'none of the other rows'} on both hit rate and blocking; "
+        f"hit rate {e['hit_rate']:.3f} (eam-paper {get(frac, 'eam-paper')['hit_rate']:.3f}, model-counts {m['hit_rate']:.3f}), "
+        f"bytes moved {e['bytes_per_token'] / od['bytes_per_token']:.2f}x on-demand's."
     )
+    if any(r["policy"] == "on-demand+eam-reuse" for r in res):
+        re_ = get(frac, "on-demand+eam-reuse")
+        mc.append(
+            f"  Caching alone: `eam-reuse` hit rate {re_['hit_rate']:.3f} vs LRU {od['hit_rate']:.3f}, "
+            f"bytes moved {re_['bytes_per_token'] / od['bytes_per_token']:.2f}x LRU's."
+        )
 mc_lines = "\n".join(mc)
+look = root / "runs/bench/lookahead.json"
+look_txt = ""
+if look.exists():
+    lk = json.loads(look.read_text())
+    ls_ = lk["settings"]
+    look_rows = "\n".join(
+        f"| {r['distance']} | {r['topk_precision']:.3f} | {r['top2k_recall']:.3f} | {r['n']} |"
+        for r in lk["results"]
+    )
+    look_txt = f"""
+### How well the router lookahead guesses (`moeserve bench lookahead`)
+
+```bash
+moeserve bench lookahead --json > runs/bench/lookahead.json
+```
+
+The same workload, all experts resident; at every MoE layer of every decode step the router of
+layer `l + d` applied to the residual entering layer `l` guesses each token's top-{ls_["top_k"]}
+there (chance: {ls_["chance_precision"]:.3f}). For comparison, EAMC matching's per-token top-4
+precision at distance 1 on this model is about 0.21 (`moeserve trace predict-eval`, docs/tracer.md).
+
+| distance d (MoE layers) | top-{ls_["top_k"]} precision | top-{2 * ls_["top_k"]} recall | routed choices |
+|---|---|---|---|
+{look_rows}
+"""
 section = f"""<!-- BEGIN policies (owner: runtime, issue #5) -->
 ## Prefetching and caching policies on the runtime (`moeserve bench policies`)
 
@@ -132,22 +194,29 @@ per generated token; "prefetch precision" is prefetches used / prefetches that l
 
 ### Targets of issue #5, measured in this run
 
-| buffer | figure | measured | target | |
+| buffer | figure | `eam` (default: EAMC + router lookahead) | `eam-paper` (EAMC only, all later layers) | target |
 |---|---|---|---|---|
 {chr(10).join(checks)}
+
+For scale: the oracle's own TPOT is {tp_orc:.2f}x the all-resident run's at 25%.
 
 ### What the figures say
 
 {mc_lines}
-- The oracle is far ahead. Its lead is prediction: on the bundled model the best predictor of the
-  next layers' experts (EAMC matching) reaches a top-4 precision of about 0.21 per token
-  (`docs/tracer.md`), because the tiny model activates many experts per request (decode activation
-  ratio ~0.46 over 32 tokens, `docs/model-card.md`) — far less sparse than the 128-expert models
-  MoE-Infinity's gains come from. The paper's blocking-time target (<= 40% of on-demand) and the
-  "within 5 points of the oracle" target are not met on this model.
+- `eam-paper` is MoE-Infinity's policy as published: EAMC matching plans every later layer. On
+  this model its per-token precision is low (about 0.21 top-4, `docs/tracer.md`): the tiny model
+  activates many experts per request (decode activation ratio ~0.46 over 32 tokens,
+  `docs/model-card.md`), far less sparse than the 128-expert models the paper's gains come from.
+  The default `eam` adds the router lookahead (below) for the next MoE layer and plans only that
+  layer (`--router-lookahead 1`); the EAMC still contributes to that layer's plan and the request
+  EAMs drive the cache.
+- The oracle (perfect prefetch + Belady) stays far ahead on hit rate. TPOT is bounded by the
+  emulated link: at 25% the experts moved per decode step occupy the link for {link_txt} per step
+  (bytes per token x batch at the link's bandwidth and per-copy latency), against an all-resident
+  step of {resident["tpot_ms"]:.1f} ms; no overlap can bring a step below its link time.
 - The link is emulated (`link_gbps`, `link_latency_us` in the settings line); on this CPU machine
   expert compute and copies share 2 cores, so TPOT differences mix blocking with CPU contention.
-<!-- END policies -->
+{look_txt}<!-- END policies -->
 """
 r = (root / "docs/results.md").read_text()
 if "<!-- BEGIN policies" in r:
