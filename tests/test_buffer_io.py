@@ -180,7 +180,133 @@ def test_closing_layer_early_releases_pins_and_cancels_demand():
         next(gen)
         gen.close()
         for part in buf.parts:
-            assert part.pins.sum() == 0
+            assert sum(part.pins) == 0
         consume(buf, 1, [0, 1, 2])  # the buffer still works
     finally:
         buf.close()
+
+
+def _push_reference(q: TransferQueue, plan: list[tuple[int, float]], replace: bool) -> None:
+    """The pre-bulk semantics of a plan: cancel what fell out, then one push per changed entry."""
+    if replace:
+        wanted = {k for k, _ in plan}
+        for k in q.queued_prefetch_keys():
+            if k not in wanted:
+                q.cancel(k)
+    for key, prio in plan:
+        queued = q.queued(key)
+        if queued is not None and (queued.demand or queued.priority == prio):
+            continue
+        q.push(Transfer(key, demand=False, priority=prio))
+
+
+def _drain(q: TransferQueue) -> list[tuple[int, bool, float]]:
+    out = []
+    while (t := q.pop()) is not None:
+        out.append((t.key, t.demand, t.priority))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_queue_replan_pops_like_one_push_per_entry(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    bulk, ref = TransferQueue(), TransferQueue()
+    for _ in range(12):
+        if rng.random() < 0.3:  # a demand, sometimes for a queued prefetch's key
+            key = int(rng.integers(0, 16))
+            for q in (bulk, ref):
+                q.push(Transfer(key, demand=True))
+        keys = rng.choice(16, size=int(rng.integers(0, 10)), replace=False).tolist()
+        plan = [(k, float(rng.choice([0.25, 0.5, 0.75]))) for k in keys]  # ties are common
+        replace = bool(rng.random() < 0.8)
+        bulk.replan(plan, replace)
+        _push_reference(ref, plan, replace)
+        assert sorted(bulk.queued_prefetch_keys()) == sorted(ref.queued_prefetch_keys())
+        if rng.random() < 0.3:  # the I/O thread takes one
+            a, b = bulk.pop(), ref.pop()
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert (a.key, a.demand, a.priority) == (b.key, b.demand, b.priority)
+    assert _drain(bulk) == _drain(ref)
+
+
+@pytest.mark.parametrize("policy_name", ["lru", "eam", "model-counts", "oracle"])
+@pytest.mark.parametrize("seed", range(6))
+def test_partition_evictable_bookkeeping_matches_a_full_scan(policy_name: str, seed: int) -> None:
+    """Random slot traffic: the incrementally kept evictable slots, prefetch capacity and victims
+    equal a from-scratch scan of the slot states with the policy's own ``victim``."""
+    from moe_runtime.buffer.cache_policy import make_cache_policy
+    from moe_runtime.buffer.partition import READY, Partition
+    from moe_runtime.prefetch.oracle import OracleSchedule
+    from moe_runtime.stats import ExpertStats
+
+    class Recorder:
+        def query(self, request_ids, layer):
+            return rng.integers(0, 4, size=(1, L, E)).astype(np.float64)
+
+    rng = np.random.default_rng(seed)
+    slots = 5
+    log = [(i % L, tuple(sorted(rng.choice(E, 2, replace=False).tolist()))) for i in range(400)]
+    oracle = OracleSchedule(log, E)
+    policy = make_cache_policy(policy_name, slots, E, num_layers=L, recorder=Recorder(), oracle=oracle)
+    part = Partition(0, slots, E, 1, policy, ExpertStats(L))
+    loading: dict[int, Transfer] = {}
+    victims = 0
+
+    def reference_victim(cands: list[int]) -> int:  # the pre-incremental full evaluation
+        if policy_name == "oracle":
+            cur = oracle.cursor
+            nxt = [
+                oracle.next_use(k, current=policy._used_at.get(k) != cur)
+                for k in map(part.slot_key.__getitem__, cands)
+            ]
+            return cands[int(np.argmax(nxt))]
+        if policy_name == "model-counts":
+            vals = [policy.counts[part.slot_key[c]] + 1e-9 * policy.priority[c] for c in cands]
+            return cands[int(np.argmin(vals))]
+        return cands[int(np.argmin([policy.priority[c] for c in cands]))]
+
+    for _ in range(300):
+        op = rng.integers(0, 6)
+        ev_d = [s for s in range(slots) if part.state[s] == READY and part.pins[s] == 0]
+        ev_p = [s for s in ev_d if not part.prefetched[s]]
+        assert part.evictable(True).tolist() == ev_d and part.evictable(False).tolist() == ev_p
+        assert part.capacity_for_prefetch() == len(part.free) + len(ev_p)
+        if op == 0:  # the oracle's cursor moves / routing updates counts
+            if oracle.cursor + 1 < len(log):
+                layer = log[oracle.cursor + 1][0]
+                oracle.advance(layer)
+                policy.after_routing(layer, ["r"], rng.integers(0, E, size=(2, 2)))
+        elif op in (1, 2):  # allocate a demand or a prefetch
+            key = int(rng.integers(0, L * E))
+            if key in part.key_slot:
+                continue
+            t = Transfer(key, demand=op == 1)
+            cands = ev_d if t.demand else ev_p
+            had_free = bool(part.free)
+            want = None if had_free or not cands else reference_victim(cands)
+            s = part.allocate(t)
+            if not had_free:
+                assert s == want
+                victims += want is not None
+            if s is not None:
+                loading[s] = t
+        elif op == 3 and loading:  # a copy lands; a demanded expert is used right away
+            s = list(loading)[int(rng.integers(0, len(loading)))]
+            t = loading.pop(s)
+            part.land(s, t)
+            if t.demand:
+                part.release(s)
+        elif op == 4:  # the running layer pins a resident expert, uses it, releases it
+            ready = [s for s in range(slots) if part.state[s] == READY]
+            if ready:
+                s = ready[int(rng.integers(0, len(ready)))]
+                part.pin(s)
+                if rng.random() < 0.5:
+                    part.release(s)
+                else:
+                    part.unpin(s)
+        else:  # a layer runs: its unneeded prefetches are settled
+            layer = int(rng.integers(0, L))
+            part.settle_prefetches(layer, {layer * E + int(rng.integers(0, E))})
+    assert victims > 10

@@ -4,6 +4,12 @@ A policy keeps a priority per slot (lower is evicted first). The buffer calls it
 buffer lock and asks :meth:`CachePolicy.victim` to choose among the slots it may evict (never a
 slot being loaded, pinned by the running layer or, for prefetches, holding an unused prefetch).
 New policies subclass :class:`CachePolicy` and register in :data:`CACHE_POLICIES`.
+
+A policy with ``ordered = True`` promises that its victim is the candidate with the lowest
+``priority`` (ties: the lowest slot) and that priorities change only inside the slot hooks
+(``on_fill``, ``on_use``, ``on_evict``, ``on_prefetch_unused``); the partition then keeps its
+evictable slots in a heap and never calls :meth:`CachePolicy.victim`. A policy whose choice moves
+with state outside those hooks (``after_routing`` counts, an oracle's cursor) sets it False.
 """
 
 from __future__ import annotations
@@ -12,12 +18,13 @@ import numpy as np
 
 
 class CachePolicy:
-    """Base class; subclasses update ``self.priority`` (``[num_slots]`` float64)."""
+    """Base class; subclasses update ``self.priority`` (``[num_slots]`` list of float)."""
 
     name = "base"
+    ordered = True  # see the module note
 
     def __init__(self, num_slots: int, num_experts: int) -> None:
-        self.priority = np.zeros(num_slots, dtype=np.float64)
+        self.priority: list[float] = [0.0] * num_slots
         self.num_experts = num_experts
         self._tick = 0.0
 
@@ -41,8 +48,10 @@ class CachePolicy:
         """MoE layer ``layer`` routed its tokens (``topk_ids [T, k]`` on the host)."""
 
     def victim(self, candidates: np.ndarray) -> int:
-        """Slot to evict among ``candidates`` (non-empty int array): the lowest priority."""
-        return int(candidates[np.argmin(self.priority[candidates])])
+        """Slot to evict among ``candidates`` (non-empty, ascending slot ids): the lowest priority,
+        the first (lowest slot) among equal ones."""
+        prio = self.priority
+        return int(min(np.asarray(candidates).tolist(), key=lambda s: (prio[s], s)))
 
 
 class LRUPolicy(CachePolicy):

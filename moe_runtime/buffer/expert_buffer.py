@@ -179,7 +179,7 @@ class ExpertBuffer:
                 st.device_lookups[part.index] += 1
                 s = part.key_slot.get(key)
                 if s is not None and part.state[s] == READY:
-                    part.pins[s] += 1
+                    part.pin(s)
                     st.hits[layer] += 1
                     st.device_hits[part.index] += 1
                     if part.unused[s]:
@@ -187,7 +187,7 @@ class ExpertBuffer:
                     ready.append((e, part, s))
                     continue
                 if s is not None:  # a prefetch is in flight: wait for it
-                    part.pins[s] += 1
+                    part.pin(s)
                     st.late_prefetches[layer] += 1
                 else:
                     part.queue.push(Transfer(key, demand=True))  # replaces a queued prefetch
@@ -254,7 +254,7 @@ class ExpertBuffer:
             for e, part in waiting:
                 key = layer * self.num_experts + e
                 if part.queue.cancel(key) is None and (s := part.key_slot.get(key)) is not None:
-                    part.pins[s] -= 1
+                    part.unpin(s)
             self.cond.notify_all()
 
     # ------------------------------------------------------------------ prefetch side

@@ -9,9 +9,19 @@ policy's order. Weights are read-only, so eviction only forgets the slot's key.
 This class is pure bookkeeping (no locks, no threads, no clocks): the runtime's
 :class:`~moe_runtime.buffer.expert_buffer.ExpertBuffer` drives it under its lock with real copies,
 and the simulator drives the very same object with simulated time.
+
+Speed: every change of a slot's state goes through this class, which keeps the evictable slots
+incrementally (O(1) per change) instead of scanning all slots per allocation. For policies whose
+victim is the lowest ``priority`` and whose priorities change only in the slot hooks
+(``CachePolicy.ordered``: LRU, EAM), the evictable slots sit in two lazy-deletion heaps keyed
+``(priority, slot)`` (one for demands, one for prefetches), so a victim costs O(log S) amortised
+and is the same slot ``argmin`` over the sorted candidates gives (lowest priority, then lowest
+slot). Other policies get the sorted candidate array from a maintained boolean mask.
 """
 
 from __future__ import annotations
+
+import heapq
 
 import numpy as np
 import torch
@@ -23,6 +33,8 @@ from moe_runtime.io.transfer_queue import Transfer, TransferQueue
 from moe_runtime.stats import ExpertStats
 
 FREE, LOADING, READY = 0, 1, 2
+# evictability of a slot (``Partition._ev``): not at all, by a demand only (an unused prefetch), by any
+_NO, _DEMAND_ONLY, _ANY = 0, 1, 2
 
 
 class Partition:
@@ -31,12 +43,14 @@ class Partition:
     Attributes:
         slots: ``[S, 3 * I * H]`` device tensor (or, when every expert fits on a single CPU device
             without link emulation, the host store itself: nothing is copied); None in simulation.
-        slot_key: ``[S]`` flat expert key (``layer * E + expert``) held by each slot, -1 when free.
-        state: ``[S]`` FREE / LOADING / READY.
-        pins: ``[S]`` users that must see the slot unchanged (the running layer's compute).
-        prefetched: ``[S]`` landed by a prefetch and not used yet: protected from prefetches.
-        unused: ``[S]`` landed by a prefetch and never used since: counted as wasted if evicted.
+        slot_key: ``[S]`` list, flat expert key (``layer * E + expert``) held by each slot, -1 when free.
+        state: ``[S]`` list, FREE / LOADING / READY.
+        pins: ``[S]`` list, users that must see the slot unchanged (the running layer's compute).
+            Change it only through :meth:`pin` / :meth:`unpin` / :meth:`release` (evictability).
+        prefetched: ``[S]`` list, landed by a prefetch and not used yet: protected from prefetches.
+        unused: ``[S]`` list, landed by a prefetch and never used since: counted as wasted if evicted.
         key_slot: flat key -> slot for LOADING and READY slots (the residency map).
+        free: FREE slots, taken from the end (lowest slot first).
     """
 
     def __init__(
@@ -62,11 +76,11 @@ class Partition:
             gu = 2 * intermediate * hidden
             self.gate_up = [slots[s, :gu].view(2 * intermediate, hidden) for s in range(num_slots)]
             self.down = [slots[s, gu:].view(hidden, intermediate) for s in range(num_slots)]
-        self.slot_key = np.full(num_slots, -1, dtype=np.int64)
-        self.state = np.zeros(num_slots, dtype=np.int8)
-        self.pins = np.zeros(num_slots, dtype=np.int32)
-        self.prefetched = np.zeros(num_slots, dtype=bool)
-        self.unused = np.zeros(num_slots, dtype=bool)
+        self.slot_key: list[int] = [-1] * num_slots
+        self.state: list[int] = [FREE] * num_slots
+        self.pins: list[int] = [0] * num_slots
+        self.prefetched: list[bool] = [False] * num_slots
+        self.unused: list[bool] = [False] * num_slots
         self.release_events: list[torch.cuda.Event | None] = [None] * num_slots
         self.key_slot: dict[int, int] = {}
         self.free: list[int] = list(range(num_slots - 1, -1, -1))
@@ -75,6 +89,16 @@ class Partition:
         self.stats = stats
         self.link = link
         self.copier = CopyEngine(device) if device is not None else None
+        # evictable-slot bookkeeping (see the module note)
+        self._ev: list[int] = [_NO] * num_slots
+        self._n_ev = [0, 0, 0]  # slots per evictability (_NO entry unused)
+        self._protected: dict[int, set[int]] = {}  # layer -> READY slots with ``prefetched`` set
+        self._ordered = bool(getattr(policy, "ordered", False))
+        self._stamp: list[int] = [0] * num_slots  # heap entries of a slot are valid at its stamp
+        self._heap_demand: list[tuple[float, int, int]] = []  # (priority, slot, stamp)
+        self._heap_prefetch: list[tuple[float, int, int]] = []
+        self._mask_demand = np.zeros(num_slots, dtype=bool)  # non-ordered policies: evictable masks
+        self._mask_prefetch = np.zeros(num_slots, dtype=bool)
 
     @property
     def num_slots(self) -> int:
@@ -85,15 +109,18 @@ class Partition:
         return s if s is not None and self.state[s] == READY else None
 
     def evictable(self, for_demand: bool) -> np.ndarray:
-        """Slots that may be taken: ready, unpinned and (for prefetches) not an unused prefetch."""
-        mask = (self.state == READY) & (self.pins == 0)
-        if not for_demand:
-            mask &= ~self.prefetched
-        return np.flatnonzero(mask)
+        """Slots that may be taken (ascending): ready, unpinned and (for prefetches) not an unused
+        prefetch."""
+        need = _DEMAND_ONLY if for_demand else _ANY
+        return np.array([s for s, ev in enumerate(self._ev) if ev >= need], dtype=np.int64)
 
     def capacity_for_prefetch(self) -> int:
         """Slots a prefetch could take now: free ones plus evictable ones."""
-        return len(self.free) + len(self.evictable(for_demand=False))
+        return len(self.free) + self._n_ev[_ANY]
+
+    def has_unused_prefetch(self) -> bool:
+        """Some READY slot holds a prefetch its layer has not run with yet."""
+        return bool(self._protected)
 
     def preload(self, keys: list[int]) -> None:
         """Mark ``keys`` resident in slots ``0..len(keys)-1`` (the caller filled the memory)."""
@@ -101,63 +128,151 @@ class Partition:
             self.slot_key[s], self.state[s] = key, READY
             self.key_slot[key] = s
             self.policy.on_fill(s, key, prefetch=False)
+            self._refresh(s, True)
         self.free = list(range(self.num_slots - 1, len(keys) - 1, -1))
+
+    # ------------------------------------------------------------------ evictable bookkeeping
+    def _refresh(self, s: int, reprioritised: bool) -> None:
+        """Slot ``s`` changed state, pins or protection (and, if ``reprioritised``, its policy
+        priority): update its evictability, the counters and the victim heaps or masks."""
+        if self.state[s] == READY and self.pins[s] == 0:
+            ev = _DEMAND_ONLY if self.prefetched[s] else _ANY
+        else:
+            ev = _NO
+        old = self._ev[s]
+        if old == ev and not reprioritised:
+            return
+        if old != ev:
+            n = self._n_ev
+            n[old] -= 1
+            n[ev] += 1
+            self._ev[s] = ev
+            if not self._ordered:
+                self._mask_demand[s] = ev != _NO
+                self._mask_prefetch[s] = ev == _ANY
+        if not self._ordered:
+            return
+        stamp = self._stamp[s] + 1
+        self._stamp[s] = stamp
+        if ev == _NO:
+            return
+        entry = (self.policy.priority[s], s, stamp)
+        heapq.heappush(self._heap_demand, entry)
+        if ev == _ANY:
+            heapq.heappush(self._heap_prefetch, entry)
+        if len(self._heap_demand) > 4 * len(self._ev) + 64:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Rebuild both heaps from the evictable slots (drops stale entries)."""
+        prio, stamp = self.policy.priority, self._stamp
+        live = [(prio[s], s, stamp[s]) for s, ev in enumerate(self._ev) if ev != _NO]
+        pre = [e for e in live if self._ev[e[1]] == _ANY]
+        heapq.heapify(live)
+        heapq.heapify(pre)
+        self._heap_demand, self._heap_prefetch = live, pre
+
+    def _victim(self, for_demand: bool) -> int | None:
+        """The cache policy's victim among the evictable slots, or None when there is none."""
+        if self._n_ev[_ANY] + (self._n_ev[_DEMAND_ONLY] if for_demand else 0) == 0:
+            return None
+        if not self._ordered:
+            mask = self._mask_demand if for_demand else self._mask_prefetch
+            return self.policy.victim(np.flatnonzero(mask))
+        heap, stamp = (self._heap_demand if for_demand else self._heap_prefetch), self._stamp
+        while True:  # non-empty: an evictable slot always has a live entry
+            _, s, st = heap[0]
+            if stamp[s] == st:
+                return s
+            heapq.heappop(heap)
+
+    def _unprotect(self, s: int, key: int) -> None:
+        self.prefetched[s] = False
+        layer = key // self.num_experts
+        slots = self._protected[layer]
+        slots.discard(s)
+        if not slots:
+            del self._protected[layer]
 
     # ------------------------------------------------------------------ I/O side
     def allocate(self, t: Transfer) -> int | None:
-        """Take a free slot or evict the cache policy's victim; None when nothing may be taken."""
+        """Take a free slot or evict the cache policy's victim for transfer ``t``; None when
+        nothing may be taken."""
         if self.free:
             s = self.free.pop()
         else:
-            cands = self.evictable(for_demand=t.demand)
-            if len(cands) == 0:
+            s = self._victim(t.demand)
+            if s is None:
                 return None
-            s = self.policy.victim(cands)
-            old = int(self.slot_key[s])
+            old = self.slot_key[s]
             self.policy.on_evict(s, old)
             del self.key_slot[old]
             if self.unused[s]:
                 self.stats.prefetch_wasted_bytes += self.expert_nbytes
-            self.prefetched[s] = self.unused[s] = False
+            if self.prefetched[s]:
+                self._unprotect(s, old)
+            self.unused[s] = False
         self.slot_key[s], self.state[s] = t.key, LOADING
         self.key_slot[t.key] = s
         if t.demand:
             self.pins[s] += 1  # the waiting compute thread holds it until it has used it
+        self._refresh(s, False)
         return s
 
     def land(self, s: int, t: Transfer) -> None:
-        """The copy into ``s`` completed."""
+        """The copy of transfer ``t`` into ``s`` completed."""
         self.state[s] = READY
-        self.prefetched[s] = self.unused[s] = not t.demand
-        if t.demand:
-            self.stats.demand_bytes += self.expert_nbytes
-        else:
+        prefetch = not t.demand
+        self.prefetched[s] = self.unused[s] = prefetch
+        if prefetch:
+            self._protected.setdefault(t.key // self.num_experts, set()).add(s)
             self.stats.prefetch_bytes += self.expert_nbytes
-        self.policy.on_fill(s, t.key, prefetch=not t.demand)
+        else:
+            self.stats.demand_bytes += self.expert_nbytes
+        self.policy.on_fill(s, t.key, prefetch=prefetch)
+        self._refresh(s, True)
 
     # ------------------------------------------------------------------ compute side
+    def pin(self, s: int) -> None:
+        """The running layer will use the expert in ``s`` (READY or LOADING): keep it."""
+        self.pins[s] += 1
+        self._refresh(s, False)
+
+    def unpin(self, s: int) -> None:
+        """Drop a pin without using the expert (an abandoned layer)."""
+        self.pins[s] -= 1
+        self._refresh(s, False)
+
     def release(self, s: int) -> None:
         """The compute thread finished using the expert in ``s``."""
         self.pins[s] -= 1
         if self.unused[s]:
             self.stats.prefetch_used += 1
-        self.prefetched[s] = self.unused[s] = False
-        self.policy.on_use(s, int(self.slot_key[s]))
+            self.unused[s] = False
+        key = self.slot_key[s]
+        if self.prefetched[s]:
+            self._unprotect(s, key)
+        self.policy.on_use(s, key)
+        self._refresh(s, True)
 
     def settle_prefetches(self, layer: int, needed: set[int]) -> None:
         """Layer ``layer`` is about to run: its prefetched experts it does not need turned out
-        unused this time; they lose their protection and the policy resets their priority."""
-        mask = self.prefetched & (self.state == READY) & (self.slot_key // self.num_experts == layer)
-        for s in np.flatnonzero(mask).tolist():
-            key = int(self.slot_key[s])
+        unused this time; they lose their protection and the policy resets their priority
+        (in ascending slot order)."""
+        slots = self._protected.get(layer)
+        if not slots:
+            return
+        for s in sorted(slots):
+            key = self.slot_key[s]
             if key not in needed:
-                self.prefetched[s] = False
+                self._unprotect(s, key)
                 self.policy.on_prefetch_unused(s, key)
+                self._refresh(s, True)
 
 
 def apply_prefetch_plan(
     parts: list[Partition],
-    home: np.ndarray,
+    home: np.ndarray | list[int],
     plan: list[tuple[int, float]],
     replace: bool,
     stats: ExpertStats,
@@ -166,26 +281,21 @@ def apply_prefetch_plan(
     """Queue prefetches ``[(flat key, priority)]`` on each expert's home partition (MoE-Infinity §5.1).
 
     With ``replace``, queued prefetches not in ``plan`` are cancelled (in-flight copies finish).
-    Keys resident or loading are skipped; a queued transfer is re-pushed only when its priority
-    changed (a queued demand is never downgraded). ``now`` stamps the transfers (simulated time).
+    Keys resident or loading are skipped; a queued transfer is re-prioritised only when its priority
+    changed (a queued demand is never downgraded). ``home`` is ``[L * E]`` device per key; ``now``
+    stamps new transfers (simulated time). Each partition's queue is re-planned in one bulk call
+    (:meth:`TransferQueue.replan`: one heap rebuild per plan, not one push per entry).
     """
-    if replace:
-        wanted = {k for k, _ in plan}
-        for part in parts:
-            for key in part.queue.queued_prefetch_keys():
-                if key not in wanted:
-                    part.queue.cancel(key)
-                    stats.prefetch_cancelled += 1
-    for key, prio in plan:
-        part = parts[home[key]]
-        if key in part.key_slot:
+    if len(parts) == 1:
+        groups = [plan]
+    else:
+        groups = [[] for _ in parts]
+        for item in plan:
+            groups[home[item[0]]].append(item)
+    for part, entries in zip(parts, groups):
+        if not entries and not (replace and len(part.queue)):
             continue
-        queued = part.queue.queued(key)
-        if queued is not None and (queued.demand or queued.priority == prio):
-            continue
-        if queued is None:
-            stats.prefetch_issued += 1
-        t = Transfer(key, demand=False, priority=prio)
-        if now is not None:
-            t.queued_at = now
-        part.queue.push(t)
+        held = part.key_slot
+        issued, cancelled = part.queue.replan([e for e in entries if e[0] not in held], replace, now)
+        stats.prefetch_issued += issued
+        stats.prefetch_cancelled += cancelled

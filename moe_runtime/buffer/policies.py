@@ -54,14 +54,14 @@ class EAMCachePolicy(_ResetPolicy):
         self.recorder = recorder
         self.num_layers = num_layers
         self.counts = np.zeros(num_layers * num_experts)
-        self.boost = 1.0 + (num_layers - 1 - np.arange(num_layers)) / num_layers
+        self.boost = (1.0 + (num_layers - 1 - np.arange(num_layers)) / num_layers).tolist()
 
     def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
         self.counts = self.recorder.query(request_ids, layer).sum(axis=0).reshape(-1)
 
     def _reset(self, slot: int, key: int) -> None:
         layer = key // self.num_experts
-        self.priority[slot] = (self.counts[key] + 0.5) * self.boost[layer] + 1e-9 * self.tick()
+        self.priority[slot] = (float(self.counts[key]) + 0.5) * self.boost[layer] + 1e-9 * self.tick()
 
 
 class EAMReuseCachePolicy(CachePolicy):
@@ -119,14 +119,20 @@ class EAMReuseCachePolicy(CachePolicy):
 
 
 class ModelCountsCachePolicy(_ResetPolicy):
-    """BrainStorm-style: priority = lifetime activation count of the expert over all requests."""
+    """BrainStorm-style: priority = lifetime activation count of the expert over all requests.
+
+    The victim compares the *current* counts (they grow in ``after_routing``), so it is not
+    ``ordered``: it scores the candidate array each time.
+    """
 
     name = "model-counts"
+    ordered = False
 
     def __init__(self, num_slots: int, num_experts: int, num_layers: int = 1) -> None:
         super().__init__(num_slots, num_experts)
         self.counts = np.zeros(num_layers * num_experts)
         self._slot_key = np.full(num_slots, -1)
+        self._reset_prio = np.zeros(num_slots)  # ``priority`` as an array, for the vectorised victim
 
     def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
         e = self.num_experts
@@ -134,11 +140,13 @@ class ModelCountsCachePolicy(_ResetPolicy):
 
     def _reset(self, slot: int, key: int) -> None:
         self._slot_key[slot] = key
-        self.priority[slot] = self.counts[key] + 1e-9 * self.tick()
+        self.priority[slot] = self._reset_prio[slot] = float(self.counts[key]) + 1e-9 * self.tick()
 
     def victim(self, candidates: np.ndarray) -> int:
+        """Lowest current count (then reset priority, then slot) among ``candidates`` (ascending)."""
+        candidates = np.asarray(candidates)
         keys = self._slot_key[candidates]
-        return int(candidates[np.argmin(self.counts[keys] + 1e-9 * self.priority[candidates])])
+        return int(candidates[np.argmin(self.counts[keys] + 1e-9 * self._reset_prio[candidates])])
 
 
 class OracleCachePolicy(CachePolicy):
@@ -147,9 +155,14 @@ class OracleCachePolicy(CachePolicy):
     An expert the running layer execution needs and has not used yet counts as needed now
     (it may be evictable between routing and the layer's run); once used, its next use is the
     following one.
+
+    Each slot's next use is cached (``_next [S]``, positions; -inf = unknown) and recomputed only
+    when the cursor has passed it or the slot was filled or used since: a cached ``v >= cursor``
+    stays exact because no use lies between the position it was computed at and ``v``.
     """
 
     name = "oracle"
+    ordered = False
 
     def __init__(self, num_slots: int, num_experts: int, oracle: Any | None = None) -> None:
         super().__init__(num_slots, num_experts)
@@ -158,16 +171,28 @@ class OracleCachePolicy(CachePolicy):
                 "--cache-policy oracle needs a recorded access log (see moeserve bench policies)"
             )
         self.oracle = oracle
-        self._slot_key = np.full(num_slots, -1)
+        self._slot_key: list[int] = [-1] * num_slots
         self._used_at: dict[int, int] = {}  # key -> cursor of its latest use
+        self._next = np.full(num_slots, -np.inf)  # cached next use per slot (position; inf = never)
 
     def on_fill(self, slot: int, key: int, prefetch: bool) -> None:
         self._slot_key[slot] = key
+        self._next[slot] = -np.inf
 
     def on_use(self, slot: int, key: int) -> None:
         self._used_at[key] = self.oracle.cursor
+        self._next[slot] = -np.inf
 
     def victim(self, candidates: np.ndarray) -> int:
-        cur, used, nxt_use = self.oracle.cursor, self._used_at, self.oracle.next_use
-        nxt = [nxt_use(k, current=used.get(k) != cur) for k in self._slot_key[candidates].tolist()]
-        return int(candidates[int(np.argmax(nxt))])
+        """Candidate (ascending slots) whose next use is furthest; the first among equal ones."""
+        candidates = np.asarray(candidates)
+        cur, nxt = self.oracle.cursor, self._next
+        vals = nxt[candidates]
+        stale = vals < cur
+        if stale.any():
+            used, nxt_use, keys = self._used_at, self.oracle.next_use, self._slot_key
+            for s in candidates[stale].tolist():
+                k = keys[s]
+                nxt[s] = nxt_use(k, current=used.get(k) != cur)
+            vals = nxt[candidates]
+        return int(candidates[int(np.argmax(vals))])

@@ -53,9 +53,16 @@ class PrefetchPolicy:
     # ------------------------------------------------------------------ shared plan builder
     def proximity(self, layer: int) -> np.ndarray:
         """``[L]`` weights ``1 - (i - l) / L`` for layers ``l < i <= l + depth``, 0 elsewhere (§5.1)."""
-        i = np.arange(self.num_layers)
-        w = 1.0 - (i - layer) / self.num_layers
-        w[(i <= layer) | (i > layer + self.depth)] = 0.0
+        # The weights depend only on (layer, depth, L): cached per policy, returned read-only.
+        cache = self.__dict__.setdefault("_proximity_cache", {})
+        key = (layer, self.depth, self.num_layers)
+        w = cache.get(key)
+        if w is None:
+            i = np.arange(self.num_layers)
+            w = 1.0 - (i - layer) / self.num_layers
+            w[(i <= layer) | (i > layer + self.depth)] = 0.0
+            w.setflags(write=False)
+            cache[key] = w
         return w
 
     def issue(self, scores: np.ndarray, limit: int | None = None) -> list[tuple[int, float]]:
@@ -64,17 +71,35 @@ class PrefetchPolicy:
         At most ``limit`` (default: the slots a prefetch may take now). Returns the plan handed to
         the buffer, ``[(flat key, priority)]`` best first; queued prefetches not in it are cancelled.
         """
+        # The plan is the best ``k`` candidates (score > 0, stably sorted: equal scores in ascending
+        # key order) that are not resident or loading. Few candidates: walk them. Many: mask out the
+        # keys resident or loading (those in some partition's residency map, which is exactly what
+        # ``resident_or_loading`` reads) and sort only the best ``k`` -- the same plan.
         flat = scores.reshape(-1)
         cand = np.flatnonzero(flat > 0)
-        order = cand[np.argsort(-flat[cand], kind="stable")]
         buf = self.buffer
         with buf.cond:
             k = buf.prefetch_capacity() if limit is None else limit
             plan: list[tuple[int, float]] = []
-            for key in order.tolist():
-                if len(plan) >= k:
-                    break
-                if not buf.resident_or_loading(key):
-                    plan.append((key, float(flat[key])))
+            if k > 0 and len(cand) <= 64:
+                vals = flat[cand]
+                order = np.argsort(-vals, kind="stable")
+                for key, val in zip(cand[order].tolist(), vals[order].tolist()):
+                    if not buf.resident_or_loading(key):
+                        plan.append((key, val))
+                        if len(plan) >= k:
+                            break
+            elif k > 0:
+                pos = flat > 0
+                held = [key for part in buf.parts for key in part.key_slot]
+                if held:
+                    pos[held] = False
+                cand = np.flatnonzero(pos)
+                if len(cand) > k:
+                    vals = flat[cand]
+                    kth = np.partition(vals, len(cand) - k)[len(cand) - k]  # k-th largest score
+                    cand = cand[vals >= kth]  # the best k, plus any tied with the k-th
+                order = cand[np.argsort(-flat[cand], kind="stable")][:k]
+                plan = list(zip(order.tolist(), flat[order].tolist()))
             buf.prefetch(plan, replace=True)
         return plan

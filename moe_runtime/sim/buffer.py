@@ -201,7 +201,7 @@ class SimBuffer:
         if st.prefetch_issued:  # no slot is an unused prefetch before the first prefetch
             needed = None
             for part in parts:
-                if part.prefetched.any():  # settle_prefetches is a no-op otherwise (skip its numpy work)
+                if part.has_unused_prefetch():  # settle_prefetches is a no-op otherwise
                     needed = needed or {base + e for e in experts}
                     part.settle_prefetches(layer, needed)
         ready: list[tuple[int, Partition, int]] = []
@@ -213,7 +213,7 @@ class SimBuffer:
             st.device_lookups[part.index] += 1
             s = part.key_slot.get(key)
             if s is not None and part.state[s] == READY:
-                part.pins[s] += 1
+                part.pin(s)
                 hits += 1
                 st.device_hits[part.index] += 1
                 if part.unused[s]:
@@ -221,7 +221,7 @@ class SimBuffer:
                 ready.append((e, part, s))
                 continue
             if s is not None:  # its prefetch is in flight: wait for it
-                part.pins[s] += 1
+                part.pin(s)
                 st.late_prefetches[layer] += 1
             else:
                 part.queue.push(Transfer(key, demand=True, queued_at=self.now))
