@@ -64,3 +64,14 @@ def test_reuse_probability_follows_the_token_share():
 def test_needs_the_tracer():
     with pytest.raises(ConfigError, match="eam-reuse needs the request tracer"):
         make_cache_policy("eam-reuse", 4, E, num_layers=L)
+
+
+def test_outputs_unchanged_on_the_threaded_runtime(tiny_checkpoints):
+    from test_policies import _run_policy
+
+    path = tiny_checkpoints["olmoe"]
+    prompts = [[5, 17, 33, 2, 250, 7], [9, 1, 44]]
+    ref, _, _, _ = _run_policy(path, "on-demand", "lru", prompts)
+    outs, hit, _, engine = _run_policy(path, "on-demand", "eam-reuse", prompts)
+    assert outs == ref
+    assert type(engine.buffer.parts[0].policy).name == "eam-reuse" and 0.0 <= hit <= 1.0

@@ -77,6 +77,7 @@ class EAMReuseCachePolicy(CachePolicy):
     """
 
     name = "eam-reuse"
+    ordered = False  # the choice moves with the running layer and the counts (after_routing)
 
     def __init__(
         self, num_slots: int, num_experts: int, num_layers: int = 1, recorder: Any | None = None
@@ -115,7 +116,8 @@ class EAMReuseCachePolicy(CachePolicy):
         dist = (keys // self.num_experts - self.layer - 1) % L + 1
         p = np.maximum(self.p_use[keys], 1e-3)
         expected = dist + L * (1.0 / p - 1.0)
-        return int(candidates[np.argmax(expected - 1e-9 * self.priority[candidates])])
+        recency = np.asarray(self.priority)[candidates]  # ties: the least recently used
+        return int(candidates[np.argmax(expected - 1e-9 * recency)])
 
 
 class ModelCountsCachePolicy(_ResetPolicy):
