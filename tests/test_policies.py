@@ -89,7 +89,7 @@ def test_eam_plan_priorities_follow_the_formula():
                     want[i * E + e] = probs[i, e] * (1 - i / L)
         with buf.cond:
             part = buf.parts[0]
-            queued = {k: t.priority for k, t in part.queue._queued.items()}
+            queued = {k: part.queue.queued(k).priority for k in part.queue.queued_prefetch_keys()}
             inflight = set(part.key_slot)  # the first one may already be in flight
         assert set(queued) | inflight == set(want)
         for k, prio in queued.items():

@@ -30,28 +30,40 @@ class Transfer:
 
 
 class TransferQueue:
-    """Heap of ``(0 demand / 1 prefetch, -priority, seq, Transfer)`` plus key -> live transfer."""
+    """Demands: heap ``(seq, Transfer)`` (FIFO); prefetches: heap ``(-priority, seq, Transfer)``.
+
+    ``_demand`` / ``_prefetch`` map each key to its live queued transfer (a key is in at most one).
+    Heap entries of cancelled or re-prioritised transfers are dropped lazily (cancelled) or by the
+    rebuild in :meth:`replan`.
+    """
 
     def __init__(self) -> None:
-        self._heap: list[tuple[int, float, int, Transfer]] = []
-        self._queued: dict[int, Transfer] = {}
+        self._demand_heap: list[tuple[int, Transfer]] = []
+        self._prefetch_heap: list[tuple[float, int, Transfer]] = []
+        self._demand: dict[int, Transfer] = {}
+        self._prefetch: dict[int, Transfer] = {}
         self._seq = itertools.count()
 
     def __len__(self) -> int:
-        return len(self._queued)
+        return len(self._demand) + len(self._prefetch)
 
     def queued(self, key: int) -> Transfer | None:
         """The live queued transfer for ``key``, if any."""
-        return self._queued.get(key)
+        t = self._prefetch.get(key)
+        return t if t is not None else self._demand.get(key)
 
     def push(self, t: Transfer) -> None:
         """Queue ``t``, replacing (cancelling) a queued transfer of the same key."""
-        old = self._queued.get(t.key)
+        old = self._prefetch.pop(t.key, None) or self._demand.pop(t.key, None)
         if old is not None:
             old.cancelled = True
-        self._queued[t.key] = t
         t.seq = next(self._seq)
-        heapq.heappush(self._heap, (0 if t.demand else 1, -t.priority, t.seq, t))
+        if t.demand:
+            self._demand[t.key] = t
+            heapq.heappush(self._demand_heap, (t.seq, t))
+        else:
+            self._prefetch[t.key] = t
+            heapq.heappush(self._prefetch_heap, (-t.priority, t.seq, t))
 
     def replan(
         self, plan: list[tuple[int, float]], replace: bool, now: float | None = None
@@ -61,59 +73,71 @@ class TransferQueue:
         With ``replace``, queued prefetches whose key is not in ``plan`` are cancelled. A key queued
         as demand is left alone; a queued prefetch whose priority changed is re-prioritised in place
         and goes behind the equal-priority ones (as if re-pushed, in plan order); a new key is queued
-        (``queued_at = now`` when given). The heap is then rebuilt once from the live transfers.
-        Returns ``(new prefetches, cancelled prefetches)``.
+        (``queued_at = now`` when given). The prefetch heap is then rebuilt once. Returns
+        ``(new prefetches, cancelled prefetches)``. Equivalent to cancelling what fell out and then
+        pushing each changed entry in plan order, which is what the tests check.
         """
-        q = self._queued
+        pre = self._prefetch
         cancelled = 0
-        if replace and q:
-            wanted = {k for k, _ in plan}
-            drop = [k for k, t in q.items() if not t.demand and k not in wanted]
+        if replace and pre:
+            drop = pre.keys() - {k for k, _ in plan}
             for k in drop:
-                q.pop(k).cancelled = True
+                pre.pop(k).cancelled = True
             cancelled = len(drop)
+        if self._demand:
+            demand = self._demand
+            plan = [e for e in plan if e[0] not in demand]
         issued = 0
         changed = cancelled > 0
-        seq = self._seq
+        seq, get = self._seq, pre.get
         for key, prio in plan:
-            t = q.get(key)
-            if t is not None:
-                if t.demand or t.priority == prio:
-                    continue
-                t.priority = prio
-                t.seq = next(seq)
-            else:
+            t = get(key)
+            if t is None:
                 t = Transfer(key, False, prio) if now is None else Transfer(key, False, prio, queued_at=now)
-                t.seq = next(seq)
-                q[key] = t
+                pre[key] = t
                 issued += 1
+            elif t.priority == prio:
+                continue
+            else:
+                t.priority = prio
+            t.seq = next(seq)
             changed = True
         if changed:
-            heap = [(0 if t.demand else 1, -t.priority, t.seq, t) for t in q.values()]
+            heap = [(-t.priority, t.seq, t) for t in pre.values()]
             heapq.heapify(heap)
-            self._heap = heap
+            self._prefetch_heap = heap
         return issued, cancelled
 
     def cancel(self, key: int) -> Transfer | None:
         """Cancel the queued transfer of ``key``; returns it, or None if none was queued."""
-        t = self._queued.pop(key, None)
+        t = self._prefetch.pop(key, None) or self._demand.pop(key, None)
         if t is not None:
             t.cancelled = True
         return t
 
     def pop(self) -> Transfer | None:
-        """Highest-priority live transfer, or None when the queue is empty."""
-        while self._heap:
-            t = heapq.heappop(self._heap)[3]
-            if not t.cancelled:
-                del self._queued[t.key]
-                return t
-        return None
+        """Highest-priority live transfer (demands first), or None when the queue is empty."""
+        t = self.peek()
+        if t is None:
+            return None
+        if t.demand:
+            heapq.heappop(self._demand_heap)
+            del self._demand[t.key]
+        else:
+            heapq.heappop(self._prefetch_heap)
+            del self._prefetch[t.key]
+        return t
 
     def peek(self) -> Transfer | None:
-        while self._heap and self._heap[0][3].cancelled:
-            heapq.heappop(self._heap)
-        return self._heap[0][3] if self._heap else None
+        heap = self._demand_heap
+        while heap and heap[0][1].cancelled:
+            heapq.heappop(heap)
+        if heap:
+            return heap[0][1]
+        heap = self._prefetch_heap
+        while heap and heap[0][2].cancelled:
+            heapq.heappop(heap)
+        return heap[0][2] if heap else None
 
     def queued_prefetch_keys(self) -> list[int]:
-        return [k for k, t in self._queued.items() if not t.demand]
+        return list(self._prefetch)
