@@ -136,11 +136,23 @@ def run_runtime(args: argparse.Namespace) -> tuple[dict[str, Any], list[Any]]:
     keys = ("model", "prompts", "tasks", "warm", "eval", "batch", "new_tokens", "max_prompt_tokens",
             "fractions", "policies", "link_gbps", "link_latency_us", "dtype", "cpu_threads",
             "seed")  # fmt: skip
-    ns = argparse.Namespace(**{k: getattr(args, k) for k in keys}, json=True)
+    parser = argparse.ArgumentParser()
+    bench.register_bench(parser.add_subparsers())
+    defaults = vars(parser.parse_args(["policies"]))  # every bench flag, then ours on top
+    ns = argparse.Namespace(**{**defaults, **{k: getattr(args, k) for k in keys}, "json": True})
     out = io.StringIO()
     with RuntimeProbe() as probe, contextlib.redirect_stdout(out):
         bench.run(ns)
     return json.loads(out.getvalue()), probe.runs
+
+
+def replayable(combo: tuple) -> bool:
+    """Whether the simulator can reproduce a ``bench.COMBOS`` row: it replays recorded routing
+    only, so an ``eam`` row using the router lookahead (hidden states) has no counterpart."""
+    from moe_runtime.config import RuntimeConfig
+
+    _, prefetch, _, overrides = combo
+    return prefetch != "eam" or overrides.get("router_lookahead", RuntimeConfig.router_lookahead) == 0
 
 
 def simulate(
@@ -230,7 +242,9 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
         if len(runs) != len(results):  # bench.run builds one engine per result row, in order
             raise RuntimeError(f"probe saw {len(runs)} runs for {len(results)} benchmark rows")
         for n, (r, rec) in enumerate(zip(results, runs)):
-            combo = next(c for c in bench.COMBOS if c[0] == r["policy"])
+            if r["policy"] == "all-resident":  # the TPOT reference row: nothing to simulate
+                continue
+            combo = next(c for c in bench.COMBOS if c[0] == r["policy"])[:3]
             blocks = [rp[0]["results"][n]["blocking_ms_per_token"] for rp in reps]
             spread = f"{min(blocks):.3f}-{max(blocks):.3f}"
             inrun = costs_from_records(rec, cfg.num_moe_layers, cfg.top_k)
@@ -311,7 +325,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=24)
     p.add_argument("--max-prompt-tokens", type=int, default=96)
     p.add_argument("--fractions", default="0.1,0.25,0.5")
-    p.add_argument("--policies", default=",".join(c[0] for c in bench.COMBOS))
+    p.add_argument(
+        "--policies",
+        default=",".join(c[0] for c in bench.COMBOS if replayable(c)),
+        help="bench rows to compare (default: every row the simulator can replay)",
+    )
     p.add_argument("--link-gbps", type=float, default=0.5)
     p.add_argument("--link-latency-us", type=float, default=10.0)
     p.add_argument("--dtype", default="fp32", choices=["bf16", "fp16", "fp32"])
@@ -321,6 +339,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("sim-calibration"), help="folder for traces and JSON")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    for label in args.policies.split(","):
+        combo = next((c for c in bench.COMBOS if c[0] == label), None)
+        if combo is None or not replayable(combo):
+            why = (
+                "unknown" if combo is None else "uses the router lookahead, which the simulator cannot replay"
+            )
+            p.error(f"--policies: {label!r} is {why}")
     t0 = time.perf_counter()
     doc = calibrate(args)
     (args.out / "calibration.json").write_text(json.dumps(doc, indent=2))
