@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from moe_runtime.buffer.cache_policy import make_cache_policy
+from moe_runtime.buffer.layer_run import LayerRun
 from moe_runtime.buffer.partition import READY, Partition, apply_prefetch_plan
 from moe_runtime.buffer.placement import home_devices
 from moe_runtime.io.link import LinkModel
@@ -158,14 +159,27 @@ class ExpertBuffer:
         """Yield the layer's needed experts, resident ones first, then each as it lands.
 
         The caller must finish using a handle before asking for the next one: the slot is
-        released then. Closing the generator early releases everything it held.
+        released then. Closing the generator early releases everything it held. The lookups
+        happen at the first ``next``; :meth:`start_layer` does them at once.
+        """
+        run = self.start_layer(layer, experts)
+        try:
+            yield from run
+        finally:
+            run.close()
+
+    def start_layer(self, layer: int, experts: list[int]) -> LayerRun | Iterator[ExpertHandle]:
+        """Look the layer's experts up now: pin the resident ones, queue demand fetches for the
+        missing ones (the I/O thread starts on them at once); iterate the result for the handles
+        as in :meth:`run_layer` and ``close()`` it when done. The MoE block calls this before the
+        prefetch policy plans the later layers, so planning overlaps this layer's demand copies
+        and a prefetch can no longer evict an expert this layer is about to use.
         """
         E, st = self.num_experts, self.stats
         if self.access_log is not None:
             self.access_log.append((layer, tuple(experts)))
         if self.all_resident:  # nothing is ever evicted: no pins, locks or policy hooks needed
-            yield from self._run_resident(layer, experts)
-            return
+            return self._run_resident(layer, experts)
         ready: list[tuple[int, Partition, int]] = []
         waiting: list[tuple[int, Partition]] = []
         with self.cond:
@@ -195,31 +209,7 @@ class ExpertBuffer:
                 waiting.append((e, part))
             if waiting:
                 self.cond.notify_all()
-        held: list[tuple[Partition, int]] = [(p, s) for _, p, s in ready]
-        try:
-            for e, part, s in ready:
-                yield ExpertHandle(e, part.device, part.gate_up[s], part.down[s], True, 0.0)
-                held.remove((part, s))
-                self._release(part, s)
-            while waiting:
-                with self.cond:
-                    t0 = time.perf_counter()
-                    while (found := self._first_landed(layer, waiting)) is None:
-                        self.cond.wait()
-                    blocked = time.perf_counter() - t0
-                    e, part = waiting.pop(found)
-                    s = part.key_slot[layer * E + e]
-                    st.blocking_s[layer] += blocked
-                    st.device_blocking_s[part.index] += blocked
-                held.append((part, s))
-                yield ExpertHandle(e, part.device, part.gate_up[s], part.down[s], False, blocked)
-                held.remove((part, s))
-                self._release(part, s)
-        finally:
-            for part, s in held:
-                self._release(part, s)
-            if waiting:
-                self._abandon(layer, waiting)
+        return LayerRun(self, layer, ready, waiting)
 
     def _run_resident(self, layer: int, experts: list[int]) -> Iterator[ExpertHandle]:
         st, n = self.stats, len(experts)
@@ -249,7 +239,7 @@ class ExpertBuffer:
             self.cond.notify_all()
 
     def _abandon(self, layer: int, waiting: list[tuple[int, Partition]]) -> None:
-        """Undo demand for experts never consumed (the generator was closed early)."""
+        """Undo demand for experts never consumed (the layer run was closed early)."""
         with self.cond:
             for e, part in waiting:
                 key = layer * self.num_experts + e

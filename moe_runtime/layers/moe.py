@@ -64,25 +64,56 @@ def moe_block(
         )
     if step.observe:
         buffer.after_routing(moe_layer, step.request_ids, ids_host)
-    if prefetcher is not None:
-        if ahead is not None:
-            prefetcher.observe_lookahead(moe_layer, ahead.cpu().numpy())  # ready: ids synced above
-        prefetcher.after_routing(moe_layer, step.request_ids, ids_host)
+    flat_host = np.sort(ids_host, axis=1).reshape(-1)
+    counts = np.bincount(flat_host, minlength=num_experts)
+    needed = np.flatnonzero(counts).tolist()
+    # This layer's misses go to the I/O queue (and its hits are pinned) before the prefetch
+    # policy plans later layers: the demand copies overlap the planning.
+    run = buffer.start_layer(moe_layer, needed)
+    try:
+        if prefetcher is not None:
+            if ahead is not None:
+                prefetcher.observe_lookahead(moe_layer, ahead.cpu().numpy())  # ready: ids synced
+            prefetcher.after_routing(moe_layer, step.request_ids, ids_host)
+        out, hit, blocked = _run_experts(x, ids, weights, k, flat_host, counts, run, num_experts)
+    finally:
+        run.close()
+    _attribute(step, ids_host, hit, blocked, num_experts)
+    if cfg.shared_expert_intermediate_size:
+        shared = F.linear(
+            F.silu(F.linear(x, w[p + "shared_gate_proj"])) * F.linear(x, w[p + "shared_up"]),
+            w[p + "shared_down"],
+        )
+        out = out + torch.sigmoid(F.linear(x, w[p + "shared_gate"])) * shared
+    return out
+
+
+def _run_experts(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    k: int,
+    flat_host: np.ndarray,
+    counts: np.ndarray,
+    run: Any,
+    num_experts: int,
+) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    """Run each expert of ``run`` on its tokens; returns (``out [T, H]``, hit ``[E]``, blocked s ``[E]``).
+
+    ``flat_host [T*k]``: each token's expert ids sorted, flattened; ``counts [E]``: their bincount.
+    """
     # Sort each token's k choices by expert id so the final sum adds contributions in ascending
     # expert order, as the reference's per-expert index_add_ does, whatever order experts ran in.
     sorted_ids, perm = ids.sort(dim=-1)  # [T, k]
     w_flat = weights.gather(1, perm).reshape(-1)  # [T*k]
-    flat_host = np.sort(ids_host, axis=1).reshape(-1)
-    counts = np.bincount(flat_host, minlength=num_experts)
     offsets = np.concatenate(([0], np.cumsum(counts)))
     order = torch.argsort(sorted_ids.reshape(-1), stable=True)  # [T*k] flat positions grouped by expert
-    needed = np.flatnonzero(counts).tolist()
     xs_sorted = x[order // k]  # [T*k, H] token rows grouped by expert (one gather for the layer)
     w_sorted = w_flat[order, None]  # [T*k, 1]
     y_sorted = torch.empty_like(xs_sorted)  # [T*k, H] expert outputs, same grouping
     hit = np.zeros(num_experts, dtype=bool)
     blocked = np.zeros(num_experts, dtype=np.float64)
-    for h in buffer.run_layer(moe_layer, needed):
+    for h in run:
         e = h.expert
         a, b = offsets[e], offsets[e + 1]  # rows of xs_sorted routed to e
         xs = xs_sorted[a:b]
@@ -99,14 +130,7 @@ def moe_block(
     out = contrib[:, 0]
     for j in range(1, k):
         out = out + contrib[:, j]
-    _attribute(step, ids_host, hit, blocked, num_experts)
-    if cfg.shared_expert_intermediate_size:
-        shared = F.linear(
-            F.silu(F.linear(x, w[p + "shared_gate_proj"])) * F.linear(x, w[p + "shared_up"]),
-            w[p + "shared_down"],
-        )
-        out = out + torch.sigmoid(F.linear(x, w[p + "shared_gate"])) * shared
-    return out
+    return out, hit, blocked
 
 
 def _attribute(
