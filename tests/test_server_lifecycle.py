@@ -54,7 +54,7 @@ def test_disconnect_frees_the_request(engine):
             assert engine.num_running == 1
         wait_until(lambda: engine.num_running == 0 and aborted(engine) == before + 1)
         with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
-            http.post("/v1/completions", json={**LONG, "max_tokens": 250}, timeout=0.3)
+            http.post("/v1/completions", json={**LONG, "max_tokens": 250}, timeout=0.05)
         wait_until(lambda: engine.num_running == 0 and aborted(engine) == before + 2)
         wait_until(lambda: running.client.num_open == 0)
         m = http.get("/metrics").text

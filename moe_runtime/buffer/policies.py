@@ -116,7 +116,8 @@ class EAMReuseCachePolicy(CachePolicy):
         dist = (keys // self.num_experts - self.layer - 1) % L + 1
         p = np.maximum(self.p_use[keys], 1e-3)
         expected = dist + L * (1.0 / p - 1.0)
-        recency = np.asarray(self.priority)[candidates]  # ties: the least recently used
+        prio = self.priority
+        recency = np.array([prio[s] for s in candidates.tolist()])  # ties: the least recently used
         return int(candidates[np.argmax(expected - 1e-9 * recency)])
 
 

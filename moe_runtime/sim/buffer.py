@@ -192,6 +192,12 @@ class SimBuffer:
     def run_layer(self, layer: int, experts: list[int], compute_s: Callable[[int], float]) -> float:
         """Run MoE layer ``layer`` needing ``experts`` (ascending ids); ``compute_s(e)`` is the
         seconds expert ``e`` computes. Advances ``now`` past the layer; returns its blocking seconds."""
+        return self.finish_layer(layer, self.start_layer(layer, experts), compute_s)
+
+    def start_layer(self, layer: int, experts: list[int]) -> tuple[list, list]:
+        """Look the layer's experts up at ``now`` (``ExpertBuffer.start_layer``): pin hits, queue
+        misses as demand and start the idle links. Returns ``(ready, waiting)`` for
+        :meth:`finish_layer`; the engine runs the prefetch policy in between, as the runtime."""
         E, st, parts, home = self.num_experts, self.stats, self.parts, self._home
         base = layer * E
         if self.access_log is not None:
@@ -232,6 +238,15 @@ class SimBuffer:
         if waiting:
             for i in range(len(parts)):
                 self._kick(i)
+        return ready, waiting
+
+    def finish_layer(self, layer: int, run: tuple[list, list], compute_s: Callable[[int], float]) -> float:
+        """Compute the experts of ``start_layer``'s ``run``: resident first, then each as it lands.
+        Advances ``now`` past the layer; returns its blocking seconds."""
+        ready, waiting = run
+        st = self.stats
+        if self._next_done <= self.now:
+            self.advance()
         for e, part, s in ready:
             self.now += compute_s(e)
             self._release(part, s)

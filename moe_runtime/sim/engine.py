@@ -4,8 +4,9 @@ NOTE: one simulated engine step mirrors ``LLMEngine.step`` and ``moe_block``. Th
 :class:`~moe_runtime.engine.scheduler.Scheduler` picks the step's sequences and token counts (a
 prompt is prefilled in one step unless it exceeds the token budget). Per MoE layer, in the
 runtime's order: the dense part runs (``CostModel.layer_s``), the router's top-k ids come from
-the trace, then ``recorder.record`` -> ``buffer.after_routing`` -> ``prefetcher.after_routing``
-(which may re-plan the I/O queue) -> ``buffer.run_layer``: resident experts compute first while
+the trace, then ``recorder.record`` -> ``buffer.after_routing`` -> ``buffer.start_layer`` (hits
+pinned, misses queued) -> ``prefetcher.after_routing`` (which may re-plan the I/O queue) ->
+``buffer.finish_layer``: resident experts compute first while
 transfers proceed, each missing one computes as it lands, and the time compute waits is blocking
 time. After the last layer: the step's fixed cost (LM head, sampling), ``recorder.end_step``,
 ``prefetcher.end_step``, then finished requests commit their EAMs to the EAMC
@@ -270,11 +271,16 @@ class Simulator:
                     lw, lseq, lpre = lw[keep], lseq[keep], lpre[keep]
                 recorder.record(layer, rids, lseq, lpre, lid, lw)
             buf.after_routing(layer, rids, lid)
+            if scale:
+                buf.now += scale * (time.perf_counter() - t_host)
+            run = buf.start_layer(layer, needed[layer])  # demand queued before the plan (runtime order)
+            if scale:
+                t_host = time.perf_counter()
             prefetcher.after_routing(layer, rids, lid)
             if scale:
                 buf.now += scale * (time.perf_counter() - t_host)
             cl = counts[layer]
-            buf.run_layer(layer, needed[layer], lambda e, cl=cl: expert_s(cl[e]))
+            buf.finish_layer(layer, run, lambda e, cl=cl: expert_s(cl[e]))
         buf.now += cost.step_fixed_s
         if recorder is not None:
             recorder.end_step()

@@ -1,11 +1,12 @@
 """Timing probes on the runtime for calibration: wrap, from the outside, the methods whose timing the
 simulator's cost model stands for, while the unchanged runtime (``bench policies``) runs.
 
-:class:`RuntimeProbe` temporarily wraps ``ExpertBuffer.run_layer`` (one record per MoE layer:
-start, end, experts, blocking seconds), ``MoEModel.forward`` (one record per step: start, end,
-tokens) and ``LinkModel.hold`` (seconds from a copy's start until the emulated link released it),
-keyed by buffer so each policy run of the benchmark can be analysed on its own. Nothing in the
-runtime changes; the wrappers are removed on exit.
+:class:`RuntimeProbe` temporarily wraps ``ExpertBuffer.start_layer`` (one record per MoE layer:
+start and end of its expert phase, i.e. of iterating the layer run, experts, blocking seconds),
+``MoEModel.forward`` (one record per step: start, end, tokens) and ``LinkModel.hold`` (seconds
+from a copy's start until the emulated link released it), keyed by buffer so each policy run of
+the benchmark can be analysed on its own. Nothing in the runtime changes; the wrappers are
+removed on exit.
 
 :func:`costs_from_records` turns one run's records into the simulator's cost parameters: the
 expert phase of a layer minus its blocking is fitted as ``c + a * experts + b * token-choices``;
@@ -56,18 +57,15 @@ class RuntimeProbe:
         from moe_runtime.model import MoEModel
 
         probe = self
-        run_layer, forward, hold = ExpertBuffer.run_layer, MoEModel.forward, LinkModel.hold
+        start_layer, forward, hold = ExpertBuffer.start_layer, MoEModel.forward, LinkModel.hold
         links: dict[int, RunRecords] = {}
 
-        def timed_run_layer(buf: Any, layer: int, experts: list[int]) -> Iterator[Any]:
+        def timed_start_layer(buf: Any, layer: int, experts: list[int]) -> _TimedRun:
             rec = probe._records(buf)
             for part in buf.parts:
                 if part.link is not None:
                     links[id(part.link)] = rec
-            b0 = buf.stats.total_blocking_s
-            t0 = time.perf_counter()
-            yield from run_layer(buf, layer, experts)
-            rec.layers.append((t0, time.perf_counter(), len(experts), buf.stats.total_blocking_s - b0))
+            return _TimedRun(start_layer(buf, layer, experts), buf, rec, len(experts))
 
         def timed_forward(model: Any, input_ids: Any, step: Any) -> Any:
             t0 = time.perf_counter()
@@ -82,7 +80,7 @@ class RuntimeProbe:
                 rec.holds.append((started, time.perf_counter()))
 
         for cls, name, fn in (
-            (ExpertBuffer, "run_layer", timed_run_layer),
+            (ExpertBuffer, "start_layer", timed_start_layer),
             (MoEModel, "forward", timed_forward),
             (LinkModel, "hold", timed_hold),
         ):
@@ -95,6 +93,22 @@ class RuntimeProbe:
             setattr(cls, name, fn)
         self._saved.clear()
         self._keep.clear()
+
+
+class _TimedRun:
+    """A layer run that records its expert phase (first handle requested .. last one used)."""
+
+    def __init__(self, run: Any, buf: Any, rec: RunRecords, experts: int) -> None:
+        self.run, self.buf, self.rec, self.experts = run, buf, rec, experts
+
+    def __iter__(self) -> Iterator[Any]:
+        b0 = self.buf.stats.total_blocking_s
+        t0 = time.perf_counter()
+        yield from self.run
+        self.rec.layers.append((t0, time.perf_counter(), self.experts, self.buf.stats.total_blocking_s - b0))
+
+    def close(self) -> None:
+        self.run.close()
 
 
 def _fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
