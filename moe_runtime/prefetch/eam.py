@@ -97,7 +97,8 @@ class EAMPrefetch(PrefetchPolicy):
             idx = idx[idx >= 0]
             if idx.size:
                 weight = np.bincount(idx, minlength=n).astype(np.float32)  # [n] times matched
-                rows += _row_probs(np.tensordot(weight, self.eamc.entries()[:, lo:hi], axes=1))
+                flat = weight @ self.eamc.entries().reshape(n, -1)  # [L * E] summed matches
+                rows += _row_probs(flat[lo * self.num_experts : hi * self.num_experts].reshape(hi - lo, -1))
         if not rows.any():
             return None
         prob = np.zeros((self.num_layers, self.num_experts), dtype=np.float32)
@@ -142,6 +143,7 @@ class EAMPrefetch(PrefetchPolicy):
 
 
 def _row_probs(x: np.ndarray) -> np.ndarray:
-    """Each row of ``x [L, E]`` scaled to sum to 1; zero rows stay zero."""
-    totals = x.sum(axis=1, keepdims=True)
-    return np.divide(x, totals, out=np.zeros_like(x, dtype=np.float32), where=totals > 0)
+    """Each row of ``x [L, E]`` (non-negative) scaled to sum to 1, as float32; zero rows stay zero."""
+    totals = x.sum(axis=1, keepdims=True, dtype=np.float32)
+    totals[totals == 0] = 1.0  # a zero row divided by 1 stays zero
+    return (x / totals).astype(np.float32, copy=False)
