@@ -174,7 +174,7 @@ def simulate(
     warm_wl, eval_wl = load_workload(traces[0]), load_workload(traces[1])
     cost = CostModel.measured(
         costs.transfer_s or 0.0, costs.expert_a_s, costs.expert_b_s, costs.layer_a_s, costs.layer_b_s,
-        costs.step_s, wake_s, label="measured on the runtime",
+        costs.step_s, wake_s, label="measured on the runtime", plan_s=costs.plan_s,
     )  # fmt: skip
     total = eval_wl.num_layers * eval_wl.num_experts
     config = SimConfig(slots=min(total, max(1, math.ceil(fraction * total))), batch=batch)

@@ -37,6 +37,8 @@ class CostModel:
         layer_bytes_s, layer_flop_s_per_token: the dense part's roofline ``max(bytes, flop * n)``.
         kv_s_per_ctx_token: per MoE layer and context token attended (KV-cache read).
         step_fixed_s: per step (LM head, sampling, scheduling).
+        plan_s: per MoE layer, between looking the layer's experts up (demand copies start) and
+            its first expert (the prefetch policy's planning; measured models only).
         wake_s: after waiting for a copy, the compute thread resumes this long after it landed
             (a threaded runtime's hand-back: notify, thread wake-up; 0 on a GPU's event wait).
         label: how the numbers were obtained (printed with results).
@@ -52,6 +54,7 @@ class CostModel:
     layer_flop_s_per_token: float = 0.0
     kv_s_per_ctx_token: float = 0.0
     step_fixed_s: float = 0.0
+    plan_s: float = 0.0
     wake_s: float = 0.0
     label: str = ""
     _memo: dict[int, float] = field(default_factory=dict, repr=False)
@@ -86,6 +89,7 @@ class CostModel:
         step_fixed_s: float,
         wake_s: float = 0.0,
         label: str = "measured",
+        plan_s: float = 0.0,
     ) -> CostModel:
         """Linear measured model: an expert for ``n`` tokens takes ``a + b * n`` seconds, a layer's
         dense part ``layer_fixed_s + layer_b_s * n``, a step adds ``step_fixed_s``."""
@@ -96,6 +100,7 @@ class CostModel:
             layer_fixed_s=layer_fixed_s,
             layer_flop_s_per_token=layer_b_s,
             step_fixed_s=step_fixed_s,
+            plan_s=plan_s,
             wake_s=wake_s,
             label=label,
         )

@@ -274,6 +274,7 @@ class Simulator:
             if scale:
                 buf.now += scale * (time.perf_counter() - t_host)
             run = buf.start_layer(layer, needed[layer])  # demand queued before the plan (runtime order)
+            buf.now += cost.plan_s
             if scale:
                 t_host = time.perf_counter()
             prefetcher.after_routing(layer, rids, lid)

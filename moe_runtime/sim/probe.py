@@ -10,8 +10,8 @@ removed on exit.
 
 :func:`costs_from_records` turns one run's records into the simulator's cost parameters: the
 expert phase of a layer minus its blocking is fitted as ``c + a * experts + b * token-choices``;
-the gap between consecutive layers (attention, router, tracer and policy hooks) as
-``d0 + d1 * tokens``; the rest of a step (embedding, LM head, sampling, scheduling) as a constant.
+the gap between consecutive layers up to the lookup (attention, router, tracer, cache-policy hook)
+as ``d0 + d1 * tokens``; from the lookup to the first expert (the prefetch plan) as its mean; the rest of a step (embedding, LM head, sampling, scheduling) as a constant.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ import numpy as np
 
 @dataclass(slots=True)
 class RunRecords:
-    """Records of one buffer (one policy run): layers ``(t0, t1, experts, blocked_s)``, forwards
+    """Records of one buffer (one policy run): layers ``(looked_up, t0, t1, experts, blocked_s)``
+    (``looked_up``: ``start_layer`` called; ``t0 .. t1``: the expert phase), forwards
     ``(t0, t1, tokens)``, link holds ``(started, released)``."""
 
-    layers: list[tuple[float, float, int, float]] = field(default_factory=list)
+    layers: list[tuple[float, float, float, int, float]] = field(default_factory=list)
     forwards: list[tuple[float, float, int]] = field(default_factory=list)
     holds: list[tuple[float, float]] = field(default_factory=list)
 
@@ -65,7 +66,8 @@ class RuntimeProbe:
             for part in buf.parts:
                 if part.link is not None:
                     links[id(part.link)] = rec
-            return _TimedRun(start_layer(buf, layer, experts), buf, rec, len(experts))
+            looked_up = time.perf_counter()
+            return _TimedRun(start_layer(buf, layer, experts), buf, rec, len(experts), looked_up)
 
         def timed_forward(model: Any, input_ids: Any, step: Any) -> Any:
             t0 = time.perf_counter()
@@ -98,14 +100,15 @@ class RuntimeProbe:
 class _TimedRun:
     """A layer run that records its expert phase (first handle requested .. last one used)."""
 
-    def __init__(self, run: Any, buf: Any, rec: RunRecords, experts: int) -> None:
-        self.run, self.buf, self.rec, self.experts = run, buf, rec, experts
+    def __init__(self, run: Any, buf: Any, rec: RunRecords, experts: int, looked_up: float) -> None:
+        self.run, self.buf, self.rec, self.experts, self.looked_up = run, buf, rec, experts, looked_up
 
     def __iter__(self) -> Iterator[Any]:
         b0 = self.buf.stats.total_blocking_s
         t0 = time.perf_counter()
         yield from self.run
-        self.rec.layers.append((t0, time.perf_counter(), self.experts, self.buf.stats.total_blocking_s - b0))
+        blocked = self.buf.stats.total_blocking_s - b0
+        self.rec.layers.append((self.looked_up, t0, time.perf_counter(), self.experts, blocked))
 
     def close(self) -> None:
         self.run.close()
@@ -138,6 +141,7 @@ class Costs:
     step_s: float
     transfer_s: float | None
     io_gap_s: float | None = None
+    plan_s: float = 0.0  # from the lookup to the first expert: the prefetch plan, the gather
 
 
 def costs_from_records(rec: RunRecords, num_layers: int, top_k: int) -> Costs:
@@ -149,9 +153,10 @@ def costs_from_records(rec: RunRecords, num_layers: int, top_k: int) -> Costs:
     starts = np.asarray([f[0] for f in fwd])
     idx = np.searchsorted(starts, [lay[0] for lay in layers], side="right") - 1  # forward of each layer
     tokens = np.asarray([fwd[i][2] for i in idx], dtype=np.float64)
-    lay = np.asarray([(t0, t1, n, b) for t0, t1, n, b in layers], dtype=np.float64)
-    busy = lay[:, 1] - lay[:, 0] - lay[:, 3]
-    c, a, b = _fit(np.column_stack([np.ones(len(lay)), lay[:, 2], tokens * top_k]), busy)
+    lay = np.asarray(layers, dtype=np.float64)  # [n, (looked_up, t0, t1, experts, blocked)]
+    busy = lay[:, 2] - lay[:, 1] - lay[:, 4]
+    c, a, b = _fit(np.column_stack([np.ones(len(lay)), lay[:, 3], tokens * top_k]), busy)
+    plan_s = float(np.mean(lay[:, 1] - lay[:, 0])) if len(lay) else 0.0
     gaps, gap_tokens, step_rest = [], [], []
     for i, (f0, _, n) in enumerate(fwd):
         sel = np.flatnonzero(idx == i)
@@ -161,7 +166,7 @@ def costs_from_records(rec: RunRecords, num_layers: int, top_k: int) -> Costs:
         for j in sel:
             gaps.append(lay[j, 0] - prev_end)
             gap_tokens.append(n)
-            prev_end = lay[j, 1]
+            prev_end = lay[j, 2]
         if i + 1 < len(fwd):
             period = fwd[i + 1][0] - f0
             step_rest.append(period - (prev_end - f0))
@@ -174,4 +179,4 @@ def costs_from_records(rec: RunRecords, num_layers: int, top_k: int) -> Costs:
         gaps = np.asarray([b[0] - a[1] for a, b in zip(holds, holds[1:])])
         back_to_back = gaps[(gaps >= 0) & (gaps < 0.5 * transfer)]  # the next copy was already queued
         io_gap = float(np.median(back_to_back)) if back_to_back.size else None
-    return Costs(float(a), float(b), float(d0 + c), float(d1), step_s, transfer, io_gap)
+    return Costs(float(a), float(b), float(d0 + c), float(d1), step_s, transfer, io_gap, plan_s)
