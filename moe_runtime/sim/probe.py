@@ -11,7 +11,8 @@ removed on exit.
 :func:`costs_from_records` turns one run's records into the simulator's cost parameters: the
 expert phase of a layer minus its blocking is fitted as ``c + a * experts + b * token-choices``;
 the gap between consecutive layers up to the lookup (attention, router, tracer, cache-policy hook)
-as ``d0 + d1 * tokens``; from the lookup to the first expert (the prefetch plan) as its mean; the rest of a step (embedding, LM head, sampling, scheduling) as a constant.
+as ``d0 + d1 * tokens``; from the lookup to the first expert (the prefetch plan) as its mean;
+the rest of a step (embedding, LM head, sampling, scheduling) as a constant.
 """
 
 from __future__ import annotations
