@@ -140,7 +140,7 @@ class RuntimeConfig:
         max_model_len: KV-cache length per sequence; ``None`` = the model's context length
             capped at 4096.
         cache_policy / prefetch_policy: names from the policy registries (``eam`` by default;
-            cache: ``lru``, ``model-counts``, ``oracle``; prefetch: ``on-demand``,
+            cache: ``lru``, ``eam-reuse``, ``model-counts``, ``oracle``; prefetch: ``on-demand``,
             ``next-layer-all``, ``model-counts``, ``hot-experts``, ``oracle``). Ignored when every
             expert is resident.
         prefetch_depth: later layers a prefetch plan may cover (multi-layer lookahead); None = all.

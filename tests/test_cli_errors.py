@@ -148,3 +148,13 @@ def test_generate_json_end_to_end_subprocess(tiny_qwen3):
         timeout=120,
     )
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "needle"),
+    [("--router-lookahead", "-1", "--router-lookahead"), ("--cache-policy", "mru", "--cache-policy")],
+)
+def test_bad_policy_flags(capsys, tiny_qwen3, flag, value, needle):
+    args = ["generate", "--model", str(tiny_qwen3), "--prompt", "x", "--buffer-slots", "4", flag, value]
+    rc, err = run_cli(capsys, *args)
+    assert_one_line(rc, err, needle, value)

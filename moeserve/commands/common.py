@@ -81,7 +81,9 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
         help="intra-op threads for CPU compute (default: 1; see docs/benchmarks.md)",
     )
     g.add_argument(
-        "--cache-policy", default="eam", help="expert cache policy: eam, lru, model-counts (default: eam)"
+        "--cache-policy",
+        default="eam",
+        help="expert cache policy: eam, eam-reuse, lru, model-counts (default: eam)",
     )
     g.add_argument(
         "--prefetch-policy",
