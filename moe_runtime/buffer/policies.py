@@ -92,6 +92,7 @@ class EAMReuseCachePolicy(CachePolicy):
         self.layer = 0
         self.p_use = np.zeros(num_layers * num_experts)  # per-step use probability of each key
         self._slot_key = np.full(num_slots, -1)
+        self._recency = np.zeros(num_slots)  # tick of the last fill/use, for ties (LRU-wise)
 
     def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
         self.layer = layer
@@ -105,10 +106,10 @@ class EAMReuseCachePolicy(CachePolicy):
 
     def on_fill(self, slot: int, key: int, prefetch: bool) -> None:
         self._slot_key[slot] = key
-        self.priority[slot] = self.tick()
+        self.priority[slot] = self._recency[slot] = self.tick()
 
     def on_use(self, slot: int, key: int) -> None:
-        self.priority[slot] = self.tick()
+        self.priority[slot] = self._recency[slot] = self.tick()
 
     def victim(self, candidates: np.ndarray) -> int:
         keys = self._slot_key[candidates]
@@ -116,9 +117,7 @@ class EAMReuseCachePolicy(CachePolicy):
         dist = (keys // self.num_experts - self.layer - 1) % L + 1
         p = np.maximum(self.p_use[keys], 1e-3)
         expected = dist + L * (1.0 / p - 1.0)
-        prio = self.priority
-        recency = np.array([prio[s] for s in candidates.tolist()])  # ties: the least recently used
-        return int(candidates[np.argmax(expected - 1e-9 * recency)])
+        return int(candidates[np.argmax(expected - 1e-9 * self._recency[candidates])])  # ties: LRU
 
 
 class ModelCountsCachePolicy(_ResetPolicy):
