@@ -28,14 +28,9 @@ class _Probe(RouterLookahead):
         self.guesses: dict[int, torch.Tensor] = {}  # moe layer -> [T, D, E] probabilities
 
     def scores(self, x: torch.Tensor, moe_layer: int) -> torch.Tensor | None:
-        first, last = moe_layer + 1, min(self.num_layers, moe_layer + 1 + self.depth)
-        if first < last:
-            h = x.float()
-            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-            logits = torch.nn.functional.linear(
-                h, self.routers[first * self.num_experts : last * self.num_experts]
-            )
-            self.guesses[moe_layer] = logits.view(x.shape[0], last - first, self.num_experts)
+        logits = self.logits(x, moe_layer)
+        if logits is not None:
+            self.guesses[moe_layer] = logits
         return None
 
 

@@ -45,22 +45,28 @@ class RouterLookahead:
         fused = []
         for layer in cfg.moe_layers:
             p = f"layers.{layer}."
-            router = dense[p + "router"].float()  # [E, H]
-            fused.append(router * dense[p + "mlp_norm"].float()[None, :])
-        self.routers = torch.cat(fused, dim=0)  # [L*E, H] fp32, norm weights folded in
+            router = dense[p + "router"]  # [E, H]
+            folded = router.float() * dense[p + "mlp_norm"].float()[None, :]  # folded in fp32
+            fused.append(folded.to(router.dtype))
+        self.routers = torch.cat(fused, dim=0)  # [L*E, H] in the model's dtype, norm weights folded in
         self.num_layers = len(fused)
 
-    def scores(self, x: torch.Tensor, moe_layer: int) -> torch.Tensor | None:
-        """Expected routed-token counts ``[D, E]`` (fp32, on ``x``'s device) for MoE layers
-        ``moe_layer + 1 .. moe_layer + D`` (D = ``depth``, fewer near the last layer), from the
-        residual ``x [T, H]`` entering ``moe_layer``'s decoder layer: the sum over tokens of each
-        later router's softmax. None after the last MoE layer."""
+    def logits(self, x: torch.Tensor, moe_layer: int) -> torch.Tensor | None:
+        """Per-token router logits ``[T, D, E]`` (fp32) of MoE layers ``moe_layer + 1 ..
+        moe_layer + D`` (D = ``depth``, fewer near the last layer) from the residual ``x [T, H]``
+        entering ``moe_layer``'s decoder layer; None after the last MoE layer."""
         first = moe_layer + 1
         last = min(self.num_layers, first + self.depth)
         if first >= last:
             return None
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)  # [T, H]
-        logits = F.linear(h, self.routers[first * self.num_experts : last * self.num_experts])
-        probs = F.softmax(logits.view(x.shape[0], last - first, self.num_experts), dim=-1)
-        return probs.sum(dim=0)  # [D, E]
+        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(self.routers.dtype)  # [T, H]
+        logits = F.linear(h, self.routers[first * self.num_experts : last * self.num_experts]).float()
+        return logits.view(x.shape[0], last - first, self.num_experts)
+
+    def scores(self, x: torch.Tensor, moe_layer: int) -> torch.Tensor | None:
+        """Expected routed-token counts ``[D, E]`` (fp32, on ``x``'s device) for the layers of
+        :meth:`logits`: the sum over tokens of each later router's softmax. None after the last
+        MoE layer."""
+        logits = self.logits(x, moe_layer)
+        return None if logits is None else F.softmax(logits, dim=-1).sum(dim=0)
