@@ -130,3 +130,18 @@ def test_lookahead_alone_sets_the_plan_depth():
         assert not pol.last_probs[2:].any()  # nothing planned beyond the lookahead
     finally:
         buf.close()
+
+
+def test_bench_lookahead_beats_chance_on_the_bundled_model(shared_data, capsys):
+    import json
+
+    from moeserve.cli import main
+
+    prompts = shared_data / "prompts" / "prompts_combined.jsonl"
+    args = ["bench", "lookahead", "--prompts", str(prompts), "--tasks", "2", "--warm", "1", "--eval", "1"]
+    assert main([*args, "--new-tokens", "6", "--depth", "2", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    rows = doc["results"]
+    assert [r["distance"] for r in rows] == [1, 2] and all(r["n"] > 0 for r in rows)
+    assert rows[0]["topk_precision"] > 3 * doc["settings"]["chance_precision"]  # 0.0625 on 64 experts
+    assert all(r["top2k_recall"] >= r["topk_precision"] for r in rows)

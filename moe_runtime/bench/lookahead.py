@@ -59,12 +59,11 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_runtime.bench.policies import load_workload
+    from moe_runtime.bench.policies import load_model_and_workload
     from moe_runtime.config import RuntimeConfig
     from moe_runtime.engine.engine import LLMEngine
     from moe_runtime.engine.request import SamplingParams
     from moe_runtime.errors import ConfigError
-    from moe_runtime.loader import load_checkpoint
     from moeserve.commands.common import resolve_model
 
     if args.depth < 1:
@@ -72,12 +71,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     model_dir = resolve_model(args)
     rt = RuntimeConfig(dtype="fp32", max_batch_size=args.batch, max_model_len=args.max_prompt_tokens + 64)
-    loaded = load_checkpoint(model_dir, rt)
-    if loaded.tokenizer is None:
-        raise ConfigError(f"{model_dir}: the lookahead benchmark needs a tokenizer")
-    warm, evals, tasks = load_workload(
-        args.prompts, loaded.tokenizer, args.tasks, args.warm, args.eval, args.max_prompt_tokens, args.seed
-    )
+    loaded, warm, evals, tasks = load_model_and_workload(model_dir, rt, args, "lookahead")
     cfg = loaded.config
     k, e = cfg.top_k, cfg.num_experts
     hits = np.zeros((args.depth, 2))  # [d, (top-k, top-2k)] matched choices

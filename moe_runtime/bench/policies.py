@@ -90,6 +90,24 @@ def register_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def load_model_and_workload(model_dir: Path, runtime, args: argparse.Namespace, bench: str):
+    """Load the checkpoint and draw the warm/eval prompts of ``args`` (the workload flags).
+
+    Returns ``(loaded, warm ids, eval ids, tasks)``. Raises ConfigError when the checkpoint has
+    no tokenizer (the prompts are text).
+    """
+    from moe_runtime.errors import ConfigError
+    from moe_runtime.loader import load_checkpoint
+
+    loaded = load_checkpoint(model_dir, runtime)
+    if loaded.tokenizer is None:
+        raise ConfigError(f"{model_dir}: the {bench} benchmark needs a tokenizer")
+    warm, evals, tasks = load_workload(
+        args.prompts, loaded.tokenizer, args.tasks, args.warm, args.eval, args.max_prompt_tokens, args.seed
+    )
+    return loaded, warm, evals, tasks
+
+
 def load_workload(
     path: Path, tokenizer, tasks: int, warm: int, evals: int, max_tokens: int, seed: int
 ) -> tuple[list[list[int]], list[list[int]], list[str]]:
@@ -134,7 +152,6 @@ def run(args: argparse.Namespace) -> int:
     from moe_runtime.config import RuntimeConfig
     from moe_runtime.engine.engine import LLMEngine
     from moe_runtime.errors import ConfigError
-    from moe_runtime.loader import load_checkpoint
     from moe_runtime.prefetch import OracleSchedule
     from moeserve.commands.common import resolve_model
 
@@ -154,12 +171,7 @@ def run(args: argparse.Namespace) -> int:
         prefetch_depth=args.prefetch_depth,
         router_lookahead=args.router_lookahead,
     )
-    loaded = load_checkpoint(model_dir, base)
-    if loaded.tokenizer is None:
-        raise ConfigError(f"{model_dir}: the policies benchmark needs a tokenizer")
-    warm, evals, tasks = load_workload(
-        args.prompts, loaded.tokenizer, args.tasks, args.warm, args.eval, args.max_prompt_tokens, args.seed
-    )
+    loaded, warm, evals, tasks = load_model_and_workload(model_dir, base, args, "policies")
     cfg = loaded.config
     results: list[PolicyResult] = []
     reference = None  # every run, whatever the buffer or policy, must produce these tokens

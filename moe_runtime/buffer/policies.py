@@ -16,6 +16,15 @@ from moe_runtime.buffer.cache_policy import CachePolicy
 from moe_runtime.errors import ConfigError
 
 
+def _needs_recorder(name: str, recorder: Any | None) -> Any:
+    """The tracer's recorder a request-EAM policy reads. Raises ConfigError when there is none."""
+    if recorder is None:
+        raise ConfigError(
+            f"--cache-policy {name} needs the request tracer (created automatically by the engine)"
+        )
+    return recorder
+
+
 class _ResetPolicy(CachePolicy):
     """A policy whose slot priority is recomputed by ``_reset`` on fill, use and mis-prefetch."""
 
@@ -47,11 +56,7 @@ class EAMCachePolicy(_ResetPolicy):
         self, num_slots: int, num_experts: int, num_layers: int = 1, recorder: Any | None = None
     ) -> None:
         super().__init__(num_slots, num_experts)
-        if recorder is None:
-            raise ConfigError(
-                "--cache-policy eam needs the request tracer (it is created automatically by the engine)"
-            )
-        self.recorder = recorder
+        self.recorder = _needs_recorder(self.name, recorder)
         self.num_layers = num_layers
         self.counts = np.zeros(num_layers * num_experts)
         self.boost = (1.0 + (num_layers - 1 - np.arange(num_layers)) / num_layers).tolist()
@@ -83,11 +88,7 @@ class EAMReuseCachePolicy(CachePolicy):
         self, num_slots: int, num_experts: int, num_layers: int = 1, recorder: Any | None = None
     ) -> None:
         super().__init__(num_slots, num_experts)
-        if recorder is None:
-            raise ConfigError(
-                "--cache-policy eam-reuse needs the request tracer (created automatically by the engine)"
-            )
-        self.recorder = recorder
+        self.recorder = _needs_recorder(self.name, recorder)
         self.num_layers = num_layers
         self.layer = 0
         self.p_use = np.zeros(num_layers * num_experts)  # per-step use probability of each key
