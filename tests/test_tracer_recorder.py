@@ -182,3 +182,22 @@ def test_bad_calls_rejected() -> None:
         rec.record(0, ["a"], np.array([0, 0]), np.array([True]), np.array([[0, 1]]), one)
     with pytest.raises(KeyError):
         rec.finish("zz")
+
+
+def test_query_is_answered_once_per_layer_and_follows_every_change():
+    import numpy as np
+
+    from tracer.recorder import RequestRecorder
+
+    rec = RequestRecorder(2, 4, 1)
+    rec.begin_request("a", 1)
+    ids = ["a"]
+    rec.record(0, ids, np.array([0]), np.array([True]), np.array([[1]]), np.ones((1, 1), np.float32))
+    q = rec.query(ids, 0)
+    assert rec.query(["a"], 0) is q and not q.flags.writeable  # same answer, shared read-only
+    rec.record(1, ids, np.array([0]), np.array([True]), np.array([[2]]), np.ones((1, 1), np.float32))
+    assert rec.query(ids, 1)[0, 1, 2] == 1  # a new routed layer is seen
+    rec.end_step()
+    assert rec.query(ids, -1)[0].sum() == 2  # the closed step counts as earlier steps
+    rec.begin_request("b", 1)
+    assert rec.query(["a", "b"], -1).shape == (2, 2, 4)

@@ -80,6 +80,7 @@ class RequestRecorder:
         self._touched = np.zeros(0, dtype=bool)
         self._last_ids: list[str] | None = None
         self._last_slots = np.zeros(0, dtype=np.int64)
+        self._query_memo: tuple[int, list[str], np.ndarray] | None = None  # dropped when counts change
         self.committed = 0
 
     # -- requests ---------------------------------------------------------------------------------
@@ -94,7 +95,7 @@ class RequestRecorder:
         if not self._free:
             self._grow()
         self._live[request_id] = _Live(self._free.pop(), prompt_len, task)
-        self._last_ids = None
+        self._last_ids = self._query_memo = None
 
     def _grow(self) -> None:
         old = self._eam.shape[0]
@@ -177,6 +178,7 @@ class RequestRecorder:
         self._step[slots, :, moe_layer, :] += counts
         self._step_sum[slots, moe_layer, :] += counts[:, 0] + counts[:, 1]
         self._touched[slots] = True
+        self._query_memo = None
         if self.trace_writer is not None:
             self._keep_choices(moe_layer, request_ids, token_seq, token_prefill, topk_ids, topk_weights)
 
@@ -225,6 +227,7 @@ class RequestRecorder:
             self._step[touched] = 0
             self._step_sum[touched] = 0
             self._touched[touched] = False
+            self._query_memo = None
         if self.trace_writer is not None:
             for live in self._live.values():
                 self._flush_choices(live)
@@ -239,15 +242,21 @@ class RequestRecorder:
         Returns:
             ``(B, L, E)`` float32 counts: each request's EAM of earlier steps (prefill + decode)
             plus, for rows ``<= upto_layer``, the current step's iteration EAM. Raw counts; pass
-            them to :meth:`tracer.eamc.EAMC.search`, which normalises rows.
+            them to :meth:`tracer.eamc.EAMC.search`, which normalises rows. Read-only: the same
+            array answers the same question until the counts change.
 
         Raises:
             KeyError: a request id is not live.
         """
+        memo = self._query_memo
+        if memo is not None and memo[0] == upto_layer and (memo[1] is request_ids or memo[1] == request_ids):
+            return memo[2]  # the cache and prefetch policies ask the same question per layer
         slots = self._slots(request_ids)
         out = self._sum[slots]  # [B, L, E] copy
         if upto_layer >= 0:
             out[:, : upto_layer + 1] += self._step_sum[slots, : upto_layer + 1]
+        out.flags.writeable = False  # shared by every caller until the counts change
+        self._query_memo = (upto_layer, list(request_ids), out)
         return out
 
     def request_eam(self, request_id: str) -> tuple[np.ndarray, np.ndarray]:
@@ -305,7 +314,7 @@ class RequestRecorder:
             table[live.slot] = 0
         self._touched[live.slot] = False
         self._free.append(live.slot)
-        self._last_ids = None
+        self._last_ids = self._query_memo = None
 
     def _trace_record(self, request_id: str, live: _Live) -> TraceRecord:
         from tracer.trace_file import TraceRecord
