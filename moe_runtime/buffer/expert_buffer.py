@@ -29,10 +29,9 @@ import torch
 
 from moe_runtime.buffer.cache_policy import make_cache_policy
 from moe_runtime.buffer.layer_run import LayerRun
-from moe_runtime.buffer.partition import READY, Partition, apply_prefetch_plan
+from moe_runtime.buffer.partition import Partition, apply_prefetch_plan
 from moe_runtime.buffer.placement import home_devices
 from moe_runtime.io.link import LinkModel
-from moe_runtime.io.transfer_queue import Transfer
 from moe_runtime.stats import ExpertStats
 from moe_runtime.store import HostExpertStore
 
@@ -175,7 +174,7 @@ class ExpertBuffer:
         prefetch policy plans the later layers, so planning overlaps this layer's demand copies
         and a prefetch can no longer evict an expert this layer is about to use.
         """
-        E, st = self.num_experts, self.stats
+        E = self.num_experts
         if self.access_log is not None:
             self.access_log.append((layer, tuple(experts)))
         if self.all_resident:  # nothing is ever evicted: no pins, locks or policy hooks needed
@@ -189,24 +188,11 @@ class ExpertBuffer:
             for e in experts:
                 key = layer * E + e
                 part = self.parts[self.home[key]]
-                st.lookups[layer] += 1
-                st.device_lookups[part.index] += 1
-                s = part.key_slot.get(key)
-                if s is not None and part.state[s] == READY:
-                    part.pin(s)
-                    st.hits[layer] += 1
-                    st.device_hits[part.index] += 1
-                    if part.unused[s]:
-                        st.hits_prefetched[layer] += 1
+                s = part.look_up(key, layer)  # pins a hit or in-flight copy; queues a demand fetch
+                if s is not None:
                     ready.append((e, part, s))
-                    continue
-                if s is not None:  # a prefetch is in flight: wait for it
-                    part.pin(s)
-                    st.late_prefetches[layer] += 1
                 else:
-                    part.queue.push(Transfer(key, demand=True))  # replaces a queued prefetch
-                    st.demand_fetches[layer] += 1
-                waiting.append((e, part))
+                    waiting.append((e, part))
             if waiting:
                 self.cond.notify_all()
         return LayerRun(self, layer, ready, waiting)

@@ -238,6 +238,36 @@ class Partition:
         self.pins[s] += 1
         self._refresh(s, False)
 
+    def look_up(self, key: int, layer: int, queued_at: float | None = None) -> int | None:
+        """The running layer needs ``key`` (an expert of MoE layer ``layer``) homed here.
+
+        Counts the lookup in the stats. Resident: pins it and returns its slot (a hit). Loading:
+        pins it (a late prefetch); queued or absent: queues a demand fetch, which replaces a queued
+        prefetch (stamped ``queued_at`` when given, for simulated time). Returns None for both;
+        the caller waits for the slot to turn READY.
+        """
+        st = self.stats
+        st.lookups[layer] += 1
+        st.device_lookups[self.index] += 1
+        s = self.key_slot.get(key)
+        if s is not None and self.state[s] == READY:
+            self.pin(s)
+            st.hits[layer] += 1
+            st.device_hits[self.index] += 1
+            if self.unused[s]:
+                st.hits_prefetched[layer] += 1
+            return s
+        if s is not None:  # its prefetch is in flight
+            self.pin(s)
+            st.late_prefetches[layer] += 1
+        else:
+            t = Transfer(key, demand=True)
+            if queued_at is not None:
+                t.queued_at = queued_at
+            self.queue.push(t)
+            st.demand_fetches[layer] += 1
+        return None
+
     def unpin(self, s: int) -> None:
         """Drop a pin without using the expert (an abandoned layer)."""
         self.pins[s] -= 1

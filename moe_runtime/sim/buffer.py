@@ -212,29 +212,14 @@ class SimBuffer:
                     part.settle_prefetches(layer, needed)
         ready: list[tuple[int, Partition, int]] = []
         waiting: list[tuple[int, int, Partition]] = []  # (expert, key, partition)
-        hits = 0
         for e in experts:
             key = base + e
             part = parts[home[key]]
-            st.device_lookups[part.index] += 1
-            s = part.key_slot.get(key)
-            if s is not None and part.state[s] == READY:
-                part.pin(s)
-                hits += 1
-                st.device_hits[part.index] += 1
-                if part.unused[s]:
-                    st.hits_prefetched[layer] += 1
+            s = part.look_up(key, layer, self.now)  # the runtime's own lookup (ExpertBuffer.start_layer)
+            if s is not None:
                 ready.append((e, part, s))
-                continue
-            if s is not None:  # its prefetch is in flight: wait for it
-                part.pin(s)
-                st.late_prefetches[layer] += 1
             else:
-                part.queue.push(Transfer(key, demand=True, queued_at=self.now))
-                st.demand_fetches[layer] += 1
-            waiting.append((e, key, part))
-        st.lookups[layer] += len(experts)
-        st.hits[layer] += hits
+                waiting.append((e, key, part))
         if waiting:
             for i in range(len(parts)):
                 self._kick(i)
