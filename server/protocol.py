@@ -135,10 +135,7 @@ class TopLogprob(BaseModel):
     bytes: list[int] | None = None
 
 
-class ChatTokenLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
+class ChatTokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
