@@ -97,9 +97,9 @@ def test_cancelled_prefetch_never_lands():
     buf = ExpertBuffer(store, [torch.device("cpu")], 4, link=(1e-5, 0.0))  # 10 kB/s: ~40 ms a transfer
     try:
         key = lambda layer, e: layer * E + e  # noqa: E731
-        buf.prefetch([(key(1, 0), 1.0), (key(1, 1), 0.9), (key(1, 2), 0.8)])
+        buf.prefetch([key(1, 0), key(1, 1), key(1, 2)], [1.0, 0.9, 0.8])
         time.sleep(0.01)  # the first one is in flight now
-        buf.prefetch([(key(2, 5), 1.0)])  # replan: queued 1/1 and 1/2 fall out
+        buf.prefetch([key(2, 5)], [1.0])  # replan: queued 1/1 and 1/2 fall out
         deadline = time.time() + 5
         while time.time() < deadline and not buf.resident(2, 5):
             time.sleep(0.01)
@@ -114,7 +114,7 @@ def test_cancelled_prefetch_never_lands():
 def test_prefetched_expert_counts_as_hit_and_used():
     buf = ExpertBuffer(make_store(), [torch.device("cpu")], 2)
     try:
-        buf.prefetch([(2 * E + 3, 1.0)])
+        buf.prefetch([2 * E + 3], [1.0])
         deadline = time.time() + 5
         while time.time() < deadline and not buf.resident(2, 3):
             time.sleep(0.005)
@@ -128,7 +128,7 @@ def test_prefetched_expert_counts_as_hit_and_used():
 def test_demand_jumps_queued_prefetches():
     buf = ExpertBuffer(make_store(), [torch.device("cpu")], 6, link=(2e-5, 0.0))
     try:
-        buf.prefetch([(E + e, 1.0 - e / 10) for e in range(5)])  # 5 slow prefetches queued
+        buf.prefetch([E + e for e in range(5)], [1.0 - e / 10 for e in range(5)])  # 5 slow prefetches queued
         t0 = time.perf_counter()
         consume(buf, 0, [2])
         waited = time.perf_counter() - t0
@@ -219,7 +219,7 @@ def test_queue_replan_pops_like_one_push_per_entry(seed: int) -> None:
         keys = rng.choice(16, size=int(rng.integers(0, 10)), replace=False).tolist()
         plan = [(k, float(rng.choice([0.25, 0.5, 0.75]))) for k in keys]  # ties are common
         replace = bool(rng.random() < 0.8)
-        bulk.replan(plan, replace)
+        bulk.replan(np.array(keys, dtype=np.int64), np.array([p for _, p in plan]), replace)
         _push_reference(ref, plan, replace)
         assert sorted(bulk.queued_prefetch_keys()) == sorted(ref.queued_prefetch_keys())
         if rng.random() < 0.3:  # the I/O thread takes one
@@ -228,6 +228,16 @@ def test_queue_replan_pops_like_one_push_per_entry(seed: int) -> None:
             if a is not None:
                 assert (a.key, a.demand, a.priority) == (b.key, b.demand, b.priority)
     assert _drain(bulk) == _drain(ref)
+
+
+def test_queue_grows_past_its_key_space_and_keeps_order() -> None:
+    q = TransferQueue(num_keys=4)
+    q.replan(np.array([3, 40]), np.array([0.5, 0.9]), replace=True)
+    q.push(Transfer(100, demand=False, priority=0.7))
+    q.push(Transfer(200, demand=True))
+    assert q.queued(100).priority == 0.7 and q.queued(200).demand
+    assert [t.key for t in iter(q.pop, None)] == [200, 40, 100, 3]
+    assert len(q) == 0
 
 
 @pytest.mark.parametrize("policy_name", ["lru", "eam", "model-counts", "oracle"])

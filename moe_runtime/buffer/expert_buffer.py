@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +80,7 @@ class ExpertBuffer:
         ctx = {"num_layers": self.num_layers, **(policy_context or {})}
         self.oracle = ctx.get("oracle")  # an OracleSchedule whose cursor follows the routed layers
         self.access_log: list[tuple[int, tuple[int, ...]]] | None = None  # set to [] to record
+        self.held = np.zeros(total, dtype=bool)  # keys resident or loading on any device
         for i, dev in enumerate(devices):
             homed = np.flatnonzero(self.home == i)
             n = max(1, min(slots_per_device, len(homed)))
@@ -102,6 +103,7 @@ class ExpertBuffer:
                 store.hidden_size,
                 store.intermediate_size,
                 LinkModel(*link) if link else None,
+                self.held,
             )
             self.parts.append(part)
             if n >= len(homed):  # every expert homed here fits: load all once, up front
@@ -234,14 +236,15 @@ class ExpertBuffer:
             self.cond.notify_all()
 
     # ------------------------------------------------------------------ prefetch side
-    def prefetch(self, plan: list[tuple[int, float]], replace: bool = True) -> None:
-        """Queue prefetches ``[(flat key, priority), ...]`` (higher priority first).
+    def prefetch(self, keys: Sequence[int], priorities: Sequence[float], replace: bool = True) -> None:
+        """Queue prefetches of distinct flat expert ``keys [n]`` with ``priorities [n]`` (higher
+        first).
 
-        With ``replace``, queued prefetches that are not in ``plan`` are cancelled (in-flight ones
+        With ``replace``, queued prefetches that are not in the plan are cancelled (in-flight ones
         finish). Keys already resident or loading are skipped. Caller may hold ``cond``.
         """
         with self.cond:
-            apply_prefetch_plan(self.parts, self.home, plan, replace, self.stats)
+            apply_prefetch_plan(self.parts, self.home, keys, priorities, replace, self.stats)
             self.cond.notify_all()
 
     # ------------------------------------------------------------------ I/O thread

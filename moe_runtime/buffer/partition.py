@@ -50,6 +50,8 @@ class Partition:
         prefetched: ``[S]`` list, landed by a prefetch and not used yet: protected from prefetches.
         unused: ``[S]`` list, landed by a prefetch and never used since: counted as wasted if evicted.
         key_slot: flat key -> slot for LOADING and READY slots (the residency map).
+        held: ``[L * E]`` bool, True for keys LOADING or READY; the partitions of one buffer share
+            it (pass ``held``), so a prefetch plan masks out resident keys in one operation.
         free: FREE slots, taken from the end (lowest slot first).
     """
 
@@ -66,6 +68,7 @@ class Partition:
         hidden: int = 0,
         intermediate: int = 0,
         link: LinkModel | None = None,
+        held: np.ndarray | None = None,
     ) -> None:
         self.index = index
         self.device = device
@@ -83,8 +86,10 @@ class Partition:
         self.unused: list[bool] = [False] * num_slots
         self.release_events: list[torch.cuda.Event | None] = [None] * num_slots
         self.key_slot: dict[int, int] = {}
+        num_keys = len(stats.lookups) * num_experts
+        self.held = held if held is not None else np.zeros(num_keys, dtype=bool)
         self.free: list[int] = list(range(num_slots - 1, -1, -1))
-        self.queue = TransferQueue()
+        self.queue = TransferQueue(num_keys)
         self.policy = policy
         self.stats = stats
         self.link = link
@@ -127,6 +132,7 @@ class Partition:
         for s, key in enumerate(keys):
             self.slot_key[s], self.state[s] = key, READY
             self.key_slot[key] = s
+            self.held[key] = True
             self.policy.on_fill(s, key, prefetch=False)
             self._refresh(s, True)
         self.free = list(range(self.num_slots - 1, len(keys) - 1, -1))
@@ -207,6 +213,7 @@ class Partition:
             old = self.slot_key[s]
             self.policy.on_evict(s, old)
             del self.key_slot[old]
+            self.held[old] = False
             if self.unused[s]:
                 self.stats.prefetch_wasted_bytes += self.expert_nbytes
             if self.prefetched[s]:
@@ -214,6 +221,7 @@ class Partition:
             self.unused[s] = False
         self.slot_key[s], self.state[s] = t.key, LOADING
         self.key_slot[t.key] = s
+        self.held[t.key] = True
         if t.demand:
             self.pins[s] += 1  # the waiting compute thread holds it until it has used it
         self._refresh(s, False)
@@ -302,30 +310,33 @@ class Partition:
 
 def apply_prefetch_plan(
     parts: list[Partition],
-    home: np.ndarray | list[int],
-    plan: list[tuple[int, float]],
+    home: np.ndarray,
+    keys: np.ndarray,
+    priorities: np.ndarray,
     replace: bool,
     stats: ExpertStats,
     now: float | None = None,
 ) -> None:
-    """Queue prefetches ``[(flat key, priority)]`` on each expert's home partition (MoE-Infinity §5.1).
+    """Queue prefetches of distinct flat ``keys [n]`` with ``priorities [n]`` on each expert's home
+    partition (MoE-Infinity §5.1).
 
-    With ``replace``, queued prefetches not in ``plan`` are cancelled (in-flight copies finish).
+    With ``replace``, queued prefetches not in the plan are cancelled (in-flight copies finish).
     Keys resident or loading are skipped; a queued transfer is re-prioritised only when its priority
     changed (a queued demand is never downgraded). ``home`` is ``[L * E]`` device per key; ``now``
     stamps new transfers (simulated time). Each partition's queue is re-planned in one bulk call
-    (:meth:`TransferQueue.replan`: one heap rebuild per plan, not one push per entry).
+    (:meth:`TransferQueue.replan`).
     """
+    keys = np.asarray(keys, dtype=np.int64)
+    priorities = np.asarray(priorities, dtype=np.float64)
     if len(parts) == 1:
-        groups = [plan]
+        groups = [(keys, priorities)]
     else:
-        groups = [[] for _ in parts]
-        for item in plan:
-            groups[home[item[0]]].append(item)
-    for part, entries in zip(parts, groups):
-        if not entries and not (replace and len(part.queue)):
+        dev = home[keys]
+        groups = [(keys[dev == i], priorities[dev == i]) for i in range(len(parts))]
+    for part, (k, p) in zip(parts, groups):
+        if not k.size and not (replace and len(part.queue)):
             continue
-        held = part.key_slot
-        issued, cancelled = part.queue.replan([e for e in entries if e[0] not in held], replace, now)
+        free = ~part.held[k]
+        issued, cancelled = part.queue.replan(k[free], p[free], replace, now)
         stats.prefetch_issued += issued
         stats.prefetch_cancelled += cancelled

@@ -2,17 +2,24 @@
 
 Demand fetches (an expert needed now and not resident) always come before prefetches; prefetches
 are ordered by their priority, higher first, then FIFO (the order they were queued or last
-re-prioritised in). Cancelling a queued transfer marks it and drops it lazily when popped, so cancel
-is O(1). A prefetch plan re-prioritises the whole queue at once (:meth:`TransferQueue.replan`: one
-heap rebuild instead of one push per entry). Not thread-safe: the owning buffer's lock guards it.
+re-prioritised in). Not thread-safe: the owning buffer's lock guards it.
+
+NOTE: layout. A prefetch plan re-prioritises the whole queue after every MoE layer, and with
+hundreds of candidates (128-expert models, many later layers) per-entry Python work dominated the
+simulator. So prefetches live in per-key numpy arrays (queued flag, priority, FIFO sequence number,
+queue time) and :meth:`TransferQueue.replan` applies a plan with a handful of vectorised operations
+and one ``lexsort`` that fixes the pop order; pops walk that order, skipping keys no longer queued
+(cancel and pop are O(1)). A single :meth:`~TransferQueue.push` of a prefetch re-sorts lazily at
+the next pop. Demands are a FIFO of :class:`Transfer` objects with lazy cancellation.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import time
+from collections import deque
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 @dataclass(slots=True, eq=False)
@@ -30,90 +37,138 @@ class Transfer:
 
 
 class TransferQueue:
-    """Demands: heap ``(seq, Transfer)`` (FIFO); prefetches: heap ``(-priority, seq, Transfer)``.
+    """Demand FIFO plus a prefetch queue kept as per-key arrays (see the module note).
 
-    ``_demand`` / ``_prefetch`` map each key to its live queued transfer (a key is in at most one).
-    Heap entries of cancelled or re-prioritised transfers are dropped lazily (cancelled) or by the
-    rebuild in :meth:`replan`.
+    Args:
+        num_keys: flat expert keys the queue expects (``L * E``); it grows if a larger key comes.
     """
 
-    def __init__(self) -> None:
-        self._demand_heap: list[tuple[int, Transfer]] = []
-        self._prefetch_heap: list[tuple[float, int, Transfer]] = []
-        self._demand: dict[int, Transfer] = {}
-        self._prefetch: dict[int, Transfer] = {}
-        self._seq = itertools.count()
+    def __init__(self, num_keys: int = 0) -> None:
+        self._demand_fifo: deque[Transfer] = deque()
+        self._demand: dict[int, Transfer] = {}  # live queued demand per key
+        n = max(16, num_keys)
+        self._queued = np.zeros(n, dtype=bool)  # key is queued as a prefetch
+        self._prio = np.zeros(n)  # its priority (valid while queued)
+        self._seq = np.zeros(n, dtype=np.int64)  # its FIFO tie-break
+        self._queued_at = np.zeros(n)
+        self._is_demand = np.zeros(n, dtype=bool)  # key is queued as a demand (mirrors _demand)
+        self._n_prefetch = 0
+        self._next_seq = 0
+        self._order: list[int] = []  # queued prefetch keys in pop order (stale keys skipped)
+        self._cursor = 0
+        self._order_ok = True
 
     def __len__(self) -> int:
-        return len(self._demand) + len(self._prefetch)
+        return len(self._demand) + self._n_prefetch
+
+    def _fit(self, max_key: int) -> None:
+        n = self._queued.size
+        if max_key < n:
+            return
+        grow = max(max_key + 1, 2 * n) - n
+        self._queued = np.concatenate([self._queued, np.zeros(grow, dtype=bool)])
+        self._prio = np.concatenate([self._prio, np.zeros(grow)])
+        self._seq = np.concatenate([self._seq, np.zeros(grow, dtype=np.int64)])
+        self._queued_at = np.concatenate([self._queued_at, np.zeros(grow)])
+        self._is_demand = np.concatenate([self._is_demand, np.zeros(grow, dtype=bool)])
+
+    def _prefetch_transfer(self, key: int) -> Transfer:
+        return Transfer(
+            key, False, float(self._prio[key]), queued_at=float(self._queued_at[key]), seq=int(self._seq[key])
+        )
 
     def queued(self, key: int) -> Transfer | None:
-        """The live queued transfer for ``key``, if any."""
-        t = self._prefetch.get(key)
-        return t if t is not None else self._demand.get(key)
+        """The queued transfer for ``key``, if any (a prefetch comes back as a snapshot)."""
+        t = self._demand.get(key)
+        if t is not None:
+            return t
+        if key < self._queued.size and self._queued[key]:
+            return self._prefetch_transfer(key)
+        return None
 
     def push(self, t: Transfer) -> None:
         """Queue ``t``, replacing (cancelling) a queued transfer of the same key."""
-        old = self._prefetch.pop(t.key, None) or self._demand.pop(t.key, None)
-        if old is not None:
-            old.cancelled = True
-        t.seq = next(self._seq)
+        self.cancel(t.key)
+        t.seq = self._next_seq
+        self._next_seq += 1
+        key = t.key
+        self._fit(key)
         if t.demand:
-            self._demand[t.key] = t
-            heapq.heappush(self._demand_heap, (t.seq, t))
-        else:
-            self._prefetch[t.key] = t
-            heapq.heappush(self._prefetch_heap, (-t.priority, t.seq, t))
+            self._demand[key] = t
+            self._demand_fifo.append(t)
+            self._is_demand[key] = True
+            return
+        self._queued[key] = True
+        self._prio[key], self._seq[key], self._queued_at[key] = t.priority, t.seq, t.queued_at
+        self._n_prefetch += 1
+        self._order_ok = False
 
     def replan(
-        self, plan: list[tuple[int, float]], replace: bool, now: float | None = None
+        self, keys: np.ndarray, priorities: np.ndarray, replace: bool, now: float | None = None
     ) -> tuple[int, int]:
-        """Apply a prefetch plan ``[(key, priority)]`` (keys not resident) in one pass.
+        """Apply a prefetch plan: distinct ``keys [n]`` (not resident) with ``priorities [n]``.
 
-        With ``replace``, queued prefetches whose key is not in ``plan`` are cancelled. A key queued
-        as demand is left alone; a queued prefetch whose priority changed is re-prioritised in place
-        and goes behind the equal-priority ones (as if re-pushed, in plan order); a new key is queued
-        (``queued_at = now`` when given). The prefetch heap is then rebuilt once. Returns
-        ``(new prefetches, cancelled prefetches)``. Equivalent to cancelling what fell out and then
-        pushing each changed entry in plan order, which is what the tests check.
+        With ``replace``, queued prefetches whose key is not in the plan are cancelled. A key queued
+        as demand is left alone; a queued prefetch whose priority changed is re-prioritised and goes
+        behind the equal-priority ones (as if re-pushed, in plan order); a new key is queued
+        (``queued_at = now``, default ``time.perf_counter()``). Returns ``(new prefetches,
+        cancelled prefetches)``. Equivalent to cancelling what fell out and then pushing each
+        changed entry in plan order, which is what the tests check.
         """
-        pre = self._prefetch
+        keys = np.asarray(keys, dtype=np.int64)
+        priorities = np.asarray(priorities, dtype=np.float64)
+        if keys.size:
+            self._fit(int(keys.max()))
+        if self._demand and keys.size:
+            free = ~self._is_demand[keys]
+            keys, priorities = keys[free], priorities[free]
+        queued, prio = self._queued, self._prio
         cancelled = 0
-        if replace and pre:
-            drop = pre.keys() - {k for k, _ in plan}
-            for k in drop:
-                pre.pop(k).cancelled = True
-            cancelled = len(drop)
-        if self._demand:
-            demand = self._demand
-            plan = [e for e in plan if e[0] not in demand]
-        issued = 0
-        changed = cancelled > 0
-        seq, get = self._seq, pre.get
-        for key, prio in plan:
-            t = get(key)
-            if t is None:
-                t = Transfer(key, False, prio) if now is None else Transfer(key, False, prio, queued_at=now)
-                pre[key] = t
-                issued += 1
-            elif t.priority == prio:
-                continue
-            else:
-                t.priority = prio
-            t.seq = next(seq)
-            changed = True
-        if changed:
-            heap = [(-t.priority, t.seq, t) for t in pre.values()]
-            heapq.heapify(heap)
-            self._prefetch_heap = heap
+        if replace and self._n_prefetch:
+            keep = np.zeros(queued.size, dtype=bool)
+            keep[keys] = True
+            drop = queued & ~keep
+            cancelled = int(np.count_nonzero(drop))
+            if cancelled:
+                queued[drop] = False
+        was = queued[keys]
+        changed = ~was | (prio[keys] != priorities)
+        n_changed = int(np.count_nonzero(changed))
+        issued = int(keys.size - np.count_nonzero(was))
+        if n_changed:
+            ch = keys[changed]
+            self._seq[ch] = np.arange(self._next_seq, self._next_seq + n_changed)
+            self._next_seq += n_changed
+            prio[ch] = priorities[changed]
+            if issued:
+                self._queued_at[keys[~was]] = time.perf_counter() if now is None else now
+                queued[keys] = True
+        self._n_prefetch += issued - cancelled
+        if n_changed or cancelled:
+            self._sort()
         return issued, cancelled
+
+    def _sort(self) -> None:
+        """Fix the pop order of the queued prefetches: priority descending, then FIFO."""
+        q = np.flatnonzero(self._queued)
+        self._order = q[np.lexsort((self._seq[q], -self._prio[q]))].tolist()
+        self._cursor = 0
+        self._order_ok = True
 
     def cancel(self, key: int) -> Transfer | None:
         """Cancel the queued transfer of ``key``; returns it, or None if none was queued."""
-        t = self._prefetch.pop(key, None) or self._demand.pop(key, None)
+        t = self._demand.pop(key, None)
         if t is not None:
             t.cancelled = True
-        return t
+            self._is_demand[key] = False
+            return t
+        if key < self._queued.size and self._queued[key]:
+            self._queued[key] = False
+            self._n_prefetch -= 1
+            t = self._prefetch_transfer(key)
+            t.cancelled = True
+            return t
+        return None
 
     def pop(self) -> Transfer | None:
         """Highest-priority live transfer (demands first), or None when the queue is empty."""
@@ -121,23 +176,31 @@ class TransferQueue:
         if t is None:
             return None
         if t.demand:
-            heapq.heappop(self._demand_heap)
+            self._demand_fifo.popleft()
             del self._demand[t.key]
+            self._is_demand[t.key] = False
         else:
-            heapq.heappop(self._prefetch_heap)
-            del self._prefetch[t.key]
+            self._queued[t.key] = False
+            self._n_prefetch -= 1
+            self._cursor += 1
         return t
 
     def peek(self) -> Transfer | None:
-        heap = self._demand_heap
-        while heap and heap[0][1].cancelled:
-            heapq.heappop(heap)
-        if heap:
-            return heap[0][1]
-        heap = self._prefetch_heap
-        while heap and heap[0][2].cancelled:
-            heapq.heappop(heap)
-        return heap[0][2] if heap else None
+        fifo = self._demand_fifo
+        while fifo and fifo[0].cancelled:
+            fifo.popleft()
+        if fifo:
+            return fifo[0]
+        if not self._n_prefetch:
+            return None
+        if not self._order_ok:
+            self._sort()
+        order, queued, c = self._order, self._queued, self._cursor
+        while not queued[order[c]]:  # popped or cancelled since the sort
+            c += 1
+        self._cursor = c
+        return self._prefetch_transfer(order[c])
 
     def queued_prefetch_keys(self) -> list[int]:
-        return list(self._prefetch)
+        """Keys queued as prefetches (ascending)."""
+        return np.flatnonzero(self._queued).tolist()

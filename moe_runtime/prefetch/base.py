@@ -65,41 +65,29 @@ class PrefetchPolicy:
             cache[key] = w
         return w
 
-    def issue(self, scores: np.ndarray, limit: int | None = None) -> list[tuple[int, float]]:
+    def issue(self, scores: np.ndarray, limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Prefetch the best experts of ``scores [L, E]`` (0 = never) that are not resident or loading.
 
         At most ``limit`` (default: the slots a prefetch may take now). Returns the plan handed to
-        the buffer, ``[(flat key, priority)]`` best first; queued prefetches not in it are cancelled.
+        the buffer, ``(flat keys [n], priorities [n])`` best first; queued prefetches not in it are
+        cancelled.
         """
         # The plan is the best ``k`` candidates (score > 0, stably sorted: equal scores in ascending
-        # key order) that are not resident or loading. Few candidates: walk them. Many: mask out the
-        # keys resident or loading (those in some partition's residency map, which is exactly what
-        # ``resident_or_loading`` reads) and sort only the best ``k`` -- the same plan.
+        # key order) that are not resident or loading (the buffer's ``held`` mask); only the best
+        # ``k`` are sorted.
         flat = scores.reshape(-1)
-        cand = np.flatnonzero(flat > 0)
         buf = self.buffer
         with buf.cond:
             k = buf.prefetch_capacity() if limit is None else limit
-            plan: list[tuple[int, float]] = []
-            if k > 0 and len(cand) <= 64:
-                vals = flat[cand]
-                order = np.argsort(-vals, kind="stable")
-                for key, val in zip(cand[order].tolist(), vals[order].tolist()):
-                    if not buf.resident_or_loading(key):
-                        plan.append((key, val))
-                        if len(plan) >= k:
-                            break
-            elif k > 0:
-                pos = flat > 0
-                held = [key for part in buf.parts for key in part.key_slot]
-                if held:
-                    pos[held] = False
-                cand = np.flatnonzero(pos)
+            if k > 0:
+                cand = np.flatnonzero((flat > 0) & ~buf.held)
                 if len(cand) > k:
                     vals = flat[cand]
                     kth = np.partition(vals, len(cand) - k)[len(cand) - k]  # k-th largest score
                     cand = cand[vals >= kth]  # the best k, plus any tied with the k-th
-                order = cand[np.argsort(-flat[cand], kind="stable")][:k]
-                plan = list(zip(order.tolist(), flat[order].tolist()))
-            buf.prefetch(plan, replace=True)
-        return plan
+                keys = cand[np.argsort(-flat[cand], kind="stable")][:k]
+            else:
+                keys = np.zeros(0, dtype=np.int64)
+            priorities = flat[keys]
+            buf.prefetch(keys, priorities, replace=True)
+        return keys, priorities

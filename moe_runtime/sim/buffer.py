@@ -22,13 +22,14 @@ one in landing order; the time compute waits is the blocking time (MoE-Infinity 
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from moe_runtime.buffer.cache_policy import make_cache_policy
-from moe_runtime.buffer.partition import READY, Partition, apply_prefetch_plan
+from moe_runtime.buffer.partition import Partition, apply_prefetch_plan
 from moe_runtime.buffer.placement import home_devices
 from moe_runtime.io.transfer_queue import Transfer
 from moe_runtime.stats import ExpertStats
@@ -101,16 +102,18 @@ class SimBuffer:
         self.oracle = ctx.get("oracle")
         self.access_log: list[tuple[int, tuple[int, ...]]] | None = None
         self.parts: list[Partition] = []
+        self.held = np.zeros(num_layers * num_experts, dtype=bool)  # resident or loading anywhere
         for i in range(num_devices):
             homed = np.flatnonzero(self.home == i)
             n = max(1, min(slots_per_device, len(homed)))
             policy = make_cache_policy(cache_policy, n, num_experts, **ctx)
-            part = Partition(i, n, num_experts, expert_nbytes, policy, self.stats)
+            part = Partition(i, n, num_experts, expert_nbytes, policy, self.stats, held=self.held)
             if n >= len(homed):  # every expert homed here fits: resident from the start
                 part.preload(homed.tolist())
             self.parts.append(part)
         self._io = [_IO() for _ in self.parts]
         self._next_done = INF  # earliest done_at over self._io
+        self.landed: list[int] = []  # keys landed since finish_layer last cleared it
         self.all_resident = all(len(p.key_slot) == int((self.home == p.index).sum()) for p in self.parts)
 
     @property
@@ -127,6 +130,7 @@ class SimBuffer:
             while io.done_at <= t:
                 at = io.done_at
                 self.parts[i].land(io.slot, io.transfer)
+                self.landed.append(io.transfer.key)
                 io.transfer, io.done_at = None, INF
                 self._start(i, at)
         self._next_done = min(io.done_at for io in self._io)
@@ -162,7 +166,7 @@ class SimBuffer:
     # ------------------------------------------------------------------ policy interface
     def resident_or_loading(self, key: int) -> bool:
         """Caller holds ``cond``."""
-        return key in self.parts[self._home[key]].key_slot
+        return bool(self.held[key])
 
     def prefetch_capacity(self) -> int:
         """Slots prefetches could fill now, over all devices (caller holds ``cond``)."""
@@ -181,10 +185,11 @@ class SimBuffer:
         for part in self.parts:
             part.policy.after_routing(layer, request_ids, topk_ids)
 
-    def prefetch(self, plan: list[tuple[int, float]], replace: bool = True) -> None:
-        """Queue prefetches ``[(flat key, priority)]`` (``ExpertBuffer.prefetch``, same rules)."""
+    def prefetch(self, keys: np.ndarray, priorities: np.ndarray, replace: bool = True) -> None:
+        """Queue prefetches of ``keys [n]`` with ``priorities [n]`` (``ExpertBuffer.prefetch``, same
+        rules)."""
         self.advance()
-        apply_prefetch_plan(self.parts, self._home, plan, replace, self.stats, now=self.now)
+        apply_prefetch_plan(self.parts, self.home, keys, priorities, replace, self.stats, now=self.now)
         for i in range(len(self.parts)):
             self._kick(i)
 
@@ -235,13 +240,31 @@ class SimBuffer:
         for e, part, s in ready:
             self.now += compute_s(e)
             self._release(part, s)
+        if not waiting:
+            return 0.0
+        # Waiting experts compute in list order among those READY (``_first_landed``). A slot turns
+        # READY only by landing, so after one scan only the keys landed since are looked at: the
+        # READY ones wait in a heap of their list positions.
+        landed = self.landed
+        landed.clear()
+        ready_pos = [i for i, (_, key, part) in enumerate(waiting) if part.ready_slot(key) is not None]
+        position = {key: i for i, (_, key, _) in enumerate(waiting)}
+        seen = 0
         blocked_total = 0.0
-        while waiting:
+        for _ in range(len(waiting)):
             t0 = self.now
             if self._next_done <= t0:
                 self.advance()
             woke = False
-            while (found := _first_landed(waiting)) is None:
+            while True:
+                if seen < len(landed):
+                    for key in landed[seen:]:
+                        i = position.get(key)
+                        if i is not None:
+                            heapq.heappush(ready_pos, i)
+                    seen = len(landed)
+                if ready_pos:
+                    break
                 if self._next_done == INF:
                     raise RuntimeError(f"simulator deadlock at layer {layer}: nothing in flight")
                 self.now = self._next_done
@@ -249,7 +272,7 @@ class SimBuffer:
                 woke = True
             if woke and self.wake_s:
                 self.now += self.wake_s
-            e, key, part = waiting.pop(found)
+            e, key, part = waiting[heapq.heappop(ready_pos)]
             blocked = self.now - t0
             if blocked:
                 blocked_total += blocked
@@ -265,12 +288,3 @@ class SimBuffer:
         part.release(s)
         if self._io[part.index].transfer is None:
             self._start(part.index, self.now)
-
-
-def _first_landed(waiting: list[tuple[int, int, Partition]]) -> int | None:
-    """Index of the first waiting expert whose slot is READY (``ExpertBuffer._first_landed``)."""
-    for i, (_, key, part) in enumerate(waiting):
-        s = part.key_slot.get(key)
-        if s is not None and part.state[s] == READY:
-            return i
-    return None
