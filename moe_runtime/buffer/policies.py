@@ -202,9 +202,10 @@ class OracleCachePolicy(CachePolicy):
     (it may be evictable between routing and the layer's run); once used, its next use is the
     following one.
 
-    Each slot's next use is cached (``_next [S]``, positions; -inf = unknown) and recomputed only
-    when the cursor has passed it or the slot was filled or used since: a cached ``v >= cursor``
-    stays exact because no use lies between the position it was computed at and ``v``.
+    Each slot's next use is kept (``_next [S]``, positions; inf = never): computed by the slot hooks
+    at fill and use, and recomputed only once the cursor has passed it (checked once per cursor
+    position, at the first victim there): a value ``v >= cursor`` stays exact because no use lies
+    between the position it was computed at and ``v``. A victim is then one gather and argmax.
     """
 
     name = "oracle"
@@ -219,26 +220,29 @@ class OracleCachePolicy(CachePolicy):
         self.oracle = oracle
         self._slot_key: list[int] = [-1] * num_slots
         self._used_at: dict[int, int] = {}  # key -> cursor of its latest use
-        self._next = np.full(num_slots, -np.inf)  # cached next use per slot (position; inf = never)
+        self._next = np.full(num_slots, -np.inf)  # next use per slot (position; -inf = unknown)
+        self._checked: int | None = None  # cursor at which no ``_next`` was below the cursor
+
+    def _next_use(self, key: int) -> float:
+        cur = self.oracle.cursor
+        return self.oracle.next_use(key, current=self._used_at.get(key) != cur)
 
     def on_fill(self, slot: int, key: int, prefetch: bool) -> None:
         self._slot_key[slot] = key
-        self._next[slot] = -np.inf
+        self._next[slot] = self._next_use(key)
 
     def on_use(self, slot: int, key: int) -> None:
         self._used_at[key] = self.oracle.cursor
-        self._next[slot] = -np.inf
+        self._next[slot] = self._next_use(key)
 
     def victim(self, candidates: np.ndarray) -> int:
         """Candidate (ascending slots) whose next use is furthest; the first among equal ones."""
+        nxt = self._next
+        cur = self.oracle.cursor
+        if self._checked != cur:  # the cursor moved: recompute the next uses it passed
+            keys = self._slot_key
+            for s in np.flatnonzero(nxt < cur).tolist():
+                nxt[s] = self._next_use(keys[s])
+            self._checked = cur
         candidates = np.asarray(candidates)
-        cur, nxt = self.oracle.cursor, self._next
-        vals = nxt[candidates]
-        stale = vals < cur
-        if stale.any():
-            used, nxt_use, keys = self._used_at, self.oracle.next_use, self._slot_key
-            for s in candidates[stale].tolist():
-                k = keys[s]
-                nxt[s] = nxt_use(k, current=used.get(k) != cur)
-            vals = nxt[candidates]
-        return int(candidates[int(np.argmax(vals))])
+        return int(candidates[nxt[candidates].argmax()])
