@@ -227,3 +227,48 @@ def test_eam_plan_with_no_routed_tokens_is_harmless():
         assert pol.last_probs is not None
     finally:
         buf.close()
+
+
+@pytest.mark.parametrize("name", ["model-counts", "eam-reuse"])
+@pytest.mark.parametrize("seed", range(4))
+def test_cached_victim_scores_match_the_formula(name: str, seed: int) -> None:
+    """The per-slot scores kept between routings pick the victim the formula picks from scratch."""
+    from moe_runtime.buffer.cache_policy import make_cache_policy
+
+    rng = np.random.default_rng(seed)
+    slots = 6
+
+    class Recorder:
+        def query(self, request_ids, layer):
+            return rng.integers(0, 4, size=(len(request_ids), L, E)).astype(np.float32)
+
+    pol = make_cache_policy(name, slots, E, num_layers=L, recorder=Recorder())
+    keys = [-1] * slots
+    filled_at = [0.0] * slots
+    reset_prio = [0.0] * slots  # model-counts: count at the last reset + 1e-9 * tick
+
+    def reference(cands: np.ndarray) -> int:
+        ks = np.array([keys[s] for s in cands.tolist()])
+        if name == "model-counts":
+            return int(cands[np.argmin(pol.counts[ks] + 1e-9 * np.array(reset_prio)[cands])])
+        dist = (ks // E - pol.layer - 1) % L + 1
+        p = np.maximum(pol.p_use[ks], 1e-3)
+        return int(cands[np.argmax(dist + L * (1.0 / p - 1.0) - 1e-9 * np.array(filled_at)[cands])])
+
+    for _ in range(400):
+        op = rng.integers(0, 4)
+        s = int(rng.integers(0, slots))
+        if op == 0:
+            topk = rng.integers(0, E, size=(int(rng.integers(1, 4)), 2))
+            pol.after_routing(int(rng.integers(0, L)), ["a"], topk)
+        elif op == 1:
+            keys[s] = int(rng.integers(0, L * E))
+            pol.on_fill(s, keys[s], prefetch=bool(rng.integers(0, 2)))
+        elif op == 2 and keys[s] >= 0:
+            pol.on_use(s, keys[s])
+        filled_at[s] = reset_prio[s] = pol.priority[s]
+        held = np.array([i for i in range(slots) if keys[i] >= 0])
+        if op == 3 and len(held):
+            cands = held[rng.random(len(held)) < 0.7]
+            if len(cands):
+                assert pol.victim(cands) == reference(cands)

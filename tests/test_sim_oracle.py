@@ -14,6 +14,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from moe_runtime.prefetch.oracle import OracleSchedule
 from moe_runtime.sim.cost import CostModel
 from moe_runtime.sim.engine import SimConfig, Simulator
 from moe_runtime.sim.runner import SIM_COMBOS as COMBOS
@@ -55,3 +56,25 @@ def test_oracle_hit_rate_is_never_below_another_policy(case: tuple[Simulator, li
     oracle = next(r for r in runs if r.prefetch == "oracle")
     for r in runs:
         assert oracle.hit_rate >= r.hit_rate - 1e-12, (r.label, r.hit_rate, oracle.hit_rate)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 3), st.lists(st.integers(0, 5), max_size=4).map(tuple)), max_size=12),
+    st.integers(0, 13),
+    st.integers(0, 6),
+    st.integers(0, 2),
+)
+def test_oracle_first_uses_are_the_first_upcoming_entry_of_each_key(
+    log: list[tuple[int, tuple[int, ...]]], cursor: int, horizon: int, start: int
+) -> None:
+    sched = OracleSchedule(log, 6)
+    sched.cursor = cursor
+    seen: set[int] = set()
+    expected = []
+    for d, key in sched.upcoming(horizon, start):
+        if key not in seen:
+            seen.add(key)
+            expected.append((d, key))
+    dist, keys = sched.first_uses(horizon, start)
+    assert list(zip(dist.tolist(), keys.tolist())) == expected

@@ -91,41 +91,75 @@ class EAMReuseCachePolicy(CachePolicy):
         self.recorder = _needs_recorder(self.name, recorder)
         self.num_layers = num_layers
         self.layer = 0
-        self.p_use = np.zeros(num_layers * num_experts)  # per-step use probability of each key
+        self._p_use = np.zeros(num_layers * num_experts)
+        self._routed: tuple[np.ndarray, tuple[int, ...]] | None = None  # for ``p_use``, not used yet
         self._slot_key = np.full(num_slots, -1)
         self._recency = np.zeros(num_slots)  # tick of the last fill/use, for ties (LRU-wise)
+        # Speed: the victim score ``expected - 1e-9 * recency`` per slot (``_score [S]``, with
+        # ``_expected [S]``), kept by the slot hooks and recomputed for all slots at the first
+        # victim after ``after_routing`` moved the layer or the counts (``_stale``).
+        self._expected = np.zeros(num_slots)
+        self._score = np.zeros(num_slots)
+        self._stale = True
 
     def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
         self.layer = layer
-        if not request_ids or topk_ids.size == 0:
-            return
-        counts = self.recorder.query(request_ids, layer).sum(axis=0).astype(np.float64)  # [L, E]
-        tokens = counts.sum(axis=1, keepdims=True)
-        share = np.divide(counts, tokens, out=np.zeros_like(counts), where=tokens > 0)
-        share *= topk_ids.shape[1]  # share of tokens choosing the expert (each token picks k)
-        self.p_use = 1.0 - (1.0 - np.minimum(share, 1.0)).reshape(-1) ** topk_ids.shape[0]
+        self._stale = True
+        if request_ids and topk_ids.size:
+            # the recorder's answer is read-only: keep it, derive ``p_use`` when a victim needs it
+            self._routed = (self.recorder.query(request_ids, layer), topk_ids.shape)
+
+    @property
+    def p_use(self) -> np.ndarray:
+        """``[L * E]`` per-step use probability of each key, from the latest routed layer's counts."""
+        if self._routed is not None:
+            eams, (T, k) = self._routed
+            self._routed = None
+            counts = eams.sum(axis=0).astype(np.float64)  # [L, E]
+            tokens = counts.sum(axis=1, keepdims=True)
+            share = counts / np.where(tokens > 0, tokens, 1.0)  # counts >= 0: a 0-token row is all 0
+            share *= k  # share of tokens choosing the expert (each token picks k)
+            self._p_use = 1.0 - (1.0 - np.minimum(share, 1.0)).reshape(-1) ** T
+        return self._p_use
+
+    def _expected_of(self, key: int) -> float:
+        """Expected layer runs until ``key``'s next use (the formula above, for one key)."""
+        L = self.num_layers
+        dist = (key // self.num_experts - self.layer - 1) % L + 1
+        p = max(float(self._p_use[key]), 1e-3)  # fresh: victim() derived it since the routing
+        return dist + L * (1.0 / p - 1.0)
 
     def on_fill(self, slot: int, key: int, prefetch: bool) -> None:
         self._slot_key[slot] = key
-        self.priority[slot] = self._recency[slot] = self.tick()
+        self.priority[slot] = self._recency[slot] = t = self.tick()
+        if not self._stale:
+            self._expected[slot] = e = self._expected_of(key)
+            self._score[slot] = e - 1e-9 * t
 
     def on_use(self, slot: int, key: int) -> None:
-        self.priority[slot] = self._recency[slot] = self.tick()
+        self.priority[slot] = self._recency[slot] = t = self.tick()
+        if not self._stale:
+            self._score[slot] = self._expected[slot] - 1e-9 * t
 
     def victim(self, candidates: np.ndarray) -> int:
-        keys = self._slot_key[candidates]
-        L = self.num_layers
-        dist = (keys // self.num_experts - self.layer - 1) % L + 1
-        p = np.maximum(self.p_use[keys], 1e-3)
-        expected = dist + L * (1.0 / p - 1.0)
-        return int(candidates[np.argmax(expected - 1e-9 * self._recency[candidates])])  # ties: LRU
+        if self._stale:  # free slots (key -1) get a meaningless score; they are never candidates
+            keys, L = self._slot_key, self.num_layers
+            dist = (keys // self.num_experts - self.layer - 1) % L + 1
+            p = np.maximum(self.p_use[keys], 1e-3)
+            self._expected = dist + L * (1.0 / p - 1.0)
+            self._score = self._expected - 1e-9 * self._recency
+            self._stale = False
+        candidates = np.asarray(candidates)
+        return int(candidates[self._score[candidates].argmax()])  # ties: LRU, then lowest slot
 
 
 class ModelCountsCachePolicy(_ResetPolicy):
     """BrainStorm-style: priority = lifetime activation count of the expert over all requests.
 
     The victim compares the *current* counts (they grow in ``after_routing``), so it is not
-    ``ordered``: it scores the candidate array each time.
+    ``ordered``: it scores the candidate array each time. Speed: each slot's score
+    ``count + 1e-9 * reset priority`` is kept in ``_score [S]``, set by ``_reset`` and recomputed for
+    all slots at the first victim after the counts changed, so a victim is one gather and argmin.
     """
 
     name = "model-counts"
@@ -136,20 +170,29 @@ class ModelCountsCachePolicy(_ResetPolicy):
         self.counts = np.zeros(num_layers * num_experts)
         self._slot_key = np.full(num_slots, -1)
         self._reset_prio = np.zeros(num_slots)  # ``priority`` as an array, for the vectorised victim
+        self._score = np.zeros(num_slots)  # victim score per slot, valid unless ``_stale``
+        self._stale = False
 
     def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
         e = self.num_experts
         self.counts[layer * e : (layer + 1) * e] += np.bincount(topk_ids.reshape(-1), minlength=e)
+        self._stale = True
 
     def _reset(self, slot: int, key: int) -> None:
         self._slot_key[slot] = key
-        self.priority[slot] = self._reset_prio[slot] = float(self.counts[key]) + 1e-9 * self.tick()
+        count = float(self.counts[key])
+        prio = count + 1e-9 * self.tick()
+        self.priority[slot] = self._reset_prio[slot] = prio
+        if not self._stale:
+            self._score[slot] = count + 1e-9 * prio
 
     def victim(self, candidates: np.ndarray) -> int:
         """Lowest current count (then reset priority, then slot) among ``candidates`` (ascending)."""
+        if self._stale:  # free slots (key -1) get a meaningless score; they are never candidates
+            np.add(self.counts[self._slot_key], 1e-9 * self._reset_prio, out=self._score)
+            self._stale = False
         candidates = np.asarray(candidates)
-        keys = self._slot_key[candidates]
-        return int(candidates[np.argmin(self.counts[keys] + 1e-9 * self._reset_prio[candidates])])
+        return int(candidates[self._score[candidates].argmin()])
 
 
 class OracleCachePolicy(CachePolicy):
@@ -159,9 +202,10 @@ class OracleCachePolicy(CachePolicy):
     (it may be evictable between routing and the layer's run); once used, its next use is the
     following one.
 
-    Each slot's next use is cached (``_next [S]``, positions; -inf = unknown) and recomputed only
-    when the cursor has passed it or the slot was filled or used since: a cached ``v >= cursor``
-    stays exact because no use lies between the position it was computed at and ``v``.
+    Each slot's next use is kept (``_next [S]``, positions; inf = never): computed by the slot hooks
+    at fill and use, and recomputed only once the cursor has passed it (checked once per cursor
+    position, at the first victim there): a value ``v >= cursor`` stays exact because no use lies
+    between the position it was computed at and ``v``. A victim is then one gather and argmax.
     """
 
     name = "oracle"
@@ -176,26 +220,29 @@ class OracleCachePolicy(CachePolicy):
         self.oracle = oracle
         self._slot_key: list[int] = [-1] * num_slots
         self._used_at: dict[int, int] = {}  # key -> cursor of its latest use
-        self._next = np.full(num_slots, -np.inf)  # cached next use per slot (position; inf = never)
+        self._next = np.full(num_slots, -np.inf)  # next use per slot (position; -inf = unknown)
+        self._checked: int | None = None  # cursor at which no ``_next`` was below the cursor
+
+    def _next_use(self, key: int) -> float:
+        cur = self.oracle.cursor
+        return self.oracle.next_use(key, current=self._used_at.get(key) != cur)
 
     def on_fill(self, slot: int, key: int, prefetch: bool) -> None:
         self._slot_key[slot] = key
-        self._next[slot] = -np.inf
+        self._next[slot] = self._next_use(key)
 
     def on_use(self, slot: int, key: int) -> None:
         self._used_at[key] = self.oracle.cursor
-        self._next[slot] = -np.inf
+        self._next[slot] = self._next_use(key)
 
     def victim(self, candidates: np.ndarray) -> int:
         """Candidate (ascending slots) whose next use is furthest; the first among equal ones."""
+        nxt = self._next
+        cur = self.oracle.cursor
+        if self._checked != cur:  # the cursor moved: recompute the next uses it passed
+            keys = self._slot_key
+            for s in np.flatnonzero(nxt < cur).tolist():
+                nxt[s] = self._next_use(keys[s])
+            self._checked = cur
         candidates = np.asarray(candidates)
-        cur, nxt = self.oracle.cursor, self._next
-        vals = nxt[candidates]
-        stale = vals < cur
-        if stale.any():
-            used, nxt_use, keys = self._used_at, self.oracle.next_use, self._slot_key
-            for s in candidates[stale].tolist():
-                k = keys[s]
-                nxt[s] = nxt_use(k, current=used.get(k) != cur)
-            vals = nxt[candidates]
-        return int(candidates[int(np.argmax(vals))])
+        return int(candidates[nxt[candidates].argmax()])

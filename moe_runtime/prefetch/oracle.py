@@ -38,6 +38,21 @@ class OracleSchedule:
             for e in experts:
                 uses.setdefault(layer * num_experts + e, []).append(pos)
         self._uses = uses
+        # The log flattened to entries (one per (position, expert)), for windows over the future:
+        # ``_keys [N]`` flat keys, ``_pos [N]`` their positions, ``_start [P + 1]`` each position's
+        # first entry, ``_prev [N]`` the entry index of the same key's previous use (-1: none).
+        sizes = [len(experts) for _, experts in self.log]
+        self._start = np.zeros(len(self.log) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=self._start[1:])
+        self._keys = np.array(
+            [layer * num_experts + e for layer, experts in self.log for e in experts], dtype=np.int64
+        )
+        self._pos = np.repeat(np.arange(len(self.log), dtype=np.int64), sizes)
+        order = np.argsort(self._keys, kind="stable")  # by key, then by entry index
+        prev = np.full(len(order), -1, dtype=np.int64)
+        same = self._keys[order[1:]] == self._keys[order[:-1]]
+        prev[order[1:][same]] = order[:-1][same]
+        self._prev = prev
 
     def advance(self, layer: int) -> int:
         """Move to the next execution of ``layer``; returns the cursor.
@@ -73,6 +88,17 @@ class OracleSchedule:
             out.extend((d, layer * self.num_experts + e) for e in experts)
         return out
 
+    def first_uses(self, horizon: int, start: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """``(distance [n], key [n])``: the entries of :meth:`upcoming` that are each key's first in
+        that window (positions ``cursor + start .. cursor + horizon``, clipped to the log), in the
+        same order. Vectorised: an entry is its key's first in the window iff the key's previous use
+        lies before the window."""
+        n = len(self.log)
+        lo = min(max(self.cursor + start, 0), n)
+        a, b = int(self._start[lo]), int(self._start[min(max(self.cursor + horizon + 1, lo), n)])
+        first = self._prev[a:b] < a
+        return self._pos[a:b][first] - self.cursor, self._keys[a:b][first]
+
 
 class OraclePrefetch(PrefetchPolicy):
     """Prefetch exactly what the next ``depth`` layer executions use, nearest first.
@@ -94,17 +120,19 @@ class OraclePrefetch(PrefetchPolicy):
 
     def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
         scores = np.zeros(self.num_layers * self.num_experts)
-        home, parts = self.buffer.home, self.buffer.parts
-        room = [p.num_slots for p in parts]  # per device: soonest-needed experts still to place
-        seen: set[int] = set()
-        for d, key in self.oracle.upcoming(self.depth, start=0):
-            if key in seen:
-                continue
-            seen.add(key)
-            dev = int(home[key])
-            if room[dev] == 0:
-                continue
-            room[dev] -= 1
-            if d > 0:
-                scores[key] = 1.0 - d / (self.depth + 1)
+        parts = self.buffer.parts
+        # Each key's first use in the window, soonest first; per device, only the first
+        # ``num_slots`` of them (the soonest-needed experts) may be placed.
+        dist, keys = self.oracle.first_uses(self.depth, start=0)
+        if len(parts) == 1:
+            dist, keys = dist[: parts[0].num_slots], keys[: parts[0].num_slots]
+        else:
+            devs = np.asarray(self.buffer.home)[keys]
+            keep = np.zeros(len(keys), dtype=bool)
+            for dev, part in enumerate(parts):
+                mine = devs == dev
+                keep |= mine & (np.cumsum(mine) <= part.num_slots)
+            dist, keys = dist[keep], keys[keep]
+        later = dist > 0  # the running position's experts are not prefetched
+        scores[keys[later]] = 1.0 - dist[later] / (self.depth + 1)
         self.issue(scores.reshape(self.num_layers, self.num_experts))
