@@ -17,6 +17,7 @@ from moe_runtime.prefetch import make_prefetch_policy
 from moe_runtime.prefetch.base import PrefetchPolicy
 from moe_runtime.stats import ExpertStats
 from moe_runtime.store import HostExpertStore
+from tracer.eamc import EAMC
 
 L, E = 4, 5
 
@@ -31,21 +32,12 @@ class FakeRecorder:
         return np.stack([self.eam for _ in request_ids])
 
 
-class FakeEAMC:
-    def __init__(self, entries: np.ndarray) -> None:
-        self._entries = entries.astype(np.float32)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def entries(self) -> np.ndarray:
-        return self._entries
-
-    def search(self, queries, k):
-        flat = self._entries.reshape(len(self._entries), -1)
-        sims = queries.reshape(len(queries), -1) @ flat.T
-        idx = np.argsort(-sims, axis=1)[:, :k]
-        return np.take_along_axis(sims, idx, 1), idx
+def FakeEAMC(entries: np.ndarray) -> EAMC:  # noqa: N802 - kept the old fake's name for its callers
+    """A real EAMC holding ``entries [n, L, E]`` (rows are L2-normalised on add)."""
+    eamc = EAMC(entries.shape[1], entries.shape[2], capacity=len(entries))
+    for entry in entries:
+        eamc.add(entry)
+    return eamc
 
 
 def small_store() -> HostExpertStore:

@@ -117,40 +117,43 @@ class TransferQueue:
         """
         keys = np.asarray(keys, dtype=np.int64)
         priorities = np.asarray(priorities, dtype=np.float64)
-        if keys.size:
+        try:
+            was = self._queued[keys]
+        except IndexError:  # a key past the key space: grow (rare; sized by the owner)
             self._fit(int(keys.max()))
-        if self._demand and keys.size:
+            was = self._queued[keys]
+        if self._demand:
             free = ~self._is_demand[keys]
-            keys, priorities = keys[free], priorities[free]
+            keys, priorities, was = keys[free], priorities[free], was[free]
         queued, prio = self._queued, self._prio
+        n_was = int(np.count_nonzero(was))
+        issued = keys.size - n_was
         cancelled = 0
-        if replace and self._n_prefetch:
-            keep = np.zeros(queued.size, dtype=bool)
-            keep[keys] = True
-            drop = queued & ~keep
-            cancelled = int(np.count_nonzero(drop))
+        if replace:  # afterwards exactly ``keys`` are queued
+            cancelled = self._n_prefetch - n_was
             if cancelled:
-                queued[drop] = False
-        was = queued[keys]
-        changed = ~was | (prio[keys] != priorities)
+                queued[:] = False
+                queued[keys] = True
+        changed = prio[keys] != priorities
+        changed |= ~was
         n_changed = int(np.count_nonzero(changed))
-        issued = int(keys.size - np.count_nonzero(was))
         if n_changed:
             ch = keys[changed]
             self._seq[ch] = np.arange(self._next_seq, self._next_seq + n_changed)
             self._next_seq += n_changed
             prio[ch] = priorities[changed]
-            if issued:
-                self._queued_at[keys[~was]] = time.perf_counter() if now is None else now
-                queued[keys] = True
+        if issued:
+            self._queued_at[keys[~was]] = time.perf_counter() if now is None else now
+            queued[keys] = True
         self._n_prefetch += issued - cancelled
         if n_changed or cancelled:
-            self._sort()
+            self._sort(keys if replace else None)
         return issued, cancelled
 
-    def _sort(self) -> None:
-        """Fix the pop order of the queued prefetches: priority descending, then FIFO."""
-        q = np.flatnonzero(self._queued)
+    def _sort(self, queued_keys: np.ndarray | None = None) -> None:
+        """Fix the pop order of the queued prefetches (``queued_keys`` when the caller knows them):
+        priority descending, then FIFO."""
+        q = np.flatnonzero(self._queued) if queued_keys is None else queued_keys
         self._order = q[np.lexsort((self._seq[q], -self._prio[q]))].tolist()
         self._cursor = 0
         self._order_ok = True

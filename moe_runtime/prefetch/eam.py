@@ -27,6 +27,12 @@ import numpy as np
 
 from moe_runtime.errors import ConfigError
 from moe_runtime.prefetch.base import PrefetchPolicy
+from tracer.prefix_match import PrefixMatcher
+
+# Per-layer matching cost (us), full search vs incremental, measured on this 2-core host:
+# B=1 L=32 E=8 n=1000 (256k multiply-adds): 21 vs 33; B=4, same (1.0M): 79 vs 36;
+# B=8 L=48 E=128 n=16 (786k): 66 vs 31; B=1 L=48 E=128 n=16 (98k): 15 vs 16.
+INCREMENTAL_MIN_MACS = 512 * 1024
 
 
 class EAMPrefetch(PrefetchPolicy):
@@ -74,6 +80,9 @@ class EAMPrefetch(PrefetchPolicy):
         self.lookahead_weight = lookahead_weight
         self._ahead: tuple[int, np.ndarray] | None = None  # (layer, [D, E]) of the current layer
         self.last_probs: np.ndarray | None = None  # [L, E] of the latest plan, for tests and stats
+        self._matcher: PrefixMatcher | None = None  # incremental EAMC matching of the running batch
+        self._match_ids: list[str] | None = None
+        self._match_layer = self.num_layers  # > any layer: the first call starts a step
 
     def predict(self, layer: int, request_ids: list[str]) -> np.ndarray | None:
         """Activation probabilities ``[L, E]`` for the running batch, or None without evidence.
@@ -93,17 +102,45 @@ class EAMPrefetch(PrefetchPolicy):
             rows *= self.own_weight
         n = len(self.eamc)
         if n:
-            _, idx = self.eamc.search(so_far.astype(np.float32), k=min(self.matches, n))  # normalises
+            idx = self._match(layer, request_ids, so_far, min(self.matches, n))
             idx = idx[idx >= 0]
             if idx.size:
-                weight = np.bincount(idx, minlength=n).astype(np.float32)  # [n] times matched
-                flat = weight @ self.eamc.entries().reshape(n, -1)  # [L * E] summed matches
-                rows += _row_probs(flat[lo * self.num_experts : hi * self.num_experts].reshape(hi - lo, -1))
+                times = np.bincount(idx, minlength=n).astype(np.float32)  # [n] times matched
+                matched = np.flatnonzero(times)
+                block = self.eamc.entries()[matched, lo:hi]  # [m, D, E] only the planned rows
+                summed = np.einsum("m,mf->f", times[matched], block.reshape(len(matched), -1))
+                rows += _row_probs(summed.reshape(hi - lo, -1))
         if not rows.any():
             return None
         prob = np.zeros((self.num_layers, self.num_experts), dtype=np.float32)
         prob[lo:hi] = _row_probs(rows)
         return prob
+
+    def _match(self, layer: int, request_ids: list[str], so_far: np.ndarray, k: int) -> np.ndarray:
+        """``[B, k]`` EAMC slots best matching each request's EAM so far (prefix matching, §5.1).
+
+        Large searches (``B * n * L * E >= INCREMENTAL_MIN_MACS``) are incremental
+        (:class:`tracer.prefix_match.PrefixMatcher`): from one routed layer to the next only that
+        layer's row of each query changes, so only its cosines are recomputed; a new step
+        (``end_step``, or a layer not after the last one), a new batch or a new ``k`` starts from
+        the full query. Small ones are one :meth:`tracer.eamc.EAMC.search`, which is cheaper
+        there. Both give the same matches up to float rounding.
+        """
+        if len(request_ids) * len(self.eamc) * self.num_layers * self.num_experts < INCREMENTAL_MIN_MACS:
+            self._match_ids = None  # the incremental state is not kept up to date meanwhile
+            return self.eamc.search(so_far, k=k)[1]
+        m = self._matcher
+        if m is None or m.k != k:
+            m = self._matcher = PrefixMatcher(self.eamc, k=k)
+            self._match_ids = None
+        if layer <= self._match_layer or request_ids != self._match_ids:
+            m.begin_step(so_far)
+            self._match_ids = list(request_ids)
+        self._match_layer = layer
+        return m.update(layer, so_far)[1]
+
+    def end_step(self) -> None:
+        self._match_layer = self.num_layers  # the step's counts move into the request EAMs
 
     def observe_lookahead(self, layer: int, scores: np.ndarray) -> None:
         """Router lookahead scores ``[D, E]`` of MoE layers ``layer + 1 .. layer + D``, handed over
