@@ -81,8 +81,17 @@ class EAMPrefetch(PrefetchPolicy):
         self._ahead: tuple[int, np.ndarray] | None = None  # (layer, [D, E]) of the current layer
         self.last_probs: np.ndarray | None = None  # [L, E] of the latest plan, for tests and stats
         self._matcher: PrefixMatcher | None = None  # incremental EAMC matching of the running batch
-        self._match_ids: list[str] | None = None
-        self._match_layer = self.num_layers  # > any layer: the first call starts a step
+        self._match_ids: list[str] | None = None  # the batch the matcher's step began with
+        # per-step state (see predict): the step's batch, the last routed layer, the own term,
+        # the EAMC term and its key, their normalised sum and its capped form
+        self._step_ids: list[str] | None = None
+        self._last_layer = self.num_layers  # > any layer: the first call starts a step
+        self._own: np.ndarray | None = None  # [L, E]
+        self._eamc_rows: np.ndarray | None = None  # [L, E]
+        self._eamc_key: tuple[int, bytes] | None = None
+        self._final: np.ndarray | None = None  # [L, E]
+        self._evidence: np.ndarray | None = None  # [L] bool
+        self._limited: tuple[int, np.ndarray] | None = None  # (cap, [L, E])
 
     def predict(self, layer: int, request_ids: list[str]) -> np.ndarray | None:
         """Activation probabilities ``[L, E]`` for the running batch, or None without evidence.
@@ -91,40 +100,68 @@ class EAMPrefetch(PrefetchPolicy):
         batch's own EAM so far, row-normalised, is added with weight ``own_weight`` (the skewed
         reuse of §3.1: a request keeps choosing the experts it chose) and the sum normalised again.
         Only the rows of the layers a plan from ``layer`` covers (``layer + 1 .. layer + depth``)
-        are computed; the others are zero.
+        are returned; the others are zero.
+
+        NOTE: per-step reuse. Rows after ``layer`` hold only earlier steps' counts, which do not
+        change within a step, so the own term is computed once per step for all rows; the EAMC
+        term is recomputed only when the matches (or the EAMC) change. Row by row the numbers
+        are those of a from-scratch computation.
         """
         lo, hi = layer + 1, min(self.num_layers, layer + 1 + self.depth)
         if not request_ids or lo >= hi:
             return None
+        self._begin_layer(layer, request_ids)
         so_far = self.recorder.query(request_ids, layer)  # [B, L, E] token counts
-        rows = _row_probs(so_far[:, lo:hi].sum(axis=0).astype(np.float32))  # [D, E]
-        if self.own_weight != 1.0:
-            rows *= self.own_weight
+        if self._own is None:  # first routed layer of the step: rows > layer are earlier steps'
+            self._own = _row_probs(so_far.sum(axis=0).astype(np.float32))  # [L, E]
+            if self.own_weight != 1.0:
+                self._own *= self.own_weight
+            self._final = None
+        key = self._eamc_key
         n = len(self.eamc)
         if n:
-            idx = self._match(layer, request_ids, so_far, min(self.matches, n))
-            idx = idx[idx >= 0]
-            if idx.size:
-                times = np.bincount(idx, minlength=n).astype(np.float32)  # [n] times matched
+            k = min(self.matches, n)
+            if n <= k and self.eamc.index_kind == "flat":  # an exact top-k of all: every entry
+                times = np.full(n, len(request_ids), dtype=np.int64)
+            else:
+                idx = self._match(layer, request_ids, so_far, k)
+                times = np.bincount(idx[idx >= 0], minlength=n)  # [n] times matched
+            key = (self.eamc.version, times.tobytes())
+            if key != self._eamc_key:
                 matched = np.flatnonzero(times)
-                block = self.eamc.entries()[matched, lo:hi]  # [m, D, E] only the planned rows
-                summed = np.einsum("m,mf->f", times[matched], block.reshape(len(matched), -1))
-                rows += _row_probs(summed.reshape(hi - lo, -1))
-        if not rows.any():
+                block = self.eamc.entries()[matched].reshape(len(matched), -1)  # [m, L * E]
+                summed = np.einsum("m,mf->f", times[matched].astype(np.float32), block)
+                self._eamc_rows = _row_probs(summed.reshape(self.num_layers, -1)) if len(matched) else None
+                self._eamc_key, self._final = key, None
+        if self._final is None:
+            total = self._own if self._eamc_rows is None else self._own + self._eamc_rows
+            self._final = _row_probs(total)  # [L, E]
+            self._evidence = total.any(axis=1)  # [L] rows with any evidence
+            self._limited = None
+        if not self._evidence[lo:hi].any():
             return None
         prob = np.zeros((self.num_layers, self.num_experts), dtype=np.float32)
-        prob[lo:hi] = _row_probs(rows)
+        prob[lo:hi] = self._final[lo:hi]
         return prob
+
+    def _begin_layer(self, layer: int, request_ids: list[str]) -> None:
+        """Drop the per-step state when ``layer`` starts a new step or the batch changed."""
+        if layer <= self._last_layer or request_ids != self._step_ids:
+            self._step_ids = list(request_ids)
+            self._own = self._final = self._eamc_rows = None
+            self._eamc_key = None
+            self._match_ids = None  # the incremental matcher starts from the full query
+        self._last_layer = layer
 
     def _match(self, layer: int, request_ids: list[str], so_far: np.ndarray, k: int) -> np.ndarray:
         """``[B, k]`` EAMC slots best matching each request's EAM so far (prefix matching, §5.1).
 
         Large searches (``B * n * L * E >= INCREMENTAL_MIN_MACS``) are incremental
         (:class:`tracer.prefix_match.PrefixMatcher`): from one routed layer to the next only that
-        layer's row of each query changes, so only its cosines are recomputed; a new step
-        (``end_step``, or a layer not after the last one), a new batch or a new ``k`` starts from
-        the full query. Small ones are one :meth:`tracer.eamc.EAMC.search`, which is cheaper
-        there. Both give the same matches up to float rounding.
+        layer's row of each query changes, so only its cosines are recomputed; a new step or
+        batch (:meth:`_begin_layer`) or a new ``k`` starts from the full query. Small ones are
+        one :meth:`tracer.eamc.EAMC.search`, which is cheaper there. Both give the same matches
+        up to float rounding.
         """
         if len(request_ids) * len(self.eamc) * self.num_layers * self.num_experts < INCREMENTAL_MIN_MACS:
             self._match_ids = None  # the incremental state is not kept up to date meanwhile
@@ -133,14 +170,13 @@ class EAMPrefetch(PrefetchPolicy):
         if m is None or m.k != k:
             m = self._matcher = PrefixMatcher(self.eamc, k=k)
             self._match_ids = None
-        if layer <= self._match_layer or request_ids != self._match_ids:
+        if self._match_ids is None:
             m.begin_step(so_far)
-            self._match_ids = list(request_ids)
-        self._match_layer = layer
+            self._match_ids = self._step_ids
         return m.update(layer, so_far)[1]
 
     def end_step(self) -> None:
-        self._match_layer = self.num_layers  # the step's counts move into the request EAMs
+        self._last_layer = self.num_layers  # the step's counts move into the request EAMs
 
     def observe_lookahead(self, layer: int, scores: np.ndarray) -> None:
         """Router lookahead scores ``[D, E]`` of MoE layers ``layer + 1 .. layer + D``, handed over
@@ -160,23 +196,34 @@ class EAMPrefetch(PrefetchPolicy):
         return probs
 
     def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
-        probs = self.blend_lookahead(layer, self.predict(layer, request_ids))
+        base = self.predict(layer, request_ids)
+        probs = self.blend_lookahead(layer, base)
         self.last_probs = probs
         if probs is None:
             return
         lo, hi = layer + 1, min(self.num_layers, layer + 1 + self.depth)
-        rows = probs[lo:hi]  # only these layers have non-zero proximity
-        if self.min_prob > 0:
-            rows = np.where(rows >= self.min_prob, rows, 0.0)
         # A later layer will need at most as many experts as this step routes (tokens x top-k):
         # keep only that many of its most likely experts, so the plan does not flood the link.
         cap = min(self.num_experts, topk_ids.size)
-        if 0 < cap < self.num_experts:
-            kth = -np.partition(-rows, cap - 1, axis=1)[:, cap - 1 : cap]  # [D, 1] cap-th largest
-            rows = np.where(rows >= kth, rows, 0.0)
+        if probs is base:  # rows lo:hi are the step's cached rows: limit them once per step
+            if self._limited is None or self._limited[0] != cap:
+                self._limited = (cap, _limit(self._final, cap, self.min_prob))
+            rows = self._limited[1][lo:hi]
+        else:
+            rows = _limit(probs[lo:hi], cap, self.min_prob)
         scores = np.zeros_like(probs)
         scores[lo:hi] = rows * self.proximity(layer)[lo:hi, None]
         self.issue(scores)
+
+
+def _limit(rows: np.ndarray, cap: int, min_prob: float) -> np.ndarray:
+    """``rows [D, E]`` with entries below ``min_prob`` and outside each row's ``cap`` largest zeroed."""
+    if min_prob > 0:
+        rows = np.where(rows >= min_prob, rows, 0.0)
+    if 0 < cap < rows.shape[1]:
+        kth = -np.partition(-rows, cap - 1, axis=1)[:, cap - 1 : cap]  # [D, 1] cap-th largest
+        rows = np.where(rows >= kth, rows, 0.0)
+    return rows
 
 
 def _row_probs(x: np.ndarray) -> np.ndarray:
