@@ -22,6 +22,7 @@ slot). Other policies get the sorted candidate array from a maintained boolean m
 from __future__ import annotations
 
 import heapq
+import time
 
 import numpy as np
 import torch
@@ -269,10 +270,7 @@ class Partition:
             self.pin(s)
             st.late_prefetches[layer] += 1
         else:
-            t = Transfer(key, demand=True)
-            if queued_at is not None:
-                t.queued_at = queued_at
-            self.queue.push(t)
+            self.queue.push(Transfer(key, True, queued_at=time.perf_counter() if queued_at is None else queued_at))
             st.demand_fetches[layer] += 1
         return None
 

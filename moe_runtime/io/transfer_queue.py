@@ -88,11 +88,13 @@ class TransferQueue:
 
     def push(self, t: Transfer) -> None:
         """Queue ``t``, replacing (cancelling) a queued transfer of the same key."""
-        self.cancel(t.key)
+        key = t.key
+        if key >= self._queued.size:
+            self._fit(key)
+        elif key in self._demand or self._queued[key]:
+            self.cancel(key)
         t.seq = self._next_seq
         self._next_seq += 1
-        key = t.key
-        self._fit(key)
         if t.demand:
             self._demand[key] = t
             self._demand_fifo.append(t)

@@ -133,7 +133,8 @@ class SimBuffer:
                 self.landed.append(io.transfer.key)
                 io.transfer, io.done_at = None, INF
                 self._start(i, at)
-        self._next_done = min(io.done_at for io in self._io)
+        ios = self._io
+        self._next_done = ios[0].done_at if len(ios) == 1 else min(io.done_at for io in ios)
 
     def next_event(self) -> float:
         """Time of the earliest transfer completion (inf when every link is idle)."""
