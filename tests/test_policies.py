@@ -264,3 +264,48 @@ def test_cached_victim_scores_match_the_formula(name: str, seed: int) -> None:
             cands = held[rng.random(len(held)) < 0.7]
             if len(cands):
                 assert pol.victim(cands) == reference(cands)
+
+
+@pytest.mark.parametrize("name", ["next-layer-all", "model-counts", "hot-experts"])
+def test_baseline_scores_match_their_formulas(name: str) -> None:
+    """The baselines' kept state (cached rows, incremental probabilities, pairwise table updates)
+    gives exactly the scores of the from-scratch formulas, call after call."""
+    rng = np.random.default_rng(3)
+    pol = make_prefetch_policy(name, buffer=None, num_layers=L, num_experts=E, top_k=2, depth=2)
+    issued: list[np.ndarray] = []
+    pol.issue = lambda scores, limit=None: issued.append(np.array(scores))
+    counts = np.zeros((L, E))
+    table = np.zeros((L - 1, E, E))
+    for _step in range(6):
+        tokens = int(rng.integers(1, 4))
+        prev = None
+        for layer in range(L):
+            ids = np.argsort(rng.random((tokens, E)), axis=1)[:, :2]
+            issued.clear()
+            pol.after_routing(layer, ["r"], ids)
+            want = None
+            if name == "next-layer-all" and layer + 1 < L:
+                want = np.zeros((L, E))
+                want[layer + 1] = 1.0
+            elif name == "model-counts":
+                counts[layer] += np.bincount(ids.reshape(-1), minlength=E)
+                totals = counts.sum(axis=1, keepdims=True)
+                prob = np.divide(counts, totals, out=np.zeros_like(counts), where=totals > 0)
+                want = prob * pol.proximity(layer)[:, None]
+            elif name == "hot-experts":
+                if prev is not None:
+                    for a, b in zip(prev, ids, strict=True):
+                        for x in a:
+                            for y in b:
+                                table[layer - 1, x, y] += 1
+                prev = ids
+                nxt = np.bincount(ids.reshape(-1), minlength=E) @ table[layer] if layer + 1 < L else 0
+                if layer + 1 < L and nxt.sum() > 0:
+                    want = np.zeros((L, E))
+                    want[layer + 1] = nxt / nxt.sum()
+            if want is None:
+                assert issued == []
+            else:
+                assert len(issued) == 1
+                np.testing.assert_array_equal(issued[0], want)
+        pol.end_step()

@@ -178,6 +178,8 @@ def test_bad_calls_rejected() -> None:
         rec.record(L, ["a"], np.array([0]), np.array([True]), np.array([[0, 1]]), one)
     with pytest.raises(ValueError, match="expert ids"):
         rec.record(0, ["a"], np.array([0]), np.array([True]), np.array([[0, E]]), one)
+    with pytest.raises(ValueError, match="expert ids"):
+        rec.record(0, ["a"], np.array([0]), np.array([True]), np.array([[-1, 1]]), one)
     with pytest.raises(ValueError, match="must be"):
         rec.record(0, ["a"], np.array([0, 0]), np.array([True]), np.array([[0, 1]]), one)
     with pytest.raises(KeyError):
@@ -201,3 +203,36 @@ def test_query_is_answered_once_per_layer_and_follows_every_change():
     assert rec.query(ids, -1)[0].sum() == 2  # the closed step counts as earlier steps
     rec.begin_request("b", 1)
     assert rec.query(["a", "b"], -1).shape == (2, 2, 4)
+
+
+def test_slot_order_does_not_change_the_counts() -> None:
+    """Batches whose slots are consecutive (indexed by a slice) or not (gathered) count alike."""
+    script = _Script(7, {"a": 3, "b": 2, "c": 4}, {"a": 2, "b": 3, "c": 1})
+
+    def run(order: list[str], begin: list[str]) -> tuple[RequestRecorder, list[np.ndarray]]:
+        rec = RequestRecorder(L, E, K)
+        rec.begin_request("gap", 1)  # holds slot 0, then frees it: "begin" need not be consecutive
+        for r in begin:
+            rec.begin_request(r, script.prompts[r])
+        rec.abort("gap")
+        answers = []
+        for step in script.steps(order, chunk=2):
+            ids_batch = [r for r, _, _, _ in step]
+            seq = np.concatenate([np.full(n, b) for b, (_, _, n, _) in enumerate(step)]).astype(np.int64)
+            prefill = np.concatenate([np.full(n, pf) for _, _, n, pf in step])
+            for layer in range(L):
+                topk = np.concatenate([script.routes[r][p : p + n, layer] for r, p, n, _ in step])
+                w = np.ones(topk.shape, np.float32)
+                rec.record(layer, ids_batch, seq, prefill, topk, w)
+                answers.append(rec.query(sorted(ids_batch), layer))
+            rec.end_step()
+        return rec, answers
+
+    ref, ref_answers = run(["a", "b", "c"], ["a", "b", "c"])
+    for order, begin in ((["c", "a", "b"], ["a", "b", "c"]), (["a", "b", "c"], ["c", "b", "a"])):
+        rec, answers = run(order, begin)
+        for want, got in zip(ref_answers, answers, strict=True):
+            np.testing.assert_array_equal(want, got)
+        for r in ("a", "b", "c"):
+            for want, got in zip(ref.request_eam(r), rec.request_eam(r), strict=True):
+                np.testing.assert_array_equal(want, got)

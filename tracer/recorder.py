@@ -9,12 +9,15 @@ routing), :meth:`~RequestRecorder.query` when a prefetch/cache policy wants the 
 NOTE: storage. Every live request owns a slot in two preallocated tables of shape
 ``(slots, 2, L, E)`` int64 (phase 0 = prefill, 1 = decode): ``_eam`` holds the request EAMs of
 finished steps, ``_step`` the current step's iteration EAMs; float32 copies summed over the phase
-(``_sum``, ``_step_sum``) make :meth:`RequestRecorder.query` one gather and one add. ``record``
-maps batch positions to slots once per distinct ``request_ids`` list, counts the layer's
-(token, choice) pairs with one ``bincount`` on ``(seq * 2 + phase) * E + expert`` and adds the
-``(B, 2, E)`` result into ``_step[slots, :, layer]``; ``end_step`` adds ``_step`` into ``_eam``
-for the touched slots. No per-token Python loop runs unless a trace writer is attached (it needs
-the per-token choices).
+(``_sum``, ``_step_sum``) make :meth:`RequestRecorder.query` one copy and one add. ``record`` maps
+batch positions to slots once per distinct ``request_ids`` list, counts the layer's (token, choice)
+pairs with one ``bincount`` on ``(seq * 2 + phase) * E + expert`` and adds the ``(B, 2, E)`` result
+into ``_step[slots, :, layer]`` (and its phase sum into ``_step_sum``); ``end_step`` adds ``_step``
+into ``_eam`` for the touched slots. Free slots are handed out lowest first, so a batch admitted
+together holds consecutive ascending slots and is indexed with a slice (basic indexing: no
+gather/scatter per layer, which was most of ``record``'s cost at batch 1); other batches use the
+slot array. No per-token Python loop runs unless a trace writer is attached (it needs the per-token
+choices).
 
 Counting: each of a token's ``k`` choices counts once, so for every layer the row sum of a
 request EAM equals ``top_k *`` (tokens of the request seen at that layer).
@@ -24,6 +27,7 @@ Not thread-safe: one engine thread drives it (the EAMC it commits to is read on 
 
 from __future__ import annotations
 
+import heapq
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -72,14 +76,14 @@ class RequestRecorder:
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
         self.eamc, self.trace_writer = eamc, trace_writer
         self._live: dict[str, _Live] = {}
-        self._free: list[int] = []
+        self._free: list[int] = []  # heap: the lowest free slot first
         self._eam = np.zeros((0, 2, num_layers, num_experts), dtype=EAM_DTYPE)
         self._step = np.zeros_like(self._eam)
         self._sum = np.zeros((0, num_layers, num_experts), dtype=np.float32)  # _eam summed over phase
         self._step_sum = np.zeros_like(self._sum)  # _step summed over phase
         self._touched = np.zeros(0, dtype=bool)
         self._last_ids: list[str] | None = None
-        self._last_slots = np.zeros(0, dtype=np.int64)
+        self._last_rows: slice | np.ndarray = np.zeros(0, dtype=np.int64)  # _rows(_last_ids)
         self._query_memo: tuple[int, list[str], np.ndarray] | None = None  # dropped when counts change
         self.committed = 0
 
@@ -94,7 +98,7 @@ class RequestRecorder:
             raise ValueError(f"request {request_id!r} is already being recorded")
         if not self._free:
             self._grow()
-        self._live[request_id] = _Live(self._free.pop(), prompt_len, task)
+        self._live[request_id] = _Live(heapq.heappop(self._free), prompt_len, task)
         self._last_ids = self._query_memo = None
 
     def _grow(self) -> None:
@@ -106,11 +110,17 @@ class RequestRecorder:
             table[:old] = old_table
             setattr(self, name, table)
         self._touched = np.concatenate([self._touched, np.zeros(new - old, dtype=bool)])
-        self._free.extend(range(new - 1, old - 1, -1))
+        for slot in range(old, new):
+            heapq.heappush(self._free, slot)
 
-    def _slots(self, request_ids: list[str]) -> np.ndarray:
-        if request_ids is self._last_ids or request_ids == self._last_ids:
-            return self._last_slots
+    def _rows(self, request_ids: list[str]) -> slice | np.ndarray:
+        """Index of the requests' slots in the slot tables (see :func:`_as_index`).
+
+        Raises:
+            KeyError: a request id is not live.
+        """
+        if request_ids == self._last_ids:
+            return self._last_rows
         try:
             slots = np.fromiter(
                 (self._live[r].slot for r in request_ids), dtype=np.int64, count=len(request_ids)
@@ -119,8 +129,8 @@ class RequestRecorder:
             raise KeyError(
                 f"request {exc.args[0]!r} was not begun (begin_request) or already ended"
             ) from None
-        self._last_ids, self._last_slots = list(request_ids), slots
-        return slots
+        self._last_ids, self._last_rows = list(request_ids), _as_index(slots)
+        return self._last_rows
 
     # -- per layer --------------------------------------------------------------------------------
     def record(
@@ -147,14 +157,12 @@ class RequestRecorder:
             KeyError: a request id was not begun.
             ValueError: shapes disagree, or a layer/expert id is out of range.
         """
-        num_experts, batch = self.num_experts, len(request_ids)
+        num_experts = self.num_experts
         if not 0 <= moe_layer < self.num_layers:
             raise ValueError(f"moe_layer {moe_layer} outside [0, {self.num_layers})")
-        topk_ids, token_seq, token_prefill = (
-            np.asarray(topk_ids),
-            np.asarray(token_seq),
-            np.asarray(token_prefill),
-        )
+        topk_ids = np.asarray(topk_ids, dtype=np.int64)
+        token_seq = np.asarray(token_seq, dtype=np.int64)
+        token_prefill = np.asarray(token_prefill, dtype=bool)
         if (
             topk_ids.ndim != 2
             or token_seq.shape != (topk_ids.shape[0],)
@@ -164,20 +172,18 @@ class RequestRecorder:
                 f"token_seq {token_seq.shape}, token_prefill {token_prefill.shape} and topk_ids "
                 f"{topk_ids.shape} must be (T,), (T,) and (T, k)"
             )
-        if topk_ids.size and (topk_ids.min() < 0 or topk_ids.max() >= num_experts):
+        # one reduction checks both bounds: seen as uint64, a negative id is >= 2**63
+        if topk_ids.size and topk_ids.view(np.uint64).max() >= num_experts:
             raise ValueError(
                 f"expert ids must lie in [0, {num_experts}), got [{topk_ids.min()}, {topk_ids.max()}]"
             )
-        slots = self._slots(request_ids)
-        phase = (~np.asarray(token_prefill, dtype=bool)).astype(np.int64)  # [T] 0 prefill, 1 decode
-        key = ((np.asarray(token_seq, dtype=np.int64) * 2 + phase) * num_experts)[
-            :, None
-        ] + topk_ids  # [T, k]
-        counts = np.bincount(key.ravel(), minlength=batch * 2 * num_experts)  # [B*2*E]
-        counts = counts.reshape(batch, 2, num_experts)
-        self._step[slots, :, moe_layer, :] += counts
-        self._step_sum[slots, moe_layer, :] += counts[:, 0] + counts[:, 1]
-        self._touched[slots] = True
+        rows = self._rows(request_ids)
+        base = token_seq * (2 * num_experts) + (~token_prefill) * num_experts  # [T] (seq * 2 + phase) * E
+        counts = np.bincount((base[:, None] + topk_ids).ravel(), minlength=len(request_ids) * 2 * num_experts)
+        counts = counts.reshape(len(request_ids), 2, num_experts)
+        self._step[rows, :, moe_layer, :] += counts
+        self._step_sum[rows, moe_layer, :] += counts[:, _PREFILL] + counts[:, _DECODE]
+        self._touched[rows] = True
         self._query_memo = None
         if self.trace_writer is not None:
             self._keep_choices(moe_layer, request_ids, token_seq, token_prefill, topk_ids, topk_weights)
@@ -222,11 +228,12 @@ class RequestRecorder:
         """Close the iteration: add every touched request's iteration EAM into its request EAM."""
         touched = np.flatnonzero(self._touched)
         if touched.size:
-            self._eam[touched] += self._step[touched]
-            self._sum[touched] += self._step_sum[touched]
-            self._step[touched] = 0
-            self._step_sum[touched] = 0
-            self._touched[touched] = False
+            rows = _as_index(touched)
+            self._eam[rows] += self._step[rows]
+            self._sum[rows] += self._step_sum[rows]
+            self._step[rows] = 0
+            self._step_sum[rows] = 0
+            self._touched[rows] = False
             self._query_memo = None
         if self.trace_writer is not None:
             for live in self._live.values():
@@ -251,10 +258,12 @@ class RequestRecorder:
         memo = self._query_memo
         if memo is not None and memo[0] == upto_layer and (memo[1] is request_ids or memo[1] == request_ids):
             return memo[2]  # the cache and prefetch policies ask the same question per layer
-        slots = self._slots(request_ids)
-        out = self._sum[slots]  # [B, L, E] copy
+        rows = self._rows(request_ids)
+        out = self._sum[rows]  # [B, L, E]
+        if isinstance(rows, slice):
+            out = out.copy()  # a view of the table; a gather already copied
         if upto_layer >= 0:
-            out[:, : upto_layer + 1] += self._step_sum[slots, : upto_layer + 1]
+            out[:, : upto_layer + 1] += self._step_sum[rows, : upto_layer + 1]
         out.flags.writeable = False  # shared by every caller until the counts change
         self._query_memo = (upto_layer, list(request_ids), out)
         return out
@@ -313,7 +322,7 @@ class RequestRecorder:
         for table in (self._eam, self._step, self._sum, self._step_sum):
             table[live.slot] = 0
         self._touched[live.slot] = False
-        self._free.append(live.slot)
+        heapq.heappush(self._free, live.slot)
         self._last_ids = self._query_memo = None
 
     def _trace_record(self, request_id: str, live: _Live) -> TraceRecord:
@@ -335,3 +344,12 @@ class RequestRecorder:
     def live_requests(self) -> list[str]:
         """Ids of the requests being recorded."""
         return list(self._live)
+
+
+def _as_index(slots: np.ndarray) -> slice | np.ndarray:
+    """``(B,)`` slots as an index into the slot tables: a slice when they are consecutive and
+    ascending (basic indexing, which neither gathers nor scatters), else ``slots`` itself."""
+    first = int(slots[0]) if slots.size else 0
+    if slots.tolist() == list(range(first, first + slots.size)):
+        return slice(first, first + slots.size)
+    return slots

@@ -19,35 +19,56 @@ from moe_runtime.prefetch.base import PrefetchPolicy
 
 
 class NextLayerAllPrefetch(PrefetchPolicy):
+    """Scores ``[L, E]``: 1 for every expert of layer ``l + 1``, 0 elsewhere."""
+
     name = "next-layer-all"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._scores: dict[int, np.ndarray] = {}  # layer -> its scores, built once, read-only
 
     def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
         if layer + 1 >= self.num_layers:
             return
-        scores = np.zeros((self.num_layers, self.num_experts))
-        scores[layer + 1] = 1.0
+        scores = self._scores.get(layer)
+        if scores is None:
+            scores = np.zeros((self.num_layers, self.num_experts))
+            scores[layer + 1] = 1.0
+            scores.setflags(write=False)
+            self._scores[layer] = scores
         self.issue(scores)
 
 
 class ModelCountsPrefetch(PrefetchPolicy):
     """Lifetime counts ``[L, E]``, updated with every routed token, row-normalised into
-    probabilities and weighted by layer proximity."""
+    probabilities and weighted by layer proximity.
+
+    Only the routed layer's counts change, so only its row of the probabilities (``_prob [L, E]``,
+    kept between calls; a row with no count yet is 0) is recomputed per call.
+    """
 
     name = "model-counts"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.counts = np.zeros((self.num_layers, self.num_experts))
+        self._prob = np.zeros_like(self.counts)
 
     def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
-        self.counts[layer] += np.bincount(topk_ids.reshape(-1), minlength=self.num_experts)
-        totals = self.counts.sum(axis=1, keepdims=True)
-        prob = np.divide(self.counts, totals, out=np.zeros_like(self.counts), where=totals > 0)
-        self.issue(prob * self.proximity(layer)[:, None])
+        row = self.counts[layer]
+        row += np.bincount(topk_ids.reshape(-1), minlength=self.num_experts)
+        total = row.sum()
+        if total > 0:
+            np.divide(row, total, out=self._prob[layer])
+        self.issue(self._prob * self.proximity(layer)[:, None])
 
 
 class HotExpertsPrefetch(PrefetchPolicy):
-    """Correlation table ``[L-1, E, E]`` of consecutive-layer choices, learned online."""
+    """Correlation table ``[L-1, E, E]`` of consecutive-layer choices, learned online.
+
+    The table holds integer counts, so adding the ``T * k * k`` pairs one by one (``np.add.at``)
+    gives the same table as a ``bincount`` over all ``E * E`` cells, without touching every cell.
+    """
 
     name = "hot-experts"
 
@@ -60,17 +81,18 @@ class HotExpertsPrefetch(PrefetchPolicy):
         E = self.num_experts
         if self._prev is not None and self._prev[0] == layer - 1 and len(self._prev[1]) == len(topk_ids):
             prev = self._prev[1]  # [T, k] choices at layer - 1
-            pairs = prev[:, :, None] * E + topk_ids[:, None, :]  # [T, k1, k2]
-            self.table[layer - 1] += np.bincount(pairs.reshape(-1), minlength=E * E).reshape(E, E)
+            pairs = prev[:, :, None] * E + topk_ids[:, None, :]  # [T, k1, k2] flat cells of [E, E]
+            np.add.at(self.table[layer - 1].reshape(-1), pairs.reshape(-1), 1.0)
         self._prev = (layer, topk_ids)
         if layer + 1 >= self.num_layers:
             return
         chosen = np.bincount(topk_ids.reshape(-1), minlength=E).astype(np.float64)  # [E]
         nxt = chosen @ self.table[layer]  # [E] expected co-activations at layer + 1
-        if nxt.sum() <= 0:
+        total = nxt.sum()
+        if total <= 0:
             return
         scores = np.zeros((self.num_layers, E))
-        scores[layer + 1] = nxt / nxt.sum()
+        scores[layer + 1] = nxt / total
         self.issue(scores)
 
     def end_step(self) -> None:
