@@ -309,3 +309,29 @@ def test_baseline_scores_match_their_formulas(name: str) -> None:
                 assert len(issued) == 1
                 np.testing.assert_array_equal(issued[0], want)
         pol.end_step()
+
+
+def test_eam_cache_counts_updated_per_layer_equal_a_full_sum() -> None:
+    """The eam cache policy re-sums only the routed layer within a step; over steps, batch changes
+    and finished requests its counts equal the batch's request-EAM sum from scratch."""
+    from tracer.recorder import RequestRecorder
+
+    rng = np.random.default_rng(0)
+    layers, experts = 4, 6
+    rec = RequestRecorder(layers, experts, 2)
+    pol = EAMCachePolicy(4, experts, num_layers=layers, recorder=rec)
+    live: list[str] = []
+    for step in range(12):
+        if step % 3 == 0:  # a request joins; sometimes the oldest leaves
+            rid = f"r{step}"
+            rec.begin_request(rid, 1)
+            live.append(rid)
+            if len(live) > 2:
+                rec.finish(live.pop(0))
+        for layer in range(layers):
+            ids = np.stack([rng.choice(experts, 2, replace=False) for _ in live])
+            rec.record(layer, live, np.arange(len(live)), np.zeros(len(live), bool), ids, np.ones(ids.shape))
+            pol.after_routing(layer, live, ids)
+            want = rec.query(live, layer).sum(axis=0).reshape(-1)
+            np.testing.assert_array_equal(pol.counts, want)
+        rec.end_step()

@@ -60,9 +60,19 @@ class EAMCachePolicy(_ResetPolicy):
         self.num_layers = num_layers
         self.counts = np.zeros(num_layers * num_experts)
         self.boost = (1.0 + (num_layers - 1 - np.arange(num_layers)) / num_layers).tolist()
+        self._ids: list[str] | None = None  # batch and layer of the last update
+        self._last_layer = num_layers
 
     def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
-        self.counts = self.recorder.query(request_ids, layer).sum(axis=0).reshape(-1)
+        so_far = self.recorder.query(request_ids, layer)  # [B, L, E]
+        if layer > self._last_layer and request_ids == self._ids:
+            # same step and batch: only this layer's row gained counts since the last call
+            e = self.num_experts
+            self.counts[layer * e : (layer + 1) * e] = so_far[:, layer].sum(axis=0)
+        else:
+            self.counts = so_far.sum(axis=0).reshape(-1)
+            self._ids = list(request_ids)
+        self._last_layer = layer
 
     def _reset(self, slot: int, key: int) -> None:
         layer = key // self.num_experts
