@@ -103,6 +103,7 @@ class Partition:
         self._stamp: list[int] = [0] * num_slots  # heap entries of a slot are valid at its stamp
         self._heap_demand: list[tuple[float, int, int]] = []  # (priority, slot, stamp)
         self._heap_prefetch: list[tuple[float, int, int]] = []
+        self._heap_limit = 4 * num_slots + 64  # stale entries beyond this: rebuild the heaps
         self._mask_demand = np.zeros(num_slots, dtype=bool)  # non-ordered policies: evictable masks
         self._mask_prefetch = np.zeros(num_slots, dtype=bool)
 
@@ -147,7 +148,7 @@ class Partition:
         else:
             ev = _NO
         old = self._ev[s]
-        if old == ev and not reprioritised:
+        if old == ev and (not reprioritised or ev == _NO):  # a slot not evictable has no heap entry
             return
         if old != ev:
             n = self._n_ev
@@ -167,7 +168,7 @@ class Partition:
         heapq.heappush(self._heap_demand, entry)
         if ev == _ANY:
             heapq.heappush(self._heap_prefetch, entry)
-        if len(self._heap_demand) > 4 * len(self._ev) + 64:
+        if len(self._heap_demand) > self._heap_limit:
             self._compact()
 
     def _compact(self) -> None:

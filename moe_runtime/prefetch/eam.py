@@ -87,11 +87,12 @@ class EAMPrefetch(PrefetchPolicy):
         self._step_ids: list[str] | None = None
         self._last_layer = self.num_layers  # > any layer: the first call starts a step
         self._own: np.ndarray | None = None  # [L, E]
-        self._eamc_rows: np.ndarray | None = None  # [L, E]
         self._eamc_key: tuple[int, bytes] | None = None
-        self._final: np.ndarray | None = None  # [L, E]
-        self._evidence: np.ndarray | None = None  # [L] bool
-        self._limited: tuple[int, np.ndarray] | None = None  # (cap, [L, E])
+        self._window = (0, 0)  # rows lo:hi the cached terms below cover
+        self._eamc_block: np.ndarray | None = None  # [D, E] EAMC term of the window's rows
+        self._final: np.ndarray | None = None  # [D, E] normalised own + EAMC term
+        self._evidence: np.ndarray | None = None  # [D] bool
+        self._limited: tuple[int, np.ndarray] | None = None  # (cap, [D, E]) capped _final
 
     def predict(self, layer: int, request_ids: list[str]) -> np.ndarray | None:
         """Activation probabilities ``[L, E]`` for the running batch, or None without evidence.
@@ -104,8 +105,9 @@ class EAMPrefetch(PrefetchPolicy):
 
         NOTE: per-step reuse. Rows after ``layer`` hold only earlier steps' counts, which do not
         change within a step, so the own term is computed once per step for all rows; the EAMC
-        term is recomputed only when the matches (or the EAMC) change. Row by row the numbers
-        are those of a from-scratch computation.
+        term and the normalised sum are recomputed, for rows ``lo:hi`` only, when the matches
+        (or the EAMC) change or a later layer needs rows outside the last window. Row by row the
+        numbers are those of a from-scratch computation.
         """
         lo, hi = layer + 1, min(self.num_layers, layer + 1 + self.depth)
         if not request_ids or lo >= hi:
@@ -116,8 +118,9 @@ class EAMPrefetch(PrefetchPolicy):
             self._own = _row_probs(so_far.sum(axis=0).astype(np.float32))  # [L, E]
             if self.own_weight != 1.0:
                 self._own *= self.own_weight
-            self._final = None
-        key = self._eamc_key
+        # the cached rows cover lo:hi unless the EAMC term or the window must change
+        w0, w1 = self._window
+        covered = self._final is not None and w0 <= lo and hi <= w1
         n = len(self.eamc)
         if n:
             k = min(self.matches, n)
@@ -127,28 +130,30 @@ class EAMPrefetch(PrefetchPolicy):
                 idx = self._match(layer, request_ids, so_far, k)
                 times = np.bincount(idx[idx >= 0], minlength=n)  # [n] times matched
             key = (self.eamc.version, times.tobytes())
-            if key != self._eamc_key:
+            if key != self._eamc_key or not covered:
                 matched = np.flatnonzero(times)
-                block = self.eamc.entries()[matched].reshape(len(matched), -1)  # [m, L * E]
+                block = self.eamc.entries()[matched, lo:hi].reshape(len(matched), -1)  # [m, D * E]
                 summed = np.einsum("m,mf->f", times[matched].astype(np.float32), block)
-                self._eamc_rows = _row_probs(summed.reshape(self.num_layers, -1)) if len(matched) else None
-                self._eamc_key, self._final = key, None
-        if self._final is None:
-            total = self._own if self._eamc_rows is None else self._own + self._eamc_rows
-            self._final = _row_probs(total)  # [L, E]
-            self._evidence = total.any(axis=1)  # [L] rows with any evidence
+                self._eamc_block = _row_probs(summed.reshape(hi - lo, -1)) if len(matched) else None
+                self._eamc_key, covered = key, False
+        if not covered:
+            own = self._own[lo:hi]
+            total = own if self._eamc_block is None else own + self._eamc_block  # [D, E]
+            self._window = w0, w1 = lo, hi
+            self._final = _row_probs(total)
+            self._evidence = total.any(axis=1)  # [D] rows with any evidence
             self._limited = None
-        if not self._evidence[lo:hi].any():
+        if not self._evidence[lo - w0 : hi - w0].any():
             return None
         prob = np.zeros((self.num_layers, self.num_experts), dtype=np.float32)
-        prob[lo:hi] = self._final[lo:hi]
+        prob[lo:hi] = self._final[lo - w0 : hi - w0]
         return prob
 
     def _begin_layer(self, layer: int, request_ids: list[str]) -> None:
         """Drop the per-step state when ``layer`` starts a new step or the batch changed."""
         if layer <= self._last_layer or request_ids != self._step_ids:
             self._step_ids = list(request_ids)
-            self._own = self._final = self._eamc_rows = None
+            self._own = self._final = self._eamc_block = None
             self._eamc_key = None
             self._match_ids = None  # the incremental matcher starts from the full query
         self._last_layer = layer
@@ -208,7 +213,8 @@ class EAMPrefetch(PrefetchPolicy):
         if probs is base:  # rows lo:hi are the step's cached rows: limit them once per step
             if self._limited is None or self._limited[0] != cap:
                 self._limited = (cap, _limit(self._final, cap, self.min_prob))
-            rows = self._limited[1][lo:hi]
+            w0 = self._window[0]
+            rows = self._limited[1][lo - w0 : hi - w0]
         else:
             rows = _limit(probs[lo:hi], cap, self.min_prob)
         scores = np.zeros_like(probs)
