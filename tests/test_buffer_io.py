@@ -207,8 +207,11 @@ def _drain(q: TransferQueue) -> list[tuple[int, bool, float]]:
     return out
 
 
+@pytest.mark.parametrize("by_priority", [False, True])
 @pytest.mark.parametrize("seed", range(20))
-def test_queue_replan_pops_like_one_push_per_entry(seed: int) -> None:
+def test_queue_replan_pops_like_one_push_per_entry(seed: int, by_priority: bool) -> None:
+    """``by_priority``: plans best first, as ``PrefetchPolicy.issue`` builds them (the queue then
+    skips its sort when every entry is re-pushed)."""
     rng = np.random.default_rng(seed)
     bulk, ref = TransferQueue(), TransferQueue()
     for _ in range(12):
@@ -218,8 +221,10 @@ def test_queue_replan_pops_like_one_push_per_entry(seed: int) -> None:
                 q.push(Transfer(key, demand=True))
         keys = rng.choice(16, size=int(rng.integers(0, 10)), replace=False).tolist()
         plan = [(k, float(rng.choice([0.25, 0.5, 0.75]))) for k in keys]  # ties are common
+        if by_priority:
+            plan.sort(key=lambda e: -e[1])
         replace = bool(rng.random() < 0.8)
-        bulk.replan(np.array(keys, dtype=np.int64), np.array([p for _, p in plan]), replace)
+        bulk.replan(np.array([k for k, _ in plan], dtype=np.int64), np.array([p for _, p in plan]), replace)
         _push_reference(ref, plan, replace)
         assert sorted(bulk.queued_prefetch_keys()) == sorted(ref.queued_prefetch_keys())
         if rng.random() < 0.3:  # the I/O thread takes one

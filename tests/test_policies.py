@@ -273,7 +273,13 @@ def test_baseline_scores_match_their_formulas(name: str) -> None:
     rng = np.random.default_rng(3)
     pol = make_prefetch_policy(name, buffer=None, num_layers=L, num_experts=E, top_k=2, depth=2)
     issued: list[np.ndarray] = []
-    pol.issue = lambda scores, limit=None: issued.append(np.array(scores))
+
+    def issue(scores: np.ndarray, limit: int | None = None, first_layer: int = 0) -> None:
+        full = np.zeros((L, E))  # the window of rows, placed in the [L, E] scores
+        full[first_layer : first_layer + len(scores)] = scores
+        issued.append(full)
+
+    pol.issue = issue
     counts = np.zeros((L, E))
     table = np.zeros((L - 1, E, E))
     for _step in range(6):

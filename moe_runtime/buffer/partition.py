@@ -335,7 +335,10 @@ def apply_prefetch_plan(
     for part, (k, p) in zip(parts, groups):
         if not k.size and not (replace and len(part.queue)):
             continue
-        free = ~part.held[k]
-        issued, cancelled = part.queue.replan(k[free], p[free], replace, now)
+        held = part.held[k]
+        if np.count_nonzero(held):  # rare on the policies' path: ``issue`` skipped them already
+            free = ~held
+            k, p = k[free], p[free]
+        issued, cancelled = part.queue.replan(k, p, replace, now)
         stats.prefetch_issued += issued
         stats.prefetch_cancelled += cancelled

@@ -8,9 +8,10 @@ NOTE: layout. A prefetch plan re-prioritises the whole queue after every MoE lay
 hundreds of candidates (128-expert models, many later layers) per-entry Python work dominated the
 simulator. So prefetches live in per-key numpy arrays (queued flag, priority, FIFO sequence number,
 queue time) and :meth:`TransferQueue.replan` applies a plan with a handful of vectorised operations
-and one ``lexsort`` that fixes the pop order; pops walk that order, skipping keys no longer queued
-(cancel and pop are O(1)). A single :meth:`~TransferQueue.push` of a prefetch re-sorts lazily at
-the next pop. Demands are a FIFO of :class:`Transfer` objects with lazy cancellation.
+and one ``lexsort`` that fixes the pop order (none when the plan, best first, already is it); pops
+walk that order, an index array, skipping keys no longer queued (cancel and pop are O(1)). A single
+:meth:`~TransferQueue.push` of a prefetch re-sorts lazily at the next pop. Demands are a FIFO of
+:class:`Transfer` objects with lazy cancellation.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class TransferQueue:
         self._is_demand = np.zeros(n, dtype=bool)  # key is queued as a demand (mirrors _demand)
         self._n_prefetch = 0
         self._next_seq = 0
-        self._order: list[int] = []  # queued prefetch keys in pop order (stale keys skipped)
+        self._order = np.zeros(0, dtype=np.int64)  # queued prefetch keys in pop order (stale ones skipped)
         self._cursor = 0
         self._order_ok = True
 
@@ -125,38 +126,52 @@ class TransferQueue:
             self._fit(int(keys.max()))
             was = self._queued[keys]
         if self._demand:
-            free = ~self._is_demand[keys]
-            keys, priorities, was = keys[free], priorities[free], was[free]
+            demand = self._is_demand[keys]
+            if np.count_nonzero(demand):
+                free = ~demand
+                keys, priorities, was = keys[free], priorities[free], was[free]
         queued, prio = self._queued, self._prio
         n_was = int(np.count_nonzero(was))
         issued = keys.size - n_was
-        cancelled = 0
-        if replace:  # afterwards exactly ``keys`` are queued
-            cancelled = self._n_prefetch - n_was
-            if cancelled:
-                queued[:] = False
-                queued[keys] = True
+        cancelled = self._n_prefetch - n_was if replace else 0  # afterwards exactly ``keys`` are queued
         changed = prio[keys] != priorities
-        changed |= ~was
+        if issued:
+            new = ~was
+            changed |= new
+            self._queued_at[keys[new] if n_was else keys] = time.perf_counter() if now is None else now
         n_changed = int(np.count_nonzero(changed))
+        all_changed = n_changed == keys.size  # then the FIFO numbers below follow the plan order
         if n_changed:
-            ch = keys[changed]
+            ch, pr = (keys, priorities) if all_changed else (keys[changed], priorities[changed])
             self._seq[ch] = np.arange(self._next_seq, self._next_seq + n_changed)
             self._next_seq += n_changed
-            prio[ch] = priorities[changed]
-        if issued:
-            self._queued_at[keys[~was]] = time.perf_counter() if now is None else now
+            prio[ch] = pr
+        if cancelled:
+            queued.fill(False)
+        if cancelled or issued:
             queued[keys] = True
         self._n_prefetch += issued - cancelled
         if n_changed or cancelled:
-            self._sort(keys if replace else None)
+            self._sort((keys, priorities, all_changed) if replace else None)
         return issued, cancelled
 
-    def _sort(self, queued_keys: np.ndarray | None = None) -> None:
-        """Fix the pop order of the queued prefetches (``queued_keys`` when the caller knows them):
-        priority descending, then FIFO."""
-        q = np.flatnonzero(self._queued) if queued_keys is None else queued_keys
-        self._order = q[np.lexsort((self._seq[q], -self._prio[q]))].tolist()
+    def _sort(self, plan: tuple[np.ndarray, np.ndarray, bool] | None = None) -> None:
+        """Fix the pop order of the queued prefetches: priority descending, then FIFO.
+
+        ``plan = (keys [n], priorities [n], in_fifo_order)`` when exactly the plan's keys are queued,
+        with their current priorities; ``in_fifo_order`` when their FIFO numbers increase along the
+        plan (every entry was just re-pushed). A plan then already by priority descending, as
+        :meth:`PrefetchPolicy.issue` builds them, is the pop order as it stands: no sort.
+        """
+        if plan is None:
+            keys = self._queued.nonzero()[0]
+            priorities, in_fifo_order = self._prio[keys], False
+        else:
+            keys, priorities, in_fifo_order = plan
+        if in_fifo_order and not np.count_nonzero(priorities[1:] > priorities[:-1]):
+            self._order = keys.copy()
+        else:
+            self._order = keys[np.lexsort((self._seq[keys], -priorities))]
         self._cursor = 0
         self._order_ok = True
 
@@ -204,7 +219,7 @@ class TransferQueue:
         while not queued[order[c]]:  # popped or cancelled since the sort
             c += 1
         self._cursor = c
-        return self._prefetch_transfer(order[c])
+        return self._prefetch_transfer(int(order[c]))
 
     def queued_prefetch_keys(self) -> list[int]:
         """Keys queued as prefetches (ascending)."""

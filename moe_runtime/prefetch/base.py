@@ -14,6 +14,9 @@ from typing import Any
 
 import numpy as np
 
+# Candidate sets up to this size are sorted whole: below it a partial selection costs more than it saves.
+_SORT_ALL_BELOW = 256
+
 
 class PrefetchPolicy:
     """Base class and the ``on-demand`` baseline: never prefetch (Mixtral-Offloading style).
@@ -65,29 +68,36 @@ class PrefetchPolicy:
             cache[key] = w
         return w
 
-    def issue(self, scores: np.ndarray, limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Prefetch the best experts of ``scores [L, E]`` (0 = never) that are not resident or loading.
+    def issue(
+        self, scores: np.ndarray, limit: int | None = None, first_layer: int = 0
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Prefetch the best experts of ``scores [D, E]`` (0 = never) that are not resident or loading.
 
-        At most ``limit`` (default: the slots a prefetch may take now). Returns the plan handed to
-        the buffer, ``(flat keys [n], priorities [n])`` best first; queued prefetches not in it are
-        cancelled.
+        ``scores`` rows are layers ``first_layer .. first_layer + D - 1`` (a window of the ``[L, E]``
+        scores; layers outside it score 0). At most ``limit`` (default: the slots a prefetch may take
+        now). Returns the plan handed to the buffer, ``(flat keys [n], priorities [n])`` best first;
+        queued prefetches not in it are cancelled.
         """
         # The plan is the best ``k`` candidates (score > 0, stably sorted: equal scores in ascending
-        # key order) that are not resident or loading (the buffer's ``held`` mask); only the best
-        # ``k`` are sorted.
+        # key order) that are not resident or loading (the buffer's ``held`` mask). A large candidate
+        # set is first cut to the best ``k`` (plus ties) so that only those are sorted. Numpy calls
+        # cost about a microsecond each and this runs once per MoE layer, so method forms
+        # (``nonzero``, ``argsort``) are used: they skip the function wrappers' dispatch.
         flat = scores.reshape(-1)
+        base = first_layer * self.num_experts  # flat key of the window's first entry
         buf = self.buffer
         with buf.cond:
             k = buf.prefetch_capacity() if limit is None else limit
             if k > 0:
-                cand = np.flatnonzero((flat > 0) & ~buf.held)
-                if len(cand) > k:
-                    vals = flat[cand]
+                cand = ((flat > 0) & ~buf.held[base : base + flat.size]).nonzero()[0]
+                vals = flat[cand]
+                if len(cand) > max(2 * k, _SORT_ALL_BELOW):
                     kth = np.partition(vals, len(cand) - k)[len(cand) - k]  # k-th largest score
-                    cand = cand[vals >= kth]  # the best k, plus any tied with the k-th
-                keys = cand[np.argsort(-flat[cand], kind="stable")][:k]
+                    best = (vals >= kth).nonzero()[0]  # the best k, plus any tied with the k-th
+                    cand, vals = cand[best], vals[best]
+                order = (-vals).argsort(kind="stable")[:k]
+                keys, priorities = cand[order] + base, vals[order]
             else:
-                keys = np.zeros(0, dtype=np.int64)
-            priorities = flat[keys]
+                keys, priorities = np.zeros(0, dtype=np.int64), flat[:0]
             buf.prefetch(keys, priorities, replace=True)
         return keys, priorities

@@ -19,24 +19,18 @@ from moe_runtime.prefetch.base import PrefetchPolicy
 
 
 class NextLayerAllPrefetch(PrefetchPolicy):
-    """Scores ``[L, E]``: 1 for every expert of layer ``l + 1``, 0 elsewhere."""
+    """Scores ``[L, E]``: 1 for every expert of layer ``l + 1``, 0 elsewhere (issued as that one row)."""
 
     name = "next-layer-all"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._scores: dict[int, np.ndarray] = {}  # layer -> its scores, built once, read-only
+        self._ones = np.ones((1, self.num_experts))
 
     def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
         if layer + 1 >= self.num_layers:
             return
-        scores = self._scores.get(layer)
-        if scores is None:
-            scores = np.zeros((self.num_layers, self.num_experts))
-            scores[layer + 1] = 1.0
-            scores.setflags(write=False)
-            self._scores[layer] = scores
-        self.issue(scores)
+        self.issue(self._ones, first_layer=layer + 1)
 
 
 class ModelCountsPrefetch(PrefetchPolicy):
@@ -60,7 +54,8 @@ class ModelCountsPrefetch(PrefetchPolicy):
         total = row.sum()
         if total > 0:
             np.divide(row, total, out=self._prob[layer])
-        self.issue(self._prob * self.proximity(layer)[:, None])
+        lo = layer + 1  # earlier layers have proximity 0: issue only the later rows
+        self.issue(self._prob[lo:] * self.proximity(layer)[lo:, None], first_layer=lo)
 
 
 class HotExpertsPrefetch(PrefetchPolicy):
@@ -91,9 +86,7 @@ class HotExpertsPrefetch(PrefetchPolicy):
         total = nxt.sum()
         if total <= 0:
             return
-        scores = np.zeros((self.num_layers, E))
-        scores[layer + 1] = nxt / total
-        self.issue(scores)
+        self.issue((nxt / total)[None], first_layer=layer + 1)  # scores of layer l + 1 only
 
     def end_step(self) -> None:
         self._prev = None

@@ -217,9 +217,9 @@ class EAMPrefetch(PrefetchPolicy):
             rows = self._limited[1][lo - w0 : hi - w0]
         else:
             rows = _limit(probs[lo:hi], cap, self.min_prob)
-        scores = np.zeros_like(probs)
-        scores[lo:hi] = rows * self.proximity(layer)[lo:hi, None]
-        self.issue(scores)
+        # Only rows lo:hi score (in probs' dtype); the rest of the [L, E] scores are 0.
+        scores = (rows * self.proximity(layer)[lo:hi, None]).astype(probs.dtype, copy=False)
+        self.issue(scores, first_layer=lo)
 
 
 def _limit(rows: np.ndarray, cap: int, min_prob: float) -> np.ndarray:

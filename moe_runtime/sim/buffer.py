@@ -189,10 +189,12 @@ class SimBuffer:
     def prefetch(self, keys: np.ndarray, priorities: np.ndarray, replace: bool = True) -> None:
         """Queue prefetches of ``keys [n]`` with ``priorities [n]`` (``ExpertBuffer.prefetch``, same
         rules)."""
-        self.advance()
+        if self._next_done <= self.now:
+            self.advance()
         apply_prefetch_plan(self.parts, self.home, keys, priorities, replace, self.stats, now=self.now)
-        for i in range(len(self.parts)):
-            self._kick(i)
+        for i, io in enumerate(self._io):
+            if io.transfer is None:  # ``_kick``
+                self._start(i, self.now)
 
     # ------------------------------------------------------------------ compute side
     def run_layer(self, layer: int, experts: list[int], compute_s: Callable[[int], float]) -> float:
