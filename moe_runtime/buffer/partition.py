@@ -271,7 +271,8 @@ class Partition:
             self.pin(s)
             st.late_prefetches[layer] += 1
         else:
-            self.queue.push(Transfer(key, True, queued_at=time.perf_counter() if queued_at is None else queued_at))
+            at = time.perf_counter() if queued_at is None else queued_at
+            self.queue.push(Transfer(key, True, queued_at=at))
             st.demand_fetches[layer] += 1
         return None
 
