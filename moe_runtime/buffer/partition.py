@@ -186,7 +186,7 @@ class Partition:
             return None
         if not self._ordered:
             mask = self._mask_demand if for_demand else self._mask_prefetch
-            return self.policy.victim(np.flatnonzero(mask))
+            return self.policy.victim(mask.nonzero()[0])  # ascending slots (no np.flatnonzero wrapper)
         heap, stamp = (self._heap_demand if for_demand else self._heap_prefetch), self._stamp
         while True:  # non-empty: an evictable slot always has a live entry
             _, s, st = heap[0]

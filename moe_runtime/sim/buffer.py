@@ -240,9 +240,14 @@ class SimBuffer:
         st = self.stats
         if self._next_done <= self.now:
             self.advance()
-        for e, part, s in ready:
-            self.now += compute_s(e)
-            self._release(part, s)
+        ios = self._io
+        for e, part, s in ready:  # (the release is inlined here and below: once per lookup)
+            now = self.now = self.now + compute_s(e)
+            if self._next_done <= now:
+                self.advance()
+            part.release(s)
+            if ios[part.index].transfer is None:
+                self._start(part.index, now)
         if not waiting:
             return 0.0
         # Waiting experts compute in list order among those READY (``_first_landed``). A slot turns
@@ -281,13 +286,10 @@ class SimBuffer:
                 blocked_total += blocked
                 st.blocking_s[layer] += blocked
                 st.device_blocking_s[part.index] += blocked
-            self.now += compute_s(e)
-            self._release(part, part.key_slot[key])
+            now = self.now = self.now + compute_s(e)
+            if self._next_done <= now:
+                self.advance()
+            part.release(part.key_slot[key])
+            if ios[part.index].transfer is None:
+                self._start(part.index, now)
         return blocked_total
-
-    def _release(self, part: Partition, s: int) -> None:
-        if self._next_done <= self.now:
-            self.advance()
-        part.release(s)
-        if self._io[part.index].transfer is None:
-            self._start(part.index, self.now)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from moe_runtime.sim.hardware import HardwareProfile
 from moe_runtime.sim.models import ModelProfile
 
@@ -115,6 +117,14 @@ class CostModel:
             )
             self._memo[tokens] = t
         return t
+
+    def experts_s(self, tokens: np.ndarray) -> np.ndarray:
+        """:meth:`expert_s` of every element of ``tokens`` (any shape), as float64: the same
+        operations in the same order, so the same values."""
+        t = np.asarray(tokens, dtype=np.float64)
+        return self.expert_fixed_s + np.maximum(
+            self.expert_flop_s_per_token * t, self.expert_bytes_s + self.expert_io_s_per_token * t
+        )
 
     def layer_s(self, tokens: int, ctx_tokens: int) -> float:
         """Seconds of a MoE layer's dense part for a step of ``tokens`` new tokens attending

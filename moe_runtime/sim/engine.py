@@ -272,7 +272,7 @@ class Simulator:
         missing = (ids < 0).any(axis=(0, 2)).tolist()  # [L] layers with unrecorded tokens
         needed, counts = _layer_counts(ids, self.E)
         layer_s = cost.layer_s(ids.shape[0], ctx)
-        expert_s = cost.expert_s
+        expert_times = cost.experts_s(counts).tolist()  # [L][E] seconds per expert
         scale = self.config.host_time_scale
         for layer in range(self.L):
             buf.now += layer_s
@@ -296,16 +296,15 @@ class Simulator:
             prefetcher.after_routing(layer, rids, lid)
             if scale:
                 buf.now += scale * (time.perf_counter() - t_host)
-            cl = counts[layer]
-            buf.finish_layer(layer, run, lambda e, cl=cl: expert_s(cl[e]))
+            buf.finish_layer(layer, run, expert_times[layer].__getitem__)
         buf.now += cost.step_fixed_s
         if recorder is not None:
             recorder.end_step()
         prefetcher.end_step()
 
 
-def _layer_counts(ids: np.ndarray, num_experts: int) -> tuple[list[list[int]], list[list[int]]]:
-    """Per layer: the needed experts (ascending) and every expert's token count, for a step's
+def _layer_counts(ids: np.ndarray, num_experts: int) -> tuple[list[list[int]], np.ndarray]:
+    """Per layer: the needed experts (ascending) and every expert's token count ``[L, E]``, for a step's
     ``ids [T, L, k]`` (``-1`` skipped), with one ``bincount`` for all layers."""
     num_layers = ids.shape[1]
     layer = np.arange(num_layers, dtype=np.int64)[None, :, None]
@@ -316,7 +315,7 @@ def _layer_counts(ids: np.ndarray, num_experts: int) -> tuple[list[list[int]], l
     bounds = np.searchsorted(rows, np.arange(num_layers + 1)).tolist()
     cols_l = cols.tolist()
     needed = [cols_l[bounds[i] : bounds[i + 1]] for i in range(num_layers)]
-    return needed, counts.tolist()
+    return needed, counts
 
 
 class RunState:
