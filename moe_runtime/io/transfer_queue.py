@@ -58,6 +58,7 @@ class TransferQueue:
         self._order = np.zeros(0, dtype=np.int64)  # queued prefetch keys in pop order (stale ones skipped)
         self._cursor = 0
         self._order_ok = True
+        self._head: Transfer | None = None  # the prefetch peek returned, until the queue changes
 
     def __len__(self) -> int:
         return len(self._demand) + self._n_prefetch
@@ -89,6 +90,7 @@ class TransferQueue:
 
     def push(self, t: Transfer) -> None:
         """Queue ``t``, replacing (cancelling) a queued transfer of the same key."""
+        self._head = None
         key = t.key
         if key >= self._queued.size:
             self._fit(key)
@@ -118,6 +120,7 @@ class TransferQueue:
         cancelled prefetches)``. Equivalent to cancelling what fell out and then pushing each
         changed entry in plan order, which is what the tests check.
         """
+        self._head = None
         keys = np.asarray(keys, dtype=np.int64)
         priorities = np.asarray(priorities, dtype=np.float64)
         try:
@@ -177,6 +180,7 @@ class TransferQueue:
 
     def cancel(self, key: int) -> Transfer | None:
         """Cancel the queued transfer of ``key``; returns it, or None if none was queued."""
+        self._head = None
         t = self._demand.pop(key, None)
         if t is not None:
             t.cancelled = True
@@ -195,6 +199,7 @@ class TransferQueue:
         t = self.peek()
         if t is None:
             return None
+        self._head = None
         if t.demand:
             self._demand_fifo.popleft()
             del self._demand[t.key]
@@ -213,13 +218,16 @@ class TransferQueue:
             return fifo[0]
         if not self._n_prefetch:
             return None
+        if self._head is not None:  # nothing changed since the last peek
+            return self._head
         if not self._order_ok:
             self._sort()
         order, queued, c = self._order, self._queued, self._cursor
         while not queued[order[c]]:  # popped or cancelled since the sort
             c += 1
         self._cursor = c
-        return self._prefetch_transfer(int(order[c]))
+        self._head = self._prefetch_transfer(int(order[c]))
+        return self._head
 
     def queued_prefetch_keys(self) -> list[int]:
         """Keys queued as prefetches (ascending)."""
