@@ -29,7 +29,7 @@ import torch
 
 from moe_runtime.buffer.cache_policy import make_cache_policy
 from moe_runtime.buffer.layer_run import LayerRun
-from moe_runtime.buffer.partition import Partition, apply_prefetch_plan
+from moe_runtime.buffer.partition import Partition, apply_prefetch_plan, look_up_layer
 from moe_runtime.buffer.placement import home_devices
 from moe_runtime.io.link import LinkModel
 from moe_runtime.stats import ExpertStats
@@ -73,6 +73,7 @@ class ExpertBuffer:
         self.num_layers, self.num_experts = store.num_layers, store.num_experts
         total = self.num_layers * self.num_experts
         self.home = home_devices(self.num_layers, self.num_experts, len(devices))
+        self._home = self.home.tolist()  # device per flat key, as Python ints (per-lookup use)
         self.stats = ExpertStats(self.num_layers, len(devices))
         self.cond = threading.Condition()
         self._closing = False
@@ -184,13 +185,12 @@ class ExpertBuffer:
         ready: list[tuple[int, Partition, int]] = []
         waiting: list[tuple[int, Partition]] = []
         with self.cond:
-            needed = {layer * E + e for e in experts}
+            keys = [layer * E + e for e in experts]
+            needed = set(keys)
             for part in self.parts:
                 part.settle_prefetches(layer, needed)
-            for e in experts:
-                key = layer * E + e
-                part = self.parts[self.home[key]]
-                s = part.look_up(key, layer)  # pins a hit or in-flight copy; queues a demand fetch
+            # pins a hit or in-flight copy; queues a demand fetch
+            for e, (part, s) in zip(experts, look_up_layer(self.parts, self._home, keys, layer)):
                 if s is not None:
                     ready.append((e, part, s))
                 else:

@@ -248,33 +248,50 @@ class Partition:
         self.pins[s] += 1
         self._refresh(s, False)
 
-    def look_up(self, key: int, layer: int, queued_at: float | None = None) -> int | None:
-        """The running layer needs ``key`` (an expert of MoE layer ``layer``) homed here.
+    def look_up(self, keys: list[int], layer: int, queued_at: float | None = None) -> list[int | None]:
+        """The running layer needs ``keys`` (experts of MoE layer ``layer``) homed here, in order.
 
-        Counts the lookup in the stats. Resident: pins it and returns its slot (a hit). Loading:
-        pins it (a late prefetch); queued or absent: queues a demand fetch, which replaces a queued
-        prefetch (stamped ``queued_at`` when given, for simulated time). Returns None for both;
-        the caller waits for the slot to turn READY.
+        Counts the lookups in the stats. Per key: resident: pins it and gives its slot (a hit);
+        loading: pins it (a late prefetch); queued or absent: queues a demand fetch, which replaces
+        a queued prefetch (stamped ``queued_at`` when given, for simulated time). Both give None:
+        the caller waits for the slot to turn READY. One call per layer keeps the per-lookup
+        cost down (the stats are added once).
         """
-        st = self.stats
-        st.lookups[layer] += 1
-        st.device_lookups[self.index] += 1
-        s = self.key_slot.get(key)
-        if s is not None and self.state[s] == READY:
-            self.pin(s)
-            st.hits[layer] += 1
-            st.device_hits[self.index] += 1
-            if self.unused[s]:
-                st.hits_prefetched[layer] += 1
-            return s
-        if s is not None:  # its prefetch is in flight
-            self.pin(s)
-            st.late_prefetches[layer] += 1
-        else:
-            at = time.perf_counter() if queued_at is None else queued_at
-            self.queue.push(Transfer(key, True, queued_at=at))
-            st.demand_fetches[layer] += 1
-        return None
+        key_slot, state, pins, unused, refresh = (
+            self.key_slot,
+            self.state,
+            self.pins,
+            self.unused,
+            self._refresh,
+        )
+        out: list[int | None] = []
+        hits = hits_prefetched = late = demand = 0
+        for key in keys:
+            s = key_slot.get(key)
+            if s is None:
+                at = time.perf_counter() if queued_at is None else queued_at
+                self.queue.push(Transfer(key, True, queued_at=at))
+                demand += 1
+                out.append(None)
+                continue
+            pins[s] += 1  # as pin(): the running layer keeps it
+            refresh(s, False)
+            if state[s] == READY:
+                hits += 1
+                hits_prefetched += unused[s]
+                out.append(s)
+            else:  # its prefetch is in flight
+                late += 1
+                out.append(None)
+        st, d = self.stats, self.index
+        st.lookups[layer] += len(keys)
+        st.device_lookups[d] += len(keys)
+        st.hits[layer] += hits
+        st.device_hits[d] += hits
+        st.hits_prefetched[layer] += hits_prefetched
+        st.late_prefetches[layer] += late
+        st.demand_fetches[layer] += demand
+        return out
 
     def unpin(self, s: int) -> None:
         """Drop a pin without using the expert (an abandoned layer)."""
@@ -306,6 +323,28 @@ class Partition:
                 self._unprotect(s, key)
                 self.policy.on_prefetch_unused(s, key)
                 self._refresh(s, True)
+
+
+def look_up_layer(
+    parts: list[Partition],
+    home: list[int],
+    keys: list[int],
+    layer: int,
+    queued_at: float | None = None,
+) -> list[tuple[Partition, int | None]]:
+    """:meth:`Partition.look_up` of a layer's ``keys`` on their home partitions (``home [L * E]``
+    device per key); ``(partition, slot or None)`` per key, in the order of ``keys``."""
+    if len(parts) == 1:
+        part = parts[0]
+        return [(part, s) for s in part.look_up(keys, layer, queued_at)]
+    owner = [home[k] for k in keys]
+    out: list[tuple[Partition, int | None]] = [(parts[d], None) for d in owner]
+    for d, part in enumerate(parts):
+        idx = [i for i, o in enumerate(owner) if o == d]
+        if idx:
+            for i, s in zip(idx, part.look_up([keys[i] for i in idx], layer, queued_at)):
+                out[i] = (part, s)
+    return out
 
 
 def apply_prefetch_plan(

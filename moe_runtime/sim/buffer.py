@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from moe_runtime.buffer.cache_policy import make_cache_policy
-from moe_runtime.buffer.partition import Partition, apply_prefetch_plan
+from moe_runtime.buffer.partition import Partition, apply_prefetch_plan, look_up_layer
 from moe_runtime.buffer.placement import home_devices
 from moe_runtime.io.transfer_queue import Transfer
 from moe_runtime.stats import ExpertStats
@@ -220,10 +220,9 @@ class SimBuffer:
                     part.settle_prefetches(layer, needed)
         ready: list[tuple[int, Partition, int]] = []
         waiting: list[tuple[int, int, Partition]] = []  # (expert, key, partition)
-        for e in experts:
-            key = base + e
-            part = parts[home[key]]
-            s = part.look_up(key, layer, self.now)  # the runtime's own lookup (ExpertBuffer.start_layer)
+        keys = [base + e for e in experts]
+        found = look_up_layer(parts, home, keys, layer, self.now)  # the runtime's own lookup
+        for e, key, (part, s) in zip(experts, keys, found):
             if s is not None:
                 ready.append((e, part, s))
             else:
