@@ -177,7 +177,11 @@ def simulate(
         costs.step_s, wake_s, label="measured on the runtime", plan_s=costs.plan_s,
     )  # fmt: skip
     total = eval_wl.num_layers * eval_wl.num_experts
-    config = SimConfig(slots=min(total, max(1, math.ceil(fraction * total))), batch=batch)
+    config = SimConfig(
+        slots=min(total, max(1, math.ceil(fraction * total))),
+        batch=batch,
+        layer_jitter_s=costs.layer_jitter_s,
+    )
     config.host_time_scale = host_time_scale
     sim = Simulator(eval_wl.num_layers, eval_wl.num_experts, eval_wl.top_k, expert_bytes, cost, config)
     run = run_combos(sim, [combo], warm_wl.requests, eval_wl.requests)[-1]

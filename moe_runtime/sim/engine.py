@@ -50,6 +50,11 @@ class SimConfig:
         eamc_capacity: EAMC entries for the ``eam`` policies.
         host_time_scale: charge this multiple of the measured wall time of the tracer and policy
             hooks to the simulated compute thread (calibration: 1.0; default 0: deterministic).
+        layer_jitter_s: standard deviation (seconds) of each MoE layer's dense time, drawn per
+            layer from a normal distribution (seeded by ``jitter_seed``, the same draws for every
+            policy; times below zero clip to zero). A runtime's layer times jitter, and a policy
+            near a timing threshold (one more copy landing before a layer runs) lands between its
+            two outcomes there; the deterministic default (0) takes one side.
     """
 
     slots: int
@@ -59,6 +64,8 @@ class SimConfig:
     prefetch_depth: int | None = None
     eamc_capacity: int = 1000
     host_time_scale: float = 0.0
+    layer_jitter_s: float = 0.0
+    jitter_seed: int = 0
 
 
 @dataclass(slots=True)
@@ -213,7 +220,10 @@ class Simulator:
             prefetch, buffer=buf, num_layers=self.L, num_experts=self.E, top_k=self.k,
             recorder=recorder, depth=cfg.prefetch_depth, eamc=eamc, **context,
         )  # fmt: skip
-        return RunState(buf, prefetcher, recorder)
+        state = RunState(buf, prefetcher, recorder)
+        if cfg.layer_jitter_s > 0:
+            state.jitter = np.random.default_rng(cfg.jitter_seed)
+        return state
 
     # ------------------------------------------------------------------ steps
     def _run_batches(self, state: RunState, reqs: list[SimRequest]) -> tuple[list[float], int]:
@@ -272,10 +282,15 @@ class Simulator:
         missing = (ids < 0).any(axis=(0, 2)).tolist()  # [L] layers with unrecorded tokens
         needed, counts = _layer_counts(ids, self.E)
         layer_s = cost.layer_s(ids.shape[0], ctx)
+        dense = [layer_s] * self.L
+        if state.jitter is not None:
+            dense = np.maximum(
+                layer_s + state.jitter.normal(0.0, self.config.layer_jitter_s, self.L), 0.0
+            ).tolist()
         expert_times = cost.experts_s(counts).tolist()  # [L][E] seconds per expert
         scale = self.config.host_time_scale
         for layer in range(self.L):
-            buf.now += layer_s
+            buf.now += dense[layer]
             lid = ids[:, layer, :]
             keep = (lid >= 0).all(axis=1) if missing[layer] else None
             if keep is not None:
@@ -321,8 +336,9 @@ def _layer_counts(ids: np.ndarray, num_experts: int) -> tuple[list[list[int]], n
 class RunState:
     """One policy run's live objects: the buffer, the prefetch policy, the recorder (or None)."""
 
-    __slots__ = ("buffer", "prefetcher", "recorder", "by_id")
+    __slots__ = ("buffer", "prefetcher", "recorder", "by_id", "jitter")
 
     def __init__(self, buffer: SimBuffer, prefetcher: Any, recorder: Any | None) -> None:
         self.buffer, self.prefetcher, self.recorder = buffer, prefetcher, recorder
         self.by_id: dict[str, SimRequest] = {}
+        self.jitter: np.random.Generator | None = None  # layer-time noise (SimConfig.layer_jitter_s)

@@ -143,12 +143,14 @@ class Costs:
     transfer_s: float | None
     io_gap_s: float | None = None
     plan_s: float = 0.0  # from the lookup to the first expert: the prefetch plan, the gather
+    layer_jitter_s: float = 0.0  # robust std of the gaps between layers around their fit
 
 
 def costs_from_records(rec: RunRecords, num_layers: int, top_k: int) -> Costs:
     """Fit one run's non-blocking times (see the module note). ``transfer_s`` is the mean link
     hold and ``io_gap_s`` the median gap between back-to-back copies (the I/O thread landing one
-    and starting the next), or None when the run had no emulated link."""
+    and starting the next), or None when the run had no emulated link; ``layer_jitter_s`` is the
+    spread of the gaps between layers around their fit (robust std)."""
     fwd = sorted(rec.forwards)
     layers = sorted(rec.layers)
     starts = np.asarray([f[0] for f in fwd])
@@ -172,6 +174,10 @@ def costs_from_records(rec: RunRecords, num_layers: int, top_k: int) -> Costs:
             period = fwd[i + 1][0] - f0
             step_rest.append(period - (prev_end - f0))
     d0, d1 = _fit(np.column_stack([np.ones(len(gaps)), gap_tokens]), np.asarray(gaps))
+    # timing noise of a layer: 1.4826 x the median absolute deviation of the gaps around the fit
+    # (a normal's std, not inflated by the rare preemption that a plain std would count)
+    resid = np.asarray(gaps) - (d0 + d1 * np.asarray(gap_tokens, dtype=np.float64))
+    jitter = float(1.4826 * np.median(np.abs(resid - np.median(resid)))) if len(gaps) > 1 else 0.0
     step_s = float(np.mean(step_rest)) if step_rest else 0.0
     transfer = io_gap = None
     if rec.holds:
@@ -180,4 +186,4 @@ def costs_from_records(rec: RunRecords, num_layers: int, top_k: int) -> Costs:
         gaps = np.asarray([b[0] - a[1] for a, b in zip(holds, holds[1:])])
         back_to_back = gaps[(gaps >= 0) & (gaps < 0.5 * transfer)]  # the next copy was already queued
         io_gap = float(np.median(back_to_back)) if back_to_back.size else None
-    return Costs(float(a), float(b), float(d0 + c), float(d1), step_s, transfer, io_gap, plan_s)
+    return Costs(float(a), float(b), float(d0 + c), float(d1), step_s, transfer, io_gap, plan_s, jitter)
