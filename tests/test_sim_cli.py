@@ -92,6 +92,7 @@ def test_mapped_profile_is_labelled(tmp_path: Path, capsys: pytest.CaptureFixtur
         (["--trace", "{good}", "--cache-policy", "fifo"], "--cache-policy 'fifo' is unknown"),
         (["--trace", "{small}"], "pass --map-profile"),
         (["--trace", "{good}", "--batch", "0"], "--batch must be >= 1"),
+        (["--trace", "{good}", "--layer-jitter-us", "-5"], "--layer-jitter-us must be >= 0"),
         (["--trace", "{good}", "--warm", "9"], "leaves no request to measure"),
         (
             ["--trace", "{good}", "--model-profile", "deepseek-v3", "--hardware", "a5000"],

@@ -42,6 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefetch-depth", type=int, default=None, help="layers a prefetch plan covers")
     p.add_argument("--eamc-capacity", type=int, default=1000)
     p.add_argument("--host-overhead-us", type=float, default=0.0, help="host time per MoE layer (µs)")
+    p.add_argument(
+        "--layer-jitter-us", type=float, default=0.0, help="std of each layer's dense time, seeded (µs)"
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
 
@@ -58,6 +61,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError(f"--warm must be >= 0, got {args.warm}")
     if args.prefetch_depth is not None and args.prefetch_depth < 1:
         raise ConfigError(f"--prefetch-depth must be >= 1, got {args.prefetch_depth}")
+    if not args.layer_jitter_us >= 0:  # also rejects nan
+        raise ConfigError(f"--layer-jitter-us must be >= 0, got {args.layer_jitter_us}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefetch_depth=args.prefetch_depth,
         eamc_capacity=args.eamc_capacity,
+        layer_jitter_s=args.layer_jitter_us * 1e-6,
     )
     sim = Simulator(*shape, profile.expert_bytes, cost, config)
     t0 = time.perf_counter()
@@ -130,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
         "slots_share": f"{slots / profile.total_experts:.1%}",
         "num_devices": args.num_devices,
         "batch": args.batch,
+        "layer_jitter_us": args.layer_jitter_us,
         **cost.describe(),
         "sim_lookups": simulated,
         "sim_wall_s": round(wall, 2),
