@@ -140,10 +140,6 @@ class ExpertBuffer:
         with self.cond:
             return self.partition_of(key).ready_slot(key) is not None
 
-    def resident_or_loading(self, key: int) -> bool:
-        """Caller holds ``cond`` (policies call this from ``after_routing``)."""
-        return key in self.partition_of(key).key_slot
-
     def prefetch_capacity(self) -> int:
         """Slots prefetches could fill now, over all devices (caller holds ``cond``)."""
         return sum(p.capacity_for_prefetch() for p in self.parts)

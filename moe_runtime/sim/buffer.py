@@ -165,10 +165,6 @@ class SimBuffer:
             self._start(i, self.now)
 
     # ------------------------------------------------------------------ policy interface
-    def resident_or_loading(self, key: int) -> bool:
-        """Caller holds ``cond``."""
-        return bool(self.held[key])
-
     def prefetch_capacity(self) -> int:
         """Slots prefetches could fill now, over all devices (caller holds ``cond``)."""
         return sum(p.capacity_for_prefetch() for p in self.parts)
@@ -248,6 +244,7 @@ class SimBuffer:
             if ios[part.index].transfer is None:
                 self._start(part.index, now)
         if not waiting:
+            self.landed.clear()  # nobody waits on these
             return 0.0
         # Waiting experts compute in list order among those READY (``_first_landed``). A slot turns
         # READY only by landing, so after one scan only the keys landed since are looked at: the

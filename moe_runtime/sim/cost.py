@@ -15,7 +15,7 @@ runtime): a per-expert time as ``a + b * tokens`` and fixed per-layer and per-st
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -59,7 +59,6 @@ class CostModel:
     plan_s: float = 0.0
     wake_s: float = 0.0
     label: str = ""
-    _memo: dict[int, float] = field(default_factory=dict, repr=False)
 
     @classmethod
     def roofline(cls, model: ModelProfile, hw: HardwareProfile, host_overhead_us: float = 0.0) -> CostModel:
@@ -108,19 +107,13 @@ class CostModel:
         )
 
     def expert_s(self, tokens: int) -> float:
-        """Seconds to run one expert for ``tokens`` tokens (memoised: the hot path calls it per lookup)."""
-        t = self._memo.get(tokens)
-        if t is None:
-            t = self.expert_fixed_s + max(
-                self.expert_flop_s_per_token * tokens,
-                self.expert_bytes_s + self.expert_io_s_per_token * tokens,
-            )
-            self._memo[tokens] = t
-        return t
+        """Seconds to run one expert for ``tokens`` tokens (:meth:`experts_s` of one count)."""
+        return float(self.experts_s(tokens))
 
     def experts_s(self, tokens: np.ndarray) -> np.ndarray:
-        """:meth:`expert_s` of every element of ``tokens`` (any shape), as float64: the same
-        operations in the same order, so the same values."""
+        """Seconds to run one expert for each element of ``tokens`` (any shape; float64): the
+        roofline ``fixed + max(flop * n, bytes + io * n)``. The simulator computes a step's
+        expert times with one call."""
         t = np.asarray(tokens, dtype=np.float64)
         return self.expert_fixed_s + np.maximum(
             self.expert_flop_s_per_token * t, self.expert_bytes_s + self.expert_io_s_per_token * t
