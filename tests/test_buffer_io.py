@@ -256,7 +256,10 @@ def test_partition_evictable_bookkeeping_matches_a_full_scan(policy_name: str, s
     from moe_runtime.stats import ExpertStats
 
     class Recorder:
+        epoch = 0  # every answer is new counts: a new epoch each time
+
         def query(self, request_ids, layer):
+            self.epoch += 1
             return rng.integers(0, 4, size=(1, L, E)).astype(np.float64)
 
     rng = np.random.default_rng(seed)

@@ -27,6 +27,7 @@ class FakeRecorder:
 
     def __init__(self, eam: np.ndarray) -> None:
         self.eam = eam
+        self.epoch = 0  # the counts never change
 
     def query(self, request_ids, upto_layer):
         return np.stack([self.eam for _ in request_ids])

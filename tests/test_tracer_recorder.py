@@ -236,3 +236,27 @@ def test_slot_order_does_not_change_the_counts() -> None:
         for r in ("a", "b", "c"):
             for want, got in zip(ref.request_eam(r), rec.request_eam(r), strict=True):
                 np.testing.assert_array_equal(want, got)
+
+
+def test_epoch_moves_only_when_earlier_step_counts_or_live_requests_change() -> None:
+    rec = RequestRecorder(L, E, K)
+    e0 = rec.epoch
+    rec.begin_request("a", 1)
+    rec.begin_request("b", 1)
+    assert rec.epoch > e0
+    e1 = rec.epoch
+    ids = np.zeros((2, K), dtype=np.int64)
+    ids[:, 1] = 1
+    rec.record(0, ["a", "b"], np.arange(2), np.ones(2, bool), ids, np.ones(ids.shape, np.float32))
+    rec.query(["a", "b"], 0)
+    assert rec.epoch == e1  # within a step only the routed rows change
+    rec.end_step()
+    assert rec.epoch > e1
+    e2 = rec.epoch
+    rec.end_step()  # nothing routed: nothing changed
+    assert rec.epoch == e2
+    rec.finish("a")
+    assert rec.epoch > e2
+    e3 = rec.epoch
+    rec.abort("b")
+    assert rec.epoch > e3

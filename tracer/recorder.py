@@ -86,6 +86,8 @@ class RequestRecorder:
         self._last_rows: slice | np.ndarray = np.zeros(0, dtype=np.int64)  # _rows(_last_ids)
         self._query_memo: tuple[int, list[str], np.ndarray] | None = None  # dropped when counts change
         self.committed = 0
+        # bumped when an EAM of earlier steps or the set of live requests changes (see ``query``)
+        self.epoch = 0
 
     # -- requests ---------------------------------------------------------------------------------
     def begin_request(self, request_id: str, prompt_len: int, task: str | None = None) -> None:
@@ -100,6 +102,7 @@ class RequestRecorder:
             self._grow()
         self._live[request_id] = _Live(heapq.heappop(self._free), prompt_len, task)
         self._last_ids = self._query_memo = None
+        self.epoch += 1
 
     def _grow(self) -> None:
         old = self._eam.shape[0]
@@ -235,6 +238,7 @@ class RequestRecorder:
             self._step_sum[rows] = 0
             self._touched[rows] = False
             self._query_memo = None
+            self.epoch += 1
         if self.trace_writer is not None:
             for live in self._live.values():
                 self._flush_choices(live)
@@ -251,6 +255,10 @@ class RequestRecorder:
             plus, for rows ``<= upto_layer``, the current step's iteration EAM. Raw counts; pass
             them to :meth:`tracer.eamc.EAMC.search`, which normalises rows. Read-only: the same
             array answers the same question until the counts change.
+
+        While :attr:`epoch` stays the same (no step ended, no request began or ended), the
+        earlier steps' EAMs are fixed and a later layer's query differs from an earlier one only
+        in the rows routed in between: a policy may key its per-step work on ``epoch``.
 
         Raises:
             KeyError: a request id is not live.
@@ -324,6 +332,7 @@ class RequestRecorder:
         self._touched[live.slot] = False
         heapq.heappush(self._free, live.slot)
         self._last_ids = self._query_memo = None
+        self.epoch += 1
 
     def _trace_record(self, request_id: str, live: _Live) -> TraceRecord:
         from tracer.trace_file import TraceRecord

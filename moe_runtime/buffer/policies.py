@@ -60,19 +60,18 @@ class EAMCachePolicy(_ResetPolicy):
         self.num_layers = num_layers
         self.counts = np.zeros(num_layers * num_experts)
         self.boost = (1.0 + (num_layers - 1 - np.arange(num_layers)) / num_layers).tolist()
-        self._ids: list[str] | None = None  # batch and layer of the last update
-        self._last_layer = num_layers
+        self._seen: tuple[int, list[str], int] | None = None  # recorder epoch, batch, layer summed
 
     def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
         so_far = self.recorder.query(request_ids, layer)  # [B, L, E]
-        if layer > self._last_layer and request_ids == self._ids:
-            # same step and batch: only this layer's row gained counts since the last call
-            e = self.num_experts
-            self.counts[layer * e : (layer + 1) * e] = so_far[:, layer].sum(axis=0)
+        seen = self._seen
+        if seen is not None and seen[0] == self.recorder.epoch and seen[1] == request_ids and layer > seen[2]:
+            # same step and batch: only the rows routed since the last call gained counts
+            e, lo = self.num_experts, seen[2] + 1
+            self.counts[lo * e : (layer + 1) * e] = so_far[:, lo : layer + 1].sum(axis=0).reshape(-1)
         else:
             self.counts = so_far.sum(axis=0).reshape(-1)
-            self._ids = list(request_ids)
-        self._last_layer = layer
+        self._seen = (self.recorder.epoch, list(request_ids), layer)
 
     def _reset(self, slot: int, key: int) -> None:
         layer = key // self.num_experts

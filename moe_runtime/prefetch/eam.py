@@ -84,8 +84,9 @@ class EAMPrefetch(PrefetchPolicy):
         self._match_ids: list[str] | None = None  # the batch the matcher's step began with
         # per-step state (see predict): the step's batch, the last routed layer, the own term,
         # the EAMC term and its key, their normalised sum and its capped form
+        self._epoch = -1  # the recorder's epoch the state below belongs to
         self._step_ids: list[str] | None = None
-        self._last_layer = self.num_layers  # > any layer: the first call starts a step
+        self._last_layer = self.num_layers
         self._own: np.ndarray | None = None  # [L, E]
         self._eamc_key: tuple[int, bytes] | None = None
         self._window = (0, 0)  # rows lo:hi the cached terms below cover
@@ -150,9 +151,11 @@ class EAMPrefetch(PrefetchPolicy):
         return prob
 
     def _begin_layer(self, layer: int, request_ids: list[str]) -> None:
-        """Drop the per-step state when ``layer`` starts a new step or the batch changed."""
-        if layer <= self._last_layer or request_ids != self._step_ids:
-            self._step_ids = list(request_ids)
+        """Drop the per-step state when the recorder's earlier-step EAMs or live requests changed
+        (its ``epoch``: a new step), the batch changed, or ``layer`` is not after the last one."""
+        epoch = self.recorder.epoch
+        if epoch != self._epoch or request_ids != self._step_ids or layer <= self._last_layer:
+            self._epoch, self._step_ids = epoch, list(request_ids)
             self._own = self._final = self._eamc_block = None
             self._eamc_key = None
             self._match_ids = None  # the incremental matcher starts from the full query
@@ -179,9 +182,6 @@ class EAMPrefetch(PrefetchPolicy):
             m.begin_step(so_far)
             self._match_ids = self._step_ids
         return m.update(layer, so_far)[1]
-
-    def end_step(self) -> None:
-        self._last_layer = self.num_layers  # the step's counts move into the request EAMs
 
     def observe_lookahead(self, layer: int, scores: np.ndarray) -> None:
         """Router lookahead scores ``[D, E]`` of MoE layers ``layer + 1 .. layer + D``, handed over
