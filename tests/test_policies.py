@@ -41,6 +41,15 @@ def FakeEAMC(entries: np.ndarray) -> EAMC:  # noqa: N802 - kept the old fake's n
     return eamc
 
 
+def fake_eam_policy(buf: ExpertBuffer, eam: np.ndarray, **kwargs) -> PrefetchPolicy:
+    """An ``eam`` prefetch policy over ``buf`` whose recorder and EAMC both hold ``eam [L, E]``."""
+    layers, experts = eam.shape
+    return make_prefetch_policy(
+        "eam", buffer=buf, num_layers=layers, num_experts=experts, top_k=2,
+        recorder=FakeRecorder(eam), eamc=FakeEAMC(eam[None]), **kwargs,
+    )  # fmt: skip
+
+
 def small_store() -> HostExpertStore:
     store = HostExpertStore(L, E, 4, 2, torch.float32)
     store.data.normal_()
@@ -63,16 +72,7 @@ def test_eam_plan_priorities_follow_the_formula():
         entry[1] = [0, 3, 1, 0, 0]
         entry[2] = [0, 0, 0, 2, 2]
         entry[3] = [4, 0, 0, 0, 0]
-        pol = make_prefetch_policy(
-            "eam",
-            buffer=buf,
-            num_layers=L,
-            num_experts=E,
-            top_k=2,
-            recorder=FakeRecorder(entry),
-            eamc=FakeEAMC(entry[None]),
-            min_prob=0.0,
-        )
+        pol = fake_eam_policy(buf, entry, min_prob=0.0)
         pol.after_routing(0, ["r"], np.zeros((1, 2), dtype=np.int64))
         probs = entry / entry.sum(axis=1, keepdims=True).clip(min=1)
         want = {}
@@ -206,15 +206,7 @@ def test_eam_plan_with_no_routed_tokens_is_harmless():
     buf = ExpertBuffer(small_store(), [torch.device("cpu")], 8)
     try:
         entry = np.ones((L, E))
-        pol = make_prefetch_policy(
-            "eam",
-            buffer=buf,
-            num_layers=L,
-            num_experts=E,
-            top_k=2,
-            recorder=FakeRecorder(entry),
-            eamc=FakeEAMC(entry[None]),
-        )
+        pol = fake_eam_policy(buf, entry)
         pol.after_routing(0, ["r"], np.zeros((0, 2), dtype=np.int64))  # e.g. a trace cell with no token
         pol.after_routing(1, ["r"], np.zeros((1, 2), dtype=np.int64))
         assert pol.last_probs is not None

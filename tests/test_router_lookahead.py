@@ -74,26 +74,16 @@ def test_lookahead_never_changes_outputs_and_reaches_the_policy(tiny_qwen3):
 
 
 def test_blend_moves_only_the_next_layers_toward_the_guess():
-    from test_policies import FakeEAMC, FakeRecorder, small_store
+    from test_policies import fake_eam_policy, small_store
 
     from moe_runtime.buffer import ExpertBuffer
-    from moe_runtime.prefetch import make_prefetch_policy
 
     layers, experts = 4, 5
     buf = ExpertBuffer(small_store(), [torch.device("cpu")], 12, link=(1e-7, 0.0))
     try:
         eam = np.ones((layers, experts))
-        pol = make_prefetch_policy(
-            "eam",
-            buffer=buf,
-            num_layers=layers,
-            num_experts=experts,
-            top_k=2,
-            recorder=FakeRecorder(eam),
-            eamc=FakeEAMC(eam[None]),
-            lookahead=1,
-            depth=layers,  # the EAMC plans all later layers, the lookahead only the next one
-        )
+        # the EAMC plans all later layers, the lookahead only the next one
+        pol = fake_eam_policy(buf, eam, lookahead=1, depth=layers)
         base = pol.predict(0, ["r"])
         guess = np.array([[0, 0, 0, 3.0, 0], [5.0, 0, 0, 0, 0]])  # layers 1 and 2
         pol.observe_lookahead(0, guess)
@@ -109,21 +99,18 @@ def test_blend_moves_only_the_next_layers_toward_the_guess():
 
 
 def test_lookahead_alone_sets_the_plan_depth():
-    from test_policies import FakeEAMC, FakeRecorder, small_store
+    from test_policies import fake_eam_policy, small_store
 
     from moe_runtime.buffer import ExpertBuffer
-    from moe_runtime.prefetch import make_prefetch_policy
 
     layers, experts = 4, 5
     buf = ExpertBuffer(small_store(), [torch.device("cpu")], 12, link=(1e-7, 0.0))
     try:
         eam = np.ones((layers, experts))
-        kw = dict(buffer=buf, num_layers=layers, num_experts=experts, top_k=2)
-        kw.update(recorder=FakeRecorder(eam), eamc=FakeEAMC(eam[None]))
-        assert make_prefetch_policy("eam", lookahead=2, **kw).depth == 2
-        assert make_prefetch_policy("eam", lookahead=2, depth=3, **kw).depth == 3
-        assert make_prefetch_policy("eam", lookahead=0, **kw).depth == layers  # the paper's plan
-        pol = make_prefetch_policy("eam", lookahead=1, **kw)
+        assert fake_eam_policy(buf, eam, lookahead=2).depth == 2
+        assert fake_eam_policy(buf, eam, lookahead=2, depth=3).depth == 3
+        assert fake_eam_policy(buf, eam, lookahead=0).depth == layers  # the paper's plan
+        pol = fake_eam_policy(buf, eam, lookahead=1)
         pol.observe_lookahead(0, np.array([[0, 0, 9.0, 0, 0], [1.0, 0, 0, 0, 0]]))
         pol.after_routing(0, ["r"], np.zeros((1, 2), dtype=np.int64))
         assert pol.last_probs[1].argmax() == 2
