@@ -16,8 +16,13 @@ request arrives, the thread waits up to ``max_wait_ms`` for more requests (stopp
 ``max_batch_size`` are waiting) before the first step, so a burst shares its prefill step and its
 expert fetches instead of the first request running alone.
 
-If ``step()`` raises, the engine is declared dead: every open request gets a 503 error, ``/health``
-turns 503 and new requests are refused; the server process itself keeps answering.
+NOTE: failures. A request whose own post-processing failed (``finish_reason="error"``, see
+``LLMEngine``) ends its HTTP request with a 500 ``server_error`` (a JSON body, or an error event
+then ``[DONE]`` on a stream); its sibling choices are aborted and every other request carries on.
+If ``step()`` itself raises (a device or runtime fault), the engine is declared dead: every open
+request gets a 503 ``engine_dead``, ``/health`` turns 503, new requests are refused, and
+``on_dead`` is called on the event loop (the runner stops the server and the process exits
+non-zero, so a supervisor restarts it).
 """
 
 from __future__ import annotations
@@ -73,6 +78,10 @@ class RequestStream:
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         while self._open:
             item = await self._queue.get()
+            if isinstance(item, RequestOutput) and item.error is not None:
+                self._open.discard(item.request_id)
+                self.abort()  # the response cannot be whole: stop its other choices
+                item = APIError(500, item.error, "server_error")
             if isinstance(item, BaseException):
                 self._open.clear()
                 raise item
@@ -120,6 +129,9 @@ class EngineClient:
             a public attribute, settable later.
         after_step: called on the engine thread after every step (EAMC saving); exceptions in it
             are logged, never fatal.
+        on_dead: called once on the event loop with the exception after ``step()`` raised and
+            every open request was failed; a public attribute (the runner sets it to stop the
+            process).
     """
 
     def __init__(
@@ -129,6 +141,7 @@ class EngineClient:
         max_queue: int = 256,
         on_finished: Callable[[RequestOutput], None] | None = None,
         after_step: Callable[[], None] | None = None,
+        on_dead: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.engine = engine
         self.max_wait_s = max_wait_ms / 1000.0
@@ -136,6 +149,7 @@ class EngineClient:
         self.max_batch_size: int = engine.runtime.max_batch_size
         self.on_finished = on_finished
         self._after_step = after_step
+        self.on_dead = on_dead
         self._commands: queue.Queue[_Add | _Abort | None] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -230,17 +244,23 @@ class EngineClient:
             stream.put(out)
             if out.finished:
                 self._forget([out.request_id])
-                if self.on_finished is not None and out.finish_reason != "abort":
+                if self.on_finished is not None and out.finish_reason not in ("abort", "error"):
                     try:
                         self.on_finished(out)
                     except Exception:
                         log.exception("on_finished hook failed")
 
-    def _fail_all(self, exc: BaseException) -> None:
-        """Runs on the loop after the engine died: every open request gets the error."""
+    def _fail_all(self, exc: BaseException, cause: BaseException) -> None:
+        """Runs on the loop after the engine died: every open request gets the error, then
+        ``on_dead`` hears of it."""
         for stream in set(self._streams.values()):
             stream.put(exc)
         self._forget(list(self._streams))
+        if self.on_dead is not None:
+            try:
+                self.on_dead(cause)
+            except Exception:
+                log.exception("on_dead hook failed")
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new requests, wait up to ``timeout_s`` for open ones, abort the rest, stop."""
@@ -288,7 +308,8 @@ class EngineClient:
         except Exception as exc:
             log.exception("the engine thread died")
             self.dead = exc
-            self._call(self._fail_all, APIError(503, f"the engine failed: {exc}", "engine_dead"))
+            err = APIError(503, "the engine failed; the server is restarting", "engine_dead")
+            self._call(self._fail_all, err, exc)
             self._refuse_pending()
 
     def _gather(self) -> bool:

@@ -5,7 +5,8 @@ Every failure a client can see goes through here, so the shape never varies:
 ====  ========================  ====================  =============================================
 code  type                      error code            when
 ====  ========================  ====================  =============================================
-400   invalid_request_error     invalid_value         a value out of range, an unsupported option,
+400   invalid_request_error     invalid_value         a value out of range or over a limit (see
+                                                      ``docs/server.md``), an unsupported option,
                                                       or a ``MoeServeError`` from the runtime
                                                       (e.g. the prompt is longer than the context)
 401   authentication_error      invalid_api_key       ``--api-key`` set, key missing or wrong
@@ -15,9 +16,12 @@ code  type                      error code            when
 422   invalid_request_error     invalid_schema        body is not JSON or does not fit the schema
 429   rate_limit_error          queue_full            ``--max-queue`` requests already waiting
                                                       beyond a full batch
-500   internal_error            internal_error        a bug; the server keeps serving
-503   service_unavailable       shutting_down /       draining for shutdown, or the engine thread
-                                engine_dead           died
+500   server_error              server_error          a bug, or this request's generation failed
+                                                      (sampling/detokenising raised); the message
+                                                      never carries exception text; the server
+                                                      and the other requests keep going
+503   service_unavailable       shutting_down /       draining for shutdown, or the engine died
+                                engine_dead           (the process then exits to be restarted)
 ====  ========================  ====================  =============================================
 """
 
@@ -43,7 +47,7 @@ _TYPES = {
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
-    500: "internal_error",
+    500: "server_error",
     503: "service_unavailable",
 }
 
@@ -68,7 +72,7 @@ class APIError(Exception):
 
 def error_body(status: int, message: str, code: str, param: str | None = None) -> dict[str, Any]:
     """The OpenAI error object for ``status`` (also sent as an SSE event when a stream fails)."""
-    err_type = _TYPES.get(status, "invalid_request_error" if status < 500 else "internal_error")
+    err_type = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
@@ -131,7 +135,7 @@ async def _http_error(_: Request, exc: Exception) -> JSONResponse:
 
 async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
     log.exception("internal error while serving a request", exc_info=exc)
-    return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
+    return error_response(500, "the server had an error while processing the request", "server_error")
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -1,8 +1,15 @@
-"""Incremental detokenization with stop strings.
+"""Incremental detokenization with stop strings (vLLM's prefix/read offsets).
 
-Each step the output ids are decoded again (fast in the ``tokenizers`` library) and the new text
-is handed out as a delta, holding back (a) a trailing replacement character, which means a
-multi-byte character is not complete yet, and (b) any tail that could still grow into a stop string.
+Per step only a short window of output tokens is decoded: ``ids[prefix_offset:read_offset]`` is
+text already settled, ``ids[prefix_offset:]`` the same plus the new tokens; the difference is the
+new text. Decoding from ``prefix_offset`` rather than from the new token gives the tokenizer the
+context it needs (leading spaces, byte-level merges). A window whose text ends in a replacement
+character is a multi-byte character not yet complete: it waits for the next token, and is flushed
+as it stands when the sequence finishes (:func:`finish_text`).
+
+Stop strings are searched only in the new text plus the ``longest stop - 1`` characters before
+it: earlier text was searched already. Deltas hold back any tail that could still grow into a stop
+string. Per step the cost is therefore independent of the output length.
 """
 
 from __future__ import annotations
@@ -11,18 +18,48 @@ from moe_runtime.engine.request import Sequence
 from moe_runtime.tokenizer import Tokenizer
 
 
+def _window_text(seq: Sequence, tokenizer: Tokenizer) -> str:
+    """Text of the tokens after ``read_offset`` (may end in an incomplete character)."""
+    ids = seq.output_token_ids
+    settled = tokenizer.decode(ids[seq.prefix_offset : seq.read_offset])
+    full = tokenizer.decode(ids[seq.prefix_offset :])
+    return full[len(settled) :] if len(full) > len(settled) else ""
+
+
 def update_text(seq: Sequence, tokenizer: Tokenizer | None) -> bool:
-    """Refresh ``seq.output_text``; returns True when a stop string was found (text cut before it)."""
+    """Add the new tokens' settled text to ``seq.output_text``; True when a stop string was found
+    (the text is then cut before it)."""
     if tokenizer is None:
         return False
-    text = tokenizer.decode(seq.output_token_ids)
+    new = _window_text(seq, tokenizer)
+    if not new or new.endswith("\ufffd"):
+        return False
+    seq.prefix_offset, seq.read_offset = seq.read_offset, len(seq.output_token_ids)
+    return _append(seq, new)
+
+
+def finish_text(seq: Sequence, tokenizer: Tokenizer | None) -> None:
+    """On finishing (not by a stop string): add any text still waiting, incomplete or not."""
+    if tokenizer is None or seq.read_offset == len(seq.output_token_ids):
+        return
+    new = _window_text(seq, tokenizer)
+    seq.prefix_offset = seq.read_offset = len(seq.output_token_ids)
+    _append(seq, new)
+
+
+def _append(seq: Sequence, new: str) -> bool:
+    """Append ``new``; search the stops in the tail window; cut at the earliest match."""
+    start = len(seq.output_text)
+    seq.output_text += new
     stops = seq.params.stop
-    if stops:
-        cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=-1)
-        if cut >= 0:
-            seq.output_text = text[:cut]
-            return True
-    seq.output_text = text
+    if not stops:
+        return False
+    lo = max(0, start - max(len(s) for s in stops) + 1)
+    text = seq.output_text
+    cut = min((i for i in (text.find(s, lo) for s in stops if s) if i >= 0), default=-1)
+    if cut >= 0:
+        seq.output_text = text[:cut]
+        return True
     return False
 
 
@@ -33,8 +70,6 @@ def take_delta(seq: Sequence, finished: bool) -> str:
     if not finished:
         hold = max((len(s) - 1 for s in seq.params.stop), default=0)
         end = max(seq.sent_text_len, end - hold)
-        while end > seq.sent_text_len and text[end - 1] == "\ufffd":
-            end -= 1
     delta = text[seq.sent_text_len : end]
     seq.sent_text_len = end
     return delta

@@ -2,10 +2,17 @@
 
 ``step()`` is schedule -> execute -> update. It is not thread-safe: one engine thread owns it (the
 server's engine client forwards requests to that thread).
+
+Failure isolation: an exception while scheduling or in the forward pass is a runtime (device)
+fault and propagates out of ``step()``: the engine is then unusable. An exception in one request's
+post-processing (sampling, detokenising, stop checks, building its output) finishes only that
+request, with ``finish_reason="error"`` and ``RequestOutput.error`` saying what failed; every other
+request of the step carries on.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from pathlib import Path
@@ -17,9 +24,9 @@ import torch
 from moe_runtime.buffer import ExpertBuffer
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine.context import StepContext
-from moe_runtime.engine.detokenizer import take_delta, update_text
+from moe_runtime.engine.detokenizer import finish_text, take_delta, update_text
 from moe_runtime.engine.request import RequestOutput, SamplingParams, Sequence, SequenceStatus
-from moe_runtime.engine.sampler import sample
+from moe_runtime.engine.sampler import Sampled, sample
 from moe_runtime.engine.scheduler import ScheduledSeq, Scheduler
 from moe_runtime.errors import ConfigError, RequestError
 from moe_runtime.layers.kv_cache import KVCache
@@ -30,6 +37,7 @@ from moe_runtime.prefetch import make_prefetch_policy
 from moe_runtime.stats import EngineStats
 
 MiB = 1 << 20
+log = logging.getLogger("moeserve.engine")
 
 
 class LLMEngine:
@@ -165,9 +173,8 @@ class LLMEngine:
         self._seqs[request_id] = seq
         if not params.greedy:
             gen = torch.Generator(device="cpu")
-            gen.manual_seed(
-                params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % (2**63))
-            )
+            seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy)
+            gen.manual_seed(seed % 2**64)  # torch's range; -1 and 2**64 - 1 seed alike, as before
             self._generators[request_id] = gen
         if self.recorder is not None:
             self.recorder.begin_request(request_id, len(prompt_token_ids), task)
@@ -218,15 +225,17 @@ class LLMEngine:
             self.recorder.end_step()
         self.prefetcher.end_step()
         sampling = [s.seq for s in scheduled if s.sample]
-        tokens, lps = sample(
+        picks = sample(
             logits, [q.params for q in sampling], [self._generators.get(q.request_id) for q in sampling]
         )
-        outputs = self._update(scheduled, step, dict(zip((q.request_id for q in sampling), zip(tokens, lps))))
+        outputs = self._update(scheduled, step, dict(zip((q.request_id for q in sampling), picks)))
         self.stats.steps += 1
         self.stats.step_seconds += time.perf_counter() - t0
         return outputs
 
-    def _update(self, scheduled: list[ScheduledSeq], step: StepContext, sampled: dict) -> list[RequestOutput]:
+    def _update(
+        self, scheduled: list[ScheduledSeq], step: StepContext, picks: dict[str, Sampled | Exception]
+    ) -> list[RequestOutput]:
         now = time.monotonic()
         outputs = []
         for i, s in enumerate(scheduled):
@@ -242,29 +251,66 @@ class LLMEngine:
             es.blocking_s += float(step.seq_blocking_s[i])
             if not s.sample:
                 continue
-            token, lp = sampled[seq.request_id]
-            seq.output_token_ids.append(token)
-            if lp is not None:
-                seq.output_logprobs.append(lp)
-            self.stats.generation_tokens += 1
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
-                self._finish(seq, reason, commit=True)
-            outputs.append(self._output(seq, new_tokens=1))
+            try:
+                outputs.append(self._advance(seq, picks[seq.request_id], now))
+            except Exception as exc:  # this request's fault only: finish it, keep the batch
+                outputs.append(self._fail(seq, exc))
         return outputs
+
+    def _advance(self, seq: Sequence, pick: Sampled | Exception, now: float) -> RequestOutput:
+        """Append one sampled token, check the stops, build the output; raises for this request."""
+        if isinstance(pick, Exception):
+            raise pick
+        seq.output_token_ids.append(pick.token)
+        if pick.logprob is not None:
+            seq.output_logprobs.append(pick.logprob)
+        self.stats.generation_tokens += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        reason = self._stop_reason(seq, pick.token)
+        if reason is not None:
+            self._finish(seq, reason, commit=True)
+        return self._output(seq, new_tokens=1)
+
+    def _fail(self, seq: Sequence, exc: Exception) -> RequestOutput:
+        """Finish ``seq`` with ``finish_reason="error"``; its output carries one line on why."""
+        log.error("request %s failed: %s: %s", seq.request_id, type(exc).__name__, exc, exc_info=exc)
+        if seq.status != SequenceStatus.FINISHED:
+            self._finish(seq, "error", commit=False)
+        else:  # it failed after finishing (building its output): count it as an error
+            self.stats.requests_finished[seq.finish_reason] -= 1
+            self.stats.requests_finished["error"] = self.stats.requests_finished.get("error", 0) + 1
+            seq.finish_reason = "error"
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[],
+            new_text="",
+            text=seq.output_text[: seq.sent_text_len],
+            finished=True,
+            finish_reason="error",
+            num_prompt_tokens=len(seq.prompt_token_ids),
+            num_output_tokens=len(seq.output_token_ids),
+            output_token_ids=list(seq.output_token_ids),
+            logprobs=None,
+            expert_stats=seq.expert_stats,
+            arrival_time=seq.arrival_time,
+            first_token_time=seq.first_token_time,
+            finish_time=seq.finish_time,
+            error=f"generation failed for this request ({type(exc).__name__})",
+        )
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
-        stopped_by_string = update_text(seq, self.tokenizer)
-        if stopped_by_string:
+        if update_text(seq, self.tokenizer):
             return "stop"
+        reason = None
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            return "stop"
-        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+            reason = "stop"
+        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            finish_text(seq, self.tokenizer)
+        return reason
 
     def _finish(self, seq: Sequence, reason: str, commit: bool) -> None:
         seq.finish_reason = reason

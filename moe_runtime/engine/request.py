@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
 from moe_runtime.errors import RequestError
+
+
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``): dividing logits by a smaller one
+overflows float32 or leaves one token with all the mass anyway."""
 
 
 @dataclass(slots=True)
@@ -15,10 +21,13 @@ class SamplingParams:
 
     Attributes:
         max_tokens: most new tokens to generate (>= 1).
-        temperature: 0 means greedy (argmax); > 0 scales logits before sampling.
-        top_p: nucleus sampling mass in (0, 1]; 1 disables it.
+        temperature: finite, >= 0. Below :data:`GREEDY_TEMPERATURE` (1e-5, vLLM's rule) the
+            request is greedy (argmax); above it logits are divided by it before sampling.
+        top_p: nucleus sampling mass in (0, 1], finite; 1 disables it. The most likely token is
+            always kept, however small ``top_p`` is.
         top_k: keep the k most likely tokens; 0 or -1 disables it.
-        seed: seeds this request's own generator, so its samples do not depend on batching.
+        seed: seeds this request's own generator, so its samples do not depend on batching
+            (taken modulo 2**64, so any int works).
         stop: strings that end generation; the matched string is not returned.
         stop_token_ids: extra token ids that end generation (EOS ids are always included unless
             ``ignore_eos``).
@@ -40,9 +49,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise RequestError(f"top_k must be -1, 0 or positive, got {self.top_k}")
@@ -51,7 +60,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """True when tokens are the argmax: ``temperature < GREEDY_TEMPERATURE`` (0 included)."""
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 class SequenceStatus(enum.Enum):
@@ -104,7 +114,9 @@ class Sequence:
     finish_reason: str | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
-    output_text: str = ""
+    output_text: str = ""  # settled text: never ends inside a multi-byte character
+    prefix_offset: int = 0  # detokenizer window: output tokens [prefix_offset, read_offset) are
+    read_offset: int = 0  # already in output_text; decoding starts at prefix_offset for context
     sent_text_len: int = 0  # characters already handed out as deltas
     sent_tokens: int = 0
     expert_stats: ExpertRequestStats = field(default_factory=ExpertRequestStats)
@@ -133,7 +145,9 @@ class RequestOutput:
         text: all text handed out so far (the concatenation of every ``new_text``).
         logprobs: one entry per new token when the request asked for logprobs.
         finished: whether the request is done; then ``finish_reason`` is ``"stop"``,
-            ``"length"`` or ``"abort"``.
+            ``"length"``, ``"abort"`` or ``"error"``.
+        error: on ``finish_reason="error"``, one line saying what failed for this request (its
+            sampling, detokenising or stop check raised); the other requests keep running.
         num_prompt_tokens / num_output_tokens: running totals for ``usage``.
         expert_stats: the request's accumulated expert-buffer figures.
         arrival_time / first_token_time / finish_time: ``time.monotonic()`` seconds.
@@ -153,3 +167,4 @@ class RequestOutput:
     arrival_time: float
     first_token_time: float | None
     finish_time: float | None
+    error: str | None = None

@@ -45,6 +45,7 @@ from server.routes.common import (
     usage,
 )
 from server.sse import DONE, EventStreamResponse, sse_event, unless_disconnected
+from server.routes.limits import check_logprobs, check_sampling, check_text
 from server.state import ServerState
 
 
@@ -61,14 +62,19 @@ def make_router() -> APIRouter:
 
 
 def _message(m: ChatMessage, i: int) -> dict[str, str]:
+    check_text(m.role, f"messages.{i}.role")
     if m.content is None or isinstance(m.content, str):
-        return {"role": m.role, "content": m.content or ""}
-    parts = []
-    for part in m.content:
-        if part.type != "text" or part.text is None:
-            raise invalid(f"content part type {part.type!r} is not supported (text only)", f"messages.{i}")
-        parts.append(part.text)
-    return {"role": m.role, "content": "".join(parts)}
+        content = m.content or ""
+    else:
+        parts = []
+        for part in m.content:
+            if part.type != "text" or part.text is None:
+                msg = f"content part type {part.type!r} is not supported (text only)"
+                raise invalid(msg, f"messages.{i}")
+            parts.append(part.text)
+        content = "".join(parts)
+    check_text(content, f"messages.{i}.content")
+    return {"role": m.role, "content": content}
 
 
 def _prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
@@ -103,6 +109,8 @@ async def _chat(
 ) -> Response | ChatCompletionResponse:
     model = check_model(state, body.model)
     check_unsupported(body)
+    check_sampling(state, body, 1)
+    check_logprobs(body.top_logprobs, "top_logprobs")
     if body.tools:
         raise invalid("tools are not supported", "tools")
     if body.top_logprobs is not None and not body.logprobs:

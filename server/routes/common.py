@@ -12,6 +12,7 @@ from moe_runtime.engine.request import RequestOutput, SamplingParams, TokenLogpr
 from server.engine_client import EngineRequest, RequestStream
 from server.errors import APIError, invalid
 from server.protocol import ExpertUsage, SamplingFields, Usage
+from server.routes.limits import check_text
 from server.state import ServerState
 
 
@@ -44,8 +45,6 @@ def check_model(state: ServerState, model: str | None) -> str:
 
 def check_unsupported(body: SamplingFields) -> None:
     """400 for OpenAI options this server does not implement (rather than silently ignoring)."""
-    if body.n < 1:
-        raise invalid(f"n must be >= 1, got {body.n}", "n")
     if body.presence_penalty:
         raise invalid("presence_penalty is not supported (send 0 or omit it)", "presence_penalty")
     if body.frequency_penalty:
@@ -136,9 +135,10 @@ def usage(prompt_lens: Iterable[int], finals: Iterable[RequestOutput]) -> Usage:
 
 
 def tokenize(state: ServerState, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
-    """Raises APIError 400 when the checkpoint has no tokenizer."""
+    """Raises APIError 400 when the checkpoint has no tokenizer or ``text`` is not valid Unicode."""
     if state.tokenizer is None:
         raise invalid("this model has no tokenizer.json: send the prompt as token ids", param)
+    check_text(text, param)
     return state.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 

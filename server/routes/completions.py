@@ -30,6 +30,7 @@ from server.routes.common import (
     usage,
 )
 from server.sse import DONE, EventStreamResponse, sse_event, unless_disconnected
+from server.routes.limits import check_logprobs, check_sampling, check_token_ids
 from server.state import ServerState
 
 
@@ -43,21 +44,25 @@ def make_router() -> APIRouter:
     return router
 
 
-def _prompts(state: ServerState, prompt: str | list) -> tuple[list[list[int]], list[str]]:
-    """Token ids of each prompt and its text (for ``echo``)."""
+def _prompt_list(prompt: str | list) -> list[str] | list[list[int]]:
+    """``prompt`` as a list of prompts (each a text or a list of token ids)."""
     if isinstance(prompt, str):
-        prompt = [prompt]
+        return [prompt]
     if not prompt:
         raise invalid("prompt is empty", "prompt")
-    if isinstance(prompt[0], int):
-        prompt = [prompt]
+    return [prompt] if isinstance(prompt[0], int) else prompt
+
+
+def _prompts(state: ServerState, prompts: list[str] | list[list[int]]) -> tuple[list[list[int]], list[str]]:
+    """Token ids of each prompt and its text (for ``echo``)."""
     ids: list[list[int]] = []
     texts: list[str] = []
-    for p in prompt:
+    for p in prompts:
         if isinstance(p, str):
             ids.append(tokenize(state, p, "prompt"))
             texts.append(p)
         else:
+            check_token_ids(state, p, "prompt")
             ids.append(list(p))
             texts.append(state.tokenizer.decode(p) if state.tokenizer is not None else "")
     return ids, texts
@@ -81,13 +86,16 @@ async def _complete(
 ) -> Response | CompletionResponse:
     model = check_model(state, body.model)
     check_unsupported(body)
+    prompt_list = _prompt_list(body.prompt)
+    check_sampling(state, body, len(prompt_list))
+    check_logprobs(body.logprobs, "logprobs")
     if body.best_of is not None and body.best_of != body.n:
         raise invalid("best_of other than n is not supported", "best_of")
     if body.suffix:
         raise invalid("suffix is not supported", "suffix")
     if body.echo and body.logprobs is not None:
         raise invalid("echo with logprobs is not supported (no prompt logprobs)", "echo")
-    prompts, texts = _prompts(state, body.prompt)
+    prompts, texts = _prompts(state, prompt_list)
     max_tokens = [max_tokens_for(body.max_tokens, len(p), state.max_model_len) for p in prompts]
     response_id, created = new_id("cmpl"), now()
     stream = await state.client.submit(engine_requests(response_id, body, prompts, max_tokens, body.logprobs))
