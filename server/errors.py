@@ -95,10 +95,18 @@ async def _api_error(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
+_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "int_parsing_size"}
+"""pydantic error types that mean a value out of range, not a wrong shape: answered with 400."""
+
+
 async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors = list(exc.errors()) or [{"loc": (), "msg": "invalid request", "type": "invalid"}]
     first = errors[0]
+    if all(e.get("type") in _RANGE_ERRORS for e in errors):
+        loc = tuple(p for p in first.get("loc", ()) if p != "body")
+        param = _loc_to_param(loc)
+        return error_response(400, f"{param}: {first['msg']}", "invalid_value", param)
     if first.get("type") == "json_invalid":
         error = (first.get("ctx") or {}).get("error", "")
         return error_response(422, f"the body is not valid JSON: {error}", "invalid_schema")

@@ -1,8 +1,9 @@
 """OpenAI-compatible request and response schemas (pydantic), plus our extension fields.
 
 Requests are checked for *shape* here (wrong types or missing fields are 422); *values* (ranges,
-unsupported options) are checked by the routes and ``SamplingParams`` and answered with 400, as
-the OpenAI API does. Unknown request fields are ignored.
+sizes, unsupported options) are checked by the routes (``server/routes/limits.py``) before any
+work and answered with 400, as the OpenAI API does. The schema's own range bounds (``seed``) are
+400s too. Unknown request fields are ignored.
 
 Extensions beyond the OpenAI schema:
     requests: ``top_k``, ``ignore_eos``, ``stop_token_ids`` (send with the client's ``extra_body``).
@@ -12,9 +13,12 @@ Extensions beyond the OpenAI schema:
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+"""A signed 64-bit integer (``seed``); out of range is a 400 naming the field."""
 
 _NULL_IS_A_VALUE = {"max_tokens"}  # completions: null = the rest of the context, not 16
 
@@ -45,7 +49,7 @@ class SamplingFields(_Request):
     top_k: int | None = None
     n: int = 1
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None

@@ -9,7 +9,6 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-
 ENGINE_DEAD_EXIT = 3
 """Exit status of a server process whose engine died (0 = clean stop, 1 = failed to start)."""
 

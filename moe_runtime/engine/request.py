@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 from moe_runtime.errors import RequestError
 
-
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``): dividing logits by a smaller one
 overflows float32 or leaves one token with all the mass anyway."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 
@@ -17,10 +18,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="comma-separated prompt token ids (no tokenizer needed)")
     p.add_argument("--max-tokens", type=int, default=64, help="most new tokens (default: 64)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="finite, >= 0; below 1e-5 = greedy (default: 0)"
+    )
+    p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; the top token is always kept")
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help="a signed 64-bit integer")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     p.add_argument("--record-trace", default=None, help="append this request's expert trace (JSONL) here")
@@ -44,13 +47,27 @@ def _prompt_ids(args: argparse.Namespace, engine) -> list[int]:
     return engine.tokenizer.encode(args.prompt)
 
 
-def run(args: argparse.Namespace) -> int:
-    from moe_runtime.engine.engine import LLMEngine
+def _sampling_params(args: argparse.Namespace):
+    """The request's ``SamplingParams``; a bad flag raises ``RequestError`` naming it."""
     from moe_runtime.engine.request import SamplingParams
-    from moe_runtime.loader import load_checkpoint
+    from moe_runtime.errors import RequestError
 
-    runtime = runtime_from_args(args)
-    params = SamplingParams(
+    checks = [
+        ("--max-tokens", args.max_tokens, args.max_tokens >= 1, ">= 1"),
+        (
+            "--temperature",
+            args.temperature,
+            math.isfinite(args.temperature) and args.temperature >= 0,
+            "a finite number >= 0",
+        ),
+        ("--top-p", args.top_p, math.isfinite(args.top_p) and 0 < args.top_p <= 1, "in (0, 1]"),
+        ("--top-k", args.top_k, args.top_k >= -1, "-1, 0 or positive"),
+        ("--seed", args.seed, args.seed is None or -(2**63) <= args.seed < 2**63, "a signed 64-bit integer"),
+    ]
+    for flag, value, ok, rule in checks:
+        if not ok:
+            raise RequestError(f"{flag} must be {rule}, got {value}")
+    return SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -59,6 +76,14 @@ def run(args: argparse.Namespace) -> int:
         stop=args.stop,
         ignore_eos=args.ignore_eos,
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    from moe_runtime.engine.engine import LLMEngine
+    from moe_runtime.loader import load_checkpoint
+
+    runtime = runtime_from_args(args)
+    params = _sampling_params(args)
     loaded = load_checkpoint(resolve_model(args), runtime)
     recorder = make_recorder(args.record_trace, loaded.config) if args.record_trace else None
     with LLMEngine(loaded, runtime, recorder) as engine:

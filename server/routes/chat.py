@@ -44,8 +44,8 @@ from server.routes.common import (
     tokenize,
     usage,
 )
-from server.sse import DONE, EventStreamResponse, sse_event, unless_disconnected
 from server.routes.limits import check_logprobs, check_sampling, check_text
+from server.sse import DONE, EventStreamResponse, sse_event, unless_disconnected
 from server.state import ServerState
 
 

@@ -29,8 +29,8 @@ from server.routes.common import (
     tokenize,
     usage,
 )
-from server.sse import DONE, EventStreamResponse, sse_event, unless_disconnected
 from server.routes.limits import check_logprobs, check_sampling, check_token_ids
+from server.sse import DONE, EventStreamResponse, sse_event, unless_disconnected
 from server.state import ServerState
 
 

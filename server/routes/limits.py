@@ -15,7 +15,7 @@ field                  limit
 ``stop``               at most 4 strings (OpenAI), each at most 256 characters
 ``stop_token_ids``     at most 64, each a token id of the vocabulary
 ``logprobs``           0..20 (chat: ``top_logprobs``)
-``seed``               a signed 64-bit integer
+``seed``               a signed 64-bit integer (a schema bound: ``server/protocol.py``)
 prompt token ids       in [0, vocabulary size)
 any text               valid Unicode (no lone surrogates such as ``"\\ud800"``)
 =====================  ==========================================================================
@@ -34,7 +34,6 @@ MAX_STOP = 4
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 def check_text(text: str, param: str) -> None:
@@ -78,8 +77,6 @@ def check_sampling(state: ServerState, body: SamplingFields, num_prompts: int) -
         raise invalid(f"top_p must be a number in (0, 1], got {body.top_p}", "top_p")
     if body.top_k is not None and body.top_k < -1:
         raise invalid(f"top_k must be -1, 0 or positive, got {body.top_k}", "top_k")
-    if body.seed is not None and not INT64_MIN <= body.seed <= INT64_MAX:
-        raise invalid(f"seed must be a signed 64-bit integer, got {body.seed}", "seed")
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stops) > MAX_STOP:
         raise invalid(f"stop allows at most {MAX_STOP} strings, got {len(stops)}", "stop")
