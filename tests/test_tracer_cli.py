@@ -116,6 +116,7 @@ def test_predict_eval_cli_and_shape_mismatch(tmp_path: Path, capsys: pytest.Capt
     out = json.loads(_run(capsys, "trace", "predict-eval", "--warm", trace, "--eval", trace, "--json"))
     assert {r["method"] for r in out["rows"]} == {"eamc", "model-counts", "prev-token", "request-eam"}
     assert out["settings"]["eamc_entries"] == 3
+    assert out["settings"]["warm"] == "t.jsonl"  # an absolute path outside the working folder: its name
     other = TraceRecord(
         "b", None, 0, L, 16, K, 0, np.zeros((1, L, K), np.int64), np.zeros((1, L, K), np.float32)
     )
