@@ -122,8 +122,6 @@ def _plain(value: Any) -> Any:
         return value
     if isinstance(value, str):
         return str.__str__(value)
-    if isinstance(value, bool):
-        return bool(value)
     if isinstance(value, int):
         return int.__int__(value)
     if isinstance(value, float):
