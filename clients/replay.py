@@ -1,7 +1,9 @@
 """Replay request arrivals against a running server and report what it did (MoE-Infinity §7.1).
 
-A run: ask ``/v1/models`` for the model name and context length, build the request schedule
-(trace or Poisson arrivals, prompts from the task mix fitted to each row's length), scrape
+A run: ask ``/v1/models`` for the model name and context length, pick how prompt tokens are
+measured (``clients/sizing.py``: the server's ``/tokenize``, else a calibration probe), build the
+request schedule (trace or Poisson arrivals, prompts from the task mix fitted to each row's length
+and cut to the context), scrape
 ``/metrics``, send every request at its time on one ``httpx.AsyncClient`` (streaming), scrape
 ``/metrics`` again, then summarise and write the records and the summary to ``config.out``.
 
