@@ -30,6 +30,7 @@ class RequestSpec:
         dataset, task: where the prompt's first piece comes from.
         target_prompt_tokens: prompt length aimed for (client-side estimate), tokens.
         trace_context_tokens, trace_generated_tokens: the trace row's lengths (``None`` without one).
+        cut: the prompt was cut shorter than asked so that prompt + ``max_tokens`` fit the context.
     """
 
     index: int
@@ -41,6 +42,7 @@ class RequestSpec:
     target_prompt_tokens: int
     trace_context_tokens: int | None = None
     trace_generated_tokens: int | None = None
+    cut: bool = False
 
 
 @dataclass(slots=True)

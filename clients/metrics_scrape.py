@@ -1,6 +1,7 @@
 """Scrape the server's Prometheus ``/metrics`` before and after a run and take the difference.
 
-Counter names are those of ``DESIGN.md`` (prefix ``moeserve_``). Buffer hit rate over a run is
+Counter names are those of the server's ``/metrics`` (``docs/server.md``, "Metrics"; prefix
+``moeserve_``). Buffer hit rate over a run is
 ``Δ moeserve_expert_hits_total / Δ moeserve_expert_lookups_total``; blocking time is
 ``Δ moeserve_expert_blocking_seconds_total``.
 

@@ -36,7 +36,8 @@ class ReplayConfig:
         slo_tpot_ms: TPOT service-level objective for goodput, milliseconds.
         model: ``model`` field of requests; ``None`` = the first id from ``/v1/models``.
         tokenizer: ``tokenizer.json`` (or a folder with one) to measure prompt lengths.
-        chars_per_token: length estimate used without ``tokenizer``.
+        chars_per_token: a fixed length estimate instead; ``None`` = the server's own tokenizer
+            through ``/tokenize``, else a calibration probe (``clients/sizing.py``).
         timeout_s: longest wait for the next byte of an answer, seconds.
         ignore_eos: send ``ignore_eos: true`` so outputs run to ``max_tokens`` (server extension).
         progress: show a progress bar.
@@ -57,7 +58,7 @@ class ReplayConfig:
     slo_tpot_ms: float | None = None
     model: str | None = None
     tokenizer: Path | None = None
-    chars_per_token: float = DEFAULT_CHARS_PER_TOKEN
+    chars_per_token: float | None = None
     timeout_s: float = 300.0
     ignore_eos: bool = False
     progress: bool = True
@@ -85,7 +86,6 @@ class ReplayConfig:
 
     def settings(self) -> dict[str, Any]:
         """The settings printed beside the figures and stored in ``summary.json``."""
-        counter = f"tokenizer {self.tokenizer}" if self.tokenizer else f"{self.chars_per_token} chars/token"
         return {
             "url": self.url,
             "trace": self.trace.name if self.trace else "poisson",
@@ -98,7 +98,6 @@ class ReplayConfig:
             "max_tokens_cap": self.max_tokens_cap,
             "max_context": self.max_context,
             "seed": self.seed,
-            "prompt_length": counter,
             "ignore_eos": self.ignore_eos,
         }
 
@@ -166,13 +165,16 @@ def add_replay_args(p: argparse.ArgumentParser, with_rate: bool = True) -> None:
         type=Path,
         metavar="PATH",
         default=None,
-        help="tokenizer.json (or checkpoint folder) to size prompts; default: chars estimate",
+        help="tokenizer.json (or checkpoint folder) to size prompts; default: the server's /tokenize, "
+        "else its chars/token measured with one probe request",
     )
     p.add_argument(
         "--chars-per-token",
         type=float,
-        default=DEFAULT_CHARS_PER_TOKEN,
-        help=f"prompt length estimate without --tokenizer (default: {DEFAULT_CHARS_PER_TOKEN})",
+        default=None,
+        metavar="X",
+        help=f"size prompts at X characters per token instead (the fallback when the server cannot "
+        f"be measured is {DEFAULT_CHARS_PER_TOKEN})",
     )
     p.add_argument(
         "--timeout", type=float, default=300.0, metavar="SEC", help="longest wait for the next byte, s"

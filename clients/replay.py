@@ -1,7 +1,9 @@
 """Replay request arrivals against a running server and report what it did (MoE-Infinity §7.1).
 
-A run: ask ``/v1/models`` for the model name and context length, build the request schedule
-(trace or Poisson arrivals, prompts from the task mix fitted to each row's length), scrape
+A run: ask ``/v1/models`` for the model name and context length, pick how prompt tokens are
+measured (``clients/sizing.py``: the server's ``/tokenize``, else a calibration probe), build the
+request schedule (trace or Poisson arrivals, prompts from the task mix fitted to each row's length
+and cut to the context), scrape
 ``/metrics``, send every request at its time on one ``httpx.AsyncClient`` (streaming), scrape
 ``/metrics`` again, then summarise and write the records and the summary to ``config.out``.
 
@@ -27,6 +29,7 @@ from clients.metrics_scrape import MetricsSnapshot, ServerDelta, diff, parse_met
 from clients.options import DEFAULT_MAX_CONTEXT, ReplayConfig
 from clients.plots import plot_run
 from clients.prompts import (
+    DEFAULT_CHARS_PER_TOKEN,
     CharEstimate,
     HFTokenizer,
     PromptRecord,
@@ -35,6 +38,7 @@ from clients.prompts import (
     load_prompts,
 )
 from clients.report import Summary, render, summarize
+from clients.sizing import choose_counter
 from clients.trace import Arrival, load_azure_trace, poisson_arrivals, scale_trace, skip, window
 
 # Tokens kept free of the context budget for special tokens and re-tokenisation at the cut.
@@ -43,15 +47,23 @@ DEFAULT_MODEL = "moeserve"
 
 
 def build_requests(
-    cfg: ReplayConfig, arrivals: list[Arrival], prompts: list[PromptRecord], max_context: int
+    cfg: ReplayConfig,
+    arrivals: list[Arrival],
+    prompts: list[PromptRecord],
+    max_context: int,
+    counter: TokenCounter | None = None,
 ) -> list[RequestSpec]:
     """Fit prompts and output lengths to each arrival.
 
     ``max_tokens = min(GeneratedTokens, max_tokens_cap)`` (``max_tokens_cap`` without a trace, at
     least 1); the prompt aims at ``min(ContextTokens, max_context - max_tokens - CONTEXT_MARGIN)``
-    tokens (at least 1), or is one prompt as drawn without a trace, cut to that budget.
+    tokens (at least 1), or is one prompt as drawn without a trace, cut to that budget. A spec whose
+    trace length or drawn prompt did not fit has ``cut=True``. ``counter`` measures tokens
+    (default: ``--tokenizer``, else ``--chars-per-token``, else 4 characters per token).
     """
-    counter: TokenCounter = HFTokenizer(cfg.tokenizer) if cfg.tokenizer else CharEstimate(cfg.chars_per_token)
+    if counter is None:
+        per_token = cfg.chars_per_token or DEFAULT_CHARS_PER_TOKEN
+        counter = HFTokenizer(cfg.tokenizer) if cfg.tokenizer else CharEstimate(per_token)
     sampler = PromptSampler(prompts, counter, seed=cfg.seed)
     specs: list[RequestSpec] = []
     for a in arrivals:
@@ -60,8 +72,9 @@ def build_requests(
         budget = max(1, max_context - max_tokens - CONTEXT_MARGIN)
         target = None if a.context_tokens is None else max(1, min(a.context_tokens, budget))
         p = sampler.sample(target)
+        cut = a.context_tokens is not None and a.context_tokens > budget
         if target is None and p.est_tokens > budget:
-            p = sampler.fit(p, budget)
+            p, cut = sampler.fit(p, budget), True
         specs.append(
             RequestSpec(
                 index=a.index,
@@ -73,6 +86,7 @@ def build_requests(
                 target_prompt_tokens=p.est_tokens,
                 trace_context_tokens=a.context_tokens,
                 trace_generated_tokens=a.generated_tokens,
+                cut=cut,
             )
         )
     return specs
@@ -197,12 +211,21 @@ async def run_async(cfg: ReplayConfig, console: Console | None = None) -> Summar
             console.print(f"[yellow]warning[/yellow]: {cfg.url}/v1/models did not answer; sending anyway")
         model = cfg.model or first.get("id") or DEFAULT_MODEL
         max_context = int(cfg.max_context or first.get("max_model_len") or DEFAULT_MAX_CONTEXT)
-        specs = build_requests(cfg, arrivals, prompts, max_context)
+        with httpx.Client(timeout=timeout, trust_env=False) as sync_client:
+            sizing = await asyncio.to_thread(choose_counter, cfg, sync_client, model, prompts, max_context)
+            specs = await asyncio.to_thread(
+                build_requests, cfg, arrivals, prompts, max_context, sizing.counter
+            )
         before, before_text = await _scrape(client, cfg.url)
         records, wall = await send_all(client, cfg, specs, model, console)
         after, after_text = await _scrape_after(client, cfg.url, before, sum(r.ok for r in records))
     server: ServerDelta | None = diff(before, after) if before and after else None
-    settings = cfg.settings() | {"model": model, "max_context": max_context}
+    settings = cfg.settings() | {
+        "model": model,
+        "max_context": max_context,
+        "prompt_length": sizing.how,
+        "prompts_cut": sum(s.cut for s in specs),
+    }
     summary = summarize(records, wall, settings, cfg.slo_tpot_ms, server)
     rate = f"{cfg.rps:g} req/s" if cfg.rps else f"speedup {cfg.speedup or 1:g}"
     scrapes = {"metrics_before.prom": before_text, "metrics_after.prom": after_text}

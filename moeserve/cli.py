@@ -5,7 +5,8 @@ subcommand(s) and sets ``func`` on the parsed namespace. Modules are imported la
 broken optional dependency of one subcommand never breaks the others.
 
 User errors (:class:`moe_runtime.errors.MoeServeError`, :class:`clients.errors.ClientError`) print one
-line and exit with status 2.
+line and exit with status 2. Every (sub)command's ``--help`` shows option defaults
+(:class:`HelpFormatter`); ``moeserve --version`` prints the installed version.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import Any
 
 COMMAND_MODULES = [
     "moeserve.commands.generate",
@@ -25,11 +27,34 @@ COMMAND_MODULES = [
 ]
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` to an option's help unless the help already speaks of its default,
+    or the default says nothing (``None``, ``False`` of a switch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """``ArgumentParser`` whose default formatter is :class:`HelpFormatter`; the subcommand
+    parsers are made of this class too (``add_subparsers`` uses the parent's class)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from moeserve import __version__
+
+    parser = Parser(
         prog="moeserve",
         description="Serve Mixture-of-Experts models with experts offloaded to host memory.",
     )
+    parser.add_argument("--version", action="version", version=f"moeserve {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in COMMAND_MODULES:

@@ -2,12 +2,16 @@
 
 The stand-in streams ``max_tokens`` short text chunks, ``tokens_delay_s`` apart, and counts what
 it served in Prometheus counters named like moeserve's, so the report's server section is exercised.
+Its tokenizer is one token per :data:`CHARS_PER_TOKEN` characters (plus BOS), which it serves on
+``/tokenize`` (vLLM's API) unless ``tokenize`` is off, and it refuses a prompt + ``max_tokens``
+over its 512-token context with 400, as moeserve does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import socket
 import threading
 import time
@@ -22,6 +26,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from clients.options import ReplayConfig
 from clients.replay import replay
 from moeserve.cli import main
+
+CHARS_PER_TOKEN = 2
+CONTEXT = 512
+
+
+def standin_tokens(text: str) -> int:
+    return math.ceil(len(text) / CHARS_PER_TOKEN)
+
 
 ROWS = [  # 12 arrivals over 1.1 s of trace time, irregular gaps
     "2023-11-16 18:15:46.0000000,40,3",
@@ -50,13 +62,25 @@ class StandIn:
         self.lookups = 0
         self.hits = 0
         self.token_delay_s = 0.002
+        self.tokenize = True
 
     def app(self) -> FastAPI:
         app = FastAPI()
 
         @app.get("/v1/models")
         async def models() -> dict:
-            return {"object": "list", "data": [{"id": "standin", "object": "model", "max_model_len": 512}]}
+            return {
+                "object": "list",
+                "data": [{"id": "standin", "object": "model", "max_model_len": CONTEXT}],
+            }
+
+        @app.post("/tokenize")
+        async def tokenize(request: Request):
+            if not self.tokenize:
+                return JSONResponse({"detail": "Not Found"}, 404)
+            body = await request.json()
+            n = standin_tokens(body["prompt"]) + (1 if body.get("add_special_tokens", True) else 0)
+            return {"count": n, "max_model_len": CONTEXT, "tokens": list(range(n))}
 
         @app.get("/metrics")
         async def metrics() -> PlainTextResponse:
@@ -81,6 +105,17 @@ class StandIn:
             if self.mode == "500":
                 return JSONResponse({"error": {"message": "engine died", "type": "internal"}}, 500)
             n = int(body["max_tokens"])
+            prompt_tokens = standin_tokens(body["prompt"]) + 1
+            if prompt_tokens + n > CONTEXT:
+                msg = f"the prompt has {prompt_tokens} tokens; with max_tokens {n} it exceeds {CONTEXT}"
+                return JSONResponse({"error": {"message": msg, "type": "invalid_request_error"}}, 400)
+            if not body.get("stream"):  # the replay client's calibration probe
+                usage = {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": 1,
+                    "total_tokens": prompt_tokens + 1,
+                }
+                return {"choices": [{"index": 0, "text": "x", "finish_reason": "length"}], "usage": usage}
 
             async def gen():
                 for i in range(n):
@@ -94,9 +129,9 @@ class StandIn:
                 self.lookups += 4 * n
                 self.hits += 3 * n
                 usage = {
-                    "prompt_tokens": 7,
+                    "prompt_tokens": prompt_tokens,
                     "completion_tokens": n,
-                    "total_tokens": 7 + n,
+                    "total_tokens": prompt_tokens + n,
                     "expert_stats": {"buffer_hits": 3 * n, "buffer_misses": n, "blocking_ms": 0.5},
                 }
                 yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
@@ -301,3 +336,60 @@ def test_cli_bad_trace_is_one_line_error(files, tmp_path: Path, capsys) -> None:
     err = capsys.readouterr().err.strip()
     assert rc == 2
     assert err.startswith("moeserve: error: ") and f"{bad}:3:" in err and "\n" not in err
+
+
+LONG_ROWS = [  # context lengths over the stand-in's 512-token context, and under it
+    "2023-11-16 18:15:46.0000000,2459,3",
+    "2023-11-16 18:15:46.0100000,700,4",
+    "2023-11-16 18:15:46.0200000,300,2",
+    "2023-11-16 18:15:46.0300000,505,4",
+    "2023-11-16 18:15:46.0400000,40,2",
+    "2023-11-16 18:15:46.0500000,1200,1",
+]
+
+
+@pytest.mark.parametrize("how", ["tokenize", "calibrate", "fixed"])
+def test_prompts_fit_the_servers_context_without_flags(standin, tmp_path: Path, how: str) -> None:
+    """The README's replay failed 14% of requests: prompts sized at 4 chars/token, the server's
+    tokenizer has fewer. Sized by /tokenize, or by a probe's usage, none is over the context."""
+    state, url = standin
+    state.mode, state.tokenize = "ok", how == "tokenize"
+    trace = tmp_path / "long.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(LONG_ROWS) + "\n")
+    prompts = tmp_path / "prompts.jsonl"
+    words = "The quick brown fox jumps over the lazy dog and keeps running far away. "
+    prompts.write_text(
+        "\n".join(json.dumps({"dataset": "d", "task": f"t{i}", "prompt": words * (i + 1)}) for i in range(4))
+    )
+    cfg = ReplayConfig(
+        url=url,
+        prompts=prompts,
+        trace=trace,
+        speedup=10.0,
+        out=tmp_path / "run",
+        progress=False,
+        chars_per_token=4.0 if how == "fixed" else None,
+    )
+    try:
+        s = replay(cfg)
+    finally:
+        state.tokenize = True
+    recs = [json.loads(line) for line in (tmp_path / "run" / "requests.jsonl").read_text().splitlines()]
+    if how == "fixed":  # the old default: prompts twice as long as the client believes
+        assert s.errors.get("http_error 400", 0) >= 2
+        return
+    assert s.succeeded == s.requests == len(LONG_ROWS), s.errors
+    assert s.settings["prompts_cut"] == 4  # the rows asking 2459, 700, 505 and 1200 tokens
+    prompt_tokens = [r["prompt_tokens"] for r in recs]
+    assert all(p + r["max_tokens"] <= CONTEXT for p, r in zip(prompt_tokens, recs, strict=True))
+    if how == "tokenize":
+        assert s.settings["prompt_length"] == "server /tokenize"
+        # exact sizing: each prompt is its target (trace length or the context budget), BOS aside
+        budgets = [
+            min(int(row.split(",")[1]), CONTEXT - r["max_tokens"] - 8)
+            for row, r in zip(LONG_ROWS, recs, strict=True)
+        ]
+        assert [p - 1 for p in prompt_tokens] == budgets
+    else:
+        # the probe: 512 characters of the mix = 256 tokens + BOS; sized at that / 1.2
+        assert s.settings["prompt_length"] == f"{512 / 257 / 1.2:.2f} chars/token (server's 1.99 / 1.2)"

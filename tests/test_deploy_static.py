@@ -294,6 +294,9 @@ def test_every_alert_has_a_runbook_section() -> None:
             assert rule.get("for"), f"{rule['alert']}: give it a `for:` duration"
             path, _, anchor = ann["runbook"].partition("#")
             assert path == "docs/operations.md" and anchor in anchors, rule["alert"]
+    alerts = [r for g in yaml.safe_load((RULES / "alerts.yml").read_text())["groups"] for r in g["rules"]]
+    words = ("no", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
+    assert f"the {words[len(alerts)]} alerts below" in doc  # the file table counts them right
 
 
 def test_documented_flags_exist_on_serve() -> None:

@@ -54,9 +54,10 @@ def _routing_log(path: Path, problems: dict[int, int], seed: int = 0, drop_last:
 def test_import_groups_requests_and_marks_gaps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     src = tmp_path / "x_routing.jsonl"
     _routing_log(src, {0: 6, 1: 3})
-    out = _run(capsys, "trace", "import", str(src), "--out", str(tmp_path / "t.jsonl"), "--num-experts", "8")
+    dst = tmp_path / "runs" / "traces" / "t.jsonl"  # folders missing, as on a fresh clone
+    out = _run(capsys, "trace", "import", str(src), "--out", str(dst), "--num-experts", "8")
     assert "wrote 2 requests" in out and "(token, layer) cells missing" in out
-    recs = load_traces(tmp_path / "t.jsonl")
+    recs = load_traces(dst)
     assert [r.request_id for r in recs] == ["gsm8k-0", "gsm8k-1"]
     r0 = recs[0]
     assert (r0.num_tokens, r0.num_layers, r0.num_experts, r0.top_k, r0.num_prefill) == (6, L, E, K, 0)
@@ -115,6 +116,7 @@ def test_predict_eval_cli_and_shape_mismatch(tmp_path: Path, capsys: pytest.Capt
     out = json.loads(_run(capsys, "trace", "predict-eval", "--warm", trace, "--eval", trace, "--json"))
     assert {r["method"] for r in out["rows"]} == {"eamc", "model-counts", "prev-token", "request-eam"}
     assert out["settings"]["eamc_entries"] == 3
+    assert out["settings"]["warm"] == "t.jsonl"  # an absolute path outside the working folder: its name
     other = TraceRecord(
         "b", None, 0, L, 16, K, 0, np.zeros((1, L, K), np.int64), np.zeros((1, L, K), np.float32)
     )

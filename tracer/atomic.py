@@ -2,6 +2,7 @@
 
 A crash mid-write leaves the old file (or none), never a half-written one. The new file gets the
 old file's permission bits, or ``0o644`` when there was none (``mkstemp`` would give ``0o600``).
+Missing parent folders are created.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ def atomic_file(path: str | Path, mode: str = "wb", **open_kwargs: Any) -> Itera
     """Open a temp file beside ``path`` for writing; on clean exit it replaces ``path``.
 
     Raises:
-        OSError: the folder is not writable.
+        OSError: the folder cannot be created or is not writable.
     """
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, mode, **open_kwargs) as f:

@@ -205,7 +205,7 @@ class TraceWriter:
     """Appends one JSON line per record to ``path``; thread-safe, flushed after every line.
 
     Args:
-        path: the trace file (created if missing, appended to otherwise).
+        path: the trace file (created with its folders if missing, appended to otherwise).
 
     Raises:
         OSError: the file cannot be opened.
@@ -213,6 +213,7 @@ class TraceWriter:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._file = self.path.open("a", encoding="utf-8")
         self.written = 0

@@ -20,6 +20,15 @@ import json
 from pathlib import Path
 
 
+def _shown(path: Path) -> str:
+    """``path`` as printed in settings lines: relative to the working folder when under it, else
+    its file name (never an absolute path of the machine that ran it)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return path.name
+
+
 def _stats(args: argparse.Namespace) -> int:
     from tracer.analysis import print_stats, trace_stats
     from tracer.trace_file import load_traces
@@ -28,7 +37,7 @@ def _stats(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(stats, indent=2))
     else:
-        print_stats(stats, title=str(args.file))
+        print_stats(stats, title=_shown(args.file))
     return 0
 
 
@@ -61,7 +70,7 @@ def _predict_eval(args: argparse.Namespace) -> int:
         capacity=args.capacity,
         online=args.online,
     )
-    result["settings"].update(warm=str(args.warm), eval=str(args.eval))
+    result["settings"].update(warm=_shown(args.warm), eval=_shown(args.eval))
     if args.json:
         print(json.dumps(result, indent=2))
     else:
