@@ -135,7 +135,10 @@ def shrunk(shape: RealShape, factor: int) -> RealShape:
     }
     bad = [k for k, v in widths.items() if factor < 1 or v % factor]
     if bad or (shape.head_dim // factor) % 2:
-        raise ConfigError(f"--shrink {factor}: must divide {', '.join(bad) or 'head_dim'} of {shape.name} (and leave head_dim even)")
+        raise ConfigError(
+            f"--shrink {factor}: must divide {', '.join(bad) or 'head_dim'} of {shape.name} "
+            "(and leave head_dim even)"
+        )
     from dataclasses import replace
 
     return replace(shape, name=f"{shape.name}/{factor}", **{k: v // factor for k, v in widths.items()})

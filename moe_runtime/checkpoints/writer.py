@@ -50,7 +50,9 @@ def check_out_dir(out: Path) -> None:
         raise ConfigError(f"--out {out}: exists and is not an empty folder")
 
 
-def routing_summary(embed: torch.Tensor, router: torch.Tensor, top_k: int, tokens: int = 64, seed: int = 0) -> dict:
+def routing_summary(
+    embed: torch.Tensor, router: torch.Tensor, top_k: int, tokens: int = 64, seed: int = 0
+) -> dict:
     """Routing of ``tokens`` random token embeddings through one router (RMS-normalised input).
 
     Args:
@@ -87,7 +89,9 @@ def _groups(names: list[str], layers: int) -> list[list[str]]:
     return out
 
 
-def _draw(name: str, shape: torch.Size, dtype: torch.dtype, real: RealShape, g: torch.Generator) -> torch.Tensor:
+def _draw(
+    name: str, shape: torch.Size, dtype: torch.dtype, real: RealShape, g: torch.Generator
+) -> torch.Tensor:
     t = torch.empty(shape, dtype=dtype)
     leaf = name.rsplit(".", 2)
     if name.endswith("bias"):
@@ -145,7 +149,9 @@ def write_checkpoint(
             embed = next(v for n, v in sd.items() if n.endswith("embed_tokens.weight"))
         elif i == 1:
             router = next(
-                v for n, v in sd.items() if tuple(v.shape) == (real.experts, real.hidden) and "experts" not in n
+                v
+                for n, v in sd.items()
+                if tuple(v.shape) == (real.experts, real.hidden) and "experts" not in n
             )
             routing = routing_summary(embed, router, real.top_k, seed=seed)
             embed = None

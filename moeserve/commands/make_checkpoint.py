@@ -22,7 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shape", required=True, help=f"model shape: {', '.join(SHAPES)}")
     p.add_argument("--layers", type=int, required=True, help="decoder layers to keep (1..the model's)")
     p.add_argument("--out", type=Path, required=True, help="folder to write (must be absent or empty)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="weights (default: bf16)")
+    p.add_argument(
+        "--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="weights (default: bf16)"
+    )
     p.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
     p.add_argument("--shrink", type=int, default=1, help=argparse.SUPPRESS)
     p.set_defaults(func=run)
@@ -44,15 +46,19 @@ def run(args: argparse.Namespace) -> int:
     eb = shape.expert_bytes(DTYPES[args.dtype].itemsize)
     print(
         f"{shape.name} ({shape.source}): {args.layers} of {shape.num_layers} layers, hidden {shape.hidden}, "
-        f"{shape.experts} experts x {eb / 2**20:.2f} MiB, top-{shape.top_k}, vocab {shape.vocab}, {args.dtype}",
+        f"{shape.experts} experts x {eb / 2**20:.2f} MiB, top-{shape.top_k}, vocab {shape.vocab}, "
+        f"{args.dtype}",
         flush=True,
     )
-    rep = write_checkpoint(shape, args.layers, args.out, args.dtype, args.seed, log=lambda m: print(m, flush=True))
+    rep = write_checkpoint(
+        shape, args.layers, args.out, args.dtype, args.seed, log=lambda m: print(m, flush=True)
+    )
     r = rep.routing
     print(
         f"wrote {args.out}: {rep.total_bytes / 1e9:.2f} GB in {rep.shards} shards "
         f"({rep.expert_bytes / 1e9:.2f} GB experts) in {rep.seconds:.1f} s; layer-0 routing of "
-        f"{r['tokens']} random tokens: entropy {r['entropy']:.2f} of uniform, top-1 share {r['top1_share']:.2f}, "
-        f"{r['distinct_topk']} distinct top-{shape.top_k} sets, {r['experts_used']}/{shape.experts} experts used"
+        f"{r['tokens']} random tokens: entropy {r['entropy']:.2f} of uniform, "
+        f"top-1 share {r['top1_share']:.2f}, {r['distinct_topk']} distinct top-{shape.top_k} sets, "
+        f"{r['experts_used']}/{shape.experts} experts used"
     )
     return 0
