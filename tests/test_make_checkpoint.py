@@ -53,6 +53,7 @@ def test_real_shape_builds_in_transformers(name):
         model = transformers.AutoModelForCausalLM.from_config(hf_config(s, 2, "bfloat16"))
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     assert experts == 2 * s.experts * s.expert_params
+    assert 2 * sum(p.numel() for p in model.parameters()) == s.checkpoint_bytes(2, 2)
     assert model.lm_head.weight.shape == (s.vocab, s.hidden)
     attn = model.model.layers[0].self_attn
     assert attn.q_proj.weight.shape == (s.heads * s.head_dim, s.hidden)
@@ -118,6 +119,7 @@ def test_routing_is_input_dependent(tmp_path):
     assert r["entropy"] < 0.8  # uniform routing would be 1.0
     assert r["distinct_topk"] > r["tokens"] // 2 and r["experts_used"] > 64
     assert rep.shards == 2 and rep.expert_bytes == 128 * 3 * 128 * 48 * 2
+    assert rep.total_bytes == shrunk(SHAPES["qwen3-30b-a3b"], 16).checkpoint_bytes(1, 2)
 
 
 @pytest.mark.parametrize(

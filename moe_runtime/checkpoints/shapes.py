@@ -68,6 +68,20 @@ class RealShape:
     def expert_bytes(self, dtype_bytes: int) -> int:
         return self.expert_params * dtype_bytes
 
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer: attention (+ bias, qk-norm), two norms, router,
+        routed experts, shared expert and its gate."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        attn = self.hidden * (2 * q + 2 * kv) + (q + 2 * kv if self.attention_bias else 0)
+        attn += {"none": 0, "head": 2 * self.head_dim, "full": q + kv}[self.qk_norm]
+        shared = 3 * self.hidden * self.shared_intermediate + self.hidden if self.shared_intermediate else 0
+        return attn + 2 * self.hidden + self.experts * (self.hidden + self.expert_params) + shared
+
+    def checkpoint_bytes(self, layers: int, dtype_bytes: int) -> int:
+        """Bytes of a checkpoint of ``layers`` layers: layers, untied embeddings and LM head, norm."""
+        return dtype_bytes * (layers * self.layer_params + 2 * self.vocab * self.hidden + self.hidden)
+
 
 SHAPES: dict[str, RealShape] = {
     s.name: s
