@@ -65,8 +65,6 @@ def other_runs() -> str:
     )
 
 
-
-
 def extras(s) -> str:
     parts = [f"qk-norm ({s.qk_norm})"] if s.qk_norm != "none" else []
     parts += [f"shared expert {s.shared_intermediate}"] if s.shared_intermediate else []
@@ -175,10 +173,11 @@ model, keeping its first `N` decoder layers. Both `transformers` (`from_pretrain
 Whenever `status` of the device tool shows a GPU lent (`can_start_another` true), a session runs
 the following. Everything a command writes under `$OUT` on the GPU machine comes back.
 
-1. Here, from the project root: fetch the wheels the GPU machine lacks (into `.whl/`, git-ignored).
+1. Here, from the project root: mark the start (step 3 copies what came back since) and fetch the
+   wheels the GPU machine lacks (into `.whl/`, git-ignored).
 
    ```bash
-   ../shared/tools/gpu-wheels.sh
+   mkdir -p runs/bench && touch runs/bench/gpu-routine.start && ../shared/tools/gpu-wheels.sh
    ```
 
 2. Run each of these three commands with the device tool's `run`, `carry: [".whl"]`, and
@@ -203,13 +202,12 @@ the following. Everything a command writes under `$OUT` on the GPU machine comes
    python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit; python3 -m moeserve make-checkpoint --shape qwen3-30b-a3b --layers 8 --out /tmp/ckpt/qwen3-8l && python3 -m moeserve bench decode --model /tmp/ckpt/qwen3-8l --device cuda --dtype bf16 --fractions 1.0,0.25 --link-gbps 0 --prefill-len 2048 --json > $OUT/decode-cuda-qwen3-30b-a3b-8l.json
    ```
 
-3. Here, after each run: copy the returned JSON into `runs/bench/`. Set `files_at` to the
-   `files_at` folder of that run's reply. Then regenerate this file; each GPU run becomes a
-   section above, named after its device.
+3. Here, after each run: copy the JSON that came back (the device tool puts a run's files under
+   `/work/.device/`) into `runs/bench/` and regenerate this file; each GPU run becomes a section
+   above, named after its device.
 
    ```bash
-   files_at=/work/.device/REPLACE-WITH-THE-REPLY-FILES_AT
-   mkdir -p runs/bench && cp "$files_at"/decode-cuda-*.json runs/bench/
+   find /work/.device -name 'decode-cuda-*.json' -newer runs/bench/gpu-routine.start -exec cp {{}} runs/bench/ \\;
    python tools/update_bench_docs.py
    ```
 

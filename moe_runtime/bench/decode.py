@@ -401,6 +401,7 @@ def run(args: argparse.Namespace) -> int:
         "warmup": "1 run of 4 tokens (decode), 1 prompt (prefill)",
         "load_avg_1min": round(load_avg, 2) if load_avg is not None else None,
         "torch": torch.__version__,
+        "transformers": _transformers_version(),
     }
     rows = [{**asdict(r), "ratio_vs_transformers": r.ratio} for r in results]
     pre_rows = [{**asdict(r), "ratio_vs_transformers": r.ratio} for r in prefill]
@@ -411,6 +412,14 @@ def run(args: argparse.Namespace) -> int:
 
         print(render_decode({"settings": settings, "results": rows, "prefill": pre_rows}))
     return 0
+
+
+def _transformers_version() -> str | None:
+    try:
+        import transformers
+    except ImportError:
+        return None
+    return transformers.__version__
 
 
 def _progress(msg: str) -> None:
