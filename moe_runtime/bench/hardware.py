@@ -113,6 +113,8 @@ def h2d_gbps(device: torch.device, nbytes: int, repeats: int = 5) -> float:
         src = torch.ones(nbytes, dtype=torch.uint8)
         dst = torch.empty_like(src)
         return nbytes / _fastest(lambda: dst.copy_(src), repeats) / 1e9
+    if device.index is None:  # plain "cuda": the current device
+        device = torch.device("cuda", torch.cuda.current_device())
     src = torch.ones(nbytes, dtype=torch.uint8).pin_memory()
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     stream = torch.cuda.Stream(device)

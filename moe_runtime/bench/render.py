@@ -32,16 +32,19 @@ def _spread(lo: float | None, hi: float | None) -> str:
     return f"{lo:.2f}-{hi:.2f}" if lo is not None and hi is not None else ""
 
 
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+
+
 def render_decode(data: dict) -> str:
     """Decode rows (TPOT, spread, HBM and link bounds, transformers), then prefill rows, then the
     settings line."""
-    lines = [
-        "| buffer | slots | link GB/s | batch | TPOT ms | spread ms | HBM bound ms | link bound ms | "
-        "hit rate | blocking ms/token | KiB/token | transformers TPOT ms | ours / transformers |",
-        "|" + "---|" * 13,
-    ]
-    for r in data["results"]:
-        cells = [
+    decode_header = ["buffer", "slots", "link GB/s", "batch", "TPOT ms", "spread ms", "HBM bound ms",
+                     "link bound ms", "hit rate", "blocking ms/token", "KiB/token", "transformers TPOT ms",
+                     "ours / transformers"]  # fmt: skip
+    rows = [
+        [
             f"{r['buffer_fraction']:.0%}",
             str(r["buffer_slots"]),
             str(r["link_gbps"] or "off"),
@@ -56,16 +59,15 @@ def render_decode(data: dict) -> str:
             _ms(r.get("transformers_tpot_ms")),
             _ms(r.get("ratio_vs_transformers")),
         ]
-        lines.append("| " + " | ".join(cells) + " |")
-    out = "\n".join(lines) + "\n"
+        for r in data["results"]
+    ]
+    out = _table(decode_header, rows)
     if data.get("prefill"):
-        pre = [
-            "| buffer | slots | prompt tokens | prefill ms | spread ms | prompt tokens/s | HBM bound ms | "
-            "link bound ms | transformers prefill ms | ours / transformers |",
-            "|" + "---|" * 10,
-        ]
-        for r in data["prefill"]:
-            cells = [
+        prefill_header = ["buffer", "slots", "prompt tokens", "prefill ms", "spread ms",
+                          "prompt tokens/s", "HBM bound ms", "link bound ms", "transformers prefill ms",
+                          "ours / transformers"]  # fmt: skip
+        rows = [
+            [
                 f"{r['buffer_fraction']:.0%}",
                 str(r["buffer_slots"]),
                 str(r["prompt_tokens"]),
@@ -77,8 +79,9 @@ def render_decode(data: dict) -> str:
                 _ms(r.get("transformers_prefill_ms")),
                 _ms(r.get("ratio_vs_transformers")),
             ]
-            pre.append("| " + " | ".join(cells) + " |")
-        out += "\nPrefill (one prompt, batch 1, admission to first token):\n\n" + "\n".join(pre) + "\n"
+            for r in data["prefill"]
+        ]
+        out += "\nPrefill (one prompt, batch 1, admission to first token):\n\n" + _table(prefill_header, rows)
     return out + "\n" + _settings(data["settings"]) + "\n"
 
 
