@@ -23,6 +23,7 @@ COMMAND_MODULES = [
     "moeserve.commands.replay",
     "moeserve.commands.trace",
     "moeserve.commands.train_tiny",
+    "moeserve.commands.make_checkpoint",
     "moeserve.commands.simulate",
 ]
 

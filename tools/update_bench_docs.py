@@ -1,8 +1,10 @@
 """Regenerate docs/benchmarks.md and the policies section of docs/results.md from bench JSON.
 
-Run after ``moeserve bench policies --json > runs/bench/policies.json`` and
-``moeserve bench decode --json > runs/bench/decode.json``: the tables come from
-``moeserve bench render``; the target checks and comparisons are computed from the same files.
+Run after ``moeserve bench decode --json > runs/bench/decode.json`` (this machine's CPU run; any
+``runs/bench/decode-*.json``, e.g. the GPU session routine's, get a section each) and, for
+docs/results.md, ``moeserve bench policies --json > runs/bench/policies.json`` (skipped when that
+file is absent). The tables come from ``moeserve bench render``; the summaries and comparisons are
+computed from the same files.
 """
 
 import json
@@ -12,8 +14,10 @@ import sys
 from pathlib import Path
 
 root = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(root))
+from moe_runtime.checkpoints.shapes import SHAPES  # noqa: E402
+
 dec = json.loads((root / "runs/bench/decode.json").read_text())
-pol = json.loads((root / "runs/bench/policies.json").read_text())
 render = lambda f: subprocess.run(
     [sys.executable, "-m", "moeserve", "bench", "render", f],
     cwd=root,
@@ -22,47 +26,202 @@ render = lambda f: subprocess.run(
     check=True,
 ).stdout.strip()
 
+
+def summary(data: dict) -> str:
+    """One sentence per figure the issue's targets name, computed from a decode JSON."""
+    rows = data["results"]
+    out = []
+    for r in rows:
+        if r.get("ratio_vs_transformers"):
+            out.append(
+                f"all resident, batch {r['batch']}: ours / transformers = {r['ratio_vs_transformers']:.2f}, "
+                f"TPOT / HBM bound = {r['tpot_ms'] / r['hbm_bound_ms']:.1f}"
+            )
+    low = min(r["buffer_fraction"] for r in rows)
+    for r in rows:
+        if r["buffer_fraction"] == low < 1 and r["link_gbps"] is None and r["link_bound_ms"] > 0:
+            out.append(
+                f"{low:.0%} buffer, batch {r['batch']}: TPOT / link bound = {r['tpot_ms'] / r['link_bound_ms']:.1f}"
+            )
+    for r in data.get("prefill", []):
+        if r["buffer_fraction"] == 1.0:
+            out.append(f"prefill of {r['prompt_tokens']} tokens: {r['tokens_per_s']:.0f} prompt tokens/s")
+    return "; ".join(out)
+
+
+def other_runs() -> str:
+    parts = []
+    for path in sorted((root / "runs/bench").glob("decode-*.json")):
+        data = json.loads(path.read_text())
+        st = data["settings"]
+        rel = path.relative_to(root)
+        parts.append(
+            f"### {st['device_name']}: {st['architecture']}, {st['layers']} layers, hidden {st['hidden']}, "
+            f"{st['experts']} experts of {st['expert_bytes'] / 2**20:.2f} MiB, {st['dtype']} (`{rel.name}`)\n\n"
+            f"{summary(data)}.\n\n{render(str(rel))}\n"
+        )
+    return "\n".join(parts) or (
+        "None recorded yet: a session with a lent GPU records them with the routine below.\n"
+    )
+
+
+def extras(s) -> str:
+    parts = [f"qk-norm ({s.qk_norm})"] if s.qk_norm != "none" else []
+    parts += [f"shared expert {s.shared_intermediate}"] if s.shared_intermediate else []
+    return ", ".join(parts + (["qkv bias"] if s.attention_bias else []))
+
+
+shape_rows = "\n".join(
+    f"| `{s.name}` | {s.num_layers} | {s.hidden} | {s.heads} / {s.kv_heads} x {s.head_dim} | {s.experts} | "
+    f"{s.top_k} | {s.moe_intermediate} | {s.expert_bytes(2) / 2**20:.2f} | "
+    f"{s.experts * s.expert_bytes(2) / 1e9:.2f} | {s.vocab} | {extras(s)} | {s.source} |"
+    for s in SHAPES.values()
+)
+mix, qwen3 = SHAPES["mixtral-8x7b"], SHAPES["qwen3-30b-a3b"]
+gb = lambda s, n: f"{s.checkpoint_bytes(n, 2) / 1e9:.1f} GB"
+
 # ---- benchmarks.md
-rows = dec["results"]
-ratios = [(r["batch"], r["ratio_vs_transformers"]) for r in rows if r.get("ratio_vs_transformers")]
-ratio_txt = "; ".join(f"batch {b}: ours / transformers = {x:.2f}" for b, x in ratios)
+cpu_summary = summary(dec)
 bench = f"""# Benchmarks
 
-## Decode TPOT vs buffer size and link bandwidth (`moeserve bench decode`)
+## Decode TPOT and prefill against their bounds (`moeserve bench decode`)
 
-Issue #2's decode benchmark on the bundled model, on this project's 2-core CPU machine (no GPU).
-Command (the JSON is rendered to the table below by `moeserve bench render`):
+Issue #2's decode benchmark on the bundled model, with issue #14's bounds and prefill row, on this
+project's 2-core CPU machine (no GPU). Command (the JSON is rendered to the table below by
+`moeserve bench render`):
 
 ```bash
+mkdir -p runs/bench
 moeserve bench decode --json > runs/bench/decode.json
 moeserve bench render runs/bench/decode.json
 python tools/update_bench_docs.py   # writes this file
 ```
 
-For every buffer size (share of all 512 experts), link setting (off = plain memcpy; on = the I/O
-thread holds an emulated link of `link_gbps` GB/s plus `link_latency_us` per copy) and batch size,
-the engine decodes `new_tokens` greedy tokens for seeded random prompts, `repeats` times after a
-warm-up run; TPOT is the mean decode-step time of a run, and the figure is the median over runs.
-With every expert resident, the same prompts also run through `transformers` `generate` (eager
-experts) in the same process with the same thread count.
+For every buffer size (share of all {dec["settings"]["experts"]} experts), link setting (off = plain
+copies; on = the I/O thread holds an emulated link of `link_gbps` GB/s plus `link_latency_us` per
+copy) and batch size, the engine decodes `new_tokens` greedy tokens for seeded random prompts,
+`repeats` times after a warm-up run; TPOT is the mean decode-step time of a run, the figure is the
+median over runs and "spread" the fastest and slowest run. With every expert resident, the same
+prompts also run through `transformers` `generate` on the same device with the same dtype and
+thread count. Hit rate, blocking and bytes per token count decode steps only.
+
+Two lower bounds stand beside TPOT (milliseconds per decode step):
+- **HBM bound**: bytes a step reads from device memory (resident dense weights, the embedding
+  table only as a tied LM head; every distinct expert the step used, from the buffer's lookups;
+  the KV cache at the run's mean context) / the device's memory bandwidth: `hbm_gbps` in the
+  settings, from the data-sheet table of `moe_runtime/bench/hardware.py` on CUDA (it reuses the
+  simulator's GPU profiles), a measured host-memory copy on the CPU (`hbm_source`), or `--hbm-gbps`.
+- **Link bound**: bytes moved host->device per decode step / the link's bandwidth: with no
+  emulated link, host->device copies of one expert measured in the same run (`h2d_gbps_measured`:
+  pinned memory and CUDA events on a GPU, a memcpy on the CPU); with one, `link_gbps` plus
+  `link_latency_us` per expert copy. Zero when every expert is resident.
+
+The prefill rows time one `prefill_len`-token prompt from admission to its first token (chunks
+of `max_num_batched_tokens`), with the same bounds over the prefill steps; transformers runs one
+forward pass over the same prompt.
 
 {render("runs/bench/decode.json")}
 
-With every expert resident: {ratio_txt} (below 1 means moeserve is faster).
+Summary: {cpu_summary}.
 
 Reading the table:
+- The CPU is shared with other work on this machine (`load_avg_1min` in the settings was taken at
+  the start of the run); repeated runs of the same row vary by up to ~30%, so compare rows of one
+  run, and read the spread column.
+- On the CPU the "HBM" is host memory and the "link" a memcpy, both measured at the start of the
+  run: the bounds say how far a step is from moving its bytes, not what a GPU would do.
 - Below 100%, the default `eam` policies run (they are skipped when everything is resident), so
   "link off" rows also move prefetched experts; with memcpy transfers those copies are nearly free
   for the link but still cost CPU time on a 2-core machine shared by the compute thread and the
   I/O thread.
-- The CPU is shared with other work on this machine (load average 2-4 during the run); repeated
-  runs of the same row vary by up to ~30%.
 - `--cpu-threads 1` is the default: on this machine 2 intra-op threads made small-expert steps
   several times slower under load (see `docs/architecture.md`).
+
+## Other devices and checkpoints
+
+Every `runs/bench/decode-*.json` (the GPU session routine below writes them), rendered the same way.
+
+{other_runs()}
+## Real-shape checkpoints (`moeserve make-checkpoint`)
+
+`moeserve make-checkpoint --shape NAME --layers N --out DIR [--dtype bf16|fp16|fp32] [--seed S]`
+writes a random-weight Hugging Face checkpoint with the real per-layer shapes of a published MoE
+model, keeping its first `N` decoder layers. Both `transformers` (`from_pretrained`) and moeserve
+(`--model DIR`) load it. The shapes (`moe_runtime/checkpoints/shapes.py`; expert sizes in bf16):
+
+| shape | layers | hidden | heads / KV heads x head dim | experts | top-k | expert width | expert MiB | experts GB per layer | vocab | extras | source |
+|---|---|---|---|---|---|---|---|---|---|---|---|
+{shape_rows}
+
+- It is written one decoder layer at a time, one safetensors shard per layer plus one for the
+  embeddings, final norm and LM head, with `model.safetensors.index.json`. The model is built by
+  `transformers` on the `meta` device, and each shard's tensor names and layout come from
+  `transformers`' own save conversion. So peak memory is one layer, not the model.
+- Weights are `N(0, 0.02)`, norms 1, biases 0. Routers are `N(0, 3 / sqrt(hidden))`, so router
+  logits of a unit-RMS hidden state have std 3. Routing then depends on the input and is far from
+  uniform. The command prints layer 0's routing of 64 random tokens: its softmax entropy as a
+  share of uniform's (the tests require it below 0.8), and how many distinct top-k sets it saw.
+- The tokenizer is the bundled model's byte-level BPE, padded to the model's `vocab_size` with
+  `<|reserved_N|>` entries that no merge produces. Every id a model emits decodes. EOS and padding
+  are `<|endoftext|>` = 0, not the real models' ids.
+- Example: `moeserve make-checkpoint --shape mixtral-8x7b --layers 4 --out runs/ckpt/mixtral-4l`
+  writes {gb(mix, 4)} in bf16; `qwen3-30b-a3b` with 8 layers writes {gb(qwen3, 8)}. Check the disk
+  first.
+
+## GPU session routine
+
+Whenever `status` of the device tool shows a GPU lent (`can_start_another` true), a session runs
+the following. Everything a command writes under `$OUT` on the GPU machine comes back.
+
+1. Here, from the project root: mark the start (step 3 copies what came back since) and fetch the
+   wheels the GPU machine lacks (into `.whl/`, git-ignored).
+
+   ```bash
+   mkdir -p runs/bench && touch runs/bench/gpu-routine.start && ../shared/tools/gpu-wheels.sh
+   ```
+
+2. Run each of these three commands with the device tool's `run`, `carry: [".whl"]`, and
+   `timeout_s: 600`. After each one, copy its files back as in step 3: a reply brings only the
+   latest command's files.
+
+   GPU tests and the bundled model:
+
+   ```bash
+   python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit; nvidia-smi --query-gpu=name,memory.total --format=csv; timeout 300 python3 -m pytest -q -rs tests/test_devices.py 2>&1 | tee $OUT/gpu-tests.log; python3 -m moeserve bench decode --device cuda --dtype bf16 --link-gbps 0 --prefill-len 2048 --json > $OUT/decode-cuda-tiny-moe.json
+   ```
+
+   The Mixtral-8x7B shape, 4 layers ({gb(mix, 4)}):
+
+   ```bash
+   python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit; python3 -m moeserve make-checkpoint --shape mixtral-8x7b --layers 4 --out /tmp/ckpt/mixtral-4l && python3 -m moeserve bench decode --model /tmp/ckpt/mixtral-4l --device cuda --dtype bf16 --fractions 1.0,0.25 --link-gbps 0 --prefill-len 2048 --json > $OUT/decode-cuda-mixtral-8x7b-4l.json
+   ```
+
+   The Qwen3-30B-A3B shape, 8 layers ({gb(qwen3, 8)}):
+
+   ```bash
+   python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit; python3 -m moeserve make-checkpoint --shape qwen3-30b-a3b --layers 8 --out /tmp/ckpt/qwen3-8l && python3 -m moeserve bench decode --model /tmp/ckpt/qwen3-8l --device cuda --dtype bf16 --fractions 1.0,0.25 --link-gbps 0 --prefill-len 2048 --json > $OUT/decode-cuda-qwen3-30b-a3b-8l.json
+   ```
+
+3. Here, after each run: copy the JSON that came back (the device tool puts a run's files under
+   `/work/.device/`) into `runs/bench/` and regenerate this file; each GPU run becomes a section
+   above, named after its device.
+
+   ```bash
+   find /work/.device -name 'decode-cuda-*.json' -newer runs/bench/gpu-routine.start -exec cp {{}} runs/bench/ \\;
+   python tools/update_bench_docs.py
+   ```
+
+   `runs/` is git-ignored. Commit the regenerated `docs/benchmarks.md`, and say which device the
+   figures came from. The tool names the device in each section title.
 """
 (root / "docs/benchmarks.md").write_text(bench)
+print(cpu_summary)
 
 # ---- results.md policies section
+if not (root / "runs/bench/policies.json").exists():
+    print("runs/bench/policies.json absent: docs/results.md left as it is")
+    raise SystemExit(0)
+pol = json.loads((root / "runs/bench/policies.json").read_text())
 res = pol["results"]
 
 
@@ -225,4 +384,3 @@ else:
     r = r.rstrip() + "\n\n" + section
 (root / "docs/results.md").write_text(r)
 print("\n".join(checks))
-print(ratio_txt)

@@ -1,9 +1,10 @@
 """``moeserve bench render FILE``: a benchmark's ``--json`` output as Markdown tables for ``docs/``.
 
-Knows the two runtime benchmarks: ``bench decode`` (TPOT per buffer size, link and batch, with the
-transformers ratio) and ``bench policies`` (MoE-Infinity Tables 2/3/5 layout: hit rate against the
-oracle, blocking time and bytes per token normalised to on-demand, prefetch precision = prefetches
-used / prefetches that landed in a slot, TPOT).
+Knows the two runtime benchmarks: ``bench decode`` (TPOT per buffer size, link and batch, with its
+spread, HBM and link bounds and the transformers ratio; the prefill rows) and ``bench policies``
+(MoE-Infinity Tables 2/3/5 layout: hit rate against the oracle, blocking time and bytes per token
+normalised to on-demand, prefetch precision = prefetches used / prefetches that landed in a slot,
+TPOT).
 """
 
 from __future__ import annotations
@@ -23,29 +24,65 @@ def _settings(settings: dict) -> str:
     return "Settings: " + ", ".join(f"`{k}={v}`" for k, v in settings.items())
 
 
+def _ms(x: float | None) -> str:
+    return f"{x:.2f}" if x else ""
+
+
+def _spread(lo: float | None, hi: float | None) -> str:
+    return f"{lo:.2f}-{hi:.2f}" if lo is not None and hi is not None else ""
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+
+
 def render_decode(data: dict) -> str:
-    lines = [
-        "| buffer | slots | link GB/s | batch | TPOT ms | hit rate | blocking ms/token | KiB/token | "
-        "transformers TPOT ms | ours / transformers |",
-        "|" + "---|" * 10,
-    ]
-    for r in data["results"]:
-        ratio = r.get("ratio_vs_transformers")
-        hf = r.get("transformers_tpot_ms")
-        cells = [
+    """Decode rows (TPOT, spread, HBM and link bounds, transformers), then prefill rows, then the
+    settings line."""
+    decode_header = ["buffer", "slots", "link GB/s", "batch", "TPOT ms", "spread ms", "HBM bound ms",
+                     "link bound ms", "hit rate", "blocking ms/token", "KiB/token", "transformers TPOT ms",
+                     "ours / transformers"]  # fmt: skip
+    rows = [
+        [
             f"{r['buffer_fraction']:.0%}",
             str(r["buffer_slots"]),
             str(r["link_gbps"] or "off"),
             str(r["batch"]),
             f"{r['tpot_ms']:.2f}",
+            _spread(r.get("tpot_ms_min"), r.get("tpot_ms_max")),
+            f"{r['hbm_bound_ms']:.3f}" if "hbm_bound_ms" in r else "",
+            f"{r['link_bound_ms']:.3f}" if "link_bound_ms" in r else "",
             f"{r['hit_rate']:.3f}",
             f"{r['blocking_ms_per_token']:.3f}",
             f"{r['bytes_per_token'] / 1024:.1f}",
-            f"{hf:.2f}" if hf else "",
-            f"{ratio:.2f}" if ratio else "",
+            _ms(r.get("transformers_tpot_ms")),
+            _ms(r.get("ratio_vs_transformers")),
         ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n\n" + _settings(data["settings"]) + "\n"
+        for r in data["results"]
+    ]
+    out = _table(decode_header, rows)
+    if data.get("prefill"):
+        prefill_header = ["buffer", "slots", "prompt tokens", "prefill ms", "spread ms",
+                          "prompt tokens/s", "HBM bound ms", "link bound ms", "transformers prefill ms",
+                          "ours / transformers"]  # fmt: skip
+        rows = [
+            [
+                f"{r['buffer_fraction']:.0%}",
+                str(r["buffer_slots"]),
+                str(r["prompt_tokens"]),
+                f"{r['prefill_ms']:.1f}",
+                _spread(r["prefill_ms_min"], r["prefill_ms_max"]),
+                f"{r['tokens_per_s']:.0f}",
+                f"{r['hbm_bound_ms']:.3f}",
+                f"{r['link_bound_ms']:.3f}",
+                _ms(r.get("transformers_prefill_ms")),
+                _ms(r.get("ratio_vs_transformers")),
+            ]
+            for r in data["prefill"]
+        ]
+        out += "\nPrefill (one prompt, batch 1, admission to first token):\n\n" + _table(prefill_header, rows)
+    return out + "\n" + _settings(data["settings"]) + "\n"
 
 
 def render_policies(data: dict) -> str:

@@ -1,0 +1,214 @@
+"""Per-layer shapes of real MoE models, as published in their ``config.json`` files.
+
+Every :class:`RealShape` carries the values of one model's ``config.json`` on the Hugging Face Hub
+(cited in ``source``); :func:`hf_config` turns one into a ``transformers`` config of that family with
+``layers`` decoder layers. Special tokens are not the real ones: a made checkpoint ships the
+bundled model's byte-level BPE (padded to ``vocab_size``), whose EOS and padding id is 0.
+
+Where the simulator already has a profile of the same model (:mod:`moe_runtime.sim.models`), the
+shared numbers must agree; ``tests/test_make_checkpoint.py`` checks it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_runtime.errors import ConfigError
+
+EOS_ID = 0  # <|endoftext|> of the bundled tokenizer (moe_runtime/train/tokenizer.py)
+INITIALIZER_RANGE = 0.02  # std of every weight matrix except the routers (all four configs)
+
+
+@dataclass(frozen=True, slots=True)
+class RealShape:
+    """One model's transformer shape.
+
+    Attributes:
+        model_type: ``transformers`` family (``mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``olmoe``).
+        num_layers: decoder layers of the real model (a made checkpoint keeps ``--layers`` of them).
+        hidden, heads, kv_heads, head_dim, vocab: attention and embedding shape.
+        experts, top_k, moe_intermediate: routed experts per layer, experts per token, expert width.
+        dense_intermediate: the config's ``intermediate_size`` where it is not the expert width
+            (Qwen families: dense-MLP width; 0 = the family has none).
+        shared_intermediate: width of the always-on shared expert (Qwen2-MoE; 0 = none).
+        qk_norm: ``none``, ``head`` (RMSNorm per head, Qwen3) or ``full`` (over all heads, OLMoE).
+        attention_bias: q/k/v projections carry a bias (Qwen2-MoE).
+        norm_topk_prob: top-k weights renormalised to sum to 1.
+        rope_theta, rms_norm_eps, max_position_embeddings: as in the config.
+        sim_profile: the simulator profile of the same model, if any.
+    """
+
+    name: str
+    model_type: str
+    source: str
+    num_layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    experts: int
+    top_k: int
+    moe_intermediate: int
+    dense_intermediate: int
+    shared_intermediate: int
+    qk_norm: str
+    attention_bias: bool
+    norm_topk_prob: bool
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    sim_profile: str | None = None
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one routed expert (gate, up, down: ``3 * H * I``)."""
+        return 3 * self.hidden * self.moe_intermediate
+
+    def expert_bytes(self, dtype_bytes: int) -> int:
+        return self.expert_params * dtype_bytes
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer: attention (+ bias, qk-norm), two norms, router,
+        routed experts, shared expert and its gate."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        attn = self.hidden * (2 * q + 2 * kv) + (q + 2 * kv if self.attention_bias else 0)
+        attn += {"none": 0, "head": 2 * self.head_dim, "full": q + kv}[self.qk_norm]
+        shared = 3 * self.hidden * self.shared_intermediate + self.hidden if self.shared_intermediate else 0
+        return attn + 2 * self.hidden + self.experts * (self.hidden + self.expert_params) + shared
+
+    def checkpoint_bytes(self, layers: int, dtype_bytes: int) -> int:
+        """Bytes of a checkpoint of ``layers`` layers: layers, untied embeddings and LM head, norm."""
+        return dtype_bytes * (layers * self.layer_params + 2 * self.vocab * self.hidden + self.hidden)
+
+
+SHAPES: dict[str, RealShape] = {
+    s.name: s
+    for s in (
+        RealShape(
+            "mixtral-8x7b", "mixtral", "huggingface.co/mistralai/Mixtral-8x7B-v0.1 config.json",
+            num_layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, vocab=32000,
+            experts=8, top_k=2, moe_intermediate=14336, dense_intermediate=0, shared_intermediate=0,
+            qk_norm="none", attention_bias=False, norm_topk_prob=True, rope_theta=1e6,
+            rms_norm_eps=1e-5, max_position_embeddings=32768, sim_profile="mixtral-8x7b",
+        ),
+        RealShape(
+            "qwen3-30b-a3b", "qwen3_moe", "huggingface.co/Qwen/Qwen3-30B-A3B config.json",
+            num_layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128, vocab=151936,
+            experts=128, top_k=8, moe_intermediate=768, dense_intermediate=6144, shared_intermediate=0,
+            qk_norm="head", attention_bias=False, norm_topk_prob=True, rope_theta=1e6,
+            rms_norm_eps=1e-6, max_position_embeddings=40960, sim_profile="qwen3-30b-a3b",
+        ),
+        RealShape(
+            "qwen2-moe-a2.7b", "qwen2_moe", "huggingface.co/Qwen/Qwen1.5-MoE-A2.7B config.json",
+            num_layers=24, hidden=2048, heads=16, kv_heads=16, head_dim=128, vocab=151936,
+            experts=60, top_k=4, moe_intermediate=1408, dense_intermediate=5632, shared_intermediate=5632,
+            qk_norm="none", attention_bias=True, norm_topk_prob=False, rope_theta=1e6,
+            rms_norm_eps=1e-6, max_position_embeddings=8192,
+        ),
+        RealShape(
+            "olmoe-1b-7b", "olmoe", "huggingface.co/allenai/OLMoE-1B-7B-0924 config.json",
+            num_layers=16, hidden=2048, heads=16, kv_heads=16, head_dim=128, vocab=50304,
+            experts=64, top_k=8, moe_intermediate=1024, dense_intermediate=0, shared_intermediate=0,
+            qk_norm="full", attention_bias=False, norm_topk_prob=False, rope_theta=1e4,
+            rms_norm_eps=1e-5, max_position_embeddings=4096,
+        ),
+    )
+}  # fmt: skip
+
+
+def get_shape(name: str) -> RealShape:
+    """Look up a shape by name.
+
+    Raises:
+        ConfigError: unknown name (one line with the choices).
+    """
+    if name not in SHAPES:
+        raise ConfigError(f"--shape {name!r} is unknown (choose from {', '.join(SHAPES)})")
+    return SHAPES[name]
+
+
+def shrunk(shape: RealShape, factor: int) -> RealShape:
+    """``shape`` with every width (hidden, head_dim, expert/dense/shared widths, vocab) divided by
+    ``factor``; counts (layers, heads, experts, top-k) are kept. For tests only: a real shape of
+    one layer is gigabytes.
+
+    Raises:
+        ConfigError: ``factor`` < 1, or a width it does not divide (head_dim must stay even for RoPE).
+    """
+    if factor == 1:
+        return shape
+    widths = {
+        "hidden": shape.hidden,
+        "head_dim": shape.head_dim,
+        "moe_intermediate": shape.moe_intermediate,
+        "dense_intermediate": shape.dense_intermediate,
+        "shared_intermediate": shape.shared_intermediate,
+        "vocab": shape.vocab,
+    }
+    bad = [k for k, v in widths.items() if factor < 1 or v % factor]
+    if bad or (shape.head_dim // factor) % 2:
+        raise ConfigError(
+            f"--shrink {factor}: must divide {', '.join(bad) or 'head_dim'} of {shape.name} "
+            "(and leave head_dim even)"
+        )
+    from dataclasses import replace
+
+    return replace(shape, name=f"{shape.name}/{factor}", **{k: v // factor for k, v in widths.items()})
+
+
+def hf_config(shape: RealShape, layers: int, dtype: str):
+    """A ``transformers`` config of ``shape``'s family with ``layers`` decoder layers.
+
+    ``dtype`` is written as the config's ``dtype`` (``bfloat16``, ``float16``, ``float32``).
+    """
+    import transformers
+
+    common = dict(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=shape.max_position_embeddings,
+        rms_norm_eps=shape.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
+        initializer_range=INITIALIZER_RANGE,
+        num_experts_per_tok=shape.top_k,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=EOS_ID,
+        pad_token_id=EOS_ID,
+        dtype=dtype,
+    )
+    family = {
+        "mixtral": dict(num_local_experts=shape.experts, intermediate_size=shape.moe_intermediate),
+        "qwen3_moe": dict(
+            num_experts=shape.experts,
+            moe_intermediate_size=shape.moe_intermediate,
+            intermediate_size=shape.dense_intermediate,
+            head_dim=shape.head_dim,
+            norm_topk_prob=shape.norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        ),
+        "qwen2_moe": dict(
+            num_experts=shape.experts,
+            moe_intermediate_size=shape.moe_intermediate,
+            intermediate_size=shape.dense_intermediate,
+            shared_expert_intermediate_size=shape.shared_intermediate,
+            norm_topk_prob=shape.norm_topk_prob,
+            qkv_bias=shape.attention_bias,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        ),
+        "olmoe": dict(
+            num_experts=shape.experts,
+            intermediate_size=shape.moe_intermediate,
+            norm_topk_prob=shape.norm_topk_prob,
+        ),
+    }[shape.model_type]
+    cfg = transformers.AutoConfig.for_model(shape.model_type, **common, **family)
+    cfg.architectures = [type(cfg).__name__.replace("Config", "ForCausalLM")]
+    return cfg
