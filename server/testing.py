@@ -3,8 +3,9 @@
     with serve_in_thread(engine, ServerSettings(...)) as running:
         openai.OpenAI(base_url=running.base_url + "/v1", api_key="x")
 
-Startup and shutdown are bounded (``timeout_s``); leaving the block runs the app's lifespan exit
-(drain, EAMC save, engine close) and joins the thread.
+Startup is bounded by ``timeout_s``; leaving the block runs uvicorn's shutdown and the app's
+lifespan exit (drain up to ``settings.drain_timeout_s``, EAMC save, engine close) and joins the
+thread (waiting at most ``timeout_s`` more than the drain).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def serve_in_thread(
         RuntimeError: the server did not start within ``timeout_s``.
     """
     app = create_app(engine, settings, trace, close_engine=close_engine)
-    server = make_server(app, log_level="warning", drain_timeout_s=timeout_s)
+    server = make_server(app, log_level="warning")
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -72,5 +73,5 @@ def serve_in_thread(
         yield RunningServer(f"http://127.0.0.1:{port}", app, server, thread)
     finally:
         server.should_exit = True
-        thread.join(timeout_s)
+        thread.join(timeout_s + app.state.server.settings.drain_timeout_s)
         sock.close()
