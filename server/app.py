@@ -93,7 +93,5 @@ def create_app(
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
-    served = ("/v1/", "/health", "/metrics")
-    routes = [r.path for r in app.routes if getattr(r, "path", "").startswith(served)]
-    app.add_middleware(HTTPMetricsMiddleware, metrics=metrics, routes=routes)
+    app.add_middleware(HTTPMetricsMiddleware, metrics=metrics, router=app.router)
     return app

@@ -28,12 +28,13 @@ All names carry the ``moeserve_`` prefix (DESIGN.md, "Metrics").
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from starlette.routing import Match, Router
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from moe_runtime.engine.request import RequestOutput
@@ -265,20 +266,29 @@ def reject_reason(status: int, error_code: str | None) -> str | None:
 class HTTPMetricsMiddleware:
     """Counts every response the app sends in :class:`ServerMetrics` (route, status, reason).
 
-    ``route`` is the request path when it is one of ``routes``, else ``other`` (bounded label
-    values whatever clients send). The reason of an error comes from the ``code`` of the OpenAI
-    error object in the body. An exception escaping the app before a response started counts as
-    a 500.
+    ``route`` is the matched route's path template, or ``other`` when no route of ``router``
+    matches (bounded label values whatever paths clients send). A response sent before routing
+    (401 from the API-key check, 413) is labelled by matching the path against ``router``. The
+    reason of an error comes from the ``code`` of the OpenAI error object in the body. An
+    exception escaping the app before a response started counts as a 500.
     """
 
-    def __init__(self, app: ASGIApp, metrics: ServerMetrics, routes: Iterable[str]) -> None:
-        self.app, self.metrics, self.routes = app, metrics, frozenset(routes)
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, router: Router) -> None:
+        self.app, self.metrics, self.router = app, metrics, router
+
+    def _route(self, scope: Scope) -> str:
+        route = scope.get("route")
+        if route is not None:
+            return getattr(route, "path", "other")
+        for candidate in self.router.routes:  # not routed yet: our routes have no path parameters
+            if candidate.matches(scope)[0] is not Match.NONE:
+                return scope["path"]
+        return "other"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        route = scope["path"] if scope["path"] in self.routes else "other"
         status: int | None = None
         counted = False
 
@@ -288,10 +298,10 @@ class HTTPMetricsMiddleware:
                 status = int(message["status"])
                 if status < 400:
                     counted = True
-                    self.metrics.response(route, status, None)
+                    self.metrics.response(self._route(scope), status, None)
             elif message["type"] == "http.response.body" and not counted and status is not None:
                 counted = True
-                self.metrics.response(route, status, _error_code(message.get("body", b"")))
+                self.metrics.response(self._route(scope), status, _error_code(message.get("body", b"")))
             await send(message)
 
         try:
@@ -299,10 +309,10 @@ class HTTPMetricsMiddleware:
         except BaseException:
             if not counted:
                 counted = True
-                self.metrics.response(route, status or 500, None)
+                self.metrics.response(self._route(scope), status or 500, None)
             raise
         if not counted and status is not None:
-            self.metrics.response(route, status, None)
+            self.metrics.response(self._route(scope), status, None)
 
 
 def _error_code(body: bytes) -> str | None:

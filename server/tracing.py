@@ -127,8 +127,9 @@ def check_eamc_path(path: Path) -> None:
     mid-write; nothing else writes them, so they are removed.
 
     Raises:
-        ConfigError: ``path`` is a directory, its folder is missing or not a folder, or a test
-            file cannot be created there (one line naming the path and the reason).
+        ConfigError: ``path`` is a directory, its folder is missing or not a folder, the file is
+            not writable, or a test file cannot be created there (one line naming the path and
+            the reason).
     """
     from tracer.atomic import remove_stale_temps
 
@@ -136,7 +137,8 @@ def check_eamc_path(path: Path) -> None:
         raise ConfigError(f"--eamc-path {path}: is a directory; give a file path such as {path / 'eamc.npz'}")
     folder = path.parent
     if not folder.is_dir():
-        raise ConfigError(f"--eamc-path {path}: the folder {folder} does not exist")
+        what = "is not a folder" if folder.exists() else "does not exist"
+        raise ConfigError(f"--eamc-path {path}: {folder} {what}")
     try:
         fd, probe = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
         os.close(fd)
