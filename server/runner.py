@@ -29,7 +29,27 @@ from server.settings import DRAIN_GRACE_S, ServerSettings
 
 log = logging.getLogger("moeserve.server")
 
-ACCEPT_ERROR = "socket.accept() out of system resource"
+ACCEPT_ERROR = "socket.accept() out of system resource"  # asyncio's message
+CONCURRENCY_LIMIT = "Exceeded concurrency limit."  # uvicorn's warning, once per refused request
+
+
+class Throttle:
+    """Counts events and says when one may be reported: at most once per ``interval_s``."""
+
+    def __init__(self, interval_s: float = 10.0) -> None:
+        self.interval_s = interval_s
+        self.count = 0
+        self._reported = 0
+        self._last = -float("inf")
+
+    def hit(self) -> int | None:
+        """Count one event; the events since the last report when this one may be reported."""
+        self.count += 1
+        now = time.monotonic()
+        if now - self._last < self.interval_s:
+            return None
+        since, self._last, self._reported = self.count - self._reported, now, self.count
+        return since
 
 
 class AcceptErrorLog:
@@ -42,27 +62,43 @@ class AcceptErrorLog:
     """
 
     def __init__(self, interval_s: float = 10.0, on_error: Any | None = None) -> None:
-        self.interval_s, self.on_error = interval_s, on_error
-        self.count = 0
-        self._reported = 0
-        self._last = -float("inf")
+        self.throttle, self.on_error = Throttle(interval_s), on_error
 
     def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         if context.get("message") != ACCEPT_ERROR:
             loop.default_exception_handler(context)
             return
-        self.count += 1
         if self.on_error is not None:
             self.on_error()
-        now = time.monotonic()
-        if now - self._last >= self.interval_s:
+        since = self.throttle.hit()
+        if since is not None:
             log.error(
                 "cannot accept connections: %s (%d failed accepts since the last report; "
                 "raise the open-file limit or lower --limit-concurrency)",
                 context.get("exception"),
-                self.count - self._reported,
+                since,
             )
-            self._last, self._reported = now, self.count
+
+
+class ThrottledMessage(logging.Filter):
+    """Lets ``message`` through at most once per ``interval_s``, with the count since the last.
+
+    Installed on ``uvicorn.error`` for uvicorn's per-request "Exceeded concurrency limit." warning
+    (``--limit-concurrency``), which would otherwise log once per refused request.
+    """
+
+    def __init__(self, message: str, interval_s: float = 10.0) -> None:
+        super().__init__()
+        self.message, self.throttle = message, Throttle(interval_s)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage() != self.message:
+            return True
+        since = self.throttle.hit()
+        if since is None:
+            return False
+        record.msg, record.args = f"{self.message} ({since} request(s) refused since the last report)", ()
+        return True
 
 
 class DrainingServer(uvicorn.Server):
@@ -80,6 +116,7 @@ class DrainingServer(uvicorn.Server):
         self.drain_timeout_s = drain_timeout_s
         on_error = state.metrics.accept_error if state is not None else None
         self.accept_errors = AcceptErrorLog(on_error=on_error)
+        self.concurrency_log = ThrottledMessage(CONCURRENCY_LIMIT)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self.client is not None:
@@ -91,6 +128,7 @@ class DrainingServer(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         asyncio.get_running_loop().set_exception_handler(self.accept_errors)
+        logging.getLogger("uvicorn.error").addFilter(self.concurrency_log)
         await super().startup(sockets)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
@@ -101,6 +139,7 @@ class DrainingServer(uvicorn.Server):
         try:
             await super().shutdown(sockets)
         finally:
+            logging.getLogger("uvicorn.error").removeFilter(self.concurrency_log)
             if drain is not None:
                 if not drain.done():
                     drain.cancel()
