@@ -11,6 +11,7 @@ thread (waiting at most ``timeout_s`` more than the drain).
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 from fastapi import FastAPI
 
 from server.app import create_app
@@ -75,3 +77,29 @@ def serve_in_thread(
         server.should_exit = True
         thread.join(timeout_s + app.state.server.settings.drain_timeout_s)
         sock.close()
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for a ``moeserve serve`` subprocess)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_healthy(base_url: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """Poll ``base_url/health`` until it answers 200.
+
+    Raises:
+        RuntimeError: ``proc`` exited first, or ``timeout_s`` passed.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with status {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise RuntimeError("the server did not become healthy")
+        try:
+            if httpx.get(base_url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.1)

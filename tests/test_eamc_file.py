@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,6 +17,7 @@ import pytest
 
 from moe_runtime.errors import ConfigError
 from moeserve.cli import main
+from server.testing import free_port, wait_until_healthy
 from server.tracing import TraceHooks, build_tracing, check_eamc_path, model_fingerprint
 from tracer.eamc import EAMC
 from tracer.eamc_store import CorruptEAMCError
@@ -125,3 +129,24 @@ def test_failed_saves_are_counted_logged_once_and_fail_the_final_save(tmp_path, 
     folder.mkdir()
     assert hooks.save() and hooks.eamc_saves() == (1, 4) and hooks.last_save_error is None
     assert len(EAMC.load(folder / "eamc.npz")) == 2
+
+
+def test_serve_exits_1_when_the_final_save_fails(tiny_qwen3, tmp_path):
+    folder = tmp_path / "volume"
+    folder.mkdir()
+    port = free_port()
+    cmd = [sys.executable, "-m", "moeserve", "serve", "--model", str(tiny_qwen3), "--port", str(port)]
+    cmd += ["--log-level", "warning", "--eamc-path", str(folder / "eamc.npz")]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until_healthy(f"http://127.0.0.1:{port}", proc)
+        shutil.rmtree(folder)  # the volume went away while serving
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 1
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("moeserve: error: ") and "cannot save the EAMC" in last

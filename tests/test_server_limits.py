@@ -25,7 +25,7 @@ from moe_runtime.engine.engine import LLMEngine
 from moe_runtime.errors import ConfigError
 from moeserve.commands import serve
 from server.settings import ServerSettings
-from server.testing import serve_in_thread
+from server.testing import free_port, serve_in_thread, wait_until_healthy
 from server.tracing import TraceHooks
 
 
@@ -123,12 +123,6 @@ def test_limit_concurrency_refuses_with_503_and_logs_once(engine):
     assert refused == ["Exceeded concurrency limit. (1 request(s) refused since the last report)"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _open_fds(pid: int) -> int:
     return len(list(Path(f"/proc/{pid}/fd").iterdir()))
 
@@ -138,7 +132,7 @@ def test_out_of_file_descriptors_logs_a_line_not_a_flood_and_recovers(tiny_qwen3
     """With the open-file limit reached, the accept error is logged once per 10 s (asyncio alone
     logs it up to the listen backlog per loop tick); the head deadline frees descriptors and
     ``/health`` answers again."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "moeserve", "serve", "--model", str(tiny_qwen3), "--port", str(port)]
     cmd += ["--log-level", "warning", "--timeout-header", "1", "--timeout-keep-alive", "1"]
     limit = 48
@@ -150,14 +144,7 @@ def test_out_of_file_descriptors_logs_a_line_not_a_flood_and_recovers(tiny_qwen3
     base = f"http://127.0.0.1:{port}"
     clients: list[socket.socket] = []
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        wait_until_healthy(base, proc)
         free = limit - _open_fds(proc.pid)
         assert free > 0
         clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(free + 40)]
