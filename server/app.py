@@ -1,8 +1,12 @@
 """The app factory: one FastAPI app per engine, all state on ``app.state.server``.
 
 Lifespan: on start the engine thread starts; on exit (uvicorn's shutdown, e.g. after SIGTERM)
-new requests get 503, open requests drain for up to ``drain_timeout_s`` (then are aborted), the
+new requests get 503, open requests drain for up to ``drain_timeout_s`` (then are answered with
+503 ``shutting_down``; ``server/runner.py`` starts this drain as uvicorn's shutdown begins), the
 engine thread stops, the EAMC is saved (when configured) and the engine is closed.
+
+Middleware, outermost first: response counting (``/metrics``), the API key (before any body is
+read), the body-size limit, ``Retry-After`` on 429.
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ from fastapi import Depends, FastAPI
 
 from server.engine_client import EngineClient
 from server.errors import install_error_handlers
-from server.guards import BodyLimitMiddleware, api_key_guard
-from server.metrics import ServerMetrics
+from server.guards import ApiKeyMiddleware, BodyLimitMiddleware, RetryAfterMiddleware, api_key_guard
+from server.metrics import HTTPMetricsMiddleware, ServerMetrics
 from server.routes import chat, completions, misc
 from server.settings import ServerSettings
 from server.state import ServerState
@@ -84,5 +88,10 @@ def create_app(
     app.include_router(completions.make_router(), dependencies=[auth])
     app.include_router(chat.make_router(), dependencies=[auth])
     app.include_router(misc.make_router(auth))
+    # added innermost first: metrics -> API key -> body limit -> Retry-After -> routes
+    app.add_middleware(RetryAfterMiddleware, seconds=settings.retry_after_s)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    if settings.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(HTTPMetricsMiddleware, metrics=metrics, router=app.router)
     return app

@@ -262,18 +262,31 @@ class EngineClient:
             except Exception:
                 log.exception("on_dead hook failed")
 
-    async def drain(self, timeout_s: float) -> None:
-        """Refuse new requests, wait up to ``timeout_s`` for open ones, abort the rest, stop."""
+    async def drain(self, timeout_s: float, stop: bool = True) -> None:
+        """Refuse new requests, wait up to ``timeout_s`` for open ones, answer the rest, stop.
+
+        At the deadline every request still open is aborted in the engine and its stream gets
+        :class:`APIError` 503 ``shutting_down`` (the routes turn it into a JSON error or an SSE
+        error event followed by ``[DONE]``).
+
+        Args:
+            timeout_s: seconds open requests may take to finish.
+            stop: also stop the engine thread (False: the server's shutdown drains first and the
+                app's lifespan exit stops the thread later).
+        """
         self.draining = True
         if self._idle is not None and self._streams:
             try:
                 await asyncio.wait_for(self._idle.wait(), timeout_s)
             except TimeoutError:
                 left = list(self._streams)
-                log.warning("drain timeout: aborting %d request(s)", len(left))
+                log.warning("drain timeout (%.1f s): %d open request(s) get 503", timeout_s, len(left))
+                error = APIError(503, f"the server shut down after a {timeout_s:g} s drain", "shutting_down")
                 for stream in set(self._streams.values()):
-                    stream.put(APIError(503, "the server shut down", "shutting_down"))
+                    stream.put(error)
                 self.abort(left)
+        if not stop:
+            return
         self._commands.put(None)
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 60.0)

@@ -17,17 +17,25 @@ Select one family before summing (``sum(x{device="all"})`` or ``sum(x{layer="all
 both counts everything twice. Ratios such as the buffer hit rate
 ``sum(rate(hits)) / sum(rate(lookups))`` are the same over either family or both.
 
+HTTP-edge counters (``http_responses_total{route,status}``, ``requests_rejected_total{reason}``,
+``connection_timeouts_total{phase}``, ``accept_errors_total``) are counted by the server itself:
+:class:`HTTPMetricsMiddleware` sees every response the app sends, the connection protocol and the
+accept-error handler report the others (``server/runner.py``).
+
 All names carry the ``moeserve_`` prefix (DESIGN.md, "Metrics").
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from starlette.routing import Match, Router
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from moe_runtime.engine.request import RequestOutput
 
@@ -43,6 +51,8 @@ class TraceSource(Protocol):
     def eamc_entries(self) -> int | None: ...
 
     def eamc_query_seconds(self) -> tuple[int, float] | None: ...
+
+    def eamc_saves(self) -> tuple[int, int] | None: ...
 
 
 class RuntimeCollector(Collector):
@@ -118,6 +128,11 @@ class RuntimeCollector(Collector):
             fam.add_metric([], total)
             yield fam
             yield _counter("eamc_queries", "EAMC queries (batched, one per MoE layer).", count)
+        saves = self.trace.eamc_saves()
+        if saves is not None:
+            ok, failed = saves
+            yield _counter("eamc_saves", "EAMC files written.", ok)
+            yield _counter("eamc_save_failures", "EAMC saves that failed (the file was not written).", failed)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -158,6 +173,48 @@ class ServerMetrics:
             registry=self.registry,
         )
 
+        self.http_responses = Counter(
+            PREFIX + "http_responses",
+            "HTTP responses sent by the app, by route (path, or 'other') and status code.",
+            ["route", "status"],
+            registry=self.registry,
+        )
+        self.requests_rejected = Counter(
+            PREFIX + "requests_rejected",
+            "Requests answered with an error other than 500, by reason.",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in REJECT_REASONS:
+            self.requests_rejected.labels(reason)  # every reason present from the start, at 0
+        self.connection_timeouts = Counter(
+            PREFIX + "connection_timeouts",
+            "Connections closed because the request head or body did not arrive in time.",
+            ["phase"],
+            registry=self.registry,
+        )
+        for phase in ("header", "body"):
+            self.connection_timeouts.labels(phase)
+        self.accept_errors = Counter(
+            PREFIX + "accept_errors",
+            "Failed accept() calls (out of file descriptors or memory).",
+            registry=self.registry,
+        )
+
+    def connection_timeout(self, phase: str) -> None:
+        """A connection was closed by the ``phase`` ("header" or "body") deadline."""
+        self.connection_timeouts.labels(phase).inc()
+
+    def accept_error(self) -> None:
+        self.accept_errors.inc()
+
+    def response(self, route: str, status: int, error_code: str | None) -> None:
+        """Count one HTTP response; an error other than 500 is also a rejection."""
+        self.http_responses.labels(route, str(status)).inc()
+        reason = reject_reason(status, error_code)
+        if reason is not None:
+            self.requests_rejected.labels(reason).inc()
+
     def observe(self, out: RequestOutput) -> None:
         """Record one finished request's latencies (``time.monotonic`` stamps from the engine)."""
         if out.finish_time is None:
@@ -172,3 +229,96 @@ class ServerMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+
+# error code of the OpenAI error object -> rejection reason; the statuses fill in the rest
+REJECT_REASONS = (
+    "invalid_request",
+    "unauthorized",
+    "too_large",
+    "queue_full",
+    "shutting_down",
+    "engine_dead",
+)
+_REASON_BY_CODE = {
+    "invalid_api_key": "unauthorized",
+    "request_too_large": "too_large",
+    "queue_full": "queue_full",
+    "shutting_down": "shutting_down",
+    "engine_dead": "engine_dead",
+}
+_REASON_BY_STATUS = {401: "unauthorized", 413: "too_large", 429: "queue_full", 503: "shutting_down"}
+
+
+def reject_reason(status: int, error_code: str | None) -> str | None:
+    """The ``requests_rejected_total`` reason of a response, or None when it is no rejection.
+
+    2xx/3xx, 500 (a bug, counted only by status) and 499 (the client left) are not rejections;
+    other 4xx are ``invalid_request`` unless the status or error code says more.
+    """
+    if status < 400 or status in (499, 500):
+        return None
+    if error_code in _REASON_BY_CODE:
+        return _REASON_BY_CODE[error_code]
+    return _REASON_BY_STATUS.get(status, "invalid_request" if status < 500 else None)
+
+
+class HTTPMetricsMiddleware:
+    """Counts every response the app sends in :class:`ServerMetrics` (route, status, reason).
+
+    ``route`` is the matched route's path template, or ``other`` when no route of ``router``
+    matches (bounded label values whatever paths clients send). A response sent before routing
+    (401 from the API-key check, 413) is labelled by matching the path against ``router``. The
+    reason of an error comes from the ``code`` of the OpenAI error object in the body. An
+    exception escaping the app before a response started counts as a 500.
+    """
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, router: Router) -> None:
+        self.app, self.metrics, self.router = app, metrics, router
+
+    def _route(self, scope: Scope) -> str:
+        route = scope.get("route")
+        if route is not None:
+            return getattr(route, "path", "other")
+        for candidate in self.router.routes:  # not routed yet: our routes have no path parameters
+            if candidate.matches(scope)[0] is not Match.NONE:
+                return scope["path"]
+        return "other"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status: int | None = None
+        counted = False
+
+        async def counting_send(message: Message) -> None:
+            nonlocal status, counted
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+                if status < 400:
+                    counted = True
+                    self.metrics.response(self._route(scope), status, None)
+            elif message["type"] == "http.response.body" and not counted and status is not None:
+                counted = True
+                self.metrics.response(self._route(scope), status, _error_code(message.get("body", b"")))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        except BaseException:
+            if not counted:
+                counted = True
+                self.metrics.response(self._route(scope), status or 500, None)
+            raise
+        if not counted and status is not None:
+            self.metrics.response(self._route(scope), status, None)
+
+
+def _error_code(body: bytes) -> str | None:
+    """``error.code`` of an OpenAI error object, or None."""
+    try:
+        code = json.loads(body)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return code if isinstance(code, str) else None

@@ -95,6 +95,10 @@ def test_429_when_the_queue_is_full_then_503_when_draining(engine):
                 assert streams[-1].__enter__().status_code == 200
             r = http.post("/v1/completions", json=LONG)
             assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+            assert r.headers["retry-after"] == "1"  # --retry-after
+            m = http.get("/metrics").text
+            assert 'moeserve_requests_rejected_total{reason="queue_full"} 1.0' in m
+            assert 'moeserve_http_responses_total{route="/v1/completions",status="429"} 1.0' in m
         finally:
             for s in streams:
                 s.__exit__(None, None, None)

@@ -12,6 +12,7 @@ folder and ``os.replace``s it over the target, so a crash never leaves a half-wr
 from __future__ import annotations
 
 import json
+import os
 import zipfile
 import zlib
 from pathlib import Path
@@ -27,6 +28,38 @@ if TYPE_CHECKING:
 
 FORMAT = "moeserve-eamc/1"
 _NORM_TOL = 1e-3
+
+
+class CorruptEAMCError(TracerError):
+    """The file exists but is not a readable EAMC: damaged, misshaped or implausible fields.
+
+    Not raised for a missing file, a directory, or an EAMC of another model (plain
+    :class:`TracerError`): only a corrupt file may be replaced (``--eamc-on-corrupt reset``).
+    """
+
+
+def host_memory_bytes() -> int | None:
+    """Physical memory of this host in bytes, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_eamc_size(capacity: int, num_layers: int, num_experts: int, what: str) -> None:
+    """Refuse a collection whose ``[capacity, L * E]`` float32 matrix exceeds host memory.
+
+    Raises:
+        TracerError: one line naming ``what`` (the file and field), the bytes needed and the
+            host's memory.
+    """
+    need = capacity * num_layers * num_experts * 4
+    have = host_memory_bytes()
+    if have is not None and need > have:
+        raise TracerError(
+            f"{what} is {capacity}: {capacity} x {num_layers} layers x {num_experts} experts needs "
+            f"{need / 2**30:.1f} GiB, more than the {have / 2**30:.1f} GiB of host memory"
+        )
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
@@ -59,8 +92,6 @@ def save_eamc(eamc: EAMC, path: str | Path, fingerprint: dict[str, Any] | None =
 
 
 def _read(path: Path) -> tuple[dict[str, Any], np.ndarray]:
-    if not path.is_file():
-        raise TracerError(f"{path}: no such EAMC file")
     with path.open("rb") as f:
         if f.read(4) != b"PK\x03\x04":
             raise TracerError(f"{path}: corrupt EAMC file (not an .npz archive)")
@@ -129,12 +160,24 @@ def load_eamc(
         kwargs: constructor overrides (``capacity``, ``index``, ``threads``, ``nlist``, ``nprobe``).
 
     Raises:
-        TracerError: missing or corrupt file, or a fingerprint of another model (one line naming
-            the file and the field).
+        CorruptEAMCError: the file is damaged or its fields are misshaped or implausible (a
+            capacity whose matrix would not fit in host memory).
+        TracerError: a missing file, a directory, or a fingerprint of another model (one line
+            naming the file and the field).
     """
     path = Path(path)
-    meta, entries = _read(path)
-    num_layers, num_experts, capacity = _check_meta(path, meta, entries)
+    if path.is_dir():
+        raise TracerError(f"{path}: is a directory, not an EAMC file")
+    if not path.is_file():
+        raise TracerError(f"{path}: no such EAMC file")
+    try:
+        meta, entries = _read(path)
+        num_layers, num_experts, capacity = _check_meta(path, meta, entries)
+        check_eamc_size(capacity, num_layers, num_experts, f"{path}: field 'capacity'")
+    except OSError as exc:
+        raise TracerError(f"{path}: cannot read the EAMC file ({exc.strerror or exc})") from None
+    except TracerError as exc:
+        raise CorruptEAMCError(str(exc)) from None
     stored = meta["fingerprint"]
     if fingerprint is not None:
         for key, want in _jsonable(fingerprint).items():

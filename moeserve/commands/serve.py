@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from moeserve.commands.common import add_model_arg, add_runtime_args, resolve_model, runtime_from_args
+
+API_KEY_ENV = "MOESERVE_API_KEY"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -16,7 +19,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1, loopback only)")
     g.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on /v1/* (shown by ps: prefer ${API_KEY_ENV} or "
+        "--api-key-file)",
+    )
+    g.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        help=f"read the API key from this file (first line); default: ${API_KEY_ENV} if set",
+    )
     g.add_argument(
         "--served-model-name", default=None, help="model id clients send (default: the model folder name)"
     )
@@ -37,8 +51,34 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--drain-timeout",
         type=float,
         default=30.0,
-        help="on shutdown, seconds open requests may take to finish before they are aborted",
+        help="on shutdown, seconds open requests may take to finish; then they get 503 shutting_down",
     )
+    g.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=5.0,
+        help="close a keep-alive connection idle this many seconds after a response (default: 5)",
+    )
+    g.add_argument(
+        "--timeout-header",
+        type=float,
+        default=10.0,
+        help="close a connection whose request head is not complete after this many seconds (default: 10)",
+    )
+    g.add_argument(
+        "--timeout-body",
+        type=float,
+        default=30.0,
+        help="close a connection whose request body is not complete this many seconds after its head "
+        "(default: 30)",
+    )
+    g.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=None,
+        help="most open connections + running requests; beyond it uvicorn answers 503 (default: unlimited)",
+    )
+    g.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds sent with a 429")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     t = p.add_argument_group("tracing")
     t.add_argument("--record-trace", type=Path, default=None, help="append each request's expert trace here")
@@ -49,8 +89,42 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=0,
         help="save the EAMC after every N finished requests (default: only at shutdown)",
     )
+    t.add_argument(
+        "--eamc-on-corrupt",
+        choices=["fail", "reset"],
+        default="fail",
+        help="a corrupt --eamc-path file: refuse to start (fail, default) or start empty (reset)",
+    )
     add_runtime_args(p)
     p.set_defaults(func=run)
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """The key from ``--api-key``, ``--api-key-file`` or ``$MOESERVE_API_KEY`` (first one set).
+
+    Raises:
+        ConfigError: both flags given, the file unreadable, or the key empty.
+    """
+    from moe_runtime.errors import ConfigError
+
+    if args.api_key is not None and args.api_key_file is not None:
+        raise ConfigError("give --api-key or --api-key-file, not both")
+    if args.api_key_file is not None:
+        try:
+            lines = args.api_key_file.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = getattr(exc, "strerror", None) or exc
+            raise ConfigError(f"--api-key-file {args.api_key_file}: cannot read ({reason})") from None
+        key, source = (lines[0].strip() if lines else ""), f"--api-key-file {args.api_key_file}"
+    elif args.api_key is not None:
+        key, source = args.api_key, "--api-key"
+    elif API_KEY_ENV in os.environ:
+        key, source = os.environ[API_KEY_ENV].strip(), f"${API_KEY_ENV}"
+    else:
+        return None
+    if not key:
+        raise ConfigError(f"{source}: the API key is empty")
+    return key
 
 
 def _settings(args: argparse.Namespace, model_dir: Path) -> Any:
@@ -58,12 +132,17 @@ def _settings(args: argparse.Namespace, model_dir: Path) -> Any:
 
     return ServerSettings(
         served_model_name=args.served_model_name or model_dir.resolve().name,
-        api_key=args.api_key,
+        api_key=_api_key(args),
         max_wait_ms=args.max_wait_ms,
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
         drain_timeout_s=args.drain_timeout,
         eamc_save_every=args.eamc_save_every,
+        timeout_keep_alive_s=args.timeout_keep_alive,
+        timeout_header_s=args.timeout_header,
+        timeout_body_s=args.timeout_body,
+        limit_concurrency=args.limit_concurrency,
+        retry_after_s=args.retry_after,
     )
 
 
@@ -73,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     from moe_runtime.loader import load_checkpoint
     from server.app import create_app
     from server.runner import make_server
-    from server.tracing import TraceHooks, build_tracing
+    from server.tracing import TraceHooks, build_tracing, check_eamc_path
 
     if args.eamc_save_every and args.eamc_path is None:
         raise ConfigError("--eamc-save-every needs --eamc-path")
@@ -82,14 +161,19 @@ def run(args: argparse.Namespace) -> int:
     runtime = runtime_from_args(args)
     model_dir = resolve_model(args)
     settings = _settings(args, Path(model_dir))
+    if args.eamc_path is not None:
+        check_eamc_path(args.eamc_path)  # before the (slow) checkpoint load
     loaded = load_checkpoint(model_dir, runtime)
     recorder, eamc, closers = build_tracing(
-        loaded.config, runtime.eamc_capacity, args.record_trace, args.eamc_path
+        loaded.config, runtime.eamc_capacity, args.record_trace, args.eamc_path, args.eamc_on_corrupt
     )
     engine = LLMEngine(loaded, runtime, recorder, eamc=eamc)
     print(engine.summary(), file=sys.stderr, flush=True)
     trace = TraceHooks(engine, args.eamc_path, args.eamc_save_every, closers)
     app = create_app(engine, settings, trace)
-    server = make_server(app, args.host, args.port, args.log_level, settings.drain_timeout_s)
+    server = make_server(app, args.host, args.port, args.log_level)
     server.run()
+    if trace.final_save_failed:
+        print(f"moeserve: error: {trace.last_save_error}", file=sys.stderr)
+        return 1
     return 0 if server.started else 1
