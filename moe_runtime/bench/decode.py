@@ -273,6 +273,7 @@ def run(args: argparse.Namespace) -> int:
     from moe_runtime.engine.engine import LLMEngine
     from moe_runtime.errors import ConfigError
     from moe_runtime.loader import load_checkpoint
+    from moe_runtime.paths import shown_path
     from moeserve.commands.common import resolve_model
 
     if args.repeats < 3:
@@ -373,7 +374,7 @@ def run(args: argparse.Namespace) -> int:
                 if args.prefill_len and link is None:
                     prefill.append(_prefill_row(args, engine, hf_model, device, b))
     settings = {
-        "model": str(model_dir),
+        "model": shown_path(model_dir),
         "architecture": cfg.architecture,
         "device": args.device,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -19,14 +19,7 @@ import argparse
 import json
 from pathlib import Path
 
-
-def _shown(path: Path) -> str:
-    """``path`` as printed in settings lines: relative to the working folder when under it, else
-    its file name (never an absolute path of the machine that ran it)."""
-    try:
-        return str(path.resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return path.name
+from moe_runtime.paths import shown_path as _shown
 
 
 def _stats(args: argparse.Namespace) -> int:
