@@ -23,7 +23,7 @@ import torch
 
 from moe_runtime.config import ModelConfig, RuntimeConfig
 from moe_runtime.errors import CheckpointError, ConfigError, InsufficientMemoryError
-from moe_runtime.memory_plan import check_memory, gib, plan_memory
+from moe_runtime.memory_plan import check_memory, human_bytes, plan_memory
 from moe_runtime.models import ConfigFields, ExpertTensor, Family, family_for
 from moe_runtime.models.base import expected_dense_shapes
 from moe_runtime.store import HostExpertStore
@@ -201,13 +201,13 @@ def load_checkpoint(
     check_memory(plan, str(path))
     pin = runtime.pin_memory if runtime.pin_memory is not None else torch.cuda.is_available()
     moe_index = {layer: i for i, layer in enumerate(cfg.moe_layers)}
+    shape = (cfg.num_moe_layers, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
     try:
-        store = HostExpertStore(
-            cfg.num_moe_layers, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, pin_memory=pin
-        )
+        store = HostExpertStore(*shape, dtype, pin_memory=pin)
     except (RuntimeError, MemoryError) as exc:  # memory taken by others since the plan was checked
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise InsufficientMemoryError(
-            f"{path}: cannot allocate the {gib(plan.expert_store)} expert store ({str(exc).splitlines()[0]})"
+            f"{path}: cannot allocate the {human_bytes(plan.expert_store)} expert store ({reason})"
         ) from None
     want = expected_dense_shapes(cfg)
     dense: dict[str, torch.Tensor] = {}

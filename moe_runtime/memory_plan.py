@@ -91,11 +91,18 @@ class MemoryPlan:
         """Bytes of every expert slot together."""
         return sum(self.buffer_slots) * self.slot_bytes
 
+    def slots_per_device(self) -> dict[torch.device, int]:
+        """Expert slots on each device (partitions of one device summed)."""
+        slots: dict[torch.device, int] = {}
+        for dev, n in zip(self.devices, self.buffer_slots, strict=True):
+            slots[_indexed(dev)] = slots.get(_indexed(dev), 0) + n
+        return slots
+
     def per_device(self) -> dict[torch.device, int]:
         """Bytes on each device: dense and KV cache on ``compute``, slots on their partition's."""
         need = {_indexed(self.compute): self.dense + self.kv_cache}
-        for dev, n in zip(self.devices, self.buffer_slots, strict=True):
-            need[_indexed(dev)] = need.get(_indexed(dev), 0) + n * self.slot_bytes
+        for dev, n in self.slots_per_device().items():
+            need[dev] = need.get(dev, 0) + n * self.slot_bytes
         return need
 
     @property
@@ -162,8 +169,10 @@ def host_available() -> tuple[int, str] | None:
                 found.append((int(line.split()[1]) * 1024, "MemAvailable"))
     except (OSError, ValueError, IndexError):
         pass
-    for limit_file, usage_file in (("memory.max", "memory.current"), ("memory.limit_in_bytes", "memory.usage_in_bytes")):
-        root = CGROUP_V2 if limit_file == "memory.max" else CGROUP_V1
+    for root, limit_file, usage_file in (
+        (CGROUP_V2, "memory.max", "memory.current"),
+        (CGROUP_V1, "memory.limit_in_bytes", "memory.usage_in_bytes"),
+    ):
         limit, usage = _read_int(root / limit_file), _read_int(root / usage_file)
         if limit is not None and usage is not None and limit < 1 << 60:  # v1 writes ~2^63 for none
             found.append((max(0, limit - usage), f"cgroup {root / limit_file}"))
@@ -176,9 +185,12 @@ def device_available(device: torch.device) -> int:
     return torch.cuda.mem_get_info(device)[0]
 
 
-def gib(n: int) -> str:
-    """``n`` bytes as GiB with two decimals (``"1.50 GiB"``)."""
-    return f"{n / (1 << 30):.2f} GiB"
+def human_bytes(n: int) -> str:
+    """``n`` bytes in the largest binary unit that keeps it >= 1 (``"1.50 GiB"``, ``"0 B"``)."""
+    for unit, shift in (("PiB", 50), ("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.2f} {unit}"
+    return f"{n} B"
 
 
 def check_memory(plan: MemoryPlan, source: str) -> None:
@@ -193,25 +205,23 @@ def check_memory(plan: MemoryPlan, source: str) -> None:
     """
     host = host_available()
     if host is not None and plan.host > host[0]:
-        parts = f"expert store {gib(plan.expert_store)}"
+        parts = {"expert store": plan.expert_store}
         if plan.compute.type == "cpu":
-            parts += f" + dense {gib(plan.dense)} + KV cache {gib(plan.kv_cache)} + buffer {gib(plan.buffer)}"
+            parts.update({"dense": plan.dense, "KV cache": plan.kv_cache, "buffer": plan.buffer})
+        hint = "; lower --max-batch-size or --max-model-len" if max(parts.values()) == plan.kv_cache else ""
+        listed = ", ".join(f"{k} {human_bytes(v)}" for k, v in parts.items())
         raise InsufficientMemoryError(
-            f"{source}: the model needs {gib(plan.host)} of host memory ({parts}), "
-            f"only {gib(host[0])} is available ({host[1]})"
+            f"{source}: the model needs {human_bytes(plan.host)} of host memory ({listed}), "
+            f"only {human_bytes(host[0])} is available ({host[1]}){hint}"
         )
-    slots = {}
-    for dev, n in zip(plan.devices, plan.buffer_slots, strict=True):
-        slots[_indexed(dev)] = slots.get(_indexed(dev), 0) + n
+    slots = plan.slots_per_device()
     for dev, need in plan.per_device().items():
-        if dev.type != "cuda":
-            continue
-        free = device_available(dev)
+        free = device_available(dev) if dev.type == "cuda" else need
         if need > free:
-            on_compute = dev == _indexed(plan.compute)
-            parts = f"dense {gib(plan.dense)} + KV cache {gib(plan.kv_cache)} + " if on_compute else ""
+            parts = [f"{slots.get(dev, 0)} expert slots {human_bytes(slots.get(dev, 0) * plan.slot_bytes)}"]
+            if dev == _indexed(plan.compute):
+                parts[:0] = [f"dense {human_bytes(plan.dense)}", f"KV cache {human_bytes(plan.kv_cache)}"]
             raise InsufficientMemoryError(
-                f"{source}: {dev} needs {gib(need)} ({parts}{slots.get(dev, 0)} expert slots "
-                f"{gib(slots.get(dev, 0) * plan.slot_bytes)}), only {gib(free)} is free; "
-                "lower --buffer-slots/--buffer-fraction, --max-batch-size or --max-model-len"
+                f"{source}: {dev} needs {human_bytes(need)} ({', '.join(parts)}), only {human_bytes(free)} "
+                "is free; lower --buffer-slots/--buffer-fraction, --max-batch-size or --max-model-len"
             )
