@@ -61,11 +61,21 @@ class LoadedModel:
         return ids
 
 
+#: Largest ``config.json`` / index / generation config read (real ones are a few KiB to 1 MiB).
+MAX_JSON_BYTES = 64 << 20
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text())
+        if path.stat().st_size > MAX_JSON_BYTES:
+            raise CheckpointError(f"{path}: {path.stat().st_size} bytes, more than the {MAX_JSON_BYTES} read")
+        data = json.loads(path.read_bytes())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: JSON nested too deeply") from None
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read ({exc.strerror})") from None
     if not isinstance(data, dict):

@@ -88,6 +88,14 @@ def test_missing_required_field(capsys, ckpt):
     assert_one_line(*generate(capsys, ckpt), "config.json", "'hidden_size'", "missing")
 
 
+@pytest.mark.parametrize(
+    ("content", "needle"), [(b"[" * 100_000, "nested too deeply"), (b'{"vocab_size": "\xff"}', "not UTF-8")]
+)
+def test_hostile_json(capsys, ckpt, content, needle):
+    (ckpt / "config.json").write_bytes(content)
+    assert_one_line(*generate(capsys, ckpt), "config.json", needle)
+
+
 def test_serve_refuses_a_bad_config(capsys, ckpt):
     """``serve`` validates the same way, before the HTTP server starts."""
     edit_config(ckpt, vocab_size="abc")
