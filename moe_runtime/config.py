@@ -70,6 +70,13 @@ class ModelConfig:
         max_position_embeddings: the model's context length in tokens.
         tie_word_embeddings: the LM head shares the embedding matrix.
         bos_token_id / eos_token_ids: special tokens from the config (may be empty).
+
+    Raises:
+        ConfigError: an integer size outside :data:`MODEL_LIMITS`, an odd ``head_dim``, heads not
+            a multiple of KV heads, top-k above the expert count, no MoE layer or one out of range,
+            dense layers without a dense width, a non-finite or non-positive ``rope_theta``,
+            ``rms_norm_eps`` or ``clip_qkv``. Messages name the field; the loader prefixes the
+            ``config.json`` path.
     """
 
     family: str

@@ -252,7 +252,10 @@ def load_checkpoint(
                         raise CheckpointError(
                             f"{src}: expected shape {list(want[kind])}, found {list(tensor.shape)}"
                         )
-                    dense[kind] = tensor.to(device=device, dtype=dtype)
+                    try:
+                        dense[kind] = tensor.to(device=device, dtype=dtype)
+                    except torch.OutOfMemoryError:  # taken by another process since the plan was checked
+                        raise InsufficientMemoryError(f"{src}: {device} ran out of memory") from None
                     check_finite(dense[kind], tensor, src)
                 if bar is not None:
                     bar.advance(bar.task_ids[0])

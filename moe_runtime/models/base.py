@@ -168,7 +168,7 @@ def common_fields(f: ConfigFields) -> dict[str, Any]:
     hidden = f.size("hidden_size", "hidden_size")
     heads = f.size("num_heads", "num_attention_heads")
     vocab = f.size("vocab_size", "vocab_size")
-    bos = f.integer("bos_token_id", lo=0, hi=vocab - 1, default=None)
+    bos = f.integer("bos_token_id", lo=-(2**63), hi=2**63 - 1, default=None)  # unused: kept when in vocab
     return dict(
         architecture=(f.raw.get("architectures") or [f.raw.get("model_type", "?")])[0],
         vocab_size=vocab,
@@ -181,7 +181,7 @@ def common_fields(f: ConfigFields) -> dict[str, Any]:
         rms_norm_eps=f.number("rms_norm_eps", default=1e-6),
         max_position_embeddings=f.size("max_position_embeddings", "max_position_embeddings", default=4096),
         tie_word_embeddings=f.boolean("tie_word_embeddings", False),
-        bos_token_id=bos,
+        bos_token_id=bos if bos is not None and 0 <= bos < vocab else None,
         eos_token_ids=eos_ids_of(f, vocab),
     )
 
