@@ -157,6 +157,19 @@ def test_misshaped_dense_tensor(capsys, ckpt):
     assert_one_line(*generate(capsys, ckpt), DENSE, "[7, 64]")
 
 
+def test_odd_tensor_names_are_not_weights(capsys, ckpt):
+    """Names that only look like weights (a superscript expert index, a trailing newline) are
+    not read: even holding NaN they neither crash the loader nor replace the real tensor."""
+
+    def edit(tensors):
+        superscript, newline = "model.layers.0.mlp.experts.\u00b2.gate_proj.weight", DENSE + "\n"
+        for name in (superscript, newline):
+            tensors[name] = torch.full((4,), math.nan)
+
+    _rewrite(ckpt, edit)
+    assert generate(capsys, ckpt)[0] == 0
+
+
 def test_good_checkpoint_still_loads(capsys, ckpt):
     assert generate(capsys, ckpt)[0] == 0
 

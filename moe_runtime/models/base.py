@@ -20,7 +20,7 @@ from typing import Any
 from moe_runtime.config import ModelConfig
 from moe_runtime.models.fields import ConfigFields
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")  # fullmatch: "...weight\n" is not a weight
 
 _DENSE_LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm",
@@ -107,7 +107,7 @@ class Family:
             return "final_norm"
         if name == "lm_head.weight":
             return "lm_head"
-        m = _LAYER.match(name)
+        m = _LAYER.fullmatch(name)
         if m is None:
             return None
         layer, rest = int(m.group(1)), m.group(2)
@@ -133,7 +133,7 @@ class Family:
             idx, _, part = tail.partition(".")
             part = part.removesuffix(".weight")
             mapping = dict(self.expert_parts)
-            if idx.isdigit() and part in mapping:
+            if idx.isascii() and idx.isdigit() and part in mapping:  # int("²") would raise
                 return ExpertTensor(layer, int(idx), mapping[part])
         return None
 
