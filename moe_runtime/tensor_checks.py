@@ -7,7 +7,7 @@ logits of the first request that reaches it, so it is refused at load time, nami
 The finiteness scan is one ``torch.aminmax`` reduction of the tensor as stored for serving (after
 the cast to the runtime dtype): NaN propagates to both results, an Inf shows as the min or max, and
 the reduction allocates nothing, so it runs at memory bandwidth (``torch.isfinite(t).all()``
-writes a bool per element and was 25-50x slower on CPU). Checking after the cast also catches
+writes a bool per element and is many times slower on CPU). Checking after the cast also catches
 finite values that overflow the runtime dtype (an fp32 weight of 1e5 in fp16).
 """
 

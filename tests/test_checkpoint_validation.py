@@ -209,6 +209,12 @@ def test_index_path_escaping_the_folder(capsys, ckpt, entry):
     assert_one_line(rc, err, "model.safetensors.index.json", entry, "outside the model folder")
 
 
+@pytest.mark.parametrize("weight_map", [[], {DENSE: 5}, {DENSE: ""}])
+def test_index_weight_map_not_file_names(capsys, ckpt, weight_map):
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert_one_line(*generate(capsys, ckpt), "model.safetensors.index.json", "'weight_map' must be")
+
+
 def test_symlink_escaping_the_folder(capsys, ckpt):
     outside = ckpt.parent / "elsewhere.safetensors"
     (ckpt / "model.safetensors").rename(outside)
