@@ -8,6 +8,7 @@ link emulation, batching limits). Both reject bad values in ``__post_init__`` wi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -21,6 +22,26 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "fp16": torch.float16,
     "float16": torch.float16,
+}
+
+#: Accepted range (inclusive) of each integer size in :class:`ModelConfig`. The upper bounds sit
+#: far above every released MoE (largest today: vocabulary ~262k, hidden 16k, 128 layers, 384
+#: experts, expert width 32k, context 10M); they exist to turn a corrupt or hostile
+#: ``config.json`` into a clear error before any shape is computed. Whether the model then fits
+#: in memory is checked separately (:mod:`moe_runtime.memory_plan`).
+MODEL_LIMITS: dict[str, tuple[int, int]] = {
+    "vocab_size": (1, 1 << 24),
+    "hidden_size": (1, 1 << 16),
+    "num_layers": (1, 1024),
+    "num_heads": (1, 1024),
+    "num_kv_heads": (1, 1024),
+    "head_dim": (2, 1024),
+    "num_experts": (1, 1 << 14),
+    "top_k": (1, 1024),
+    "moe_intermediate_size": (1, 1 << 18),
+    "shared_expert_intermediate_size": (0, 1 << 18),
+    "dense_intermediate_size": (0, 1 << 18),
+    "max_position_embeddings": (2, 1 << 24),
 }
 
 
@@ -49,6 +70,13 @@ class ModelConfig:
         max_position_embeddings: the model's context length in tokens.
         tie_word_embeddings: the LM head shares the embedding matrix.
         bos_token_id / eos_token_ids: special tokens from the config (may be empty).
+
+    Raises:
+        ConfigError: an integer size outside :data:`MODEL_LIMITS`, an odd ``head_dim``, heads not
+            a multiple of KV heads, top-k above the expert count, no MoE layer or one out of range,
+            dense layers without a dense width, a non-finite or non-positive ``rope_theta``,
+            ``rms_norm_eps`` or ``clip_qkv``. Messages name the field; the loader prefixes the
+            ``config.json`` path.
     """
 
     family: str
@@ -78,35 +106,38 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "num_experts",
-            "top_k",
-            "moe_intermediate_size",
-            "max_position_embeddings",
-        ):
+        for name, (lo, hi) in MODEL_LIMITS.items():
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"config.json: {name} must be a positive integer, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+                raise ConfigError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
-                f"config.json: num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_attention_heads={self.num_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_kv_heads}"
             )
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim={self.head_dim} must be even (RoPE rotates half the head)")
         if self.top_k > self.num_experts:
             raise ConfigError(
-                f"config.json: num_experts_per_tok={self.top_k} exceeds the number of "
-                f"experts {self.num_experts}"
+                f"num_experts_per_tok={self.top_k} exceeds the number of experts {self.num_experts}"
             )
         if self.qk_norm not in ("none", "head", "full"):
             raise ConfigError(f"qk_norm must be none/head/full, got {self.qk_norm!r}")
         if not self.moe_layers:
-            raise ConfigError("config.json: the model has no MoE layer")
+            raise ConfigError("the model has no MoE layer")
+        if any(not 0 <= i < self.num_layers for i in self.moe_layers):
+            raise ConfigError(f"MoE layers {self.moe_layers} are not all in [0, {self.num_layers})")
+        if len(self.moe_layers) < self.num_layers and self.dense_intermediate_size < 1:
+            raise ConfigError(
+                f"intermediate_size must be >= 1: {self.num_layers - len(self.moe_layers)} "
+                "decoder layers have a dense MLP"
+            )
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")
+        if self.clip_qkv is not None and not (math.isfinite(self.clip_qkv) and self.clip_qkv > 0):
+            raise ConfigError(f"clip_qkv must be null or a finite number > 0, got {self.clip_qkv!r}")
 
     @property
     def num_moe_layers(self) -> int:

@@ -23,3 +23,7 @@ class ConfigError(MoeServeError):
 
 class RequestError(MoeServeError):
     """A request cannot be served as asked (e.g. the prompt is longer than the context)."""
+
+
+class InsufficientMemoryError(MoeServeError):
+    """The planned host or device memory of a model does not fit in what is available."""

@@ -22,9 +22,12 @@ from typing import Any
 import torch
 
 from moe_runtime.config import ModelConfig, RuntimeConfig
-from moe_runtime.errors import CheckpointError
-from moe_runtime.models import ExpertTensor, Family, family_for
+from moe_runtime.errors import CheckpointError, ConfigError, InsufficientMemoryError
+from moe_runtime.memory_plan import check_memory, human_bytes, plan_memory
+from moe_runtime.models import ConfigFields, ExpertTensor, Family, family_for
+from moe_runtime.models.base import expected_dense_shapes
 from moe_runtime.store import HostExpertStore
+from moe_runtime.tensor_checks import check_finite, check_weight_dtype
 from moe_runtime.tokenizer import Tokenizer
 
 
@@ -58,11 +61,21 @@ class LoadedModel:
         return ids
 
 
+#: Largest ``config.json`` / index / generation config read (real ones are a few KiB to 1 MiB).
+MAX_JSON_BYTES = 64 << 20
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text())
+        if path.stat().st_size > MAX_JSON_BYTES:
+            raise CheckpointError(f"{path}: {path.stat().st_size} bytes, more than the {MAX_JSON_BYTES} read")
+        data = json.loads(path.read_bytes())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: JSON nested too deeply") from None
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read ({exc.strerror})") from None
     if not isinstance(data, dict):
@@ -70,79 +83,81 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+def model_root(model_dir: Path) -> Path:
+    """The folder every file of a checkpoint must resolve into: the model folder itself, or for a
+    Hugging Face cache snapshot (``models--org--name/snapshots/<rev>``, whose files are symlinks
+    to ``../../blobs/<sha>``) the ``models--org--name`` folder."""
+    real = model_dir.resolve()
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
+        return real.parent.parent
+    return real
+
+
+def check_inside(file: Path, root: Path, source: str) -> Path:
+    """``file`` resolved (symlinks followed), refused when it leaves ``root``.
+
+    Raises:
+        CheckpointError: ``"<source> resolves to <path>, outside the model folder <root>"``.
+    """
+    real = file.resolve()
+    if not real.is_relative_to(root):
+        raise CheckpointError(f"{source} resolves to {real}, outside the model folder {root}")
+    return real
+
+
 def read_model_config(model_dir: str | Path) -> tuple[Family, ModelConfig, dict[str, Any]]:
-    """Parse ``config.json`` into the family and :class:`ModelConfig` (no weights read)."""
+    """Parse ``config.json`` into the family and :class:`ModelConfig` (no weights read).
+
+    Raises:
+        CheckpointError: no folder, no or unreadable ``config.json``.
+        ConfigError: ``"<path>/config.json: <field> must be ..., got <value>"`` for the first field
+            that is missing, mistyped, out of range (:data:`moe_runtime.config.MODEL_LIMITS`) or
+            inconsistent with another.
+    """
     path = Path(model_dir)
     if not path.is_dir():
         raise CheckpointError(f"{path}: model folder does not exist")
     cfg_path = path / "config.json"
     if not cfg_path.exists():
         raise CheckpointError(f"{path}: no config.json in the model folder")
+    check_inside(cfg_path, model_root(path), str(cfg_path))
     raw = _read_json(cfg_path)
-    family = family_for(raw, source=str(cfg_path))
-    return family, family.parse_config(raw), raw
+    try:
+        family = family_for(raw)
+        return family, family.parse_config(ConfigFields(raw)), raw
+    except ConfigError as exc:
+        raise ConfigError(f"{cfg_path}: {exc}") from None
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
-    """Weight files in load order, from the index when the checkpoint is sharded."""
+    """Weight files in load order, from the index when the checkpoint is sharded.
+
+    Raises:
+        CheckpointError: no weight file, an index without a ``weight_map`` object of strings, a
+            listed file that does not exist, or a file (index entry or symlink) that resolves
+            outside the model folder (see :func:`model_root`).
+    """
+    root = model_root(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
+        check_inside(index, root, str(index))
         weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index}: missing 'weight_map'")
-        files = sorted({model_dir / f for f in weight_map.values()})
-        for f in files:
-            if not f.exists():
-                raise CheckpointError(f"{index}: lists {f.name}, which does not exist")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
+            raise CheckpointError(f"{index}: 'weight_map' must be an object of tensor name -> file name")
+        files = []
+        for name in sorted(set(weight_map.values())):
+            f = model_dir / name
+            check_inside(f, root, f"{index}: weight_map entry {name!r}")
+            if not f.is_file():
+                raise CheckpointError(f"{index}: lists {name}, which does not exist")
+            files.append(f)
         return files
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{model_dir}: no *.safetensors weight files")
+    for f in files:
+        check_inside(f, root, str(f))
     return files
-
-
-def expected_dense_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Canonical dense tensor name -> shape, for the checkpoint's config."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    q_out, kv_out = cfg.num_heads * d, cfg.num_kv_heads * d
-    shapes: dict[str, tuple[int, ...]] = {"embed": (cfg.vocab_size, h), "final_norm": (h,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (cfg.vocab_size, h)
-    moe = set(cfg.moe_layers)
-    for i in range(cfg.num_layers):
-        p = f"layers.{i}."
-        shapes.update(
-            {
-                p + "attn_norm": (h,),
-                p + "mlp_norm": (h,),
-                p + "q": (q_out, h),
-                p + "k": (kv_out, h),
-                p + "v": (kv_out, h),
-                p + "o": (h, q_out),
-            }
-        )
-        if cfg.attention_bias:
-            shapes.update({p + "q_bias": (q_out,), p + "k_bias": (kv_out,), p + "v_bias": (kv_out,)})
-        if cfg.qk_norm == "head":
-            shapes.update({p + "q_norm": (d,), p + "k_norm": (d,)})
-        elif cfg.qk_norm == "full":
-            shapes.update({p + "q_norm": (q_out,), p + "k_norm": (kv_out,)})
-        if i in moe:
-            shapes[p + "router"] = (cfg.num_experts, h)
-            si = cfg.shared_expert_intermediate_size
-            if si:
-                shapes.update(
-                    {
-                        p + "shared_gate_proj": (si, h),
-                        p + "shared_up": (si, h),
-                        p + "shared_down": (h, si),
-                        p + "shared_gate": (1, h),
-                    }
-                )
-        else:
-            di = cfg.dense_intermediate_size
-            shapes.update({p + "mlp_gate": (di, h), p + "mlp_up": (di, h), p + "mlp_down": (h, di)})
-    return shapes
 
 
 def _progress(total: int, label: str):
@@ -173,9 +188,16 @@ def load_checkpoint(
         runtime: device, dtype and pinning; defaults to ``RuntimeConfig()`` (CPU, fp32).
         load_tokenizer: read ``tokenizer.json`` when present.
 
+    Checks, in order, each before the next step's work: ``config.json`` fields (typed and
+    range-checked), every file inside the model folder, the memory plan against available host
+    and device memory (:mod:`moe_runtime.memory_plan`), then per tensor as it is read: a float
+    dtype, the shape the config implies, finite values (:mod:`moe_runtime.tensor_checks`).
+
     Raises:
-        CheckpointError: missing folder/files, corrupt safetensors, missing or misshaped tensor.
-        ConfigError: unsupported architecture or config field.
+        CheckpointError: missing folder/files, a file outside the model folder, corrupt
+            safetensors, a missing, misshaped, non-float or non-finite tensor (named).
+        ConfigError: unsupported architecture, or a config field missing, mistyped or out of range.
+        InsufficientMemoryError: the planned memory does not fit (needed vs available bytes).
     """
     t0 = time.perf_counter()
     runtime = runtime or RuntimeConfig()
@@ -183,17 +205,22 @@ def load_checkpoint(
     family, cfg, _ = read_model_config(path)
     dtype, device = runtime.torch_dtype, torch.device(runtime.device)
     if runtime.device.startswith("cuda") and not torch.cuda.is_available():
-        from moe_runtime.errors import ConfigError
-
         raise ConfigError(f"--device {runtime.device}: CUDA is not available on this machine")
+    files = safetensors_files(path)
+    plan = plan_memory(cfg, runtime)
+    check_memory(plan, str(path))
     pin = runtime.pin_memory if runtime.pin_memory is not None else torch.cuda.is_available()
     moe_index = {layer: i for i, layer in enumerate(cfg.moe_layers)}
-    store = HostExpertStore(
-        cfg.num_moe_layers, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, pin_memory=pin
-    )
+    shape = (cfg.num_moe_layers, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+    try:
+        store = HostExpertStore(*shape, dtype, pin_memory=pin)
+    except (RuntimeError, MemoryError) as exc:  # memory taken by others since the plan was checked
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise InsufficientMemoryError(
+            f"{path}: cannot allocate the {human_bytes(plan.expert_store)} expert store ({reason})"
+        ) from None
     want = expected_dense_shapes(cfg)
     dense: dict[str, torch.Tensor] = {}
-    files = safetensors_files(path)
     from safetensors import safe_open
 
     handles = []
@@ -215,6 +242,7 @@ def load_checkpoint(
                 except Exception as exc:
                     raise CheckpointError(f"{f}: tensor {name} cannot be read ({exc})") from None
                 src = f"{f.name}: tensor {name}"
+                check_weight_dtype(tensor, src)
                 if isinstance(kind, ExpertTensor):
                     _store_expert(store, kind, moe_index, tensor, src)
                 else:
@@ -224,7 +252,11 @@ def load_checkpoint(
                         raise CheckpointError(
                             f"{src}: expected shape {list(want[kind])}, found {list(tensor.shape)}"
                         )
-                    dense[kind] = tensor.to(device=device, dtype=dtype)
+                    try:
+                        dense[kind] = tensor.to(device=device, dtype=dtype)
+                    except torch.OutOfMemoryError:  # taken by another process since the plan was checked
+                        raise InsufficientMemoryError(f"{src}: {device} ran out of memory") from None
+                    check_finite(dense[kind], tensor, src)
                 if bar is not None:
                     bar.advance(bar.task_ids[0])
     finally:
@@ -239,6 +271,10 @@ def load_checkpoint(
             f"model.layers.{cfg.moe_layers[li]}.{family.moe_prefix}.experts.{e}.{parts[part]}.weight"
         )
     )
+    root = model_root(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (path / name).exists():
+            check_inside(path / name, root, str(path / name))
     tokenizer = Tokenizer(path) if load_tokenizer and (path / "tokenizer.json").exists() else None
     gen_path = path / "generation_config.json"
     gen = _read_json(gen_path) if gen_path.exists() else {}
@@ -252,7 +288,7 @@ def _store_expert(
         raise CheckpointError(f"{src}: layer {kind.layer} is not an MoE layer in config.json")
     layer = moe_index[kind.layer]
     if kind.expert is not None:
-        store.write(layer, kind.expert, kind.part, tensor, src)
+        check_finite(store.write(layer, kind.expert, kind.part, tensor, src), tensor, src)
         return
     # Fused [E, 2I, H] gate_up / [E, H, I] down tensors (transformers>=5 in-memory layout).
     if tensor.dim() != 3 or tensor.shape[0] != store.num_experts:
@@ -260,9 +296,8 @@ def _store_expert(
             f"{src}: expected {store.num_experts} stacked experts, found shape {list(tensor.shape)}"
         )
     i = store.intermediate_size
+    pieces = {"gate": (slice(None, i),), "up": (slice(i, None),)} if kind.part == "gate_up" else {"down": ()}
     for e in range(store.num_experts):
-        if kind.part == "gate_up":
-            store.write(layer, e, "gate", tensor[e, :i], src)
-            store.write(layer, e, "up", tensor[e, i:], src)
-        else:
-            store.write(layer, e, "down", tensor[e], src)
+        for part, rows in pieces.items():
+            stored = tensor[(e, *rows)]
+            check_finite(store.write(layer, e, part, stored, src), stored, src)

@@ -63,8 +63,11 @@ class HostExpertStore:
         """1-D host view of the packed expert with flat key ``key``."""
         return self.data[key]
 
-    def write(self, layer: int, expert: int, part: str, tensor: torch.Tensor, source: str) -> None:
+    def write(self, layer: int, expert: int, part: str, tensor: torch.Tensor, source: str) -> torch.Tensor:
         """Copy one checkpoint matrix into its place, checking its shape.
+
+        Returns:
+            The destination: a view of the store in its dtype, shaped like ``tensor``.
 
         Raises:
             CheckpointError: wrong shape or an expert index out of range (names ``source``).
@@ -80,8 +83,10 @@ class HostExpertStore:
             raise CheckpointError(f"{source}: expected shape {list(want)}, found {list(tensor.shape)}")
         row = self.data[self.key(layer, expert)]
         start = PARTS.index(part) * i * h
-        row[start : start + i * h].view(want).copy_(tensor)
+        dst = row[start : start + i * h].view(want)
+        dst.copy_(tensor)
         self._filled[self.key(layer, expert), PARTS.index(part)] = True
+        return dst
 
     def check_complete(self, describe) -> None:
         """Raise :class:`CheckpointError` naming the first expert tensor never written.

@@ -32,6 +32,7 @@ from moe_runtime.errors import ConfigError, RequestError
 from moe_runtime.layers.kv_cache import KVCache
 from moe_runtime.layers.router_lookahead import RouterLookahead
 from moe_runtime.loader import LoadedModel, load_checkpoint
+from moe_runtime.memory_plan import buffer_slot_count, engine_devices, kv_cache_len
 from moe_runtime.model import MoEModel
 from moe_runtime.prefetch import make_prefetch_policy
 from moe_runtime.stats import EngineStats
@@ -64,7 +65,7 @@ class LLMEngine:
     ) -> None:
         cfg = loaded.config
         total = cfg.num_moe_layers * cfg.num_experts
-        slots = min(total, runtime.buffer_slots or max(1, math.ceil(runtime.buffer_fraction * total)))
+        slots = buffer_slot_count(runtime, total)
         # With every expert resident no policy has anything to decide: skip their per-layer work.
         offloading = slots < total
         prefetch_policy = runtime.prefetch_policy if offloading else "on-demand"
@@ -79,13 +80,10 @@ class LLMEngine:
             torch.set_num_threads(runtime.cpu_threads)
         self.config = cfg
         self.tokenizer = loaded.tokenizer
-        self.max_model_len = runtime.max_model_len or min(cfg.max_position_embeddings, 4096)
+        self.max_model_len = kv_cache_len(cfg, runtime)
         n_dev = runtime.num_devices
         device = torch.device(runtime.device)
-        if device.type == "cuda" and n_dev > 1:
-            devices = [torch.device("cuda", i) for i in range(n_dev)]
-        else:
-            devices = [device] * n_dev
+        devices = engine_devices(runtime)
         link = (runtime.link_gbps, runtime.link_latency_us) if runtime.link_gbps else None
         context = {"recorder": recorder, **(policy_context or {})}
         self.buffer = ExpertBuffer(

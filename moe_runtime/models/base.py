@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from moe_runtime.config import ModelConfig
-from moe_runtime.errors import ConfigError
+from moe_runtime.models.fields import ConfigFields
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")  # fullmatch: "...weight\n" is not a weight
 
 _DENSE_LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm",
@@ -71,7 +71,8 @@ class Family:
         ("down_proj", "down"),
     )
 
-    def parse_config(self, cfg: dict[str, Any]) -> ModelConfig:  # pragma: no cover - abstract
+    def parse_config(self, f: ConfigFields) -> ModelConfig:  # pragma: no cover - abstract
+        """The :class:`ModelConfig` of a ``config.json``; raises ConfigError naming the field."""
         raise NotImplementedError
 
     def hf_name(self, canonical: str) -> str:
@@ -106,7 +107,7 @@ class Family:
             return "final_norm"
         if name == "lm_head.weight":
             return "lm_head"
-        m = _LAYER.match(name)
+        m = _LAYER.fullmatch(name)
         if m is None:
             return None
         layer, rest = int(m.group(1)), m.group(2)
@@ -132,65 +133,115 @@ class Family:
             idx, _, part = tail.partition(".")
             part = part.removesuffix(".weight")
             mapping = dict(self.expert_parts)
-            if idx.isdigit() and part in mapping:
+            if idx.isascii() and idx.isdigit() and part in mapping:  # int("²") would raise
                 return ExpertTensor(layer, int(idx), mapping[part])
         return None
 
 
-def rope_theta_of(cfg: dict[str, Any]) -> float:
+def rope_theta_of(f: ConfigFields) -> float:
     """RoPE base from either the transformers<5 (``rope_theta``) or >=5 (``rope_parameters``) key.
 
     Raises:
-        ConfigError: for RoPE scaling types we do not implement.
+        ConfigError: a non-object ``rope_parameters``/``rope_scaling``, a RoPE scaling type we do not
+            implement, or a ``rope_theta`` that is not a finite number > 0.
     """
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise ConfigError(f"config.json: rope type {rope_type!r} is not supported (only 'default')")
-    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    params = ConfigFields(f.mapping("rope_parameters"), "rope_parameters.")
+    scaling = ConfigFields(f.mapping("rope_scaling"), "rope_scaling.")
+    for source, keys in ((params, ("rope_type",)), (scaling, ("rope_type", "type"))):
+        for key in keys:
+            source.choice(key, ("default",), "default")
+    return params.number("rope_theta", default=None) or f.number("rope_theta", default=10000.0)
 
 
-def eos_ids_of(cfg: dict[str, Any]) -> list[int]:
-    eos = cfg.get("eos_token_id")
-    if eos is None:
-        return []
-    ids = eos if isinstance(eos, list) else [eos]
-    return [int(i) for i in ids if 0 <= int(i) < int(cfg.get("vocab_size", 0))]
+def eos_ids_of(f: ConfigFields, vocab_size: int) -> list[int]:
+    """``eos_token_id`` (an id or a list); ids outside the vocabulary are ignored (never sampled)."""
+    return [i for i in f.int_list("eos_token_id", 0, 2**63 - 1, single=True) if i < vocab_size]
 
 
-def require(cfg: dict[str, Any], key: str, *aliases: str) -> Any:
-    """``cfg[key]`` (or the first alias present); ConfigError naming ``key`` when none is."""
-    for k in (key, *aliases):
-        if cfg.get(k) is not None:
-            return cfg[k]
-    raise ConfigError(f"config.json: required field {key!r} is missing")
+def common_fields(f: ConfigFields) -> dict[str, Any]:
+    """Fields every family reads the same way, each type- and range-checked.
 
-
-def common_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Fields every family reads the same way."""
-    hidden = int(require(cfg, "hidden_size"))
-    heads = int(require(cfg, "num_attention_heads"))
-    bos = cfg.get("bos_token_id")
+    Raises:
+        ConfigError: naming the first field that is missing, mistyped or out of range.
+    """
+    f.choice("hidden_act", ("silu",), "silu")
+    hidden = f.size("hidden_size", "hidden_size")
+    heads = f.size("num_heads", "num_attention_heads")
+    vocab = f.size("vocab_size", "vocab_size")
+    bos = f.integer("bos_token_id", lo=-(2**63), hi=2**63 - 1, default=None)  # unused: kept when in vocab
     return dict(
-        architecture=(cfg.get("architectures") or [cfg.get("model_type", "?")])[0],
-        vocab_size=int(require(cfg, "vocab_size")),
+        architecture=(f.raw.get("architectures") or [f.raw.get("model_type", "?")])[0],
+        vocab_size=vocab,
         hidden_size=hidden,
-        num_layers=int(require(cfg, "num_hidden_layers")),
+        num_layers=f.size("num_layers", "num_hidden_layers"),
         num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
-        rope_theta=rope_theta_of(cfg),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        bos_token_id=int(bos) if isinstance(bos, int) else None,
-        eos_token_ids=eos_ids_of(cfg),
+        num_kv_heads=f.size("num_kv_heads", "num_key_value_heads", default=heads),
+        head_dim=f.size("head_dim", "head_dim", default=hidden // heads),
+        rope_theta=rope_theta_of(f),
+        rms_norm_eps=f.number("rms_norm_eps", default=1e-6),
+        max_position_embeddings=f.size("max_position_embeddings", "max_position_embeddings", default=4096),
+        tie_word_embeddings=f.boolean("tie_word_embeddings", False),
+        bos_token_id=bos if bos is not None and 0 <= bos < vocab else None,
+        eos_token_ids=eos_ids_of(f, vocab),
     )
 
 
-def sparse_layers(cfg: dict[str, Any], num_layers: int) -> list[int]:
+def routed_fields(f: ConfigFields, width_key: str) -> dict[str, Any]:
+    """Routed-expert fields: E (``num_experts`` or ``num_local_experts``), top-k and the expert
+    width read from ``width_key``."""
+    return dict(
+        num_experts=f.size("num_experts", "num_experts", "num_local_experts"),
+        top_k=f.size("top_k", "num_experts_per_tok"),
+        moe_intermediate_size=f.size("moe_intermediate_size", width_key),
+    )
+
+
+def sparse_layers(f: ConfigFields, num_layers: int) -> list[int]:
     """Qwen-style MoE layer selection: ``decoder_sparse_step`` and ``mlp_only_layers``."""
-    step = int(cfg.get("decoder_sparse_step", 1) or 1)
-    dense = set(cfg.get("mlp_only_layers") or [])
+    step = f.integer("decoder_sparse_step", lo=1, hi=num_layers, default=1)
+    dense = set(f.int_list("mlp_only_layers", 0, num_layers - 1))
     return [i for i in range(num_layers) if i not in dense and (i + 1) % step == 0]
+
+
+def expected_dense_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Canonical dense tensor name -> shape, for the checkpoint's config."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    q_out, kv_out = cfg.num_heads * d, cfg.num_kv_heads * d
+    shapes: dict[str, tuple[int, ...]] = {"embed": (cfg.vocab_size, h), "final_norm": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (cfg.vocab_size, h)
+    moe = set(cfg.moe_layers)
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        shapes.update(
+            {
+                p + "attn_norm": (h,),
+                p + "mlp_norm": (h,),
+                p + "q": (q_out, h),
+                p + "k": (kv_out, h),
+                p + "v": (kv_out, h),
+                p + "o": (h, q_out),
+            }
+        )
+        if cfg.attention_bias:
+            shapes.update({p + "q_bias": (q_out,), p + "k_bias": (kv_out,), p + "v_bias": (kv_out,)})
+        if cfg.qk_norm == "head":
+            shapes.update({p + "q_norm": (d,), p + "k_norm": (d,)})
+        elif cfg.qk_norm == "full":
+            shapes.update({p + "q_norm": (q_out,), p + "k_norm": (kv_out,)})
+        if i in moe:
+            shapes[p + "router"] = (cfg.num_experts, h)
+            si = cfg.shared_expert_intermediate_size
+            if si:
+                shapes.update(
+                    {
+                        p + "shared_gate_proj": (si, h),
+                        p + "shared_up": (si, h),
+                        p + "shared_down": (h, si),
+                        p + "shared_gate": (1, h),
+                    }
+                )
+        else:
+            di = cfg.dense_intermediate_size
+            shapes.update({p + "mlp_gate": (di, h), p + "mlp_up": (di, h), p + "mlp_down": (h, di)})
+    return shapes

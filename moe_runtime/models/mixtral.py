@@ -1,18 +1,17 @@
 """Mixtral (``MixtralForCausalLM``): 8 experts, top-2, top-k weights always renormalised."""
 
 from moe_runtime.config import ModelConfig
-from moe_runtime.models.base import Family, common_fields, require
+from moe_runtime.models.base import Family, common_fields, routed_fields
+from moe_runtime.models.fields import ConfigFields
 
 
 class MixtralFamily(Family):
-    def parse_config(self, cfg: dict) -> ModelConfig:
-        base = common_fields(cfg)
+    def parse_config(self, f: ConfigFields) -> ModelConfig:
+        base = common_fields(f)
         return ModelConfig(
             family=self.name,
             **base,
-            num_experts=int(require(cfg, "num_local_experts")),
-            top_k=int(require(cfg, "num_experts_per_tok")),
-            moe_intermediate_size=int(require(cfg, "intermediate_size")),
+            **routed_fields(f, "intermediate_size"),
             norm_topk_prob=True,
             router_weights_in_model_dtype=False,
             moe_layers=list(range(base["num_layers"])),

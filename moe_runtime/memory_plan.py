@@ -1,0 +1,227 @@
+"""Planned memory of a model under given runtime settings, checked against what is available.
+
+Computed from ``config.json`` and the settings alone, before anything is allocated, so that a
+checkpoint that cannot fit is refused with the numbers instead of dying in a huge allocation (or
+being killed by the OOM killer half-way through loading).
+
+The plan counts the large, long-lived allocations:
+
+- **host**: the expert store, ``L * E * 3 * I * H`` elements in the runtime dtype;
+- **compute device**: the dense weights (embeddings, attention, norms, routers, shared experts, LM
+  head), the expert buffer's slots (none when one CPU device holds every expert: the slots are
+  the store itself) and the static KV cache, ``2 * layers * max_batch_size * kv_heads *
+  max_model_len * head_dim`` elements.
+
+On CPU the device bytes come out of host memory too. Activations, the router lookahead's folded
+router copies and allocator overhead are not counted (small next to the above). Available memory:
+host, ``MemAvailable`` from ``/proc/meminfo``, lowered to the cgroup's limit minus its usage when
+the process runs in a memory-limited cgroup (containers); CUDA, ``torch.cuda.mem_get_info`` per
+device. Where neither source exists (not Linux) the host side is not checked.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moe_runtime.buffer.placement import home_devices
+from moe_runtime.config import ModelConfig, RuntimeConfig
+from moe_runtime.errors import InsufficientMemoryError
+from moe_runtime.models.base import expected_dense_shapes
+
+CGROUP_V2 = Path("/sys/fs/cgroup")
+CGROUP_V1 = Path("/sys/fs/cgroup/memory")
+
+
+def buffer_slot_count(runtime: RuntimeConfig, total_experts: int) -> int:
+    """Expert slots the buffer holds in total: ``--buffer-slots``, else ``ceil(fraction * total)``,
+    at most ``total_experts`` and at least 1."""
+    wanted = runtime.buffer_slots or max(1, math.ceil(runtime.buffer_fraction * total_experts))
+    return min(total_experts, wanted)
+
+
+def kv_cache_len(cfg: ModelConfig, runtime: RuntimeConfig) -> int:
+    """Tokens per KV-cache row: ``--max-model-len``, else the model's context capped at 4096."""
+    return runtime.max_model_len or min(cfg.max_position_embeddings, 4096)
+
+
+def engine_devices(runtime: RuntimeConfig) -> list[torch.device]:
+    """The device of each buffer partition: ``cuda:0..n-1`` for several CUDA devices, else
+    ``--num-devices`` copies of ``--device`` (emulated devices on CPU)."""
+    device = torch.device(runtime.device)
+    if device.type == "cuda" and runtime.num_devices > 1:
+        return [torch.device("cuda", i) for i in range(runtime.num_devices)]
+    return [device] * runtime.num_devices
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``cuda`` -> ``cuda:<current>``, so one GPU is one key whatever way it is named."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes the runtime will allocate for one model (see the module docstring for what counts).
+
+    Attributes:
+        expert_store: host expert store.
+        dense: dense weights, on the compute device.
+        kv_cache: static KV cache, on the compute device.
+        buffer_slots: expert slots per buffer partition (device), in partition order.
+        slot_bytes: bytes of one slot (= one packed expert); 0 when the slots alias the store.
+        devices: device of each partition; ``compute`` is the device of dense weights and KV cache.
+    """
+
+    expert_store: int
+    dense: int
+    kv_cache: int
+    buffer_slots: tuple[int, ...]
+    slot_bytes: int
+    devices: tuple[torch.device, ...]
+    compute: torch.device
+
+    @property
+    def buffer(self) -> int:
+        """Bytes of every expert slot together."""
+        return sum(self.buffer_slots) * self.slot_bytes
+
+    def slots_per_device(self) -> dict[torch.device, int]:
+        """Expert slots on each device (partitions of one device summed)."""
+        slots: dict[torch.device, int] = {}
+        for dev, n in zip(self.devices, self.buffer_slots, strict=True):
+            slots[_indexed(dev)] = slots.get(_indexed(dev), 0) + n
+        return slots
+
+    def per_device(self) -> dict[torch.device, int]:
+        """Bytes on each device: dense and KV cache on ``compute``, slots on their partition's."""
+        need = {_indexed(self.compute): self.dense + self.kv_cache}
+        for dev, n in self.slots_per_device().items():
+            need[dev] = need.get(dev, 0) + n * self.slot_bytes
+        return need
+
+    @property
+    def host(self) -> int:
+        """Host bytes: the expert store plus whatever lives on CPU "devices"."""
+        return self.expert_store + sum(b for d, b in self.per_device().items() if d.type == "cpu")
+
+
+def partition_slots(runtime: RuntimeConfig, num_layers: int, num_experts: int) -> tuple[int, ...]:
+    """Slots of each buffer partition, as :class:`~moe_runtime.buffer.ExpertBuffer` sizes them:
+    ``ceil(slots / n)`` each (every expert when all are resident), never more than the experts
+    homed on the partition, at least 1. Beyond 2^20 experts the homes are not hashed (it would
+    cost memory) and each partition is assumed to home them all: an upper bound."""
+    total = num_layers * num_experts
+    slots = buffer_slot_count(runtime, total)
+    n = runtime.num_devices
+    per = total if slots >= total else math.ceil(slots / n)
+    homed = [total] * n
+    if n > 1 and total <= 1 << 20:
+        homed = np.bincount(home_devices(num_layers, num_experts, n), minlength=n).tolist()
+    return tuple(max(1, min(per, h)) for h in homed)
+
+
+def plan_memory(cfg: ModelConfig, runtime: RuntimeConfig) -> MemoryPlan:
+    """The :class:`MemoryPlan` of ``cfg`` under ``runtime`` (arithmetic only, allocates nothing)."""
+    itemsize = torch.empty((), dtype=runtime.torch_dtype).element_size()
+    total = cfg.num_moe_layers * cfg.num_experts
+    expert_bytes = cfg.expert_numel * itemsize
+    devices = engine_devices(runtime)
+    parts = partition_slots(runtime, cfg.num_moe_layers, cfg.num_experts)
+    alias = len(devices) == 1 and devices[0].type == "cpu" and parts[0] >= total and runtime.link_gbps is None
+    dense = sum(math.prod(s) for s in expected_dense_shapes(cfg).values()) * itemsize
+    kv = 2 * cfg.num_layers * runtime.max_batch_size * cfg.num_kv_heads * kv_cache_len(cfg, runtime)
+    return MemoryPlan(
+        expert_store=total * expert_bytes,
+        dense=dense,
+        kv_cache=kv * cfg.head_dim * itemsize,
+        buffer_slots=parts,
+        slot_bytes=0 if alias else expert_bytes,
+        devices=tuple(devices),
+        compute=torch.device(runtime.device),
+    )
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max" (no limit) reads as None
+
+
+def host_available() -> tuple[int, str] | None:
+    """``(bytes, source)`` of host memory this process can still allocate, or None if unknown.
+
+    ``MemAvailable`` (``/proc/meminfo``: free memory plus reclaimable caches), lowered to the
+    cgroup's ``limit - usage`` when a memory limit is set (cgroup v2 ``memory.max``/
+    ``memory.current``, else v1 ``memory.limit_in_bytes``/``memory.usage_in_bytes``).
+    """
+    found: list[tuple[int, str]] = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append((int(line.split()[1]) * 1024, "MemAvailable"))
+    except (OSError, ValueError, IndexError):
+        pass
+    for root, limit_file, usage_file in (
+        (CGROUP_V2, "memory.max", "memory.current"),
+        (CGROUP_V1, "memory.limit_in_bytes", "memory.usage_in_bytes"),
+    ):
+        limit, usage = _read_int(root / limit_file), _read_int(root / usage_file)
+        if limit is not None and usage is not None and limit < 1 << 60:  # v1 writes ~2^63 for none
+            found.append((max(0, limit - usage), f"cgroup {root / limit_file}"))
+            break
+    return min(found) if found else None
+
+
+def device_available(device: torch.device) -> int:
+    """Free bytes on a CUDA device (``torch.cuda.mem_get_info``)."""
+    return torch.cuda.mem_get_info(device)[0]
+
+
+def human_bytes(n: int) -> str:
+    """``n`` bytes in the largest binary unit that keeps it >= 1 (``"1.50 GiB"``, ``"0 B"``)."""
+    for unit, shift in (("PiB", 50), ("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.2f} {unit}"
+    return f"{n} B"
+
+
+def check_memory(plan: MemoryPlan, source: str) -> None:
+    """Refuse a plan that does not fit, before anything is allocated.
+
+    Args:
+        plan: from :func:`plan_memory`.
+        source: what the plan is for (the model folder), named first in the message.
+
+    Raises:
+        InsufficientMemoryError: one line with the needed and available bytes and their parts.
+    """
+    host = host_available()
+    if host is not None and plan.host > host[0]:
+        parts = {"expert store": plan.expert_store}
+        if plan.compute.type == "cpu":
+            parts.update({"dense": plan.dense, "KV cache": plan.kv_cache, "buffer": plan.buffer})
+        hint = "; lower --max-batch-size or --max-model-len" if max(parts.values()) == plan.kv_cache else ""
+        listed = ", ".join(f"{k} {human_bytes(v)}" for k, v in parts.items())
+        raise InsufficientMemoryError(
+            f"{source}: the model needs {human_bytes(plan.host)} of host memory ({listed}), "
+            f"only {human_bytes(host[0])} is available ({host[1]}){hint}"
+        )
+    slots = plan.slots_per_device()
+    for dev, need in plan.per_device().items():
+        free = device_available(dev) if dev.type == "cuda" else need
+        if need > free:
+            parts = [f"{slots.get(dev, 0)} expert slots {human_bytes(slots.get(dev, 0) * plan.slot_bytes)}"]
+            if dev == _indexed(plan.compute):
+                parts[:0] = [f"dense {human_bytes(plan.dense)}", f"KV cache {human_bytes(plan.kv_cache)}"]
+            raise InsufficientMemoryError(
+                f"{source}: {dev} needs {human_bytes(need)} ({', '.join(parts)}), only {human_bytes(free)} "
+                "is free; lower --buffer-slots/--buffer-fraction, --max-batch-size or --max-model-len"
+            )
