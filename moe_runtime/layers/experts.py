@@ -27,7 +27,13 @@ import torch
 import torch.nn.functional as F
 
 MAX_GROUPS = 1024  # CUDA grouped_mm: "Can't process more than 1024 groups"
+# Unused slots one grouped call may span between two used ones, per device type. CUDA: any (an
+# empty group costs the kernel next to nothing; a call costs launches). CPU: grouped_mm loops over
+# every group in C++ (~2 µs per empty one, fp32, bundled shape), about what 8 more ops of an
+# extra call cost, so a longer run of unused slots starts a new call.
+MAX_GAP = {"cuda": MAX_GROUPS, "cpu": 8}
 PATHS = ("grouped", "loop")
+Segment = tuple[int, int, int]  # (first slot, slot count, first row) of one grouped call
 
 
 def select_expert_path(device: torch.device, dtype: torch.dtype) -> str:
@@ -55,45 +61,66 @@ class LayerPlan:
 
     Args:
         ids_host: ``[T, k]`` expert ids (the layer's one sync). num_experts: E.
+        max_gap: empty slots a grouped call may span between two used ones (:data:`MAX_GAP`).
 
     Attributes:
         expert: ``[T*k]`` expert of each (token, rank) with ranks sorted by expert id.
         weight_src: ``[T*k]`` index into the flattened router weights ``[T*k]`` of that choice.
     """
 
-    def __init__(self, ids_host: np.ndarray, num_experts: int) -> None:
+    def __init__(self, ids_host: np.ndarray, num_experts: int, max_gap: int) -> None:
         t, k = ids_host.shape
-        self.num_experts = num_experts
+        self.max_gap = max_gap
         perm = np.argsort(ids_host, axis=1, kind="stable")
-        self.k = k
         self.expert = np.take_along_axis(ids_host, perm, axis=1).reshape(-1)
         self.weight_src = (perm + np.arange(t)[:, None] * k).reshape(-1)
+        self.counts = np.bincount(self.expert, minlength=num_experts)  # rows per expert
+        self.num_used = int(np.count_nonzero(self.counts))
+        self._slot_of = np.full(num_experts, -1, dtype=np.int64)
 
-    def segments(self, batch: list[Any]) -> Iterable[tuple[Any, np.ndarray, int, np.ndarray]]:
-        """Split a batch of :class:`~moe_runtime.buffer.ExpertHandle` into grouped calls:
-        ``(partition, positions, first slot, counts)`` with ``positions`` the (token, rank)
-        indices sorted by slot and ``counts [n_slots]`` rows per slot from ``first slot`` on
-        (at most :data:`MAX_GROUPS` slots per call)."""
-        by_part: dict[int, tuple[Any, list[int], list[int]]] = {}
+    def calls(self, batch: list[Any]) -> Iterable[tuple[Any, np.ndarray, list[Segment], np.ndarray]]:
+        """Split a batch of :class:`~moe_runtime.buffer.ExpertHandle` per partition into grouped
+        calls: ``(partition, positions, segments, offs)``. ``positions [n]``: the (token, rank)
+        indices of the partition's rows, sorted by slot; ``segments``: ``(first slot, slot count,
+        first row)`` per grouped call, cut where the slot span would exceed :data:`MAX_GROUPS` or
+        a run of unused slots ``max_gap``; ``offs [sum of slot counts]`` int32: each segment's
+        group ends (relative to its first row), concatenated."""
+        by_part: dict[int, list[Any]] = {}
         for h in batch:
-            part, experts, slots = by_part.setdefault(id(h.part), (h.part, [], []))
-            experts.append(h.expert)
-            slots.append(h.slot)
-        for part, experts, slots in by_part.values():
-            slot_of = np.full(self.num_experts, -1, dtype=np.int64)
+            by_part.setdefault(id(h.part), []).append(h)
+        slot_of = self._slot_of
+        for handles in by_part.values():
+            handles.sort(key=lambda h: h.slot)
+            experts = [h.expert for h in handles]
+            slots = [h.slot for h in handles]
             slot_of[experts] = slots
             row_slot = slot_of[self.expert]
-            pos = np.flatnonzero(row_slot >= 0)
-            order = np.argsort(row_slot[pos], kind="stable")
-            pos, row_slot = pos[order], row_slot[pos][order]
-            lo, hi = int(row_slot[0]), int(row_slot[-1]) + 1
-            for first in range(lo, hi, MAX_GROUPS):
-                last = min(first + MAX_GROUPS, hi)
-                a, b = np.searchsorted(row_slot, [first, last])
-                if a == b:
-                    continue
-                counts = np.bincount(row_slot[a:b] - first, minlength=last - first)
-                yield part, pos[a:b], first, counts
+            slot_of[experts] = -1
+            if len(handles) == self.num_used:  # every row is in this call
+                pos = np.argsort(row_slot, kind="stable")
+            else:
+                pos = np.flatnonzero(row_slot >= 0)
+                pos = pos[np.argsort(row_slot[pos], kind="stable")]
+            rows = self.counts[experts].tolist()
+            segments: list[Segment] = []
+            offs: list[np.ndarray] = []
+            i, row = 0, 0
+            while i < len(slots):  # one segment per iteration: slots[i:j]
+                j, first = i + 1, slots[i]
+                while (
+                    j < len(slots)
+                    and slots[j] - slots[j - 1] <= self.max_gap + 1
+                    and slots[j] < first + MAX_GROUPS
+                ):
+                    j += 1
+                count = slots[j - 1] - first + 1
+                dense = np.zeros(count, dtype=np.int32)
+                dense[np.asarray(slots[i:j]) - first] = rows[i:j]
+                segments.append((first, count, row))
+                offs.append(np.cumsum(dense, dtype=np.int32))
+                row += sum(rows[i:j])
+                i = j
+            yield handles[0].part, pos, segments, offs[0] if len(offs) == 1 else np.concatenate(offs)
 
 
 def run_experts(
@@ -114,7 +141,7 @@ def run_experts(
     Returns:
         (``out [T, H]``, hit ``[E]`` bool, blocked seconds ``[E]``).
     """
-    plan = LayerPlan(ids_host, num_experts)
+    plan = LayerPlan(ids_host, num_experts, MAX_GAP.get(x.device.type, MAX_GROUPS))
     t, k = ids_host.shape
     w_flat = weights.reshape(-1)
     contrib = torch.empty((t * k, x.shape[1]), dtype=x.dtype, device=x.device)  # (token, rank) rows
@@ -123,43 +150,59 @@ def run_experts(
     for batch in run.batches():
         for h in batch:
             hit[h.expert], blocked[h.expert] = h.hit, h.blocked_s
-        for part, pos, first, counts in plan.segments(batch):
-            idx = np.stack([pos // k, plan.weight_src[pos], pos])  # [3, n]: token, weight, row
-            idx = torch.from_numpy(idx).to(x.device, non_blocking=True)  # one upload, no sync
-            xs = x.index_select(0, idx[0])  # [n, H] token rows sorted by slot
+        for part, pos, segments, offs in plan.calls(batch):
+            n = len(pos)
+            # uploads without a sync: token, weight and row index of each sorted row; the offs
+            host = np.concatenate([pos // k, plan.weight_src[pos], pos])
+            dev = torch.from_numpy(host).to(x.device, non_blocking=True)
+            xs = x.index_select(0, dev[:n])  # [n, H] token rows sorted by slot
             if part.device != x.device:
                 xs = xs.to(part.device)
             if path == "grouped":
-                y = _grouped(xs, part, first, counts)
+                y = _grouped(xs, part, segments, torch.from_numpy(offs).to(part.device, non_blocking=True))
             else:
-                y = _loop(xs, part, first, counts)
+                y = _loop(xs, part, segments, offs)
             if part.device != x.device:
                 y = y.to(x.device)
-            y = (y * w_flat.index_select(0, idx[1]).unsqueeze(1)).to(contrib.dtype)  # as the reference
-            contrib.index_copy_(0, idx[2], y)
+            # scaled by the router weight, then cast, as the reference does
+            y = (y * w_flat.index_select(0, dev[n : 2 * n]).unsqueeze(1)).to(contrib.dtype)
+            contrib.index_copy_(0, dev[2 * n : 3 * n], y)
     # contributions summed per token in ascending expert order (ranks were sorted by expert id)
-    c = contrib.view(t, k, -1)
-    out = c[:, 0]
-    for j in range(1, k):
-        out = out + c[:, j]
+    ranks = contrib.view(t, k, -1).unbind(1)
+    out = ranks[0]
+    for c in ranks[1:]:
+        out = out + c
     return out, hit, blocked
 
 
-def _grouped(xs: torch.Tensor, part: Any, first: int, counts: np.ndarray) -> torch.Tensor:
-    """Both projections of the experts in slots ``first ..`` as one grouped GEMM each."""
-    offs = torch.from_numpy(np.cumsum(counts, dtype=np.int32)).to(xs.device, non_blocking=True)
-    last = first + len(counts)
-    gate, up = F.grouped_mm(xs, part.gate_up_t[first:last], offs=offs).chunk(2, dim=-1)
-    return F.grouped_mm(F.silu(gate) * up, part.down_t[first:last], offs=offs)
+def _grouped(xs: torch.Tensor, part: Any, segments: list[Segment], offs: torch.Tensor) -> torch.Tensor:
+    """Both projections of each segment's slots as one grouped GEMM each; ``offs`` as
+    :meth:`LayerPlan.calls` (on the device, int32)."""
+    outs, o = [], 0
+    for i, (first, count, a) in enumerate(segments):
+        b = segments[i + 1][2] if i + 1 < len(segments) else xs.shape[0]
+        xseg = xs if len(segments) == 1 else xs[a:b]
+        oseg = offs if len(segments) == 1 else offs[o : o + count]
+        o += count
+        if count == 1:  # one expert: F.linear (same result, fewer ops than a one-group call)
+            gate, up = F.linear(xseg, part.gate_up[first]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate) * up, part.down[first]))
+            continue
+        gate, up = F.grouped_mm(xseg, part.gate_up_t[first : first + count], offs=oseg).chunk(2, dim=-1)
+        outs.append(F.grouped_mm(F.silu(gate) * up, part.down_t[first : first + count], offs=oseg))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def _loop(xs: torch.Tensor, part: Any, first: int, counts: np.ndarray) -> torch.Tensor:
-    """The same rows, two ``F.linear`` per used slot (the fallback path)."""
+def _loop(xs: torch.Tensor, part: Any, segments: list[Segment], offs: np.ndarray) -> torch.Tensor:
+    """The same rows, two ``F.linear`` per used slot (the fallback path); ``offs`` on the host."""
     y = torch.empty_like(xs)
-    a = 0
-    for s in np.flatnonzero(counts).tolist():
-        b = a + int(counts[s])
-        gate, up = F.linear(xs[a:b], part.gate_up[first + s]).chunk(2, dim=-1)
-        y[a:b] = F.linear(F.silu(gate) * up, part.down[first + s])
-        a = b
+    o = 0
+    for first, count, a in segments:
+        ends = offs[o : o + count]
+        o += count
+        starts = np.concatenate(([0], ends[:-1]))
+        for s in np.flatnonzero(ends > starts).tolist():
+            lo, hi = a + int(starts[s]), a + int(ends[s])
+            gate, up = F.linear(xs[lo:hi], part.gate_up[first + s]).chunk(2, dim=-1)
+            y[lo:hi] = F.linear(F.silu(gate) * up, part.down[first + s])
     return y
