@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -148,6 +149,18 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _cpu_name() -> str:
+    """The CPU's model name (Linux ``/proc/cpuinfo``), else the machine type."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def _positive_ints(flag: str, text: str) -> list[int]:
     try:
         vals = [int(v) for v in text.split(",") if v.strip()]
@@ -177,7 +190,8 @@ def run(args: argparse.Namespace) -> int:
     dtype = DTYPES[args.dtype]
     settings = {
         "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
+        "load_average": round(os.getloadavg()[0], 2),
         "dtype": args.dtype,
         "calls": args.calls,
         "repeats": args.repeats,
@@ -204,8 +218,8 @@ def render(data: dict[str, Any]) -> str:
     """Markdown: settings line, then one row per (shape, tokens)."""
     s = data["settings"]
     head = (
-        f"device {s['device']} ({s['device_name'] or 'unnamed'}), {s['dtype']}, torch {s['torch']}, "
-        f"{s['cpu_threads']} CPU thread(s); {s['warmup']} warm-up calls, median [min-max] of "
+        f"device {s['device']} ({s['device_name']}), {s['dtype']}, torch {s['torch']}, "
+        f"{s['cpu_threads']} CPU thread(s), load average {s['load_average']}; {s['warmup']} warm-up calls, median [min-max] of "
         f"{s['repeats']} repeats x {s['calls']} calls, seed {s['seed']}"
     )
     lines = [
