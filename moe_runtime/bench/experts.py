@@ -219,8 +219,8 @@ def render(data: dict[str, Any]) -> str:
     s = data["settings"]
     head = (
         f"device {s['device']} ({s['device_name']}), {s['dtype']}, torch {s['torch']}, "
-        f"{s['cpu_threads']} CPU thread(s), load average {s['load_average']}; {s['warmup']} warm-up calls, median [min-max] of "
-        f"{s['repeats']} repeats x {s['calls']} calls, seed {s['seed']}"
+        f"{s['cpu_threads']} CPU thread(s), load average {s['load_average']}; {s['warmup']} warm-up "
+        f"calls, median [min-max] of {s['repeats']} repeats x {s['calls']} calls, seed {s['seed']}"
     )
     lines = [
         head,
