@@ -27,8 +27,14 @@ class StepContext:
     all_decode: bool
     max_ctx: int
     observe: bool = True  # tracing and policies see this step's routing (False when scoring)
-    rows_t: torch.Tensor | None = None  # [B] int64
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_ctx] bool
+    # sequences with one new token (decodes), attended in one batched call: their KV rows, their
+    # tokens' indices in the packed step (None when every sequence decodes: all tokens, in order),
+    # the length mask over their longest context, and the indices of the other sequences
+    rows_t: torch.Tensor | None = None  # [B_d] int64
+    decode_tokens: torch.Tensor | None = None  # [B_d] int64
+    decode_mask: torch.Tensor | None = None  # [B_d, 1, 1, decode_ctx] bool
+    decode_ctx: int = 0
+    prefill_seqs: list[int] = field(default_factory=list)
     seq_lookups: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     seq_hits: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     seq_blocking_s: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float64))
@@ -85,9 +91,17 @@ class StepContext:
             seq_hits=np.zeros(len(rows), dtype=np.int64),
             seq_blocking_s=np.zeros(len(rows), dtype=np.float64),
         )
-        if all_decode:
-            ctx_obj.rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
-            lens = torch.tensor(ctx, dtype=torch.int64, device=device)
-            mask = torch.arange(max_ctx, device=device)[None, :] < lens[:, None]
+        dec = [i for i, n in enumerate(num_new) if n == 1]
+        ctx_obj.prefill_seqs = [i for i, n in enumerate(num_new) if n != 1]
+        if dec:
+            dec_ctx = np.asarray([ctx[i] for i in dec], dtype=np.int64)
+            ctx_obj.decode_ctx = int(dec_ctx.max())
+            host = np.stack(
+                [np.asarray([rows[i] for i in dec]), np.asarray([starts[i] for i in dec]), dec_ctx]
+            )
+            dev = torch.from_numpy(host).to(device)  # one copy: rows, token indices, lengths
+            ctx_obj.rows_t = dev[0]
+            ctx_obj.decode_tokens = None if all_decode else dev[1]
+            mask = torch.arange(ctx_obj.decode_ctx, device=device)[None, :] < dev[2][:, None]
             ctx_obj.decode_mask = mask[:, None, None, :]
         return ctx_obj
