@@ -52,7 +52,9 @@ class MoEModel:
         self.prefetcher: Any | None = None
         self.lookahead: RouterLookahead | None = None  # set when the prefetch policy uses it
         # ``grouped`` (one grouped GEMM per projection) or ``loop``: probed once, on this device/dtype
-        self.expert_path = select_expert_path(emb.device, emb.dtype)
+        self.expert_path = select_expert_path(
+            emb.device, emb.dtype, cfg.hidden_size, cfg.moe_intermediate_size
+        )
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, step: StepContext) -> torch.Tensor:

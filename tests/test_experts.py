@@ -51,6 +51,13 @@ def test_grouped_runs_on_cpu(dtype):
     assert experts.select_expert_path(torch.device("cpu"), dtype) == "grouped"
 
 
+def test_cuda_needs_16_byte_aligned_widths():
+    # checked before any CUDA call: no GPU needed to see the refusal
+    cuda = torch.device("cuda", 0)
+    assert experts.select_expert_path(cuda, torch.bfloat16, 2048, 772) == "loop"
+    assert experts.select_expert_path(cuda, torch.float32, 2046, 768) == "loop"
+
+
 def test_falls_back_to_the_loop_where_grouped_cannot_run(monkeypatch):
     def refuse(*args, **kwargs):
         raise RuntimeError("grouped gemm is only supported on SM >= 80")

@@ -36,10 +36,19 @@ PATHS = ("grouped", "loop")
 Segment = tuple[int, int, int]  # (first slot, slot count, first row) of one grouped call
 
 
-def select_expert_path(device: torch.device, dtype: torch.dtype) -> str:
+def select_expert_path(
+    device: torch.device, dtype: torch.dtype, hidden: int | None = None, intermediate: int | None = None
+) -> str:
     """``grouped`` if ``grouped_mm`` runs on ``device``/``dtype`` over strided slot views and gives
-    exactly ``F.linear``'s result per expert on a tiny probe, else ``loop``. Called once at load."""
+    exactly ``F.linear``'s result per expert on a tiny probe, else ``loop``. Called once at load.
+
+    On CUDA the grouped kernel needs 16-byte aligned rows and slot starts: with the model's
+    ``hidden`` (H) or ``intermediate`` (I) width not a multiple of ``16 / element size`` (8 in
+    bf16), the path is ``loop``."""
     if not hasattr(F, "grouped_mm"):
+        return "loop"
+    align = 16 // torch.empty(0, dtype=dtype).element_size()
+    if device.type == "cuda" and any(d is not None and d % align for d in (hidden, intermediate)):
         return "loop"
     hidden, inter, slots = 32, 16, 3
     gen = torch.Generator().manual_seed(0)
@@ -72,7 +81,7 @@ class LayerPlan:
         t, k = ids_host.shape
         self.max_gap = max_gap
         perm = np.argsort(ids_host, axis=1, kind="stable")
-        self.expert = np.take_along_axis(ids_host, perm, axis=1).reshape(-1)
+        self.expert = np.sort(ids_host, axis=1).reshape(-1)
         self.weight_src = (perm + np.arange(t)[:, None] * k).reshape(-1)
         self.counts = np.bincount(self.expert, minlength=num_experts)  # rows per expert
         self.num_used = int(np.count_nonzero(self.counts))
@@ -103,7 +112,7 @@ class LayerPlan:
                 pos = pos[np.argsort(row_slot[pos], kind="stable")]
             rows = self.counts[experts].tolist()
             segments: list[Segment] = []
-            offs: list[np.ndarray] = []
+            offs: list[int] = []
             i, row = 0, 0
             while i < len(slots):  # one segment per iteration: slots[i:j]
                 j, first = i + 1, slots[i]
@@ -113,14 +122,16 @@ class LayerPlan:
                     and slots[j] < first + MAX_GROUPS
                 ):
                     j += 1
-                count = slots[j - 1] - first + 1
-                dense = np.zeros(count, dtype=np.int32)
-                dense[np.asarray(slots[i:j]) - first] = rows[i:j]
-                segments.append((first, count, row))
-                offs.append(np.cumsum(dense, dtype=np.int32))
-                row += sum(rows[i:j])
+                end, prev = 0, first - 1
+                for slot, n in zip(slots[i:j], rows[i:j]):
+                    offs.extend([end] * (slot - prev - 1))  # unused slots: empty groups
+                    end += n
+                    offs.append(end)
+                    prev = slot
+                segments.append((first, slots[j - 1] - first + 1, row))
+                row += end
                 i = j
-            yield handles[0].part, pos, segments, offs[0] if len(offs) == 1 else np.concatenate(offs)
+            yield handles[0].part, pos, segments, np.asarray(offs, dtype=np.int32)
 
 
 def run_experts(
