@@ -6,9 +6,10 @@ weights, seeded) is loaded all resident into an :class:`~moe_runtime.buffer.Expe
 ``moe_runtime.layers.experts.run_experts`` then runs the layer on both paths (``loop``: two
 ``F.linear`` per expert; ``grouped``: one ``grouped_mm`` per projection over the slot buffer), after
 ``--warmup`` calls, ``--repeats`` times ``--calls`` calls each (CUDA synchronised around each
-repeat). Reported per row: median and min/max of the per-call time in µs, the speed-up, and
-whether the two paths' outputs are bit-identical. ``--markdown FILE`` writes the table with its
-settings (docs/bench-experts.md is written this way).
+repeat; on CPU with one intra-op thread the clock is the thread's CPU time, which other processes
+on a shared host do not inflate). Reported per row: median and min/max of the per-call time in
+µs, the speed-up, and whether the two paths' outputs are bit-identical. ``--markdown FILE``
+writes the table with its settings (docs/bench-experts.md is written this way).
 
 Shapes (hidden H, expert width I, experts E, top-k) are those of the public configs; ``bundled``
 is read from the bundled checkpoint's ``config.json``. Mixtral's layer is 2.8 GB in bf16: select
@@ -57,19 +58,27 @@ def shape_of(name: str) -> tuple[int, int, int, int]:
     return SHAPES[name]
 
 
-def _time_calls(fn, calls: int, repeats: int, warmup: int, device: torch.device) -> list[float]:
+def clock_for(device: torch.device, cpu_threads: int) -> str:
+    """``thread``: the calling thread's CPU time (CPU, one intra-op thread: all the work is on this
+    thread, and other processes on a shared host do not inflate it); else ``wall`` (CUDA
+    synchronised around each repeat)."""
+    return "thread" if device.type == "cpu" and cpu_threads == 1 else "wall"
+
+
+def _time_calls(fn, calls: int, repeats: int, warmup: int, device: torch.device, clock: str) -> list[float]:
     """Per-call seconds of ``fn`` for each of ``repeats`` repeats of ``calls`` calls."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    now = time.thread_time if clock == "thread" else time.perf_counter
     for _ in range(warmup):
         fn()
     sync()
     out = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = now()
         for _ in range(calls):
             fn()
         sync()
-        out.append((time.perf_counter() - t0) / calls)
+        out.append((now() - t0) / calls)
     return out
 
 
@@ -82,6 +91,7 @@ def bench_shape(
     repeats: int,
     warmup: int,
     seed: int,
+    clock: str = "wall",
 ) -> dict[str, Any]:
     """One row: both paths on one layer of shape ``name`` with ``tokens`` tokens."""
     from moe_runtime.buffer import ExpertBuffer
@@ -106,7 +116,7 @@ def bench_shape(
                 return run_experts(x, weights, ids_host, buf.start_layer(0, needed), num_experts, path)[0]
 
             outs[path] = call()
-            times[path] = _time_calls(call, calls, repeats, warmup, device)
+            times[path] = _time_calls(call, calls, repeats, warmup, device, clock)
     finally:
         buf.close()
     row: dict[str, Any] = {
@@ -198,10 +208,11 @@ def run(args: argparse.Namespace) -> int:
         "warmup": args.warmup,
         "seed": args.seed,
         "cpu_threads": args.cpu_threads,
+        "clock": clock_for(device, args.cpu_threads),
         "torch": torch.__version__,
     }
     rows = [
-        bench_shape(n, t, device, dtype, args.calls, args.repeats, args.warmup, args.seed)
+        bench_shape(n, t, device, dtype, args.calls, args.repeats, args.warmup, args.seed, settings["clock"])
         for n in names
         for t in tokens
     ]
@@ -220,7 +231,8 @@ def render(data: dict[str, Any]) -> str:
     head = (
         f"device {s['device']} ({s['device_name']}), {s['dtype']}, torch {s['torch']}, "
         f"{s['cpu_threads']} CPU thread(s), load average {s['load_average']}; {s['warmup']} warm-up "
-        f"calls, median [min-max] of {s['repeats']} repeats x {s['calls']} calls, seed {s['seed']}"
+        f"calls, median [min-max] of {s['repeats']} repeats x {s['calls']} calls ({s['clock']} clock), "
+        f"seed {s['seed']}"
     )
     lines = [
         head,
