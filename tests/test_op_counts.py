@@ -52,7 +52,7 @@ class _CountSync(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _per_layer(monkeypatch, batch: int) -> tuple[float, float]:
+def _per_layer(monkeypatch, batch: int, **runtime_kw) -> tuple[float, float]:
     """(aten ops, host syncs) per MoE layer call, averaged over the decode steps of ``batch``
     sequences (prefill steps not counted)."""
     counts: list[tuple[int, int]] = []
@@ -67,10 +67,10 @@ def _per_layer(monkeypatch, batch: int) -> tuple[float, float]:
         return out
 
     monkeypatch.setattr(model_mod, "moe_block", counted)
-    runtime = RuntimeConfig(max_model_len=64, max_batch_size=batch)
+    runtime = RuntimeConfig(max_model_len=64, max_batch_size=batch, **runtime_kw)
     prompts = [[5 + i, 17, 33, 2] for i in range(batch)]
     with LLMEngine.from_pretrained(default_model_dir(), runtime) as engine:
-        assert engine.buffer.all_resident
+        assert engine.buffer.all_resident == ("buffer_fraction" not in runtime_kw)
         engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
     assert counts, "no decode step ran"
     ops = sum(c[0] for c in counts) / len(counts)
@@ -99,3 +99,10 @@ def test_counter_sees_ops(monkeypatch):
     ops1, _ = _per_layer(monkeypatch, 1)
     ops8, _ = _per_layer(monkeypatch, 8)
     assert ops8 > 1.2 * ops1 > 0
+
+
+def test_one_sync_with_tracer_policies_and_lookahead(monkeypatch):
+    """Offloading with the eam policies: the recorder's router weights and the router lookahead's
+    scores travel in the ids' copy, still one sync per MoE layer."""
+    _, syncs = _per_layer(monkeypatch, 2, buffer_fraction=0.5, router_lookahead=1)
+    assert syncs == 1

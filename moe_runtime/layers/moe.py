@@ -2,12 +2,13 @@
 
 NOTE: one device->host sync per MoE layer. The router's top-k ids (``[T, k]``) are copied to the
 host once: the buffer must know which experts to fetch, and the tracer and prefetch policy read
-them there (with a recorder, the weights travel in the same copy). Experts then run from their
-slots, resident ones first as one batch while missing ones load (Klotski §5), then each batch of
-landed ones (``moe_runtime.layers.experts``: one grouped GEMM per projection and batch, or a
-per-expert loop where grouped GEMMs cannot run); each expert's output, scaled by its gate weight,
-is summed per token in ascending expert order, exactly as the reference's ``index_add_`` loop
-does, so outputs do not depend on which experts were resident (policy- and buffer-invariant).
+them there (the tracer's router weights and the router lookahead's scores travel in the same
+copy). Experts then run from their slots, resident ones first as one batch while missing ones
+load (Klotski §5), then each batch of landed ones (``moe_runtime.layers.experts``: one grouped
+GEMM per projection and batch, or a per-expert loop where grouped GEMMs cannot run); each
+expert's output, scaled by its gate weight, is summed per token in ascending expert order,
+exactly as the reference's ``index_add_`` loop does, so outputs do not depend on which experts
+were resident (policy- and buffer-invariant).
 """
 
 from __future__ import annotations
@@ -57,18 +58,12 @@ def moe_block(
     p = f"layers.{layer}."
     weights, ids = route(x, w[p + "router"], cfg)
     num_experts = cfg.num_experts
-    if recorder is None:
-        ids_host = ids.cpu().numpy()  # the one sync of this layer
-    else:  # ids (< 2**24, exact in fp32) and weights in one copy: still one sync
-        both = torch.cat([ids.float(), weights.float()], dim=1).cpu().numpy()
-        ids_host = both[:, : cfg.top_k].astype(np.int64)
+    if prefetcher is None:
+        ahead = None
+    ids_host, weights_host, ahead_host = _to_host(ids, weights if recorder is not None else None, ahead)
+    if recorder is not None:
         recorder.record(
-            moe_layer,
-            step.request_ids,
-            step.token_seq,
-            step.token_prefill,
-            ids_host,
-            both[:, cfg.top_k :],
+            moe_layer, step.request_ids, step.token_seq, step.token_prefill, ids_host, weights_host
         )
     if step.observe:
         buffer.after_routing(moe_layer, step.request_ids, ids_host)
@@ -78,8 +73,8 @@ def moe_block(
     run = buffer.start_layer(moe_layer, needed)
     try:
         if prefetcher is not None:
-            if ahead is not None:
-                prefetcher.observe_lookahead(moe_layer, ahead.cpu().numpy())  # ready: ids synced
+            if ahead_host is not None:
+                prefetcher.observe_lookahead(moe_layer, ahead_host)
             prefetcher.after_routing(moe_layer, step.request_ids, ids_host)
         out, hit, blocked = run_experts(x, weights, ids_host, run, num_experts, expert_path)
     finally:
@@ -92,6 +87,28 @@ def moe_block(
         )
         out = out + torch.sigmoid(F.linear(x, w[p + "shared_gate"])) * shared
     return out
+
+
+def _to_host(
+    ids: torch.Tensor, weights: torch.Tensor | None, ahead: torch.Tensor | None
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """The layer's one device->host copy: ids ``[T, k]`` (int64), and when given the router
+    weights ``[T, k]`` and lookahead scores ``[D, E]`` (fp32) packed into the same copy (ids are
+    < 2**24, exact in fp32)."""
+    if weights is None and ahead is None:
+        return ids.cpu().numpy(), None, None
+    parts = [ids.float().reshape(-1)]
+    parts += [t.float().reshape(-1) for t in (weights, ahead) if t is not None]
+    flat = torch.cat(parts).cpu().numpy()
+    n = ids.numel()
+    ids_host = flat[:n].astype(np.int64).reshape(ids.shape)
+    weights_host = ahead_host = None
+    if weights is not None:
+        weights_host = flat[n : 2 * n].reshape(weights.shape)
+        n *= 2
+    if ahead is not None:
+        ahead_host = flat[n:].reshape(ahead.shape)
+    return ids_host, weights_host, ahead_host
 
 
 def _attribute(
