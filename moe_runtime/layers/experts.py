@@ -32,7 +32,6 @@ MAX_GROUPS = 1024  # CUDA grouped_mm: "Can't process more than 1024 groups"
 # every group in C++ (~2 µs per empty one, fp32, bundled shape), about what 8 more ops of an
 # extra call cost, so a longer run of unused slots starts a new call.
 MAX_GAP = {"cuda": MAX_GROUPS, "cpu": 8}
-PATHS = ("grouped", "loop")
 Segment = tuple[int, int, int]  # (first slot, slot count, first row) of one grouped call
 
 
