@@ -35,6 +35,7 @@ def test_mixed_step_matches_per_sequence_attention():
         cache.v[0, r, :, : v.shape[0]] = v.transpose(0, 1)
     step = StepContext.build(["a", "b", "c", "d"], rows, past, new, [True] * 4, torch.device("cpu"))
     assert not step.all_decode and step.prefill_seqs == [1, 2]
+    assert step.prefill_mask is not None  # both prefill chunks in one padded call
     t = sum(new)
     q, k, v = torch.randn(t, HQ, D), torch.randn(t, HKV, D), torch.randn(t, HKV, D)
     got = attention(q, k, v, 0, cache, step)
@@ -71,3 +72,30 @@ def test_cuda_backends_never_include_cudnn():
     from torch.nn.attention import SDPBackend
 
     assert SDPBackend.CUDNN_ATTENTION not in CUDA_BACKENDS and SDPBackend.FLASH_ATTENTION in CUDA_BACKENDS
+
+
+def test_prefill_chunks_share_one_call_unless_padding_is_wasteful(monkeypatch):
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def counted(*args, **kwargs):
+        calls.append(tuple(args[0].shape))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+    cache = KVCache(1, 3, HKV, 64, D, torch.float32, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    for past, new in (([0, 2, 0], [5, 4, 6]), ([0, 0, 3], [5, 4, 1]), ([0, 0, 0], [40, 2, 2])):
+        step = StepContext.build(["a", "b", "c"], [0, 1, 2], past, new, [True] * 3, cpu)
+        t = sum(new)
+        attention(torch.randn(t, HQ, D), torch.randn(t, HKV, D), torch.randn(t, HKV, D), 0, cache, step)
+    # three similar chunks: one padded call; two chunks and a decode: two calls; a 40-token chunk
+    # beside two 2-token ones: one call each (padding, 3 x 40 x 40, > 2x the useful 40 x 40 + 2 x 4)
+    assert calls == [
+        (3, HQ, 6, D),
+        (1, HQ, 1, D),
+        (2, HQ, 5, D),
+        (1, HQ, 40, D),
+        (1, HQ, 2, D),
+        (1, HQ, 2, D),
+    ]

@@ -6,7 +6,9 @@ into each sequence's cache row, then:
 
 * every sequence decoding one token (all of a decode step, or the decodes of a mixed step): one
   batched SDPA over ``[B_d, heads, 1, ctx]`` with a length mask;
-* each prefill chunk: one SDPA (causal within the chunk, full over its past).
+* the prefill chunks (causal within a chunk, full over its past): one padded SDPA over all of
+  them when padding costs at most ``PAD_WASTE`` x the useful work
+  (``moe_runtime.engine.context``), else one SDPA per chunk.
 
 On CUDA the SDPA backends are limited to flash, memory-efficient and math
 (``torch.nn.attention.sdpa_kernel``): the cuDNN backend builds a new plan whenever the KV length
@@ -51,6 +53,9 @@ def attention(
         if step.rows_t is not None:  # the decodes of a mixed step, in one call
             od = _decode(q.index_select(0, step.decode_tokens), kc, vc, step)
             out.index_copy_(0, step.decode_tokens, od)
+        if step.prefill_mask is not None:  # every prefill chunk in one padded call
+            out.index_copy_(0, step.prefill_tokens, _prefill_padded(q, kc, vc, step))
+            return out.reshape(q.shape[0], -1)
         for i in step.prefill_seqs:
             start, n = step.starts[i], step.num_new[i]
             row, ctx = step.rows[i], step.ctx_lens[i]
@@ -65,6 +70,19 @@ def attention(
                 oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=True)
             out[start : start + n] = oi[0].transpose(0, 1)
         return out.reshape(q.shape[0], -1)
+
+
+def _prefill_padded(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, step) -> torch.Tensor:
+    """One SDPA for all prefill chunks, padded to ``[P, Hq, max_new, D]``; returns their tokens'
+    outputs ``[sum n_p, Hq, D]`` in ``step.prefill_tokens`` order."""
+    p, _, max_new, ctx = step.prefill_mask.shape
+    qp = q.new_zeros((p * max_new, q.shape[1], q.shape[2]))
+    qp.index_copy_(0, step.prefill_pad, q.index_select(0, step.prefill_tokens))
+    qp = qp.view(p, max_new, q.shape[1], q.shape[2]).transpose(1, 2)  # [P, Hq, max_new, D]
+    keys = kc[step.prefill_rows_t, :, :ctx]  # [P, Hkv, C, D]
+    vals = vc[step.prefill_rows_t, :, :ctx]
+    out = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=step.prefill_mask, enable_gqa=True)
+    return out.transpose(1, 2).reshape(p * max_new, q.shape[1], q.shape[2]).index_select(0, step.prefill_pad)
 
 
 def _decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, step) -> torch.Tensor:
