@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from moe_runtime.device import normalize_device
 from moe_runtime.errors import ConfigError
 
 DTYPES = {
@@ -238,6 +239,12 @@ class RuntimeConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        """``device`` normalised (``cuda`` -> the current CUDA device with its index); see
+        :func:`moe_runtime.device.normalize_device` for the errors."""
+        return normalize_device(self.device)
 
     @classmethod
     def field_names(cls) -> list[str]:

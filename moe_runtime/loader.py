@@ -203,7 +203,7 @@ def load_checkpoint(
     runtime = runtime or RuntimeConfig()
     path = Path(model_dir)
     family, cfg, _ = read_model_config(path)
-    dtype, device = runtime.torch_dtype, torch.device(runtime.device)
+    dtype, device = runtime.torch_dtype, runtime.torch_device
     if runtime.device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"--device {runtime.device}: CUDA is not available on this machine")
     files = safetensors_files(path)

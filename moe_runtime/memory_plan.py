@@ -52,7 +52,7 @@ def kv_cache_len(cfg: ModelConfig, runtime: RuntimeConfig) -> int:
 def engine_devices(runtime: RuntimeConfig) -> list[torch.device]:
     """The device of each buffer partition: ``cuda:0..n-1`` for several CUDA devices, else
     ``--num-devices`` copies of ``--device`` (emulated devices on CPU)."""
-    device = torch.device(runtime.device)
+    device = runtime.torch_device
     if device.type == "cuda" and runtime.num_devices > 1:
         return [torch.device("cuda", i) for i in range(runtime.num_devices)]
     return [device] * runtime.num_devices

@@ -16,6 +16,7 @@ from moe_runtime.buffer import ExpertBuffer
 from moe_runtime.config import ModelConfig
 from moe_runtime.engine.context import StepContext
 from moe_runtime.layers.attention import attention
+from moe_runtime.layers.experts import select_expert_path
 from moe_runtime.layers.kv_cache import KVCache
 from moe_runtime.layers.moe import moe_block
 from moe_runtime.layers.norm import rms_norm
@@ -50,6 +51,10 @@ class MoEModel:
         self.recorder: Any | None = None
         self.prefetcher: Any | None = None
         self.lookahead: RouterLookahead | None = None  # set when the prefetch policy uses it
+        # ``grouped`` (one grouped GEMM per projection) or ``loop``: probed once, on this device/dtype
+        self.expert_path = select_expert_path(
+            emb.device, emb.dtype, cfg.hidden_size, cfg.moe_intermediate_size
+        )
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, step: StepContext) -> torch.Tensor:
@@ -74,6 +79,7 @@ class MoEModel:
                     self.recorder,
                     self.prefetcher,
                     ahead,
+                    self.expert_path,
                 )
             else:
                 h = F.linear(

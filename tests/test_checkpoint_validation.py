@@ -279,6 +279,8 @@ def test_experts_larger_than_host_memory(capsys, ckpt):
 
 def test_device_memory_refused(tiny_qwen3, monkeypatch):
     """CUDA: dense + KV cache + slots are compared with torch.cuda.mem_get_info per device."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # one fake GPU: plans only
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     runtime = RuntimeConfig(device="cuda:0", buffer_slots=4)
     plan = plan_memory(read_model_config(tiny_qwen3)[1], runtime)
     need = plan.dense + plan.kv_cache + 4 * plan.slot_bytes

@@ -297,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         cpu_threads=args.cpu_threads,
     )
-    device = torch.device(args.device)
+    device = base.torch_device
     loaded = load_checkpoint(model_dir, base)
     cfg = loaded.config
     expert_bytes = loaded.store.expert_nbytes

@@ -28,9 +28,10 @@ import numpy as np
 import torch
 
 from moe_runtime.buffer.cache_policy import make_cache_policy
-from moe_runtime.buffer.layer_run import LayerRun
+from moe_runtime.buffer.layer_run import IOThreadError, LayerRun, ResidentRun, handle
 from moe_runtime.buffer.partition import Partition, apply_prefetch_plan, look_up_layer
 from moe_runtime.buffer.placement import home_devices
+from moe_runtime.device import normalize_device
 from moe_runtime.io.link import LinkModel
 from moe_runtime.stats import ExpertStats
 from moe_runtime.store import HostExpertStore
@@ -38,7 +39,8 @@ from moe_runtime.store import HostExpertStore
 
 @dataclass(slots=True)
 class ExpertHandle:
-    """A resident expert ready to run: ``gate_up [2I, H]`` and ``down [H, I]`` device views."""
+    """A resident expert ready to run: ``gate_up [2I, H]`` and ``down [H, I]`` device views, and
+    where they sit (``slot`` of ``part``, for the grouped kernels that read the slots at once)."""
 
     expert: int
     device: torch.device
@@ -46,6 +48,8 @@ class ExpertHandle:
     down: torch.Tensor
     hit: bool
     blocked_s: float
+    slot: int = -1
+    part: Partition | None = None
 
 
 class ExpertBuffer:
@@ -53,7 +57,8 @@ class ExpertBuffer:
 
     Args:
         store: the host expert store (source of every transfer).
-        devices: one entry per device partition (the same CPU device may repeat to emulate several).
+        devices: one entry per device partition (the same CPU device may repeat to emulate several);
+            ``cuda`` means the current CUDA device (:func:`~moe_runtime.device.normalize_device`).
         slots_per_device: slots in each partition (>= 1).
         cache_policy: registry name (``lru``, ``eam``, ...).
         link: ``(gbps, latency_us)`` to emulate a link per device, or None.
@@ -70,6 +75,7 @@ class ExpertBuffer:
         policy_context: dict[str, Any] | None = None,
     ) -> None:
         self.store = store
+        devices = [normalize_device(d) for d in devices]  # I/O threads need indexed CUDA devices
         self.num_layers, self.num_experts = store.num_layers, store.num_experts
         total = self.num_layers * self.num_experts
         self.home = home_devices(self.num_layers, self.num_experts, len(devices))
@@ -77,6 +83,7 @@ class ExpertBuffer:
         self.stats = ExpertStats(self.num_layers, len(devices))
         self.cond = threading.Condition()
         self._closing = False
+        self._io_error: tuple[Partition, BaseException] | None = None  # set by a dying I/O thread
         self.parts: list[Partition] = []
         ctx = {"num_layers": self.num_layers, **(policy_context or {})}
         self.oracle = ctx.get("oracle")  # an OracleSchedule whose cursor follows the routed layers
@@ -166,14 +173,16 @@ class ExpertBuffer:
         finally:
             run.close()
 
-    def start_layer(self, layer: int, experts: list[int]) -> LayerRun | Iterator[ExpertHandle]:
+    def start_layer(self, layer: int, experts: list[int]) -> LayerRun | ResidentRun:
         """Look the layer's experts up now: pin the resident ones, queue demand fetches for the
         missing ones (the I/O thread starts on them at once); iterate the result for the handles
-        as in :meth:`run_layer` and ``close()`` it when done. The MoE block calls this before the
+        as in :meth:`run_layer` (or its ``batches()``) and ``close()`` it when done. The MoE block
+        calls this before the
         prefetch policy plans the later layers, so planning overlaps this layer's demand copies
         and a prefetch can no longer evict an expert this layer is about to use.
         """
         E = self.num_experts
+        self.check_io()
         if self.access_log is not None:
             self.access_log.append((layer, tuple(experts)))
         if self.all_resident:  # nothing is ever evicted: no pins, locks or policy hooks needed
@@ -195,7 +204,7 @@ class ExpertBuffer:
                 self.cond.notify_all()
         return LayerRun(self, layer, ready, waiting)
 
-    def _run_resident(self, layer: int, experts: list[int]) -> Iterator[ExpertHandle]:
+    def _run_resident(self, layer: int, experts: list[int]) -> ResidentRun:
         st, n = self.stats, len(experts)
         keys = [layer * self.num_experts + e for e in experts]
         with self.cond:
@@ -204,23 +213,36 @@ class ExpertBuffer:
             for d in self.home[keys].tolist():
                 st.device_lookups[d] += 1
                 st.device_hits[d] += 1
-        for e, key in zip(experts, keys):
-            part = self.parts[self.home[key]]
-            s = part.key_slot[key]
-            yield ExpertHandle(e, part.device, part.gate_up[s], part.down[s], True, 0.0)
+        parts, home = self.parts, self._home
+        return ResidentRun(
+            [handle(e, parts[home[k]], parts[home[k]].key_slot[k], True, 0.0) for e, k in zip(experts, keys)]
+        )
 
-    def _first_landed(self, layer: int, waiting: list[tuple[int, Partition]]) -> int | None:
-        for i, (e, part) in enumerate(waiting):
-            if part.ready_slot(layer * self.num_experts + e) is not None:
-                return i
-        return None
+    def _landed(self, layer: int, waiting: list[tuple[int, Partition]]) -> list[int]:
+        """Indices into ``waiting`` of the experts READY now (caller holds ``cond``)."""
+        key0 = layer * self.num_experts
+        return [i for i, (e, part) in enumerate(waiting) if part.ready_slot(key0 + e) is not None]
 
-    def _release(self, part: Partition, s: int) -> None:
-        ev = part.copier.release_event()
+    def _release_all(self, held: list[tuple[Partition, int]]) -> None:
+        """The compute thread finished with the experts in these ``(partition, slot)`` pairs."""
+        events = {}
+        for part, _ in held:  # one release event per partition, recorded after the batch's kernels
+            if part.index not in events:
+                events[part.index] = part.copier.release_event()
         with self.cond:
-            part.release_events[s] = ev
-            part.release(s)
+            for part, s in held:
+                part.release_events[s] = events[part.index]
+                part.release(s)
             self.cond.notify_all()
+
+    def check_io(self) -> None:
+        """Raise :class:`IOThreadError` if an I/O thread died (its copies will never land)."""
+        if self._io_error is not None:
+            part, exc = self._io_error
+            raise IOThreadError(
+                f"the expert I/O thread of device {part.index} ({part.device}) died: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
 
     def _abandon(self, layer: int, waiting: list[tuple[int, Partition]]) -> None:
         """Undo demand for experts never consumed (the layer run was closed early)."""
@@ -245,6 +267,16 @@ class ExpertBuffer:
 
     # ------------------------------------------------------------------ I/O thread
     def _io_loop(self, part: Partition) -> None:
+        """Run :meth:`_copy_loop`; if it fails, record the error and wake every waiter, which
+        then raises it (:meth:`check_io`) instead of waiting forever."""
+        try:
+            self._copy_loop(part)
+        except BaseException as exc:
+            with self.cond:
+                self._io_error = (part, exc)
+                self.cond.notify_all()
+
+    def _copy_loop(self, part: Partition) -> None:
         part.copier.bind_thread()
         nbytes = self.store.expert_nbytes
         while True:

@@ -1,10 +1,11 @@
-"""One layer execution's experts, looked up by :meth:`ExpertBuffer.start_layer`, handed out in order.
+"""One layer execution's experts, looked up by :meth:`ExpertBuffer.start_layer`, handed out in batches.
 
-Resident experts (already pinned) come first, then missing ones as each lands (the compute thread
-waits on the buffer's condition; that wait is the blocking time). After the caller has used a
-handle and asks for the next one, the slot is released to the cache policy. ``close()`` releases
-whatever was not consumed, whether or not iteration started, and cancels the demand fetches of
-experts never consumed.
+Resident experts (already pinned) come first as one batch, then the missing ones in batches of
+whatever landed since the last batch (the compute thread waits on the buffer's condition; that
+wait is the blocking time). When the caller asks for the next batch, the slots of the previous one
+are released to the cache policy. ``close()`` releases whatever was not consumed, whether or not
+iteration started, and cancels the demand fetches of experts never consumed. If an I/O thread
+died, the waiting compute thread raises :class:`IOThreadError` instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -16,6 +17,17 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from moe_runtime.buffer.expert_buffer import ExpertBuffer, ExpertHandle
     from moe_runtime.buffer.partition import Partition
+
+
+class IOThreadError(RuntimeError):
+    """An expert I/O thread died; the experts it was to copy will never land."""
+
+
+def handle(e: int, part: Partition, s: int, hit: bool, blocked_s: float) -> ExpertHandle:
+    """The :class:`ExpertHandle` of expert ``e`` in slot ``s`` of ``part``."""
+    from moe_runtime.buffer.expert_buffer import ExpertHandle
+
+    return ExpertHandle(e, part.device, part.gate_up[s], part.down[s], hit, blocked_s, s, part)
 
 
 class LayerRun:
@@ -31,45 +43,73 @@ class LayerRun:
     ) -> None:
         self.buf, self.layer = buf, layer
         self.ready, self.waiting = ready, waiting
-        self._current: tuple[Partition, int] | None = None  # the landed expert being used
+        self._current: list[tuple[Partition, int]] = []  # landed experts being used
 
     def __iter__(self) -> Iterator[ExpertHandle]:
-        from moe_runtime.buffer.expert_buffer import ExpertHandle
+        """The experts one at a time, in the order of :meth:`batches`."""
+        for batch in self.batches():
+            yield from batch
 
+    def batches(self) -> Iterator[list[ExpertHandle]]:
+        """Yield the resident experts as one batch (if any), then each group of experts that
+        landed while the caller waited or computed, until every needed expert was handed out.
+        Finish with a batch before asking for the next: its slots are released then."""
         buf, layer, st = self.buf, self.layer, self.buf.stats
         key0 = layer * buf.num_experts
         try:
-            while self.ready:
-                e, part, s = self.ready[0]  # still listed while in use: close() releases it
-                yield ExpertHandle(e, part.device, part.gate_up[s], part.down[s], True, 0.0)
-                self.ready.pop(0)
-                buf._release(part, s)
+            if self.ready:  # still listed while in use: close() releases them
+                yield [handle(e, part, s, True, 0.0) for e, part, s in self.ready]
+                ready, self.ready = self.ready, []
+                buf._release_all([(part, s) for _, part, s in ready])
             while self.waiting:
                 with buf.cond:
                     t0 = time.perf_counter()
-                    while (found := buf._first_landed(layer, self.waiting)) is None:
+                    while not (found := buf._landed(layer, self.waiting)):
+                        buf.check_io()
                         buf.cond.wait()
                     blocked = time.perf_counter() - t0
-                    e, part = self.waiting.pop(found)
-                    s = part.key_slot[key0 + e]
+                    landed = [self.waiting[i] for i in found]
+                    for i in reversed(found):
+                        self.waiting.pop(i)
+                    slots = [part.key_slot[key0 + e] for e, part in landed]
                     st.blocking_s[layer] += blocked
-                    st.device_blocking_s[part.index] += blocked
-                self._current = (part, s)
-                yield ExpertHandle(e, part.device, part.gate_up[s], part.down[s], False, blocked)
-                self._current = None
-                buf._release(part, s)
+                    st.device_blocking_s[landed[0][1].index] += blocked
+                self._current = [(part, s) for (_, part), s in zip(landed, slots)]
+                # the batch's wait is charged to its first expert (the one waited for)
+                yield [
+                    handle(e, part, s, False, blocked if i == 0 else 0.0)
+                    for i, ((e, part), s) in enumerate(zip(landed, slots))
+                ]
+                current, self._current = self._current, []
+                buf._release_all(current)
         finally:
             self.close()
 
     def close(self) -> None:
         """Release every pin still held and cancel demand for experts never consumed (idempotent)."""
         buf = self.buf
-        for _, part, s in self.ready:
-            buf._release(part, s)
-        self.ready = []
-        if self._current is not None:
-            buf._release(*self._current)
-            self._current = None
+        held = [(part, s) for _, part, s in self.ready] + self._current
+        self.ready, self._current = [], []
+        if held:
+            buf._release_all(held)
         if self.waiting:
             buf._abandon(self.layer, self.waiting)
             self.waiting = []
+
+
+class ResidentRun:
+    """The layer run of a buffer holding every expert: one batch, nothing to pin or release.
+
+    Args: handles: one :class:`ExpertHandle` per needed expert."""
+
+    def __init__(self, handles: list[ExpertHandle]) -> None:
+        self.handles = handles
+
+    def __iter__(self) -> Iterator[ExpertHandle]:
+        return iter(self.handles)
+
+    def batches(self) -> Iterator[list[ExpertHandle]]:
+        yield self.handles
+
+    def close(self) -> None:
+        """Nothing is held."""

@@ -44,6 +44,9 @@ class Partition:
     Attributes:
         slots: ``[S, 3 * I * H]`` device tensor (or, when every expert fits on a single CPU device
             without link emulation, the host store itself: nothing is copied); None in simulation.
+        gate_up_all / down_all: ``[S, 2I, H]`` / ``[S, H, I]`` strided views of ``slots``;
+            ``gate_up_t`` / ``down_t`` the same transposed (``[S, H, 2I]`` / ``[S, I, H]``), the
+            right operand of the grouped expert GEMMs; ``gate_up`` / ``down`` per-slot lists.
         slot_key: ``[S]`` list, flat expert key (``layer * E + expert``) held by each slot, -1 when free.
         state: ``[S]`` list, FREE / LOADING / READY.
         pins: ``[S]`` list, users that must see the slot unchanged (the running layer's compute).
@@ -77,9 +80,15 @@ class Partition:
         self.expert_nbytes = expert_nbytes
         self.slots = slots
         if slots is not None:
+            # 3-D strided views of the flat slots (an expert stays one contiguous row, one copy);
+            # the grouped expert kernels read them transposed, as column-major ``mat_b``.
             gu = 2 * intermediate * hidden
-            self.gate_up = [slots[s, :gu].view(2 * intermediate, hidden) for s in range(num_slots)]
-            self.down = [slots[s, gu:].view(hidden, intermediate) for s in range(num_slots)]
+            self.gate_up_all = slots[:, :gu].unflatten(1, (2 * intermediate, hidden))  # [S, 2I, H]
+            self.down_all = slots[:, gu:].unflatten(1, (hidden, intermediate))  # [S, H, I]
+            self.gate_up_t = self.gate_up_all.transpose(1, 2)  # [S, H, 2I]
+            self.down_t = self.down_all.transpose(1, 2)  # [S, I, H]
+            self.gate_up = list(self.gate_up_all.unbind(0))  # per slot [2I, H]
+            self.down = list(self.down_all.unbind(0))  # per slot [H, I]
         self.slot_key: list[int] = [-1] * num_slots
         self.state: list[int] = [FREE] * num_slots
         self.pins: list[int] = [0] * num_slots

@@ -27,8 +27,21 @@ class StepContext:
     all_decode: bool
     max_ctx: int
     observe: bool = True  # tracing and policies see this step's routing (False when scoring)
-    rows_t: torch.Tensor | None = None  # [B] int64
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_ctx] bool
+    # sequences with one new token (decodes), attended in one batched call: their KV rows, their
+    # tokens' indices in the packed step (None when every sequence decodes: all tokens, in order),
+    # the length mask over their longest context, and the indices of the other sequences
+    rows_t: torch.Tensor | None = None  # [B_d] int64
+    decode_tokens: torch.Tensor | None = None  # [B_d] int64
+    decode_mask: torch.Tensor | None = None  # [B_d, 1, 1, decode_ctx] bool
+    decode_ctx: int = 0
+    prefill_seqs: list[int] = field(default_factory=list)
+    # two or more prefill chunks attended in one padded call (when padding costs at most
+    # PAD_WASTE x the useful work): their KV rows, their tokens' indices in the packed step, each
+    # token's index in the padded [P * max_new] queries, and the causal mask over their contexts
+    prefill_rows_t: torch.Tensor | None = None  # [P] int64
+    prefill_tokens: torch.Tensor | None = None  # [sum n_p] int64
+    prefill_pad: torch.Tensor | None = None  # [sum n_p] int64
+    prefill_mask: torch.Tensor | None = None  # [P, 1, max_new, prefill_ctx] bool
     seq_lookups: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     seq_hits: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     seq_blocking_s: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float64))
@@ -85,9 +98,48 @@ class StepContext:
             seq_hits=np.zeros(len(rows), dtype=np.int64),
             seq_blocking_s=np.zeros(len(rows), dtype=np.float64),
         )
-        if all_decode:
-            ctx_obj.rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
-            lens = torch.tensor(ctx, dtype=torch.int64, device=device)
-            mask = torch.arange(max_ctx, device=device)[None, :] < lens[:, None]
+        dec = [i for i, n in enumerate(num_new) if n == 1]
+        ctx_obj.prefill_seqs = [i for i, n in enumerate(num_new) if n != 1]
+        if dec:
+            dec_ctx = np.asarray([ctx[i] for i in dec], dtype=np.int64)
+            ctx_obj.decode_ctx = int(dec_ctx.max())
+            host = np.stack(
+                [np.asarray([rows[i] for i in dec]), np.asarray([starts[i] for i in dec]), dec_ctx]
+            )
+            dev = torch.from_numpy(host).to(device)  # one copy: rows, token indices, lengths
+            ctx_obj.rows_t = dev[0]
+            ctx_obj.decode_tokens = None if all_decode else dev[1]
+            mask = torch.arange(ctx_obj.decode_ctx, device=device)[None, :] < dev[2][:, None]
             ctx_obj.decode_mask = mask[:, None, None, :]
+        if len(ctx_obj.prefill_seqs) > 1:
+            _padded_prefill(ctx_obj, device)
         return ctx_obj
+
+
+PAD_WASTE = 2.0  # padded prefill attention when its score matrix is at most this x the useful one
+
+
+def _padded_prefill(step: StepContext, device: torch.device) -> None:
+    """Set ``step.prefill_*`` for one padded SDPA over the step's prefill chunks, unless padding
+    would cost more than :data:`PAD_WASTE` times the per-chunk calls' work (then they stay
+    separate calls)."""
+    seqs = step.prefill_seqs
+    new = np.asarray([step.num_new[i] for i in seqs], dtype=np.int64)
+    ctx = np.asarray([step.ctx_lens[i] for i in seqs], dtype=np.int64)
+    max_new, max_ctx = int(new.max()), int(ctx.max())
+    if len(seqs) * max_new * max_ctx > PAD_WASTE * int((new * ctx).sum()):
+        return
+    seq_of = np.repeat(np.arange(len(seqs)), new)  # per prefill token: its chunk
+    within = np.arange(int(new.sum())) - np.repeat(np.cumsum(new) - new, new)  # index in the chunk
+    tokens = np.asarray([step.starts[i] for i in seqs], dtype=np.int64)[seq_of] + within
+    # query i of chunk p sits at position past_p + i and sees keys 0 .. past_p + i; padded queries
+    # (i >= n_p) see key 0 only, so no row is fully masked (their output is dropped)
+    last = np.where(np.arange(max_new)[None, :] < new[:, None], (ctx - new)[:, None] + np.arange(max_new), 0)
+    host = np.concatenate([[step.rows[i] for i in seqs], tokens, seq_of * max_new + within, last.reshape(-1)])
+    dev = torch.from_numpy(host.astype(np.int64)).to(device)  # one copy
+    p, n = len(seqs), len(tokens)
+    step.prefill_rows_t = dev[:p]
+    step.prefill_tokens = dev[p : p + n]
+    step.prefill_pad = dev[p + n : p + 2 * n]
+    last_t = dev[p + 2 * n :].view(p, max_new)
+    step.prefill_mask = (torch.arange(max_ctx, device=device)[None, None, :] <= last_t[:, :, None])[:, None]

@@ -82,7 +82,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.max_model_len = kv_cache_len(cfg, runtime)
         n_dev = runtime.num_devices
-        device = torch.device(runtime.device)
+        device = runtime.torch_device  # ``cuda`` -> the current CUDA device, indexed
         devices = engine_devices(runtime)
         link = (runtime.link_gbps, runtime.link_latency_us) if runtime.link_gbps else None
         context = {"recorder": recorder, **(policy_context or {})}
@@ -386,7 +386,8 @@ class LLMEngine:
         return [final[r] for r in ids]
 
     def summary(self) -> str:
-        """One line: dense bytes on device, expert bytes in host memory, slots and their bytes."""
+        """One line: dense bytes on device, expert bytes in host memory, slots and their bytes, the
+        expert path (``grouped`` GEMMs or a per-expert ``loop``)."""
         st, buf = self.loaded.store, self.buffer
         total = st.num_layers * st.num_experts
         return (
@@ -396,7 +397,8 @@ class LLMEngine:
             f"buffer {buf.num_slots} slots x {st.expert_nbytes / MiB:.2f} MiB = "
             f"{buf.num_slots * st.expert_nbytes / MiB:.1f} MiB "
             f"({100 * min(buf.num_slots, total) / total:.0f}% "
-            f"of experts) on {len(buf.parts)} device(s), KV cache {self.kv.nbytes / MiB:.1f} MiB"
+            f"of experts) on {len(buf.parts)} device(s), KV cache {self.kv.nbytes / MiB:.1f} MiB, "
+            f"experts run {self.model.expert_path}"
         )
 
     def close(self) -> None:

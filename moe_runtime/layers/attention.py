@@ -4,17 +4,29 @@ A step holds several sequences, each contributing ``n_i`` new tokens at position
 ``past_i .. past_i + n_i - 1`` (prefill chunks and single decode tokens mixed). New K/V are written
 into each sequence's cache row, then:
 
-* all sequences decoding one token: one batched SDPA over ``[B, heads, 1, max_ctx]`` with a
-  length mask;
-* otherwise: one SDPA per sequence (causal within the chunk, full over its past).
+* every sequence decoding one token (all of a decode step, or the decodes of a mixed step): one
+  batched SDPA over ``[B_d, heads, 1, ctx]`` with a length mask;
+* the prefill chunks (causal within a chunk, full over its past): one padded SDPA over all of
+  them when padding costs at most ``PAD_WASTE`` x the useful work
+  (``moe_runtime.engine.context``), else one SDPA per chunk.
+
+On CUDA the SDPA backends are limited to flash, memory-efficient and math
+(``torch.nn.attention.sdpa_kernel``): the cuDNN backend builds a new plan whenever the KV length
+changes, i.e. at every decode step (issue 14: 7.3 ms of host time per call on an H100).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moe_runtime.layers.kv_cache import KVCache
+
+# SDPA backends allowed on CUDA: none of them re-plans when the KV length changes
+CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def attention(
@@ -33,27 +45,51 @@ def attention(
     kc, vc = cache.k[layer], cache.v[layer]  # [rows, Hkv, max_len, D]
     kc[step.token_rows, :, step.positions] = k
     vc[step.token_rows, :, step.positions] = v
-    if step.all_decode:
-        rows = step.rows_t
-        keys = kc[rows, :, : step.max_ctx]  # [B, Hkv, C, D]
-        vals = vc[rows, :, : step.max_ctx]
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, vals, attn_mask=step.decode_mask, enable_gqa=True
-        )  # [B, Hq, 1, D]
+    backends = sdpa_kernel(CUDA_BACKENDS) if q.is_cuda else contextlib.nullcontext()
+    with backends:
+        if step.all_decode:
+            return _decode(q, kc, vc, step).reshape(q.shape[0], -1)
+        out = torch.empty_like(q)  # [T, Hq, D]
+        if step.rows_t is not None:  # the decodes of a mixed step, in one call
+            od = _decode(q.index_select(0, step.decode_tokens), kc, vc, step)
+            out.index_copy_(0, step.decode_tokens, od)
+        if step.prefill_mask is not None:  # every prefill chunk in one padded call
+            out.index_copy_(0, step.prefill_tokens, _prefill_padded(q, kc, vc, step))
+            return out.reshape(q.shape[0], -1)
+        for i in step.prefill_seqs:
+            start, n = step.starts[i], step.num_new[i]
+            row, ctx = step.rows[i], step.ctx_lens[i]
+            qi = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+            ki = kc[row, :, :ctx].unsqueeze(0)
+            vi = vc[row, :, :ctx].unsqueeze(0)
+            past = ctx - n
+            if past == 0:
+                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
+            else:
+                mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(diagonal=past)
+                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=True)
+            out[start : start + n] = oi[0].transpose(0, 1)
         return out.reshape(q.shape[0], -1)
-    outs = []
-    for i, (start, n) in enumerate(zip(step.starts, step.num_new)):
-        row, ctx = step.rows[i], step.ctx_lens[i]
-        qi = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-        ki = kc[row, :, :ctx].unsqueeze(0)
-        vi = vc[row, :, :ctx].unsqueeze(0)
-        past = ctx - n
-        if n == 1:
-            oi = F.scaled_dot_product_attention(qi, ki, vi, enable_gqa=True)
-        elif past == 0:
-            oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
-        else:
-            mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(diagonal=past)
-            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=True)
-        outs.append(oi[0].transpose(0, 1).reshape(n, -1))
-    return torch.cat(outs, dim=0)
+
+
+def _prefill_padded(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, step) -> torch.Tensor:
+    """One SDPA for all prefill chunks, padded to ``[P, Hq, max_new, D]``; returns their tokens'
+    outputs ``[sum n_p, Hq, D]`` in ``step.prefill_tokens`` order."""
+    p, _, max_new, ctx = step.prefill_mask.shape
+    qp = q.new_zeros((p * max_new, q.shape[1], q.shape[2]))
+    qp.index_copy_(0, step.prefill_pad, q.index_select(0, step.prefill_tokens))
+    qp = qp.view(p, max_new, q.shape[1], q.shape[2]).transpose(1, 2)  # [P, Hq, max_new, D]
+    keys = kc[step.prefill_rows_t, :, :ctx]  # [P, Hkv, C, D]
+    vals = vc[step.prefill_rows_t, :, :ctx]
+    out = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=step.prefill_mask, enable_gqa=True)
+    return out.transpose(1, 2).reshape(p * max_new, q.shape[1], q.shape[2]).index_select(0, step.prefill_pad)
+
+
+def _decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, step) -> torch.Tensor:
+    """One batched SDPA for the decoding sequences' queries ``q [B_d, Hq, D]`` -> ``[B_d, Hq, D]``."""
+    keys = kc[step.rows_t, :, : step.decode_ctx]  # [B_d, Hkv, C, D]
+    vals = vc[step.rows_t, :, : step.decode_ctx]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys, vals, attn_mask=step.decode_mask, enable_gqa=True
+    )  # [B_d, Hq, 1, D]
+    return out.squeeze(2)

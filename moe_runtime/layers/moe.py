@@ -2,10 +2,13 @@
 
 NOTE: one device->host sync per MoE layer. The router's top-k ids (``[T, k]``) are copied to the
 host once: the buffer must know which experts to fetch, and the tracer and prefetch policy read
-them there. Experts then run grouped (all tokens of one expert in one pair of matmuls), resident
-ones first while missing ones load (Klotski §5); each expert's output, scaled by its gate weight, is
-summed per token in ascending expert order, exactly as the reference's ``index_add_`` loop
-does, so outputs do not depend on which experts were resident (policy- and buffer-invariant).
+them there (the tracer's router weights and the router lookahead's scores travel in the same
+copy). Experts then run from their slots, resident ones first as one batch while missing ones
+load (Klotski §5), then each batch of landed ones (``moe_runtime.layers.experts``: one grouped
+GEMM per projection and batch, or a per-expert loop where grouped GEMMs cannot run); each
+expert's output, scaled by its gate weight, is summed per token in ascending expert order,
+exactly as the reference's ``index_add_`` loop does, so outputs do not depend on which experts
+were resident (policy- and buffer-invariant).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 from moe_runtime.buffer import ExpertBuffer
 from moe_runtime.config import ModelConfig
 from moe_runtime.engine.context import StepContext
+from moe_runtime.layers.experts import run_experts
 
 
 def route(x: torch.Tensor, router: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,39 +47,36 @@ def moe_block(
     recorder: Any | None,
     prefetcher: Any | None,
     ahead: torch.Tensor | None = None,
+    expert_path: str = "grouped",
 ) -> torch.Tensor:
     """Apply MoE layer ``moe_layer`` (decoder layer ``layer``) to ``x [T, H]``; returns ``[T, H]``.
 
     ``ahead [D, E]``: the router lookahead's scores of the next D MoE layers, if the prefetch policy
     uses them (``moe_runtime.layers.router_lookahead``); handed to ``prefetcher.observe_lookahead``.
+    ``expert_path``: ``grouped`` or ``loop`` (``moe_runtime.layers.experts.select_expert_path``).
     """
     p = f"layers.{layer}."
     weights, ids = route(x, w[p + "router"], cfg)
-    k, num_experts = cfg.top_k, cfg.num_experts
-    ids_host = ids.cpu().numpy()  # the one sync of this layer
+    num_experts = cfg.num_experts
+    if prefetcher is None:
+        ahead = None
+    ids_host, weights_host, ahead_host = _to_host(ids, weights if recorder is not None else None, ahead)
     if recorder is not None:
         recorder.record(
-            moe_layer,
-            step.request_ids,
-            step.token_seq,
-            step.token_prefill,
-            ids_host,
-            weights.float().cpu().numpy(),
+            moe_layer, step.request_ids, step.token_seq, step.token_prefill, ids_host, weights_host
         )
     if step.observe:
         buffer.after_routing(moe_layer, step.request_ids, ids_host)
-    flat_host = np.sort(ids_host, axis=1).reshape(-1)
-    counts = np.bincount(flat_host, minlength=num_experts)
-    needed = np.flatnonzero(counts).tolist()
+    needed = np.flatnonzero(np.bincount(ids_host.reshape(-1), minlength=num_experts)).tolist()
     # This layer's misses go to the I/O queue (and its hits are pinned) before the prefetch
     # policy plans later layers: the demand copies overlap the planning.
     run = buffer.start_layer(moe_layer, needed)
     try:
         if prefetcher is not None:
-            if ahead is not None:
-                prefetcher.observe_lookahead(moe_layer, ahead.cpu().numpy())  # ready: ids synced
+            if ahead_host is not None:
+                prefetcher.observe_lookahead(moe_layer, ahead_host)
             prefetcher.after_routing(moe_layer, step.request_ids, ids_host)
-        out, hit, blocked = _run_experts(x, ids, weights, k, flat_host, counts, run, num_experts)
+        out, hit, blocked = run_experts(x, weights, ids_host, run, num_experts, expert_path)
     finally:
         run.close()
     _attribute(step, ids_host, hit, blocked, num_experts)
@@ -88,49 +89,26 @@ def moe_block(
     return out
 
 
-def _run_experts(
-    x: torch.Tensor,
-    ids: torch.Tensor,
-    weights: torch.Tensor,
-    k: int,
-    flat_host: np.ndarray,
-    counts: np.ndarray,
-    run: Any,
-    num_experts: int,
-) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
-    """Run each expert of ``run`` on its tokens; returns (``out [T, H]``, hit ``[E]``, blocked s ``[E]``).
-
-    ``flat_host [T*k]``: each token's expert ids sorted, flattened; ``counts [E]``: their bincount.
-    """
-    # Sort each token's k choices by expert id so the final sum adds contributions in ascending
-    # expert order, as the reference's per-expert index_add_ does, whatever order experts ran in.
-    sorted_ids, perm = ids.sort(dim=-1)  # [T, k]
-    w_flat = weights.gather(1, perm).reshape(-1)  # [T*k]
-    offsets = np.concatenate(([0], np.cumsum(counts)))
-    order = torch.argsort(sorted_ids.reshape(-1), stable=True)  # [T*k] flat positions grouped by expert
-    xs_sorted = x[order // k]  # [T*k, H] token rows grouped by expert (one gather for the layer)
-    w_sorted = w_flat[order, None]  # [T*k, 1]
-    y_sorted = torch.empty_like(xs_sorted)  # [T*k, H] expert outputs, same grouping
-    hit = np.zeros(num_experts, dtype=bool)
-    blocked = np.zeros(num_experts, dtype=np.float64)
-    for h in run:
-        e = h.expert
-        a, b = offsets[e], offsets[e + 1]  # rows of xs_sorted routed to e
-        xs = xs_sorted[a:b]
-        if h.device != x.device:
-            xs = xs.to(h.device)
-        gate, up = F.linear(xs, h.gate_up).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, h.down)
-        if h.device != x.device:
-            y = y.to(x.device)
-        y_sorted[a:b] = y * w_sorted[a:b]
-        hit[e], blocked[e] = h.hit, h.blocked_s
-    contrib = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)  # back to (token, rank) order
-    contrib = contrib.view(-1, k, x.shape[1])
-    out = contrib[:, 0]
-    for j in range(1, k):
-        out = out + contrib[:, j]
-    return out, hit, blocked
+def _to_host(
+    ids: torch.Tensor, weights: torch.Tensor | None, ahead: torch.Tensor | None
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """The layer's one device->host copy: ids ``[T, k]`` (int64), and when given the router
+    weights ``[T, k]`` and lookahead scores ``[D, E]`` (fp32) packed into the same copy (ids are
+    < 2**24, exact in fp32)."""
+    if weights is None and ahead is None:
+        return ids.cpu().numpy(), None, None
+    parts = [ids.float().reshape(-1)]
+    parts += [t.float().reshape(-1) for t in (weights, ahead) if t is not None]
+    flat = torch.cat(parts).cpu().numpy()
+    n = ids.numel()
+    ids_host = flat[:n].astype(np.int64).reshape(ids.shape)
+    weights_host = ahead_host = None
+    if weights is not None:
+        weights_host = flat[n : 2 * n].reshape(weights.shape)
+        n *= 2
+    if ahead is not None:
+        ahead_host = flat[n:].reshape(ahead.shape)
+    return ids_host, weights_host, ahead_host
 
 
 def _attribute(

@@ -246,7 +246,7 @@ class SimBuffer:
         if not waiting:
             self.landed.clear()  # nobody waits on these
             return 0.0
-        # Waiting experts compute in list order among those READY (``_first_landed``). A slot turns
+        # Waiting experts compute in list order among those READY (``ExpertBuffer._landed``). A slot turns
         # READY only by landing, so after one scan only the keys landed since are looked at: the
         # READY ones wait in a heap of their list positions.
         landed = self.landed

@@ -105,9 +105,15 @@ class _TimedRun:
         self.run, self.buf, self.rec, self.experts, self.looked_up = run, buf, rec, experts, looked_up
 
     def __iter__(self) -> Iterator[Any]:
+        return self._timed(iter(self.run))
+
+    def batches(self) -> Iterator[Any]:
+        return self._timed(self.run.batches())
+
+    def _timed(self, items: Iterator[Any]) -> Iterator[Any]:
         b0 = self.buf.stats.total_blocking_s
         t0 = time.perf_counter()
-        yield from self.run
+        yield from items
         blocked = self.buf.stats.total_blocking_s - b0
         self.rec.layers.append((self.looked_up, t0, time.perf_counter(), self.experts, blocked))
 

@@ -1,0 +1,218 @@
+"""Routed experts of one MoE layer computed from the slot buffer: grouped GEMMs or a per-expert loop.
+
+NOTE: the grouped path (issue 14). A batch of experts (the resident set, or experts that landed
+together) runs as ONE ``torch.nn.functional.grouped_mm`` per projection over the partition's slot
+views ``gate_up_t [S, H, 2I]`` and ``down_t [S, I, H]``, with the batch's token rows sorted by slot
+and ``offs`` ending each slot's group (slots the batch does not use get empty groups). All index
+work is done on the host from the router ids the layer already synced: per batch one small
+host->device copy of indices, no further sync. CUDA's grouped kernel takes at most
+:data:`MAX_GROUPS` groups, so a batch spanning more slots runs one call per segment of slots.
+The ``loop`` path runs the same batches with two ``F.linear`` per expert (the fallback where
+``grouped_mm`` cannot run: dtype, CUDA architecture).
+
+Determinism: a token's expert contributions land in ``contrib [T*k, H]`` at (token, rank) with the
+ranks sorted by expert id; the final sum adds rank 0, 1, ... in that order, as the reference's
+ascending ``index_add_`` loop does, whatever batches the experts ran in. Each expert's rows are
+computed as ``F.linear`` would (checked at load by :func:`select_expert_path`), so outputs do not
+depend on the path, the buffer size or the policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+MAX_GROUPS = 1024  # CUDA grouped_mm: "Can't process more than 1024 groups"
+# Unused slots one grouped call may span between two used ones, per device type. CUDA: any (an
+# empty group costs the kernel next to nothing; a call costs launches). CPU: grouped_mm loops over
+# every group in C++ (~2 µs per empty one, fp32, bundled shape), about what 8 more ops of an
+# extra call cost, so a longer run of unused slots starts a new call.
+MAX_GAP = {"cuda": MAX_GROUPS, "cpu": 8}
+Segment = tuple[int, int, int]  # (first slot, slot count, first row) of one grouped call
+
+
+def select_expert_path(
+    device: torch.device, dtype: torch.dtype, hidden: int | None = None, intermediate: int | None = None
+) -> str:
+    """``grouped`` if ``grouped_mm`` runs on ``device``/``dtype`` over strided slot views and gives
+    exactly ``F.linear``'s result per expert on a tiny probe, else ``loop``. Called once at load.
+
+    On CUDA the grouped kernel needs 16-byte aligned rows and slot starts: with the model's
+    ``hidden`` (H) or ``intermediate`` (I) width not a multiple of ``16 / element size`` (8 in
+    bf16), the path is ``loop``."""
+    if not hasattr(F, "grouped_mm"):
+        return "loop"
+    align = 16 // torch.empty(0, dtype=dtype).element_size()
+    if device.type == "cuda" and any(d is not None and d % align for d in (hidden, intermediate)):
+        return "loop"
+    hidden, inter, slots = 32, 16, 3
+    gen = torch.Generator().manual_seed(0)
+    flat = torch.randn(slots, 3 * inter * hidden, generator=gen).to(device=device, dtype=dtype)
+    w = flat[:, : 2 * inter * hidden].unflatten(1, (2 * inter, hidden))  # as Partition.gate_up_all
+    x = torch.randn(5, hidden, generator=gen).to(device=device, dtype=dtype)
+    counts = [2, 0, 3]
+    offs = torch.tensor(np.cumsum(counts), dtype=torch.int32, device=device)
+    try:
+        got = F.grouped_mm(x, w.transpose(1, 2), offs=offs)
+    except (RuntimeError, NotImplementedError, ValueError, TypeError):
+        return "loop"
+    want = torch.cat([F.linear(x[0:2], w[0]), F.linear(x[2:5], w[2])])
+    return "grouped" if torch.equal(got, want) else "loop"
+
+
+class LayerPlan:
+    """Host-side index work of one MoE layer, from the router's ids.
+
+    Args:
+        ids_host: ``[T, k]`` expert ids (the layer's one sync). num_experts: E.
+        max_gap: empty slots a grouped call may span between two used ones (:data:`MAX_GAP`).
+
+    Attributes:
+        expert: ``[T*k]`` expert of each (token, rank) with ranks sorted by expert id.
+        weight_src: ``[T*k]`` index into the flattened router weights ``[T*k]`` of that choice.
+    """
+
+    def __init__(self, ids_host: np.ndarray, num_experts: int, max_gap: int) -> None:
+        t, k = ids_host.shape
+        self.max_gap = max_gap
+        perm = np.argsort(ids_host, axis=1, kind="stable")
+        self.expert = np.sort(ids_host, axis=1).reshape(-1)
+        self.weight_src = (perm + np.arange(t)[:, None] * k).reshape(-1)
+        self.counts = np.bincount(self.expert, minlength=num_experts)  # rows per expert
+        self.num_used = int(np.count_nonzero(self.counts))
+        self._slot_of = np.full(num_experts, -1, dtype=np.int64)
+
+    def calls(self, batch: list[Any]) -> Iterable[tuple[Any, np.ndarray, list[Segment], np.ndarray]]:
+        """Split a batch of :class:`~moe_runtime.buffer.ExpertHandle` per partition into grouped
+        calls: ``(partition, positions, segments, offs)``. ``positions [n]``: the (token, rank)
+        indices of the partition's rows, sorted by slot; ``segments``: ``(first slot, slot count,
+        first row)`` per grouped call, cut where the slot span would exceed :data:`MAX_GROUPS` or
+        a run of unused slots ``max_gap``; ``offs [sum of slot counts]`` int32: each segment's
+        group ends (relative to its first row), concatenated."""
+        by_part: dict[int, list[Any]] = {}
+        for h in batch:
+            by_part.setdefault(id(h.part), []).append(h)
+        slot_of = self._slot_of
+        for handles in by_part.values():
+            handles.sort(key=lambda h: h.slot)
+            experts = [h.expert for h in handles]
+            slots = [h.slot for h in handles]
+            slot_of[experts] = slots
+            row_slot = slot_of[self.expert]
+            slot_of[experts] = -1
+            if len(handles) == self.num_used:  # every row is in this call
+                pos = np.argsort(row_slot, kind="stable")
+            else:
+                pos = np.flatnonzero(row_slot >= 0)
+                pos = pos[np.argsort(row_slot[pos], kind="stable")]
+            rows = self.counts[experts].tolist()
+            segments: list[Segment] = []
+            offs: list[int] = []
+            i, row = 0, 0
+            while i < len(slots):  # one segment per iteration: slots[i:j]
+                j, first = i + 1, slots[i]
+                while (
+                    j < len(slots)
+                    and slots[j] - slots[j - 1] <= self.max_gap + 1
+                    and slots[j] < first + MAX_GROUPS
+                ):
+                    j += 1
+                end, prev = 0, first - 1
+                for slot, n in zip(slots[i:j], rows[i:j]):
+                    offs.extend([end] * (slot - prev - 1))  # unused slots: empty groups
+                    end += n
+                    offs.append(end)
+                    prev = slot
+                segments.append((first, slots[j - 1] - first + 1, row))
+                row += end
+                i = j
+            yield handles[0].part, pos, segments, np.asarray(offs, dtype=np.int32)
+
+
+def run_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids_host: np.ndarray,
+    run: Any,
+    num_experts: int,
+    path: str,
+) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    """The routed experts' output for ``x [T, H]``.
+
+    Args:
+        weights: ``[T, k]`` router weights of ``ids_host [T, k]`` (same order).
+        run: the layer run (:meth:`ExpertBuffer.start_layer`); its ``batches()`` are consumed.
+        path: ``grouped`` or ``loop`` (:func:`select_expert_path`).
+
+    Returns:
+        (``out [T, H]``, hit ``[E]`` bool, blocked seconds ``[E]``).
+    """
+    plan = LayerPlan(ids_host, num_experts, MAX_GAP.get(x.device.type, MAX_GROUPS))
+    t, k = ids_host.shape
+    w_flat = weights.reshape(-1)
+    contrib = torch.empty((t * k, x.shape[1]), dtype=x.dtype, device=x.device)  # (token, rank) rows
+    hit = np.zeros(num_experts, dtype=bool)
+    blocked = np.zeros(num_experts, dtype=np.float64)
+    for batch in run.batches():
+        for h in batch:
+            hit[h.expert], blocked[h.expert] = h.hit, h.blocked_s
+        for part, pos, segments, offs in plan.calls(batch):
+            n = len(pos)
+            # uploads without a sync: token, weight and row index of each sorted row; the offs
+            host = np.concatenate([pos // k, plan.weight_src[pos], pos])
+            dev = torch.from_numpy(host).to(x.device, non_blocking=True)
+            xs = x.index_select(0, dev[:n])  # [n, H] token rows sorted by slot
+            if part.device != x.device:
+                xs = xs.to(part.device)
+            if path == "grouped":
+                y = _grouped(xs, part, segments, torch.from_numpy(offs).to(part.device, non_blocking=True))
+            else:
+                y = _loop(xs, part, segments, offs)
+            if part.device != x.device:
+                y = y.to(x.device)
+            # scaled by the router weight, then cast, as the reference does
+            y = (y * w_flat.index_select(0, dev[n : 2 * n]).unsqueeze(1)).to(contrib.dtype)
+            contrib.index_copy_(0, dev[2 * n : 3 * n], y)
+    # contributions summed per token in ascending expert order (ranks were sorted by expert id)
+    ranks = contrib.view(t, k, -1).unbind(1)
+    out = ranks[0]
+    for c in ranks[1:]:
+        out = out + c
+    return out, hit, blocked
+
+
+def _grouped(xs: torch.Tensor, part: Any, segments: list[Segment], offs: torch.Tensor) -> torch.Tensor:
+    """Both projections of each segment's slots as one grouped GEMM each; ``offs`` as
+    :meth:`LayerPlan.calls` (on the device, int32)."""
+    outs, o = [], 0
+    for i, (first, count, a) in enumerate(segments):
+        b = segments[i + 1][2] if i + 1 < len(segments) else xs.shape[0]
+        xseg = xs if len(segments) == 1 else xs[a:b]
+        oseg = offs if len(segments) == 1 else offs[o : o + count]
+        o += count
+        if count == 1:  # one expert: F.linear (same result, fewer ops than a one-group call)
+            gate, up = F.linear(xseg, part.gate_up[first]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate) * up, part.down[first]))
+            continue
+        gate, up = F.grouped_mm(xseg, part.gate_up_t[first : first + count], offs=oseg).chunk(2, dim=-1)
+        outs.append(F.grouped_mm(F.silu(gate) * up, part.down_t[first : first + count], offs=oseg))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _loop(xs: torch.Tensor, part: Any, segments: list[Segment], offs: np.ndarray) -> torch.Tensor:
+    """The same rows, two ``F.linear`` per used slot (the fallback path); ``offs`` on the host."""
+    y = torch.empty_like(xs)
+    o = 0
+    for first, count, a in segments:
+        ends = offs[o : o + count]
+        o += count
+        starts = np.concatenate(([0], ends[:-1]))
+        for s in np.flatnonzero(ends > starts).tolist():
+            lo, hi = a + int(starts[s]), a + int(ends[s])
+            gate, up = F.linear(xs[lo:hi], part.gate_up[first + s]).chunk(2, dim=-1)
+            y[lo:hi] = F.linear(F.silu(gate) * up, part.down[first + s])
+    return y

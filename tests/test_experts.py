@@ -1,0 +1,77 @@
+"""Routed experts as grouped GEMMs (issue 14): the grouped path, the per-expert loop and any
+segmenting of the slot buffer give bit-identical logits, at any buffer size; the path is chosen
+once at load and named in the summary."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import moe_runtime.layers.experts as experts
+from moe_runtime.config import RuntimeConfig
+from moe_runtime.engine.engine import LLMEngine
+from moe_runtime.engine.request import SamplingParams
+
+PROMPTS = [[5, 17, 33, 2, 250, 7], [9, 1, 44], [3, 3, 8, 120]]
+PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+def _logits(path, expert_path: str, dtype: str = "fp32", **kw) -> torch.Tensor:
+    """Every step's sampled logits, stacked ``[steps * seqs, V]``."""
+    runtime = RuntimeConfig(max_model_len=64, max_batch_size=3, dtype=dtype, **kw)
+    rows = []
+    with LLMEngine.from_pretrained(path, runtime) as engine:
+        engine.model.expert_path = expert_path
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(str(i), p, PARAMS)
+        while engine.has_unfinished():
+            engine.step()
+            rows.append(engine.last_logits.clone())
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_grouped_and_loop_identical_at_any_buffer(tiny_checkpoints, family, monkeypatch):
+    path = tiny_checkpoints[family]
+    ref = _logits(path, "loop")
+    assert torch.equal(_logits(path, "grouped"), ref)
+    assert torch.equal(_logits(path, "grouped", buffer_slots=2), ref)
+    monkeypatch.setattr(experts, "MAX_GROUPS", 3)  # 16 resident slots -> segments of 3 slots
+    assert torch.equal(_logits(path, "grouped"), ref)
+    assert torch.equal(_logits(path, "grouped", buffer_slots=5), ref)
+
+
+def test_grouped_and_loop_identical_in_bf16(tiny_qwen3):
+    assert torch.equal(_logits(tiny_qwen3, "grouped", "bf16"), _logits(tiny_qwen3, "loop", "bf16"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_grouped_runs_on_cpu(dtype):
+    assert experts.select_expert_path(torch.device("cpu"), dtype) == "grouped"
+
+
+def test_cuda_needs_16_byte_aligned_widths():
+    # checked before any CUDA call: no GPU needed to see the refusal
+    cuda = torch.device("cuda", 0)
+    assert experts.select_expert_path(cuda, torch.bfloat16, 2048, 772) == "loop"
+    assert experts.select_expert_path(cuda, torch.float32, 2046, 768) == "loop"
+
+
+def test_falls_back_to_the_loop_where_grouped_cannot_run(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("grouped gemm is only supported on SM >= 80")
+
+    monkeypatch.setattr(F, "grouped_mm", refuse)
+    assert experts.select_expert_path(torch.device("cpu"), torch.float32) == "loop"
+
+
+def test_falls_back_when_grouped_differs_from_linear(monkeypatch):
+    real = F.grouped_mm
+    monkeypatch.setattr(F, "grouped_mm", lambda a, b, offs: real(a, b, offs=offs) * 1.0001)
+    assert experts.select_expert_path(torch.device("cpu"), torch.float32) == "loop"
+
+
+def test_summary_names_the_expert_path(tiny_qwen3):
+    with LLMEngine.from_pretrained(tiny_qwen3, RuntimeConfig(max_model_len=32)) as engine:
+        assert engine.summary().endswith("experts run grouped")
