@@ -15,12 +15,13 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from server.engine_client import EngineClient
 from server.errors import install_error_handlers
 from server.guards import BodyLimitMiddleware, api_key_guard
 from server.metrics import ServerMetrics
-from server.routes import chat, completions, misc
+from server.routes import chat, completions, misc, tokenize
 from server.settings import ServerSettings
 from server.state import ServerState
 from server.tracing import TraceHooks
@@ -84,5 +85,13 @@ def create_app(
     app.include_router(completions.make_router(), dependencies=[auth])
     app.include_router(chat.make_router(), dependencies=[auth])
     app.include_router(misc.make_router(auth))
+    app.include_router(tokenize.make_router(), dependencies=[auth])
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    if settings.allowed_origins:  # outermost, so preflights are answered before auth or limits
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
     return app

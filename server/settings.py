@@ -25,6 +25,7 @@ class ServerSettings:
             are aborted.
         eamc_save_every: save the EAMC after every this many finished requests (0 = only at
             shutdown); needs an EAMC path.
+        allowed_origins: CORS origins browsers may call from (``"*"`` = any; empty = no CORS).
     """
 
     served_model_name: str = "moeserve"
@@ -34,6 +35,7 @@ class ServerSettings:
     max_body_bytes: int = 1 << 20
     drain_timeout_s: float = 30.0
     eamc_save_every: int = 0
+    allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.served_model_name:

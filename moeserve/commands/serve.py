@@ -39,6 +39,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=30.0,
         help="on shutdown, seconds open requests may take to finish before they are aborted",
     )
+    g.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=[],
+        help="CORS: browser origins allowed to call the API ('*' = any)",
+    )
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     t = p.add_argument_group("tracing")
     t.add_argument("--record-trace", type=Path, default=None, help="append each request's expert trace here")
@@ -64,6 +70,7 @@ def _settings(args: argparse.Namespace, model_dir: Path) -> Any:
         max_body_bytes=args.max_body_bytes,
         drain_timeout_s=args.drain_timeout,
         eamc_save_every=args.eamc_save_every,
+        allowed_origins=tuple(args.allowed_origins),
     )
 
 

@@ -30,6 +30,7 @@ from server.routes.common import (
     usage,
 )
 from server.routes.limits import check_logprobs, check_sampling, check_token_ids
+from server.routes.response_format import response_grammar
 from server.sse import DONE, EventStreamResponse, sse_event, unless_disconnected
 from server.state import ServerState
 
@@ -95,10 +96,12 @@ async def _complete(
         raise invalid("suffix is not supported", "suffix")
     if body.echo and body.logprobs is not None:
         raise invalid("echo with logprobs is not supported (no prompt logprobs)", "echo")
+    grammar = response_grammar(state, body)
     prompts, texts = _prompts(state, prompt_list)
     max_tokens = [max_tokens_for(body.max_tokens, len(p), state.max_model_len) for p in prompts]
     response_id, created = new_id("cmpl"), now()
-    stream = await state.client.submit(engine_requests(response_id, body, prompts, max_tokens, body.logprobs))
+    requests = engine_requests(response_id, body, prompts, max_tokens, body.logprobs, grammar)
+    stream = await state.client.submit(requests)
     echo = [texts[i // body.n] if body.echo else "" for i in range(len(prompts) * body.n)]
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
