@@ -6,8 +6,8 @@ the allowed tokens before each sample (a bool mask ``[V]``) and feeds it each sa
 matcher allows EOS only where the JSON is complete, and stops the sequence when nothing may follow.
 
 Why llguidance: a wheel with no dependencies for CPython 3.9+ (abi3) that builds its token trie
-straight from a ``tokenizer.json`` string (what ``tokenizers`` gives), computes a mask in tens
-of microseconds, and supports JSON Schema well (vLLM and SGLang ship it as a backend). xgrammar
+straight from a ``tokenizer.json`` string (what ``tokenizers`` gives), computes masks fast
+(``docs/server.md`` has a measurement), and supports JSON Schema well (vLLM and SGLang ship it as a backend). xgrammar
 requires torch, transformers and triton and a transformers tokenizer object; outlines-core
 compiles a whole-vocabulary index per schema up front.
 """
