@@ -106,3 +106,29 @@ def test_a_mask_that_allows_nothing_fails_only_its_row():
     none_allowed = torch.zeros(V, dtype=torch.bool)
     picks = sample(logits, [SamplingParams(temperature=0)] * 2, [None, None], allowed={0: none_allowed})
     assert isinstance(picks[0], Exception) and picks[1].token == int(logits[1].argmax())
+
+
+def test_prompt_logprobs_equal_teacher_forced_logits_with_chunked_prefill(tiny_qwen3):
+    from moe_runtime.config import RuntimeConfig
+    from moe_runtime.engine.engine import LLMEngine
+
+    prompt = list(range(5, 40))
+    with LLMEngine.from_pretrained(
+        tiny_qwen3, RuntimeConfig(max_batch_size=2, max_num_batched_tokens=16, max_model_len=64)
+    ) as engine:
+        want = engine.prefill_logits(prompt).log_softmax(-1)
+        plain, scored = engine.generate(
+            [prompt[:9], prompt],
+            [
+                SamplingParams(max_tokens=3, temperature=0),
+                SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=2),
+            ],
+        )
+        alone = engine.generate([prompt[:9]], SamplingParams(max_tokens=3, temperature=0))[0]
+    assert plain.prompt_logprobs is None and plain.output_token_ids == alone.output_token_ids
+    lps = scored.prompt_logprobs
+    assert len(lps) == len(prompt) and lps[0] is None  # 35 tokens over 16-token chunks: 3 steps
+    for j, lp in enumerate(lps[1:]):
+        assert lp.token_id == prompt[j + 1]
+        assert abs(lp.logprob - float(want[j, prompt[j + 1]])) < 1e-4
+        assert list(lp.top) == want[j].topk(2).indices.tolist()

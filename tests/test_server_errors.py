@@ -81,7 +81,6 @@ def test_401_without_or_with_wrong_key(http):
             },
             "response_format",
         ),
-        ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         ({"prompt": []}, "prompt"),
         ({"prompt": ""}, None),

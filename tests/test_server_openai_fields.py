@@ -416,3 +416,29 @@ def test_tokenize_detokenize_version_model_and_cors(running):
         assert got.headers["access-control-allow-origin"] == ORIGIN
         other = http.get("/v1/models", headers={"Origin": "https://evil.example"})
         assert "access-control-allow-origin" not in other.headers
+
+
+def test_echo_with_logprobs_returns_prompt_logprobs(client, running):
+    tok = running.app.state.server.tokenizer
+    prompt = "The quick brown fox"
+    n_prompt = len(tok.encode(prompt))
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1
+    )
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text.startswith(prompt) and len(lp.tokens) == n_prompt + r.usage.completion_tokens
+    assert (
+        "".join(lp.tokens[:n_prompt]) == prompt
+        and lp.token_logprobs[0] is None
+        and lp.top_logprobs[0] is None
+    )
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(t) == 1 for t in lp.top_logprobs[1:])
+    assert lp.text_offset[:2] == [0, len(lp.tokens[0])]
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1, stream=True
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+    streamed = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == lp.token_logprobs

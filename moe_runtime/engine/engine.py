@@ -26,7 +26,7 @@ from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine.context import StepContext
 from moe_runtime.engine.detokenizer import finish_text, take_delta, update_text
 from moe_runtime.engine.request import RequestOutput, SamplingParams, Sequence, SequenceStatus
-from moe_runtime.engine.sampler import Sampled, sample
+from moe_runtime.engine.sampler import Sampled, sample, token_logprob
 from moe_runtime.engine.scheduler import ScheduledSeq, Scheduler
 from moe_runtime.engine.structured import GrammarMatcher
 from moe_runtime.errors import ConfigError, RequestError
@@ -229,7 +229,10 @@ class LLMEngine:
             [s.sample for s in scheduled],
             self.device,
         )
+        scored = self._score_prompts(scheduled, step)
         logits = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=self.device), step)
+        if scored:
+            logits = self._take_prompt_logprobs(scheduled, logits, scored)
         self.last_logits = logits  # [N, V] fp32, rows in scheduled order of sampling sequences
         if self.recorder is not None:
             self.recorder.end_step()
@@ -248,6 +251,42 @@ class LLMEngine:
         self.stats.steps += 1
         self.stats.step_seconds += time.perf_counter() - t0
         return outputs
+
+    def _score_prompts(self, scheduled: list[ScheduledSeq], step: StepContext) -> list[int]:
+        """Add the logits rows prompt logprobs need to ``step.logits_index`` (after the sampling
+        rows); returns, per scheduled sequence, how many it added (empty when none did)."""
+        if not any(s.seq.params.prompt_logprobs is not None and s.seq.is_prefill for s in scheduled):
+            return []
+        extra, counts = [], []
+        for i, s in enumerate(scheduled):
+            seq, n = s.seq, 0
+            if seq.params.prompt_logprobs is not None and seq.is_prefill:
+                # position j's logits score prompt token j + 1; the prompt's last position samples
+                first = seq.num_computed
+                last = min(first + s.num_new, len(seq.prompt_token_ids) - 1)
+                extra.extend(step.starts[i] + j - seq.num_computed for j in range(first, last))
+                n = max(0, last - first)
+            counts.append(n)
+        index = torch.tensor(extra, dtype=torch.int64, device=self.device)
+        step.logits_index = torch.cat([step.logits_index, index])
+        return counts
+
+    def _take_prompt_logprobs(
+        self, scheduled: list[ScheduledSeq], logits: torch.Tensor, counts: list[int]
+    ) -> torch.Tensor:
+        """Record the prompt logprobs of the extra rows; return the sampling rows ``[N, V]``."""
+        n = sum(1 for s in scheduled if s.sample)
+        logp = logits[n:].log_softmax(-1)
+        row = 0
+        for s, k in zip(scheduled, counts):
+            seq = s.seq
+            if seq.params.prompt_logprobs is not None and seq.is_prefill and seq.num_computed == 0:
+                seq.prompt_logprobs.append(None)  # the first prompt token has no context
+            for j in range(seq.num_computed, seq.num_computed + k):
+                target = seq.prompt_token_ids[j + 1]
+                seq.prompt_logprobs.append(token_logprob(logp[row], target, seq.params.prompt_logprobs or 0))
+                row += 1
+        return logits[:n]
 
     def _allowed(self, sampling: list[Sequence]) -> dict[int, torch.Tensor] | None:
         """Row -> grammar mask ``[V]`` of the sampling rows that have a grammar."""
@@ -355,6 +394,7 @@ class LLMEngine:
 
     def _output(self, seq: Sequence, new_tokens: int) -> RequestOutput:
         finished = seq.status == SequenceStatus.FINISHED
+        with_prompt = seq.params.prompt_logprobs is not None and (seq.sent_tokens == 0 or finished)
         new_ids = seq.output_token_ids[seq.sent_tokens :]
         seq.sent_tokens = len(seq.output_token_ids)
         delta = take_delta(seq, finished)
@@ -375,6 +415,7 @@ class LLMEngine:
             arrival_time=seq.arrival_time,
             first_token_time=seq.first_token_time,
             finish_time=seq.finish_time,
+            prompt_logprobs=list(seq.prompt_logprobs) if with_prompt else None,
         )
 
     def prefill_logits(self, token_ids: list[int]) -> torch.Tensor:

@@ -148,7 +148,7 @@ def sample(
             token = tokens[i] if p.greedy else _draw(scaled[i], p, generators[i])
             lp = None
             if logp is not None and p.logprobs is not None:
-                lp = _logprob(logp[i], token, p.logprobs)
+                lp = token_logprob(logp[i], token, p.logprobs)
             out.append(Sampled(token, lp))
         except Exception as exc:  # one row's failure is that request's, never the batch's
             out.append(exc)
@@ -172,7 +172,8 @@ def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | Non
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
-def _logprob(logp: torch.Tensor, token: int, top_n: int) -> TokenLogprob:
+def token_logprob(logp: torch.Tensor, token: int, top_n: int) -> TokenLogprob:
+    """``token``'s logprob in ``logp [V]`` (log-softmaxed) and the ``top_n`` best, clamped."""
     top = {}
     if top_n:
         vals, ids = torch.topk(logp, top_n)

@@ -7,9 +7,9 @@ matcher allows EOS only where the JSON is complete, and stops the sequence when 
 
 Why llguidance: a wheel with no dependencies for CPython 3.9+ (abi3) that builds its token trie
 straight from a ``tokenizer.json`` string (what ``tokenizers`` gives), computes masks fast
-(``docs/server.md`` has a measurement), and supports JSON Schema well (vLLM and SGLang ship it as a backend). xgrammar
-requires torch, transformers and triton and a transformers tokenizer object; outlines-core
-compiles a whole-vocabulary index per schema up front.
+(``docs/server.md`` has a measurement), and supports JSON Schema well (vLLM and SGLang ship it
+as a backend). xgrammar requires torch, transformers and triton and a transformers tokenizer
+object; outlines-core compiles a whole-vocabulary index per schema up front.
 """
 
 from __future__ import annotations

@@ -50,7 +50,12 @@ def check_unsupported(body: SamplingFields) -> None:
 
 
 def sampling_params(
-    body: SamplingFields, max_tokens: int, logprobs: int | None, choice: int, grammar: str | None = None
+    body: SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    choice: int,
+    grammar: str | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """Engine sampling parameters for choice ``choice`` of a request.
 
@@ -79,6 +84,7 @@ def sampling_params(
         min_p=body.min_p or 0.0,
         logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
         grammar=grammar,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -89,13 +95,14 @@ def engine_requests(
     max_tokens: list[int],
     logprobs: int | None,
     grammar: str | None = None,
+    prompt_logprobs: int | None = None,
 ) -> list[EngineRequest]:
     """One engine request per (prompt, choice); choice index = prompt index * n + choice."""
     out = []
     for p, ids in enumerate(prompts):
         for c in range(body.n):
             index = p * body.n + c
-            params = sampling_params(body, max_tokens[p], logprobs, c, grammar)
+            params = sampling_params(body, max_tokens[p], logprobs, c, grammar, prompt_logprobs)
             out.append(EngineRequest(f"{response_id}-{index}", ids, params))
     return out
 
