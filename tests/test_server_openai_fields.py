@@ -15,6 +15,7 @@ import openai
 import pytest
 import torch
 
+from clients.sizing import ServerTokenizer
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine.engine import LLMEngine
 from server.settings import ServerSettings
@@ -339,6 +340,50 @@ SCHEMAS = [
         "required": ["r"],
         "additionalProperties": False,
     },
+    *[
+        {"type": "object", "properties": props, "required": sorted(props), "additionalProperties": False}
+        for props in (
+            {"id": {"type": "integer", "minimum": 1, "maximum": 9}, "ok": {"type": "boolean"}},
+            {
+                "level": {"enum": ["low", "mid", "high"]},
+                "count": {"type": "integer", "minimum": 0, "maximum": 3},
+            },
+            {"code": {"type": "string", "pattern": "^[A-F0-9]{4}$"}},
+            {
+                "items": {
+                    "type": "array",
+                    "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                    "maxItems": 4,
+                }
+            },
+            {"flag": {"type": ["boolean", "null"]}},
+            {
+                "nested": {
+                    "type": "array",
+                    "maxItems": 2,
+                    "items": {
+                        "type": "object",
+                        "properties": {"k": {"enum": ["a", "b"]}},
+                        "required": ["k"],
+                        "additionalProperties": False,
+                    },
+                }
+            },
+            {
+                "word": {"type": "string", "minLength": 1, "maxLength": 4},
+                "n": {"type": "integer", "maximum": 5, "minimum": 5},
+            },
+            {"choice": {"oneOf": [{"const": "yes"}, {"const": "no"}]}},
+            {
+                "matrix": {
+                    "type": "array",
+                    "maxItems": 2,
+                    "items": {"type": "array", "maxItems": 2, "items": {"type": "boolean"}},
+                }
+            },
+            {"date": {"type": "string", "pattern": "^20[0-9]{2}-(0[1-9]|1[0-2])$"}, "v": {"type": "null"}},
+        )
+    ],
 ]
 
 
@@ -354,7 +399,7 @@ def test_json_schema_output_validates_at_temperature_1(client, index):
         seed=index,
         response_format={"type": "json_schema", "json_schema": {"name": f"s{index}", "schema": schema}},
     )
-    for choice in r.choices:  # 10 schemas x 2 choices = 20 sampled outputs
+    for choice in r.choices:  # 20 schemas x 2 choices = 40 sampled outputs
         assert choice.finish_reason == "stop", choice.message.content
         jsonschema.validate(json.loads(choice.message.content), schema)
 
@@ -394,6 +439,7 @@ def test_tokenize_detokenize_version_model_and_cors(running):
         assert t["tokens"] == tok.encode(text, add_special_tokens=False) and t["count"] == len(t["tokens"])
         assert t["max_model_len"] == 1024
         assert http.post("/detokenize", json={"tokens": t["tokens"]}).json() == {"prompt": text}
+        assert ServerTokenizer(http, running.base_url, MODEL).count(text) == t["count"]  # the replay client
         chat = http.post("/tokenize", json={"messages": ASK}).json()
         assert chat["tokens"] == tok.encode(tok.apply_chat_template(ASK), add_special_tokens=False)
         bad = http.post("/detokenize", json={"tokens": [10**6]})
