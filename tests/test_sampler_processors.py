@@ -4,6 +4,7 @@ rows bit-identical."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
@@ -132,3 +133,23 @@ def test_prompt_logprobs_equal_teacher_forced_logits_with_chunked_prefill(tiny_q
         assert lp.token_id == prompt[j + 1]
         assert abs(lp.logprob - float(want[j, prompt[j + 1]])) < 1e-4
         assert list(lp.top) == want[j].topk(2).indices.tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_processors_on_cuda_logits_equal_cpu():
+    logits = _logits(3, seed=7)
+    history = [_history(i) for i in range(3)]
+    params = [
+        SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, logit_bias={4: 3.0}),
+        SamplingParams(temperature=0.8, min_p=0.2, frequency_penalty=0.4),
+        SamplingParams(temperature=0),
+    ]
+    allowed = {1: torch.arange(V) % 2 == 0}
+    cpu = process_logits(logits, params, history, allowed)
+    gpu = process_logits(logits.cuda(), params, history, {1: allowed[1].cuda()})
+    torch.testing.assert_close(gpu.cpu(), cpu)
+    picks = sample(
+        logits.cuda(), params, [None, torch.Generator(device="cuda").manual_seed(0), None], history
+    )
+    assert all(not isinstance(p, Exception) for p in picks)

@@ -196,6 +196,12 @@ def test_unsupported_tool_options_are_400(client, tiny_qwen3, tmp_path):
 
 
 def test_chat_template_kwargs_and_continue_final_message(client, running):
+    _bad(
+        lambda: client.chat.completions.create(
+            model=MODEL, messages=ASK, extra_body={"chat_template": "nope"}
+        ),
+        "chat_template",
+    )
     tok = running.app.state.server.tokenizer
     for kwargs in ({"enable_thinking": False}, {}):
         r = client.chat.completions.create(
@@ -222,7 +228,7 @@ def test_chat_template_kwargs_and_continue_final_message(client, running):
         lambda: client.chat.completions.create(
             model=MODEL, messages=ASK, extra_body={"chat_template_kwargs": {"messages": []}}
         ),
-        "messages",
+        "chat_template_kwargs",
     )
 
 

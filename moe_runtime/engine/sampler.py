@@ -66,8 +66,11 @@ def process_logits(
         rows = [i for i in bias_rows for _ in params[i].logit_bias]
         ids = [t for i in bias_rows for t in params[i].logit_bias]
         vals = [v for i in bias_rows for v in params[i].logit_bias.values()]
+        dev = logits.device
         logits.index_put_(
-            (torch.tensor(rows), torch.tensor(ids)), torch.tensor(vals, dtype=logits.dtype), accumulate=True
+            (torch.tensor(rows, device=dev), torch.tensor(ids, device=dev)),
+            torch.tensor(vals, dtype=logits.dtype, device=dev),
+            accumulate=True,
         )
     if pen_rows:
         if history is None:
@@ -75,9 +78,12 @@ def process_logits(
         idx = torch.tensor(pen_rows, device=logits.device)
         counts = _token_counts([history[i][1] for i in pen_rows], vocab, logits.device)
         in_prompt = _token_counts([history[i][0] for i in pen_rows], vocab, logits.device) > 0
-        rep = torch.tensor([[params[i].repetition_penalty] for i in pen_rows], dtype=logits.dtype)
-        freq = torch.tensor([[params[i].frequency_penalty] for i in pen_rows], dtype=logits.dtype)
-        pres = torch.tensor([[params[i].presence_penalty] for i in pen_rows], dtype=logits.dtype)
+        rep, freq, pres = (
+            torch.tensor(
+                [[getattr(params[i], name)] for i in pen_rows], dtype=logits.dtype, device=logits.device
+            )
+            for name in ("repetition_penalty", "frequency_penalty", "presence_penalty")
+        )
         sub = logits[idx]
         seen = in_prompt | (counts > 0)
         sub = torch.where(seen & (rep != 1.0), torch.where(sub > 0, sub / rep, sub * rep), sub)
@@ -133,10 +139,13 @@ def sample(
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     scaled: dict[int, torch.Tensor] = {}
     if drawn:
-        temps = torch.tensor([[params[i].temperature] for i in drawn], dtype=processed.dtype)
+        temps = torch.tensor(
+            [[params[i].temperature] for i in drawn], dtype=processed.dtype, device=processed.device
+        )
         rows = processed[drawn] / temps  # |logit| / 1e-5 stays far inside float32
         if any(params[i].min_p > 0 for i in drawn):
-            rows = min_p_filter(rows, torch.tensor([[params[i].min_p] for i in drawn], dtype=rows.dtype))
+            min_p = torch.tensor([[params[i].min_p] for i in drawn], dtype=rows.dtype, device=rows.device)
+            rows = min_p_filter(rows, min_p)
         scaled = dict(zip(drawn, rows))
     out: list[Sampled | Exception] = []
     for i, p in enumerate(params):

@@ -25,6 +25,7 @@ from typing import Any
 import jinja2
 from fastapi import APIRouter, Request, Response
 
+from moe_runtime.chat_template import RESERVED_NAMES, ChatTemplateError
 from moe_runtime.engine.request import RequestOutput, TokenLogprob
 from server.engine_client import RequestStream
 from server.errors import APIError, invalid
@@ -131,7 +132,11 @@ def _tools(
         if tool.get("type", "function") != "function" or not named:
             raise invalid("each tool must be {type: function, function: {name, ...}}", f"tools.{i}")
     assert state.tokenizer is not None
-    parser = tool_parser(state.tokenizer, state.tokenizer.template_source(body.chat_template, body.tools))
+    try:
+        source = state.tokenizer.template_source(body.chat_template, body.tools)
+    except ChatTemplateError as exc:
+        raise invalid(str(exc), "chat_template") from None
+    parser = tool_parser(state.tokenizer, source)
     if parser is None:
         msg = "this model's chat template has no tool-call format this server can parse, so tools are refused"
         raise invalid(msg, "tools")
@@ -153,6 +158,16 @@ def chat_prompt(state: ServerState, body: Any, messages: list[ChatMessage], tool
     if body.continue_final_message and body.add_generation_prompt:
         msg = "continue_final_message needs add_generation_prompt=false"
         raise invalid(msg, "continue_final_message")
+    reserved = sorted(RESERVED_NAMES & set(body.chat_template_kwargs or {}))
+    if reserved:
+        raise invalid(
+            f"chat_template_kwargs may not set {reserved} (the request sets them)", "chat_template_kwargs"
+        )
+    if body.chat_template is not None:
+        try:
+            state.tokenizer.template_source(body.chat_template, tools)
+        except ChatTemplateError as exc:
+            raise invalid(str(exc), "chat_template") from None
     return state.tokenizer.apply_chat_template(
         dicts,
         add_generation_prompt=body.add_generation_prompt,
@@ -167,8 +182,8 @@ def chat_prompt(state: ServerState, body: Any, messages: list[ChatMessage], tool
 def _prompt_ids(state: ServerState, body: ChatCompletionRequest) -> tuple[list[int], ToolParser | None]:
     if state.tokenizer is None:
         raise invalid("this model has no tokenizer.json, so chat is unavailable", "messages")
+    tools, parser = _tools(state, body)
     try:
-        tools, parser = _tools(state, body)
         text = chat_prompt(state, body, body.messages, tools)
     except jinja2.TemplateError as exc:
         raise invalid(f"the chat template failed on these messages: {exc}", "messages") from None
