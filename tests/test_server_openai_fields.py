@@ -174,19 +174,62 @@ def test_tool_choice_none_renders_no_tools_and_parses_nothing(client, script):
     assert r.usage.prompt_tokens < with_tools.usage.prompt_tokens
 
 
+UNITS = {
+    "type": "function",
+    "function": {
+        "name": "set_unit",
+        "parameters": {
+            "type": "object",
+            "properties": {"unit": {"enum": ["c", "f"]}, "round": {"type": "boolean"}},
+            "required": ["unit", "round"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "set_unit"}}])
+def test_forced_tool_choice_is_enforced_by_a_grammar(client, choice):
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER, UNITS],
+        tool_choice=choice,
+        parallel_tool_calls=False,
+        max_tokens=300,
+        temperature=1.0,
+        seed=5,
+    )
+    (c,) = r.choices
+    assert c.finish_reason == "tool_calls" and c.message.content is None and len(c.message.tool_calls) == 1
+    call = c.message.tool_calls[0]
+    tool = {"get_weather": WEATHER, "set_unit": UNITS}[call.function.name]
+    if isinstance(choice, dict):
+        assert call.function.name == "set_unit"
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
 def test_unsupported_tool_options_are_400(client, tiny_qwen3, tmp_path):
-    forced = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("any", {"type": "function", "function": {"name": "nope"}}, {"type": "function"}):
+        _bad(
+            lambda choice=choice: client.chat.completions.create(
+                model=MODEL, messages=ASK, tools=[WEATHER], tool_choice=choice
+            ),
+            "tool_choice",
+        )
     _bad(
-        lambda: client.chat.completions.create(
-            model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required"
-        ),
+        lambda: client.chat.completions.create(model=MODEL, messages=ASK, tool_choice="required"),
         "tool_choice",
     )
     _bad(
         lambda: client.chat.completions.create(
-            model=MODEL, messages=ASK, tools=[WEATHER], tool_choice=forced
+            model=MODEL,
+            messages=ASK,
+            tools=[WEATHER],
+            tool_choice="required",
+            response_format={"type": "json_object"},
         ),
-        "tool_choice",
+        "response_format",
     )
     folder = _with_template(tiny_qwen3, tmp_path / "mixtral", "mixtral_style.jinja")  # no call format
     engine = LLMEngine.from_pretrained(folder, RuntimeConfig(max_batch_size=2, max_model_len=1024))

@@ -67,6 +67,7 @@ def test_mistral_calls_found_by_their_special_token(tmp_path):
     assert content == "Checking." and [c.function.name for c in calls] == ["get_weather", "t"]
     assert _args(calls[0]) == {"city": "Oslo"} and all(len(c.id) == 9 and c.id.isalnum() for c in calls)
     assert parser.content_end(text, ids, tok) == len("Checking.")
+    assert parser.forced_grammar([], parallel=True) is None  # no text grammar writes the special token
 
 
 def test_mistral_marker_as_plain_text_and_no_parser_for_unknown_templates(tmp_path):

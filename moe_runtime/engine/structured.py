@@ -42,6 +42,14 @@ def json_grammar(schema: dict[str, Any] | None) -> str:
         raise RequestError(f"the JSON schema cannot be used: {exc}") from None
 
 
+def lark_grammar(lark: str) -> str:
+    """The llguidance grammar for a Lark grammar (``%json {schema}`` rules allowed; give them
+    ``"x-guidance": JSON_OPTIONS`` for the same layout as :func:`json_grammar`)."""
+    import llguidance
+
+    return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
 _TOKENIZERS: dict[int, Any] = {}
 _LOCK = threading.Lock()
 

@@ -11,8 +11,9 @@ objects as vLLM does, ``tool_call_id``, ``reasoning_content``), and so do ``tool
 
 Tools: ``tool_choice`` ``"auto"`` (the default with tools) renders the tools and parses calls out
 of the output (``server/routes/tool_calls.py``; ``finish_reason="tool_calls"``); ``"none"``
-renders no tools and parses nothing. Other choices, and tools on a template with no known call
-format, are refused with 400. Without ``max_tokens``/``max_completion_tokens`` the reply may use
+renders no tools and parses nothing; ``"required"`` or a named function also constrains the
+output with a grammar (Qwen format only). Tools on a template with no known call format are
+refused with 400. Without ``max_tokens``/``max_completion_tokens`` the reply may use
 the rest of the context.
 """
 
@@ -58,7 +59,7 @@ from server.routes.common import (
     usage,
 )
 from server.routes.limits import check_logprobs, check_sampling, check_text
-from server.routes.response_format import response_grammar
+from server.routes.response_format import checked_grammar, response_grammar
 from server.routes.tool_calls import ToolParser, tool_parser
 from server.sse import DONE, EventStreamResponse, sse_event, unless_disconnected
 from server.state import ServerState
@@ -111,21 +112,31 @@ def _history_call(call: dict[str, Any]) -> dict[str, Any]:
     return {**call, "function": {**function, "arguments": arguments}}
 
 
-def _tools(
-    state: ServerState, body: ChatCompletionRequest
-) -> tuple[list[dict[str, Any]] | None, ToolParser | None]:
-    """The tools to render and the parser for the calls, per ``tool_choice``.
+_Tools = tuple[list[dict[str, Any]] | None, ToolParser | None, list[dict[str, Any]] | None]
+
+
+def _tools(state: ServerState, body: ChatCompletionRequest) -> _Tools:
+    """The tools to render, the parser for the calls, and the tools a call is forced from
+    (``tool_choice`` ``"required"`` or a named function; None for ``"auto"``/``"none"``).
 
     Raises:
-        APIError: 400 for a ``tool_choice`` other than ``"none"``/``"auto"``, or tools on a
+        APIError: 400 for a malformed ``tool_choice`` or one naming no tool, or tools on a
             template whose call format no parser knows.
     """
     choice = body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none")
-    if choice not in ("none", "auto"):
-        shown = choice if isinstance(choice, str) else "a named function"
-        raise invalid(f"tool_choice {shown!r} is not supported (use 'auto' or 'none')", "tool_choice")
+    name = None
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            msg = "tool_choice must be 'none', 'auto', 'required' or {type: function, function: {name}}"
+            raise invalid(msg, "tool_choice")
+    elif choice not in ("none", "auto", "required"):
+        raise invalid(f"tool_choice {choice!r} is not one of 'none', 'auto', 'required'", "tool_choice")
+    if not body.tools and choice not in ("none", "auto"):
+        raise invalid("tool_choice forces a tool call but tools is empty", "tool_choice")
     if not body.tools or choice == "none":
-        return None, None
+        return None, None, None
     for i, tool in enumerate(body.tools):
         function = tool.get("function")
         named = isinstance(function, dict) and isinstance(function.get("name"), str)
@@ -140,7 +151,29 @@ def _tools(
     if parser is None:
         msg = "this model's chat template has no tool-call format this server can parse, so tools are refused"
         raise invalid(msg, "tools")
-    return body.tools, parser
+    forced = None
+    if choice == "required":
+        forced = body.tools
+    elif name is not None:
+        forced = [t for t in body.tools if t["function"]["name"] == name]
+        if not forced:
+            raise invalid(f"tool_choice names {name!r}, which is not in tools", "tool_choice")
+    return body.tools, parser, forced
+
+
+def _forced_grammar(
+    state: ServerState, parser: ToolParser, tools: list[dict[str, Any]], parallel: bool
+) -> str:
+    """The grammar that makes the output calls of ``tools`` (``tool_choice`` required/named).
+
+    Raises:
+        APIError: 400 when the call format has no grammar or a tool's parameters do not compile.
+    """
+    grammar = parser.forced_grammar(tools, parallel)
+    if grammar is None:
+        msg = f"a forced tool_choice is not supported for the {parser.name} call format (use 'auto')"
+        raise invalid(msg, "tool_choice")
+    return checked_grammar(state, grammar, "tools")
 
 
 def chat_prompt(state: ServerState, body: Any, messages: list[ChatMessage], tools: list | None) -> str:
@@ -179,15 +212,15 @@ def chat_prompt(state: ServerState, body: Any, messages: list[ChatMessage], tool
     )
 
 
-def _prompt_ids(state: ServerState, body: ChatCompletionRequest) -> tuple[list[int], ToolParser | None]:
+def _prompt_ids(state: ServerState, body: ChatCompletionRequest) -> tuple[list[int], _Tools]:
     if state.tokenizer is None:
         raise invalid("this model has no tokenizer.json, so chat is unavailable", "messages")
-    tools, parser = _tools(state, body)
+    tools = _tools(state, body)
     try:
-        text = chat_prompt(state, body, body.messages, tools)
+        text = chat_prompt(state, body, body.messages, tools[0])
     except jinja2.TemplateError as exc:
         raise invalid(f"the chat template failed on these messages: {exc}", "messages") from None
-    return tokenize(state, text, "messages", add_special_tokens=False), parser
+    return tokenize(state, text, "messages", add_special_tokens=False), tools
 
 
 def _logprobs(state: ServerState, lps: list[TokenLogprob]) -> ChatChoiceLogprobs:
@@ -213,8 +246,12 @@ async def _chat(
     check_logprobs(body.top_logprobs, "top_logprobs")
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("top_logprobs needs logprobs=true", "top_logprobs")
-    ids, parser = _prompt_ids(state, body)
+    ids, (_, parser, forced) = _prompt_ids(state, body)
     grammar = response_grammar(state, body)
+    if forced is not None and parser is not None:
+        if grammar is not None:
+            raise invalid("response_format cannot be combined with a forced tool_choice", "response_format")
+        grammar = _forced_grammar(state, parser, forced, body.parallel_tool_calls)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = max_tokens_for(requested, len(ids), state.max_model_len)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None

@@ -33,12 +33,20 @@ def response_grammar(state: ServerState, body: SamplingFields) -> str | None:
     else:
         msg = f"response_format type {fmt.type!r} is not supported (text, json_object, json_schema)"
         raise invalid(msg, "response_format.type")
-    if state.tokenizer is None:
-        raise invalid("structured output needs the model's tokenizer.json", "response_format")
-    engine = state.client.engine
     try:
         grammar = json_grammar(schema)
-        check_grammar(grammar, state.tokenizer, engine.config.vocab_size, list(engine.eos_token_ids))
     except RequestError as exc:
         raise invalid(f"response_format: {exc}", "response_format") from None
+    return checked_grammar(state, grammar, "response_format")
+
+
+def checked_grammar(state: ServerState, grammar: str, param: str) -> str:
+    """``grammar``, once it compiled for this model's tokenizer (else a 400 naming ``param``)."""
+    if state.tokenizer is None:
+        raise invalid("structured output needs the model's tokenizer.json", param)
+    engine = state.client.engine
+    try:
+        check_grammar(grammar, state.tokenizer, engine.config.vocab_size, list(engine.eos_token_ids))
+    except RequestError as exc:
+        raise invalid(f"{param}: {exc}", param) from None
     return grammar

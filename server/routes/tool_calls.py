@@ -13,6 +13,11 @@ mistral   ``[TOOL_CALLS]`` (Mistral/Mixtral-Instruct v0.3+)      ``[TOOL_CALLS][
 A template with neither has no parser: a request with ``tools`` (and ``tool_choice`` other than
 ``"none"``) is refused with 400 rather than answered with calls nobody can read. Output that
 starts a call but is not valid JSON is returned as plain content.
+
+``tool_choice`` ``"required"`` or a named function is enforced with a grammar
+(:meth:`ToolParser.forced_grammar`): the output is one or more ``<tool_call>`` blocks whose JSON
+matches the tools' parameter schemas. Only the Qwen format has one (Mistral's marker is a
+special token a text grammar cannot write).
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ import re
 import secrets
 import string
 from dataclasses import dataclass
+from typing import Any
 
+from moe_runtime.engine.structured import JSON_OPTIONS, lark_grammar
 from moe_runtime.tokenizer import Tokenizer
 from server.protocol import FunctionCall, ToolCall
 
@@ -68,6 +75,29 @@ class ToolParser:
             return text, []
         content = text[:start].rstrip()
         return content or None, [self._call(name, args) for name, args in calls]
+
+    def forced_grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str | None:
+        """A grammar that makes the output calls of ``tools`` (None for formats without one); it is
+        compiled (and a bad ``parameters`` schema found) when a matcher is built from it."""
+        if self.name != "qwen":
+            return None
+        calls = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": t["function"]["name"]},
+                    "arguments": t["function"].get("parameters") or {"type": "object"},
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for t in tools
+        ]
+        schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_OPTIONS}
+        repeat = ' ("\\n" block)*' if parallel else ""
+        block = 'block: "<tool_call>\\n" call "\\n</tool_call>"'
+        lark = f"start: block{repeat}\n{block}\ncall: %json {json.dumps(schema)}"
+        return lark_grammar(lark)
 
     def _start(self, text: str, token_ids: list[int], tokenizer: Tokenizer) -> int | None:
         if self.marker_id is not None and self.marker_id in token_ids:
