@@ -79,6 +79,14 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
+    def token_id(self, token: str) -> int | None:
+        """The id of ``token`` as one vocabulary entry (added tokens included), or None."""
+        return self._tok.token_to_id(token)
+
+    def to_json(self) -> str:
+        """The whole ``tokenizers`` tokenizer as a JSON string (for grammar libraries)."""
+        return self._tok.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
@@ -124,7 +132,7 @@ class Tokenizer:
                 :func:`moe_runtime.chat_template.render_chat_template`).
             jinja2.TemplateError: the template refused the messages or tried an unsafe operation.
         """
-        source = self._template_source(chat_template, tools)
+        source = self.template_source(chat_template, tools)
         return render_chat_template(
             source,
             messages,
@@ -136,7 +144,12 @@ class Tokenizer:
             template_kwargs={**(chat_template_kwargs or {}), **template_kwargs},
         )
 
-    def _template_source(self, name: str | None, tools: list[dict[str, Any]] | None) -> str:
+    def template_source(self, name: str | None = None, tools: list[dict[str, Any]] | None = None) -> str:
+        """The source of the template a request with ``chat_template=name`` and ``tools`` renders with.
+
+        Raises:
+            ChatTemplateError: unknown name, or several templates and no default.
+        """
         templates = self.chat_templates
         if name is not None:
             if name in templates:

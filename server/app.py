@@ -19,12 +19,13 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from server.engine_client import EngineClient
 from server.errors import install_error_handlers
 from server.guards import ApiKeyMiddleware, BodyLimitMiddleware, RetryAfterMiddleware, api_key_guard
 from server.metrics import HTTPMetricsMiddleware, ServerMetrics
-from server.routes import chat, completions, misc
+from server.routes import chat, completions, misc, tokenize
 from server.settings import ServerSettings
 from server.state import ServerState
 from server.tracing import TraceHooks
@@ -88,10 +89,18 @@ def create_app(
     app.include_router(completions.make_router(), dependencies=[auth])
     app.include_router(chat.make_router(), dependencies=[auth])
     app.include_router(misc.make_router(auth))
+    app.include_router(tokenize.make_router(), dependencies=[auth])
     # added innermost first: metrics -> API key -> body limit -> Retry-After -> routes
     app.add_middleware(RetryAfterMiddleware, seconds=settings.retry_after_s)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics, router=app.router)
+    if settings.allowed_origins:  # outermost, so preflights are answered before auth or limits
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
     return app

@@ -9,11 +9,13 @@ code  type                      error code            when
                                                       ``docs/server.md``), an unsupported option,
                                                       or a ``MoeServeError`` from the runtime
                                                       (e.g. the prompt is longer than the context)
+400   invalid_request_error     invalid_schema        body is not JSON or does not fit the schema
+                                                      (wrong type, missing field), as OpenAI and
+                                                      vLLM answer it; ``param`` names the field
 401   authentication_error      invalid_api_key       ``--api-key`` set, key missing or wrong
 404   invalid_request_error     model_not_found       ``model`` is not the served model
 404   invalid_request_error     not_found             no such route
 413   invalid_request_error     request_too_large     body larger than ``--max-body-bytes``
-422   invalid_request_error     invalid_schema        body is not JSON or does not fit the schema
 429   rate_limit_error          queue_full            ``--max-queue`` requests already waiting
                                                       beyond a full batch
 500   server_error              server_error          a bug, or this request's generation failed
@@ -109,7 +111,7 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
         return error_response(400, f"{param}: {first['msg']}", "invalid_value", param)
     if first.get("type") == "json_invalid":
         error = (first.get("ctx") or {}).get("error", "")
-        return error_response(422, f"the body is not valid JSON: {error}", "invalid_schema")
+        return error_response(400, f"the body is not valid JSON: {error}", "invalid_schema")
     locs = [tuple(p for p in e.get("loc", ()) if p != "body") for e in errors]
     common = locs[0]
     for loc in locs[1:]:
@@ -123,7 +125,7 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
         message = f"{_loc_to_param(locs[0]) or 'body'}: {first['msg']}"
         if len(errors) > 1:
             message += f" (and {len(errors) - 1} more error(s))"
-    return error_response(422, message, "invalid_schema", param)
+    return error_response(400, message, "invalid_schema", param)
 
 
 async def _runtime_error(_: Request, exc: Exception) -> JSONResponse:

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from starlette.routing import Match, Router
+from starlette.routing import Router, compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from moe_runtime.engine.request import RequestOutput
@@ -263,6 +263,20 @@ def reject_reason(status: int, error_code: str | None) -> str | None:
     return _REASON_BY_STATUS.get(status, "invalid_request" if status < 500 else None)
 
 
+def _path_templates(routes: list[Any], prefix: str = "") -> Iterator[tuple[Any, str]]:
+    """``(compiled path regex, path template)`` of every route, included routers flattened."""
+    for route in routes:
+        inner = getattr(route, "original_router", None)  # FastAPI's included router
+        if inner is not None:
+            context = getattr(route, "include_context", None)
+            yield from _path_templates(inner.routes, prefix + getattr(context, "prefix", ""))
+        elif hasattr(route, "path") and hasattr(route, "path_regex"):
+            if prefix:
+                yield compile_path(prefix + route.path)[0], prefix + route.path
+            else:
+                yield route.path_regex, route.path
+
+
 class HTTPMetricsMiddleware:
     """Counts every response the app sends in :class:`ServerMetrics` (route, status, reason).
 
@@ -275,14 +289,18 @@ class HTTPMetricsMiddleware:
 
     def __init__(self, app: ASGIApp, metrics: ServerMetrics, router: Router) -> None:
         self.app, self.metrics, self.router = app, metrics, router
+        self._templates: list[tuple[Any, str]] | None = None  # (path regex, template), built lazily
 
     def _route(self, scope: Scope) -> str:
         route = scope.get("route")
         if route is not None:
             return getattr(route, "path", "other")
-        for candidate in self.router.routes:  # not routed yet: our routes have no path parameters
-            if candidate.matches(scope)[0] is not Match.NONE:
-                return scope["path"]
+        if self._templates is None:  # routes are all included by the first request
+            self._templates = list(_path_templates(self.router.routes))
+        path = scope.get("path", "")
+        for regex, template in self._templates:  # not routed yet (401, 413): match the templates
+            if regex.match(path):
+                return template
         return "other"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -1,12 +1,13 @@
 """OpenAI-compatible request and response schemas (pydantic), plus our extension fields.
 
-Requests are checked for *shape* here (wrong types or missing fields are 422); *values* (ranges,
-sizes, unsupported options) are checked by the routes (``server/routes/limits.py``) before any
-work and answered with 400, as the OpenAI API does. The schema's own range bounds (``seed``) are
-400s too. Unknown request fields are ignored.
+Requests are checked for *shape* here; *values* (ranges, sizes, unsupported options) are checked
+by the routes (``server/routes/limits.py``) before any work. Both are answered with 400 and the
+field in ``param``, as the OpenAI API and vLLM do. Unknown request fields are ignored.
 
-Extensions beyond the OpenAI schema:
-    requests: ``top_k``, ``ignore_eos``, ``stop_token_ids`` (send with the client's ``extra_body``).
+Extensions beyond the OpenAI schema (vLLM's names; send them with the client's ``extra_body``):
+    requests: ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``;
+    chat: ``chat_template_kwargs``, ``continue_final_message``, ``add_generation_prompt``,
+    ``chat_template``, ``documents``.
     responses: ``usage.expert_stats = {buffer_hits, buffer_misses, blocking_ms}`` for the request
     (summed over its choices); ``/v1/models`` entries carry ``max_model_len``.
 """
@@ -40,6 +41,24 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    """``response_format.json_schema``: ``schema`` is the JSON Schema the output must validate."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """``{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}``."""
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingFields(_Request):
     """Fields common to completions and chat completions."""
 
@@ -54,7 +73,10 @@ class SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
     user: str | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
@@ -77,9 +99,14 @@ class ContentPart(_Request):
 
 
 class ChatMessage(_Request):
+    """One message; the tool and reasoning fields go to the chat template as they are."""
+
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -91,7 +118,13 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
 
 
 # ---------------------------------------------------------------------------- responses
@@ -147,9 +180,25 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(ToolCall):
+    index: int
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -171,6 +220,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -39,6 +39,7 @@ class ServerSettings:
         limit_concurrency: most open connections plus running requests before uvicorn answers
             503 (plain text, before the app); None = unlimited.
         retry_after_s: the ``Retry-After`` header (seconds) sent with every 429.
+        allowed_origins: CORS origins browsers may call from (``"*"`` = any; empty = no CORS).
     """
 
     served_model_name: str = "moeserve"
@@ -53,6 +54,7 @@ class ServerSettings:
     timeout_body_s: float = 30.0
     limit_concurrency: int | None = None
     retry_after_s: int = 1
+    allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.served_model_name:

@@ -65,8 +65,22 @@ def test_401_without_or_with_wrong_key(http):
         ({"prompt": "x", "n": 300}, "n"),  # more than --max-batch-size + --max-queue
         ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
         ({"prompt": "x", "logprobs": 21}, "logprobs"),
-        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
-        ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+        ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+        ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+        ({"prompt": "x", "min_p": 1.5}, "min_p"),
+        ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"999999": 1}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+        ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format.type"),
+        ({"prompt": "x", "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        (
+            {
+                "prompt": "x",
+                "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 3}}},
+            },
+            "response_format",
+        ),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         ({"prompt": []}, "prompt"),
         ({"prompt": ""}, None),
@@ -117,16 +131,16 @@ def test_413_body_too_large(http):
     assert_error(r, 413, "request_too_large")
 
 
-def test_422_schema_errors(http):
-    assert_error(post(http, {"max_tokens": 3}), 422, "invalid_schema", "prompt")
-    err = assert_error(post(http, {"prompt": 5}), 422, "invalid_schema", "prompt")
+def test_schema_errors_are_400_with_param(http):
+    assert_error(post(http, {"max_tokens": 3}), 400, "invalid_schema", "prompt")
+    err = assert_error(post(http, {"prompt": 5}), 400, "invalid_schema", "prompt")
     assert "allowed forms" in err["message"]
-    assert_error(post(http, {"prompt": "x", "n": "many"}), 422, "invalid_schema", "n")
+    assert_error(post(http, {"prompt": "x", "n": "many"}), 400, "invalid_schema", "n")
     r = http.post(
         "/v1/completions", content=b"{not json", headers={**AUTH, "Content-Type": "application/json"}
     )
-    assert_error(r, 422, "invalid_schema")
-    assert_error(post(http, {"messages": "hi"}, "/v1/chat/completions"), 422, "invalid_schema", "messages")
+    assert_error(r, 400, "invalid_schema")
+    assert_error(post(http, {"messages": "hi"}, "/v1/chat/completions"), 400, "invalid_schema", "messages")
 
 
 def test_null_fields_mean_their_default(http):

@@ -185,7 +185,7 @@ def test_api_key_is_checked_before_the_body(keyed):
     assert r.status_code == 401 and r.json()["error"]["message"] == "incorrect API key"
     auth = {"authorization": "Bearer sekret"}
     r = http.post("/v1/completions", content=bad_json["content"], headers={**bad_json["headers"], **auth})
-    assert r.status_code == 422
+    assert r.status_code == 400
     assert (
         http.post("/v1/completions", content=big["content"], headers={**big["headers"], **auth}).status_code
         == 413
@@ -194,15 +194,19 @@ def test_api_key_is_checked_before_the_body(keyed):
     assert http.get("/v1/models", headers=auth).status_code == 200
     assert http.get("/health").status_code == 200  # open without the key
     assert http.get("/nowhere").status_code == 404
+    assert http.get("/v1/models/some-id").status_code == 401  # refused before routing
     text = http.get("/metrics").text
-    assert sample(text, "moeserve_requests_rejected_total", reason="unauthorized") == 4
+    assert sample(text, "moeserve_requests_rejected_total", reason="unauthorized") == 5
     assert (
         sample(text, "moeserve_requests_rejected_total", reason="invalid_request") == 2
-    )  # the 422 and the 404
+    )  # the 400 and the 404
     assert sample(text, "moeserve_requests_rejected_total", reason="too_large") == 1
     assert sample(text, "moeserve_http_responses_total", route="/v1/completions", status="401") == 3
     assert sample(text, "moeserve_http_responses_total", route="/v1/models", status="200") == 1
     assert sample(text, "moeserve_http_responses_total", route="other", status="404") == 1
+    # a path with a parameter is labelled with its template, never the client's path
+    models_id = "/v1/models/{model_id:path}"
+    assert sample(text, "moeserve_http_responses_total", route=models_id, status="401") == 1
     http.close()
 
 

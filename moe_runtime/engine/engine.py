@@ -26,8 +26,9 @@ from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine.context import StepContext
 from moe_runtime.engine.detokenizer import finish_text, take_delta, update_text
 from moe_runtime.engine.request import RequestOutput, SamplingParams, Sequence, SequenceStatus
-from moe_runtime.engine.sampler import Sampled, sample
+from moe_runtime.engine.sampler import Sampled, sample, token_logprob
 from moe_runtime.engine.scheduler import ScheduledSeq, Scheduler
+from moe_runtime.engine.structured import GrammarMatcher
 from moe_runtime.errors import ConfigError, RequestError
 from moe_runtime.layers.kv_cache import KVCache
 from moe_runtime.layers.router_lookahead import RouterLookahead
@@ -125,6 +126,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self._seqs: dict[str, Sequence] = {}
         self._generators: dict[str, torch.Generator] = {}
+        self._matchers: dict[str, GrammarMatcher] = {}  # sequences with a grammar (structured output)
         self.device = device
         self.last_logits: torch.Tensor | None = None
 
@@ -151,8 +153,9 @@ class LLMEngine:
         """Queue a request (FCFS).
 
         Raises:
-            RequestError: empty prompt, token id out of range, duplicate id, or a prompt that
-                leaves no room to generate within ``max_model_len``.
+            RequestError: empty prompt, token id out of range (prompt or ``logit_bias``),
+                duplicate id, a prompt that leaves no room to generate within ``max_model_len``,
+                or a grammar that does not compile.
         """
         if request_id in self._seqs:
             raise RequestError(f"request id {request_id!r} is already running")
@@ -162,10 +165,17 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError(f"prompt token id {bad} is out of range [0, {vocab})")
+        bad = next((t for t in params.logit_bias if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"logit_bias token id {bad} is out of range [0, {vocab})")
         if len(prompt_token_ids) >= self.max_model_len:
             raise RequestError(
                 f"the prompt has {len(prompt_token_ids)} tokens; the model's context is "
                 f"{self.max_model_len} tokens including at least one generated token"
+            )
+        if params.grammar is not None:
+            self._matchers[request_id] = GrammarMatcher(
+                params.grammar, self.tokenizer, vocab, list(self.eos_token_ids)
             )
         seq = Sequence(request_id, list(prompt_token_ids), params, task)
         self._seqs[request_id] = seq
@@ -217,19 +227,74 @@ class LLMEngine:
             [s.sample for s in scheduled],
             self.device,
         )
+        scored = self._score_prompts(scheduled, step)
         logits = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=self.device), step)
+        if scored:
+            logits = self._take_prompt_logprobs(scheduled, logits, scored)
         self.last_logits = logits  # [N, V] fp32, rows in scheduled order of sampling sequences
         if self.recorder is not None:
             self.recorder.end_step()
         self.prefetcher.end_step()
         sampling = [s.seq for s in scheduled if s.sample]
         picks = sample(
-            logits, [q.params for q in sampling], [self._generators.get(q.request_id) for q in sampling]
+            logits,
+            [q.params for q in sampling],
+            [self._generators.get(q.request_id) for q in sampling],
+            history=[(q.prompt_token_ids, q.output_token_ids) for q in sampling]
+            if any(q.params.penalized for q in sampling)
+            else None,
+            allowed=self._allowed(sampling),
         )
         outputs = self._update(scheduled, step, dict(zip((q.request_id for q in sampling), picks)))
         self.stats.steps += 1
         self.stats.step_seconds += time.perf_counter() - t0
         return outputs
+
+    def _score_prompts(self, scheduled: list[ScheduledSeq], step: StepContext) -> list[int]:
+        """Add the logits rows prompt logprobs need to ``step.logits_index`` (after the sampling
+        rows); returns, per scheduled sequence, how many it added (empty when none did)."""
+        if not any(s.seq.params.prompt_logprobs is not None and s.seq.is_prefill for s in scheduled):
+            return []
+        extra, counts = [], []
+        for i, s in enumerate(scheduled):
+            seq, n = s.seq, 0
+            if seq.params.prompt_logprobs is not None and seq.is_prefill:
+                # position j's logits score prompt token j + 1; the prompt's last position samples
+                first = seq.num_computed
+                last = min(first + s.num_new, len(seq.prompt_token_ids) - 1)
+                extra.extend(step.starts[i] + j - seq.num_computed for j in range(first, last))
+                n = max(0, last - first)
+            counts.append(n)
+        index = torch.tensor(extra, dtype=torch.int64, device=self.device)
+        step.logits_index = torch.cat([step.logits_index, index])
+        return counts
+
+    def _take_prompt_logprobs(
+        self, scheduled: list[ScheduledSeq], logits: torch.Tensor, counts: list[int]
+    ) -> torch.Tensor:
+        """Record the prompt logprobs of the extra rows; return the sampling rows ``[N, V]``."""
+        n = sum(1 for s in scheduled if s.sample)
+        logp = logits[n:].log_softmax(-1)
+        row = 0
+        for s, k in zip(scheduled, counts):
+            seq = s.seq
+            if seq.params.prompt_logprobs is not None and seq.is_prefill and seq.num_computed == 0:
+                seq.prompt_logprobs.append(None)  # the first prompt token has no context
+            for j in range(seq.num_computed, seq.num_computed + k):
+                target = seq.prompt_token_ids[j + 1]
+                seq.prompt_logprobs.append(token_logprob(logp[row], target, seq.params.prompt_logprobs or 0))
+                row += 1
+        return logits[:n]
+
+    def _allowed(self, sampling: list[Sequence]) -> dict[int, torch.Tensor] | None:
+        """Row -> grammar mask ``[V]`` of the sampling rows that have a grammar."""
+        if not self._matchers:
+            return None
+        return {
+            i: self._matchers[q.request_id].allowed().to(self.device)
+            for i, q in enumerate(sampling)
+            if q.request_id in self._matchers
+        }
 
     def _update(
         self, scheduled: list[ScheduledSeq], step: StepContext, picks: dict[str, Sampled | Exception]
@@ -260,6 +325,8 @@ class LLMEngine:
         if isinstance(pick, Exception):
             raise pick
         seq.output_token_ids.append(pick.token)
+        if (matcher := self._matchers.get(seq.request_id)) is not None:
+            matcher.consume(pick.token)
         if pick.logprob is not None:
             seq.output_logprobs.append(pick.logprob)
         self.stats.generation_tokens += 1
@@ -302,7 +369,9 @@ class LLMEngine:
         if update_text(seq, self.tokenizer):
             return "stop"
         reason = None
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+        matcher = self._matchers.get(seq.request_id)
+        eos = not p.ignore_eos and token in self.eos_token_ids
+        if token in p.stop_token_ids or eos or (matcher is not None and matcher.finished):
             reason = "stop"
         elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
@@ -316,12 +385,14 @@ class LLMEngine:
         self.scheduler.finish(seq)
         self._seqs.pop(seq.request_id, None)
         self._generators.pop(seq.request_id, None)
+        self._matchers.pop(seq.request_id, None)
         self.stats.requests_finished[reason] = self.stats.requests_finished.get(reason, 0) + 1
         if self.recorder is not None:
             (self.recorder.finish if commit else self.recorder.abort)(seq.request_id)
 
     def _output(self, seq: Sequence, new_tokens: int) -> RequestOutput:
         finished = seq.status == SequenceStatus.FINISHED
+        with_prompt = seq.params.prompt_logprobs is not None and (seq.sent_tokens == 0 or finished)
         new_ids = seq.output_token_ids[seq.sent_tokens :]
         seq.sent_tokens = len(seq.output_token_ids)
         delta = take_delta(seq, finished)
@@ -342,6 +413,7 @@ class LLMEngine:
             arrival_time=seq.arrival_time,
             first_token_time=seq.first_token_time,
             finish_time=seq.finish_time,
+            prompt_logprobs=list(seq.prompt_logprobs) if with_prompt else None,
         )
 
     def prefill_logits(self, token_ids: list[int]) -> torch.Tensor:

@@ -33,6 +33,19 @@ class SamplingParams:
         ignore_eos: keep generating past EOS (benchmarks).
         logprobs: when set, return the chosen token's log-probability and this many top
             alternatives per generated token (0..20).
+        presence_penalty: in [-2, 2]; subtracted once from the logit of every token already in
+            the output (OpenAI's definition; 0 = off).
+        frequency_penalty: in [-2, 2]; subtracted from a token's logit once per time it is in
+            the output (0 = off).
+        repetition_penalty: in (0, 2]; tokens of the prompt or the output have positive logits
+            divided by it and negative ones multiplied by it (transformers' and vLLM's rule; 1 = off).
+        min_p: in [0, 1]; after temperature, tokens whose probability is below ``min_p`` times
+            the top token's are dropped (0 = off).
+        logit_bias: token id -> value added to its logit before sampling (greedy included).
+        prompt_logprobs: when set, also return each prompt token's log-probability given the
+            tokens before it, with this many top alternatives (0..20; the first token has none).
+        grammar: an llguidance grammar (``moe_runtime.engine.structured``) the output must match;
+            tokens it does not allow are masked before sampling.
     """
 
     max_tokens: int = 16
@@ -44,6 +57,13 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    prompt_logprobs: int | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -56,11 +76,28 @@ class SamplingParams:
             raise RequestError(f"top_k must be -1, 0 or positive, got {self.top_k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise RequestError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise RequestError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2 <= value <= 2):
+                raise RequestError(f"{name} must be in [-2, 2], got {value}")
+        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 2):
+            raise RequestError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p}")
+        if any(not math.isfinite(v) for v in self.logit_bias.values()):
+            raise RequestError("logit_bias values must be finite")
 
     @property
     def greedy(self) -> bool:
         """True when tokens are the argmax: ``temperature < GREEDY_TEMPERATURE`` (0 included)."""
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def penalized(self) -> bool:
+        """True when a presence, frequency or repetition penalty changes the logits."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 class SequenceStatus(enum.Enum):
@@ -108,6 +145,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # filled during prefill
     kv_row: int = -1
     num_computed: int = 0  # tokens whose K/V are in the cache
     finish_reason: str | None = None
@@ -143,6 +181,8 @@ class RequestOutput:
             a stop string is held back until it is decided.
         text: all text handed out so far (the concatenation of every ``new_text``).
         logprobs: one entry per new token when the request asked for logprobs.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``, on the first and the final
+            output: one entry per prompt token (``None`` for the first), else None.
         finished: whether the request is done; then ``finish_reason`` is ``"stop"``,
             ``"length"``, ``"abort"`` or ``"error"``.
         error: on ``finish_reason="error"``, one line saying what failed for this request (its
@@ -167,3 +207,4 @@ class RequestOutput:
     first_token_time: float | None
     finish_time: float | None
     error: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -6,6 +6,7 @@ Flags map one-to-one onto :class:`moe_runtime.config.RuntimeConfig` fields.
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from moe_runtime.config import RuntimeConfig
@@ -31,7 +32,10 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
         help="devices experts are spread over by a hash of (layer, expert); on CPU, emulated",
     )
     g.add_argument(
-        "--dtype", default="fp32", choices=["bf16", "fp16", "fp32"], help="weights and activations"
+        "--dtype",
+        default="fp32",
+        choices=["auto", "bf16", "fp16", "fp32"],
+        help="weights and activations; auto = bf16 on CUDA, else the checkpoint's torch_dtype",
     )
     size = g.add_mutually_exclusive_group()
     size.add_argument(
@@ -98,7 +102,7 @@ def runtime_from_args(args: argparse.Namespace) -> RuntimeConfig:
     return RuntimeConfig(
         device=args.device,
         num_devices=args.num_devices,
-        dtype=args.dtype,
+        dtype=_dtype(args),
         buffer_slots=args.buffer_slots,
         buffer_fraction=args.buffer_fraction,
         link_gbps=args.link_gbps,
@@ -113,6 +117,24 @@ def runtime_from_args(args: argparse.Namespace) -> RuntimeConfig:
         router_lookahead=args.router_lookahead,
         eamc_capacity=args.eamc_capacity,
     )
+
+
+_CHECKPOINT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def _dtype(args: argparse.Namespace) -> str:
+    """``--dtype``, with ``auto`` resolved: bf16 on CUDA, else the checkpoint's ``torch_dtype``
+    (``dtype`` in newer configs) from its ``config.json``, fp32 when it names none."""
+    if args.dtype != "auto":
+        return args.dtype
+    if str(args.device).startswith("cuda"):
+        return "bf16"
+    path = resolve_model(args) / "config.json" if hasattr(args, "model") else None
+    try:
+        config = json.loads(path.read_text()) if path is not None else {}
+    except (OSError, json.JSONDecodeError):
+        config = {}  # the loader reports a missing or broken config.json with its own message
+    return _CHECKPOINT_DTYPES.get(str(config.get("torch_dtype") or config.get("dtype")), "fp32")
 
 
 def resolve_model(args: argparse.Namespace) -> Path:

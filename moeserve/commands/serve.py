@@ -79,6 +79,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="most open connections + running requests; beyond it uvicorn answers 503 (default: unlimited)",
     )
     g.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds sent with a 429")
+    g.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=[],
+        help="CORS: browser origins allowed to call the API ('*' = any)",
+    )
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     t = p.add_argument_group("tracing")
     t.add_argument("--record-trace", type=Path, default=None, help="append each request's expert trace here")
@@ -143,6 +149,7 @@ def _settings(args: argparse.Namespace, model_dir: Path) -> Any:
         timeout_body_s=args.timeout_body,
         limit_concurrency=args.limit_concurrency,
         retry_after_s=args.retry_after,
+        allowed_origins=tuple(args.allowed_origins),
     )
 
 

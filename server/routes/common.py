@@ -45,23 +45,24 @@ def check_model(state: ServerState, model: str | None) -> str:
 
 def check_unsupported(body: SamplingFields) -> None:
     """400 for OpenAI options this server does not implement (rather than silently ignoring)."""
-    if body.presence_penalty:
-        raise invalid("presence_penalty is not supported (send 0 or omit it)", "presence_penalty")
-    if body.frequency_penalty:
-        raise invalid("frequency_penalty is not supported (send 0 or omit it)", "frequency_penalty")
-    if body.logit_bias:
-        raise invalid("logit_bias is not supported", "logit_bias")
     if body.stream_options is not None and not body.stream:
         raise invalid("stream_options is only allowed with stream=true", "stream_options")
 
 
 def sampling_params(
-    body: SamplingFields, max_tokens: int, logprobs: int | None, choice: int
+    body: SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    choice: int,
+    grammar: str | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """Engine sampling parameters for choice ``choice`` of a request.
 
-    OpenAI defaults: temperature 1, top_p 1. With ``seed``, choice ``i`` is seeded ``seed + i``
-    so the ``n`` choices differ yet the response is reproducible.
+    OpenAI defaults: temperature 1, top_p 1, penalties 0, ``repetition_penalty`` 1, ``min_p`` 0.
+    With ``seed``, choice ``i`` is seeded ``seed + i`` so the ``n`` choices differ yet the
+    response is reproducible. ``logit_bias`` keys (token ids as strings, checked by
+    ``check_sampling``) become ints; ``grammar`` comes from ``response_format``.
 
     Raises:
         RequestError: a value out of range (answered with 400).
@@ -77,6 +78,13 @@ def sampling_params(
         stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        min_p=body.min_p or 0.0,
+        logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
+        grammar=grammar,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -86,13 +94,15 @@ def engine_requests(
     prompts: list[list[int]],
     max_tokens: list[int],
     logprobs: int | None,
+    grammar: str | None = None,
+    prompt_logprobs: int | None = None,
 ) -> list[EngineRequest]:
     """One engine request per (prompt, choice); choice index = prompt index * n + choice."""
     out = []
     for p, ids in enumerate(prompts):
         for c in range(body.n):
             index = p * body.n + c
-            params = sampling_params(body, max_tokens[p], logprobs, c)
+            params = sampling_params(body, max_tokens[p], logprobs, c, grammar, prompt_logprobs)
             out.append(EngineRequest(f"{response_id}-{index}", ids, params))
     return out
 

@@ -2,7 +2,8 @@
 
 ``prompt`` may be a string, a list of strings, a list of token ids or a list of token-id lists;
 each prompt gets ``n`` choices, numbered ``prompt_index * n + choice``. Every (prompt, choice)
-is one engine request, so they batch with everything else in flight.
+is one engine request, so they batch with everything else in flight. ``echo`` with ``logprobs``
+returns the prompt tokens' logprobs too (the first is null), computed during the prefill.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from server.routes.common import (
     usage,
 )
 from server.routes.limits import check_logprobs, check_sampling, check_token_ids
+from server.routes.response_format import response_grammar
 from server.sse import DONE, EventStreamResponse, sse_event, unless_disconnected
 from server.state import ServerState
 
@@ -68,17 +70,32 @@ def _prompts(state: ServerState, prompts: list[str] | list[list[int]]) -> tuple[
     return ids, texts
 
 
-def _logprobs(state: ServerState, lps: list[TokenLogprob], offset: int) -> CompletionLogprobs:
-    """OpenAI completion logprobs; ``text_offset`` counts characters from ``offset``."""
+def _logprobs(
+    state: ServerState, lps: list[TokenLogprob | None], offset: int, ids: list[int] | None = None
+) -> CompletionLogprobs:
+    """OpenAI completion logprobs; ``text_offset`` counts characters from ``offset``.
+
+    ``ids`` (the prompt's, for echo) names the tokens where an entry is ``None`` (the first prompt
+    token: null logprob and alternatives, as OpenAI sends them).
+    """
     out = CompletionLogprobs()
-    for lp in lps:
-        text = token_text(state, lp.token_id)
+    for i, lp in enumerate(lps):
+        text = token_text(state, ids[i] if ids is not None else lp.token_id)
         out.tokens.append(text)
-        out.token_logprobs.append(lp.logprob)
-        out.top_logprobs.append({token_text(state, t): v for t, v in lp.top.items()})
+        out.token_logprobs.append(None if lp is None else lp.logprob)
+        out.top_logprobs.append(None if lp is None else {token_text(state, t): v for t, v in lp.top.items()})
         out.text_offset.append(offset)
         offset += len(text)
     return out
+
+
+def _joined(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(
+        tokens=a.tokens + b.tokens,
+        token_logprobs=a.token_logprobs + b.token_logprobs,
+        top_logprobs=a.top_logprobs + b.top_logprobs,
+        text_offset=a.text_offset + b.text_offset,
+    )
 
 
 async def _complete(
@@ -93,16 +110,17 @@ async def _complete(
         raise invalid("best_of other than n is not supported", "best_of")
     if body.suffix:
         raise invalid("suffix is not supported", "suffix")
-    if body.echo and body.logprobs is not None:
-        raise invalid("echo with logprobs is not supported (no prompt logprobs)", "echo")
+    grammar = response_grammar(state, body)
     prompts, texts = _prompts(state, prompt_list)
     max_tokens = [max_tokens_for(body.max_tokens, len(p), state.max_model_len) for p in prompts]
     response_id, created = new_id("cmpl"), now()
-    stream = await state.client.submit(engine_requests(response_id, body, prompts, max_tokens, body.logprobs))
+    prompt_lps = body.logprobs if body.echo else None
+    requests = engine_requests(response_id, body, prompts, max_tokens, body.logprobs, grammar, prompt_lps)
+    stream = await state.client.submit(requests)
     echo = [texts[i // body.n] if body.echo else "" for i in range(len(prompts) * body.n)]
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        events = _events(state, stream, response_id, created, model, echo, prompts, include_usage)
+        events = _events(state, stream, response_id, created, model, echo, prompts, include_usage, prompt_lps)
         return EventStreamResponse(events, on_close=stream.abort)
     finals = await unless_disconnected(request, lambda: collect(stream), stream.abort)
     if finals is None:  # the client left; nobody reads this
@@ -110,11 +128,17 @@ async def _complete(
     choices = []
     for index in sorted(finals):
         out, lps = finals[index]
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = _logprobs(state, lps, len(echo[index]))
+            if prompt_lps is not None:
+                echoed = _logprobs(state, out.prompt_logprobs or [], 0, prompts[index // body.n])
+                logprobs = _joined(echoed, logprobs)
         choices.append(
             CompletionChoice(
                 index=index,
                 text=echo[index] + out.text,
-                logprobs=_logprobs(state, lps, len(echo[index])) if body.logprobs is not None else None,
+                logprobs=logprobs,
                 finish_reason=out.finish_reason,
             )
         )
@@ -136,6 +160,7 @@ async def _events(
     echo: list[str],
     prompts: list[list[int]],
     include_usage: bool,
+    prompt_lps: int | None,
 ) -> AsyncIterator[str]:
     """SSE chunks: one per choice and step that produced text (or finished), usage, ``[DONE]``."""
 
@@ -146,13 +171,19 @@ async def _events(
         return sse_event(payload)
 
     offsets = [len(e) for e in echo]
+    echoed: set[int] = set()
     finals: list[RequestOutput] = []
     try:
         for index, text in enumerate(echo):
-            if text:
+            if text and prompt_lps is None:  # with prompt logprobs: sent with the first output
                 yield chunk([CompletionChoice(index=index, text=text)])
+        n = len(echo) // len(prompts)
         async for out in stream:
             index = choice_index(out.request_id)
+            if prompt_lps is not None and out.prompt_logprobs is not None and index not in echoed:
+                echoed.add(index)
+                lps = _logprobs(state, out.prompt_logprobs or [], 0, prompts[index // n])
+                yield chunk([CompletionChoice(index=index, text=echo[index], logprobs=lps)])
             lps = None
             if out.logprobs:
                 lps = _logprobs(state, out.logprobs, offsets[index])

@@ -15,6 +15,11 @@ field                  limit
 ``stop``               at most 4 strings (OpenAI), each at most 256 characters
 ``stop_token_ids``     at most 64, each a token id of the vocabulary
 ``logprobs``           0..20 (chat: ``top_logprobs``)
+``presence_penalty``   finite, in [-2, 2] (OpenAI); also ``frequency_penalty``
+``repetition_penalty`` finite, in (0, 2]
+``min_p``              finite, in [0, 1]
+``logit_bias``         at most 300 entries (OpenAI); keys token ids of the vocabulary, values in
+                       [-100, 100]
 ``seed``               a signed 64-bit integer (a schema bound: ``server/protocol.py``)
 prompt token ids       in [0, vocabulary size)
 any text               valid Unicode (no lone surrogates such as ``"\\ud800"``)
@@ -34,6 +39,8 @@ MAX_STOP = 4
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300
+MAX_BIAS = 100.0
 
 
 def check_text(text: str, param: str) -> None:
@@ -84,11 +91,39 @@ def check_sampling(state: ServerState, body: SamplingFields, num_prompts: int) -
         if len(s) > MAX_STOP_CHARS:
             raise invalid(f"a stop string is {len(s)} characters; at most {MAX_STOP_CHARS}", "stop")
         check_text(s, "stop")
+    _check_processors(state, body)
     if body.stop_token_ids:
         if len(body.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             msg = f"stop_token_ids allows at most {MAX_STOP_TOKEN_IDS} ids, got {len(body.stop_token_ids)}"
             raise invalid(msg, "stop_token_ids")
         check_token_ids(state, body.stop_token_ids, "stop_token_ids")
+
+
+def _in_range(value: float | None, low: float, high: float, param: str, low_open: bool = False) -> None:
+    if value is None:
+        return
+    ok = math.isfinite(value) and (low < value if low_open else low <= value) and value <= high
+    if not ok:
+        raise invalid(f"{param} must be in {'(' if low_open else '['}{low:g}, {high:g}], got {value}", param)
+
+
+def _check_processors(state: ServerState, body: SamplingFields) -> None:
+    """Penalties, ``min_p`` and ``logit_bias`` (the logits processors' inputs)."""
+    _in_range(body.presence_penalty, -2, 2, "presence_penalty")
+    _in_range(body.frequency_penalty, -2, 2, "frequency_penalty")
+    _in_range(body.repetition_penalty, 0, 2, "repetition_penalty", low_open=True)
+    _in_range(body.min_p, 0, 1, "min_p")
+    bias = body.logit_bias or {}
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise invalid(f"logit_bias allows at most {MAX_LOGIT_BIAS} entries, got {len(bias)}", "logit_bias")
+    ids = []
+    for key, value in bias.items():
+        try:
+            ids.append(int(key))
+        except ValueError:
+            raise invalid(f"logit_bias keys must be token ids, got {key[:32]!r}", "logit_bias") from None
+        _in_range(value, -MAX_BIAS, MAX_BIAS, "logit_bias")
+    check_token_ids(state, ids, "logit_bias")
 
 
 def check_logprobs(value: int | None, param: str) -> None:
