@@ -5,10 +5,9 @@ Counter names are those of the server's ``/metrics`` (``docs/server.md``, "Metri
 ``Δ moeserve_expert_hits_total / Δ moeserve_expert_lookups_total``; blocking time is
 ``Δ moeserve_expert_blocking_seconds_total``.
 
-NOTE: moeserve exports each expert counter as two families of series in one metric, per layer
-``{layer="<i>", device="all"}`` and per device ``{layer="all", device="<d>"}`` (``server/metrics.py``);
-summing both would count everything twice. :meth:`MetricsSnapshot.total` therefore sums only the
-``layer="all"`` series when there are any, else only the ``device="all"`` ones, else all series.
+Each metric family has one aggregation level (``expert_lookups_total{layer}``; the per-device
+figures are the separate ``device_expert_*`` families, ``server/metrics.py``), so a total is the sum
+of a family's series.
 """
 
 from __future__ import annotations
@@ -36,25 +35,16 @@ class MetricsSnapshot:
     samples: dict[SampleKey, float] = field(default_factory=dict)
 
     def total(self, name: str) -> float | None:
-        """Sum of a sample name over one family of label sets (see the module note).
-
-        Returns ``None`` when the server has no such sample.
-        """
-        series = [(dict(labels), v) for (n, labels), v in self.samples.items() if n == name]
-        if not series:
-            return None
-        for label in ("layer", "device"):
-            picked = [v for lab, v in series if lab.get(label) == "all"]
-            if picked:
-                return sum(picked)
-        return sum(v for _, v in series)
+        """Sum of a sample name over all its series; ``None`` when the server has no such sample."""
+        series = [v for (n, _), v in self.samples.items() if n == name]
+        return sum(series) if series else None
 
     def by_label(self, name: str, label: str) -> dict[str, float]:
-        """Values of a sample name summed per value of one label (its ``"all"`` series left out)."""
+        """Values of a sample name summed per value of one label."""
         out: dict[str, float] = {}
         for (n, labels), v in self.samples.items():
             key = dict(labels).get(label, "")
-            if n == name and key != "all":
+            if n == name:
                 out[key] = out.get(key, 0.0) + v
         return out
 

@@ -151,6 +151,23 @@ class ModelConfig:
         return 3 * self.moe_intermediate_size * self.hidden_size
 
 
+def cache_policy_names() -> list[str]:
+    """Names in the cache-policy registry (:data:`moe_runtime.buffer.cache_policy.CACHE_POLICIES`,
+    built-in policies included)."""
+    from moe_runtime.buffer import cache_policy
+
+    if len(cache_policy.CACHE_POLICIES) == 1:  # the built-ins register on first use
+        cache_policy._register_builtin()
+    return list(cache_policy.CACHE_POLICIES)
+
+
+def prefetch_policy_names() -> list[str]:
+    """Names in the prefetch-policy registry (:data:`moe_runtime.prefetch.PREFETCH_POLICIES`)."""
+    from moe_runtime.prefetch import PREFETCH_POLICIES
+
+    return list(PREFETCH_POLICIES)
+
+
 @dataclass(slots=True)
 class RuntimeConfig:
     """Settings the user picks; CLI flags map one-to-one onto these fields.
@@ -173,8 +190,8 @@ class RuntimeConfig:
             capped at 4096.
         cache_policy / prefetch_policy: names from the policy registries (``eam`` by default;
             cache: ``lru``, ``eam-reuse``, ``model-counts``, ``oracle``; prefetch: ``on-demand``,
-            ``next-layer-all``, ``model-counts``, ``hot-experts``, ``oracle``). Ignored when every
-            expert is resident.
+            ``next-layer-all``, ``model-counts``, ``hot-experts``, ``oracle``). Unknown names are
+            refused even when every expert is resident (the policies then have nothing to do).
         prefetch_depth: later layers a prefetch plan may cover (multi-layer lookahead); None = all.
         router_lookahead: next MoE layers whose ``eam`` prefetch plan also uses the router
             lookahead (later routers applied to the current residual stream; 0 = the paper's
@@ -231,6 +248,12 @@ class RuntimeConfig:
             raise ConfigError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+        for flag, name, known in (
+            ("--cache-policy", self.cache_policy, cache_policy_names()),
+            ("--prefetch-policy", self.prefetch_policy, prefetch_policy_names()),
+        ):
+            if name not in known:
+                raise ConfigError(f"{flag} {name!r} is unknown (choose from {', '.join(known)})")
         try:
             torch.device(self.device)
         except RuntimeError as exc:

@@ -4,8 +4,8 @@ Each module in :data:`COMMAND_MODULES` exposes ``register(subparsers)``, which a
 subcommand(s) and sets ``func`` on the parsed namespace. Modules are imported lazily by name so a
 broken optional dependency of one subcommand never breaks the others.
 
-User errors (:class:`moe_runtime.errors.MoeServeError`, :class:`clients.errors.ClientError`) print one
-line and exit with status 2. Every (sub)command's ``--help`` shows option defaults
+User errors (:class:`moe_runtime.errors.MoeServeError`, :class:`clients.errors.ClientError`, and
+argparse's bad flags or values) print one line and exit with status 2. Every (sub)command's ``--help`` shows option defaults
 (:class:`HelpFormatter`); ``moeserve --version`` prints the installed version.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 COMMAND_MODULES = [
     "moeserve.commands.generate",
@@ -47,6 +47,11 @@ class Parser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
 
+    def error(self, message: str) -> NoReturn:
+        """A bad flag or value: one line naming it (``moeserve: error: argument --x: ...``) and a
+        pointer to ``--help`` on stderr, exit status 2 (argparse would print the whole usage)."""
+        self.exit(2, f"moeserve: error: {message} (see {self.prog} --help)\n")
+
 
 def build_parser() -> argparse.ArgumentParser:
     from moeserve import __version__
@@ -69,7 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     from tracer.errors import TracerError
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a bad flag (already reported on stderr)
+        return exc.code if isinstance(exc.code, int) else 2
     try:
         return int(args.func(args) or 0)
     except (MoeServeError, ClientError, TracerError) as exc:

@@ -6,23 +6,21 @@ runtime's own statistics at scrape time (``EngineStats`` as published by the eng
 each step, ``ExpertStats`` under ``buffer.cond`` for a consistent snapshot), so ``/metrics`` always
 equals the runtime's figures.
 
-Labelling of the expert counters ``expert_lookups_total``, ``expert_hits_total`` and
-``expert_blocking_seconds_total``: the runtime keeps them per MoE layer and per device, not per
-(layer, device), so each is exported as two families of series in one metric:
+Expert counters: the runtime keeps expert lookups, hits and blocking seconds per MoE layer and
+per device, not per (layer, device), so each is exported as two metric families with one
+aggregation level each, and ``sum()`` over either is the total:
 
-* per layer: ``{layer="<i>", device="all"}`` for MoE layer ``i`` (0-based among MoE layers);
-* per device: ``{layer="all", device="<d>"}`` for device partition ``d``.
-
-Select one family before summing (``sum(x{device="all"})`` or ``sum(x{layer="all"})``): summing
-both counts everything twice. Ratios such as the buffer hit rate
-``sum(rate(hits)) / sum(rate(lookups))`` are the same over either family or both.
+* per layer: ``expert_lookups_total{layer="<i>"}``, ``expert_hits_total{layer}``,
+  ``expert_blocking_seconds_total{layer}`` for MoE layer ``i`` (0-based among MoE layers);
+* per device: ``device_expert_lookups_total{device="<d>"}``, ``device_expert_hits_total{device}``,
+  ``device_expert_blocking_seconds_total{device}`` for device partition ``d``.
 
 HTTP-edge counters (``http_responses_total{route,status}``, ``requests_rejected_total{reason}``,
 ``connection_timeouts_total{phase}``, ``accept_errors_total``) are counted by the server itself:
 :class:`HTTPMetricsMiddleware` sees every response the app sends, the connection protocol and the
 accept-error handler report the others (``server/runner.py``).
 
-All names carry the ``moeserve_`` prefix (DESIGN.md, "Metrics").
+All names carry the ``moeserve_`` prefix; docs/server.md lists them.
 """
 
 from __future__ import annotations
@@ -99,12 +97,14 @@ class RuntimeCollector(Collector):
             ("expert_blocking_seconds", "Seconds compute waited for expert copies.", "blocking_s"),
         ]
         for name, doc, attr in per:
-            fam = CounterMetricFamily(PREFIX + name, doc, labels=["layer", "device"])
-            for layer, value in enumerate(getattr(st, attr)):
-                fam.add_metric([str(layer), "all"], value)
-            for dev, value in enumerate(getattr(st, "device_" + attr)):
-                fam.add_metric(["all", str(dev)], value)
-            yield fam
+            for prefix, label, values in (
+                ("", "layer", getattr(st, attr)),
+                ("device_", "device", getattr(st, "device_" + attr)),
+            ):
+                fam = CounterMetricFamily(PREFIX + prefix + name, f"{doc} Per {label}.", labels=[label])
+                for index, value in enumerate(values):
+                    fam.add_metric([str(index)], value)
+                yield fam
         transfer = CounterMetricFamily(
             PREFIX + "expert_transfer_bytes", "Bytes copied host->device by kind.", labels=["kind"]
         )

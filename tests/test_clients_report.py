@@ -14,18 +14,21 @@ from clients.plots import plot_run, plot_sweep
 from clients.report import latency_stats, render, summarize
 from clients.sweep import parse_rates, sweep_rows
 
-# moeserve's layout: per-layer series with device="all" and per-device series with layer="all"
+# moeserve's layout: per-layer families, and per-device families of the same counts
 BEFORE = """# TYPE moeserve_expert_lookups_total counter
-moeserve_expert_lookups_total{device="all",layer="0"} 10
-moeserve_expert_lookups_total{device="all",layer="1"} 10
-moeserve_expert_lookups_total{device="0",layer="all"} 20
+moeserve_expert_lookups_total{layer="0"} 10
+moeserve_expert_lookups_total{layer="1"} 10
+# TYPE moeserve_device_expert_lookups_total counter
+moeserve_device_expert_lookups_total{device="0"} 20
 # TYPE moeserve_expert_hits_total counter
-moeserve_expert_hits_total{device="all",layer="0"} 5
-moeserve_expert_hits_total{device="all",layer="1"} 5
-moeserve_expert_hits_total{device="0",layer="all"} 10
+moeserve_expert_hits_total{layer="0"} 5
+moeserve_expert_hits_total{layer="1"} 5
+# TYPE moeserve_device_expert_hits_total counter
+moeserve_device_expert_hits_total{device="0"} 10
 # TYPE moeserve_expert_blocking_seconds_total counter
-moeserve_expert_blocking_seconds_total{device="all",layer="0"} 1.0
-moeserve_expert_blocking_seconds_total{device="0",layer="all"} 1.0
+moeserve_expert_blocking_seconds_total{layer="0"} 1.0
+# TYPE moeserve_device_expert_blocking_seconds_total counter
+moeserve_device_expert_blocking_seconds_total{device="0"} 1.0
 # TYPE moeserve_request_success_total counter
 moeserve_request_success_total{finished_reason="length"} 2
 moeserve_request_success_total{finished_reason="abort"} 1
@@ -43,10 +46,10 @@ def test_metrics_delta_counts_each_family_once() -> None:
     for old, new in [
         ('layer="0"} 10', 'layer="0"} 30'),  # lookups +20 per layer, +40 per device
         ('layer="1"} 10', 'layer="1"} 30'),
-        ('layer="all"} 20', 'layer="all"} 60'),
+        ('device="0"} 20', 'device="0"} 60'),
         ('layer="0"} 5', 'layer="0"} 20'),  # hits +15 per layer, +30 per device
         ('layer="1"} 5', 'layer="1"} 20'),
-        ('layer="all"} 10', 'layer="all"} 40'),
+        ('device="0"} 10', 'device="0"} 40'),
         ("} 1.0\n", "} 1.5\n"),
         ('"length"} 2', '"length"} 7'),
         ("total 40", "total 90"),

@@ -247,11 +247,11 @@ def assert_fresh(stack: Stack) -> None:
 
 def test_hit_rate_rules_match_server_counters(stack: Stack) -> None:
     assert_fresh(stack)
-    lookups = stack.delta("moeserve_expert_lookups_total", device="all")
-    hits = stack.delta("moeserve_expert_hits_total", device="all")
+    lookups = stack.delta("moeserve_expert_lookups_total")
+    hits = stack.delta("moeserve_expert_hits_total")
     assert lookups > 0 and 0 < hits < lookups, "the load must produce both hits and misses"
-    # The per-device family counts the same lookups (not summed with the per-layer one).
-    assert stack.delta("moeserve_expert_lookups_total", layer="all") == lookups
+    # The per-device family counts the same lookups, in a family of its own.
+    assert stack.delta("moeserve_device_expert_lookups_total") == lookups
     expected = hits / lookups
     for rule in (
         "instance:moeserve_expert_hit_rate:ratio_rate1m",
@@ -259,17 +259,17 @@ def test_hit_rate_rules_match_server_counters(stack: Stack) -> None:
     ):
         assert stack.scalar(rule) == pytest.approx(expected, rel=1e-9), rule
 
-    layers = {dict(ls)["layer"] for (n, ls) in stack.after if n == "moeserve_expert_lookups_total"} - {"all"}
+    layers = {dict(ls)["layer"] for (n, ls) in stack.after if n == "moeserve_expert_lookups_total"}
     assert len(layers) == 2  # the tiny checkpoint's two MoE layers
     for layer in sorted(layers):
-        want = stack.delta("moeserve_expert_hits_total", layer=layer, device="all") / stack.delta(
-            "moeserve_expert_lookups_total", layer=layer, device="all"
+        want = stack.delta("moeserve_expert_hits_total", layer=layer) / stack.delta(
+            "moeserve_expert_lookups_total", layer=layer
         )
         got = stack.scalar(f'job_layer:moeserve_expert_hit_rate:ratio_rate1m{{layer="{layer}"}}')
         assert got == pytest.approx(want, rel=1e-9), layer
 
-    want = stack.delta("moeserve_expert_hits_total", layer="all", device="0") / stack.delta(
-        "moeserve_expert_lookups_total", layer="all", device="0"
+    want = stack.delta("moeserve_device_expert_hits_total", device="0") / stack.delta(
+        "moeserve_device_expert_lookups_total", device="0"
     )
     got = stack.scalar('job_device:moeserve_expert_hit_rate:ratio_rate1m{device="0"}')
     assert got == pytest.approx(want, rel=1e-9)
@@ -277,7 +277,8 @@ def test_hit_rate_rules_match_server_counters(stack: Stack) -> None:
 
 def test_blocking_per_token_rules_match_server_counters(stack: Stack) -> None:
     assert_fresh(stack)
-    blocked = stack.delta("moeserve_expert_blocking_seconds_total", device="all")
+    blocked = stack.delta("moeserve_expert_blocking_seconds_total")
+    assert stack.delta("moeserve_device_expert_blocking_seconds_total") == pytest.approx(blocked)
     tokens = stack.delta("moeserve_generation_tokens_total")
     assert blocked > 0 and tokens > 0, "the emulated slow link must make lookups block"
     for rule in (

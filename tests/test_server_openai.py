@@ -182,9 +182,11 @@ def test_metrics_match_engine_stats(client, running):
         assert m[f'moeserve_request_success_total{{finished_reason="{reason}"}}'] == count
     es = engine.buffer.stats
     for layer, (lookups, hits) in enumerate(zip(es.lookups, es.hits)):
-        assert m[f'moeserve_expert_lookups_total{{device="all",layer="{layer}"}}'] == lookups
-        assert m[f'moeserve_expert_hits_total{{device="all",layer="{layer}"}}'] == hits
-    assert m['moeserve_expert_lookups_total{device="0",layer="all"}'] == es.total_lookups
+        assert m[f'moeserve_expert_lookups_total{{layer="{layer}"}}'] == lookups
+        assert m[f'moeserve_expert_hits_total{{layer="{layer}"}}'] == hits
+    assert m['moeserve_device_expert_lookups_total{device="0"}'] == es.total_lookups
+    # one aggregation level per family: no series carries both labels
+    assert not [k for k in m if "layer=" in k and "device=" in k]
     assert m['moeserve_expert_transfer_bytes_total{kind="demand"}'] == es.demand_bytes
     assert m["moeserve_prefetch_issued_total"] == es.prefetch_issued
     assert m["moeserve_requests_running"] == 0 and m["moeserve_requests_waiting"] == 0
