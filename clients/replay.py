@@ -40,6 +40,7 @@ from clients.prompts import (
 from clients.report import Summary, render, summarize
 from clients.sizing import choose_counter
 from clients.trace import Arrival, load_azure_trace, poisson_arrivals, scale_trace, skip, window
+from richconsole import make_console
 
 # Tokens kept free of the context budget for special tokens and re-tokenisation at the cut.
 CONTEXT_MARGIN = 8
@@ -190,7 +191,7 @@ def write_outputs(
     for name, text in scrapes.items():
         if text is not None:
             (out / name).write_text(text, encoding="utf-8")
-    text_console = Console(record=True, width=110, file=io.StringIO())
+    text_console = make_console(record=True, file=io.StringIO())
     render(summary, text_console)
     (out / "summary.txt").write_text(text_console.export_text(), encoding="utf-8")
     return plot_run(records, out, title)
@@ -198,7 +199,7 @@ def write_outputs(
 
 async def run_async(cfg: ReplayConfig, console: Console | None = None) -> Summary:
     """Run one replay (see the module docstring); writes its files to ``cfg.out``."""
-    console = console or Console(stderr=True)
+    console = console or make_console(stderr=True)
     arrivals = arrivals_for(cfg)  # bad input files fail here, before any request
     prompts = load_prompts(cfg.prompts)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)

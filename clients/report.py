@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 from rich.console import Console
-from rich.table import Table
 
 from clients.http import RequestRecord
 from clients.metrics_scrape import ServerDelta
+from richconsole import Table
 
 PERCENTILES = (50, 90, 99)
 

@@ -20,13 +20,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-
 from clients.errors import ClientError
 from clients.options import add_replay_args, config_from_args
 from clients.plots import plot_sweep
 from clients.replay import run_async
 from clients.report import Summary
+from richconsole import make_console
 
 
 def parse_rates(text: str) -> list[float]:
@@ -73,7 +72,7 @@ def sweep_rows(summaries: list[Summary]) -> list[dict[str, Any]]:
 def run(args: argparse.Namespace) -> int:
     rates = parse_rates(args.rates)
     out = args.out or Path("runs") / time.strftime("sweep-%Y%m%d-%H%M%S")
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     summaries: list[Summary] = []
     for i, rps in enumerate(rates):
         if i and args.pause > 0:

@@ -5,8 +5,9 @@ subcommand(s) and sets ``func`` on the parsed namespace. Modules are imported la
 broken optional dependency of one subcommand never breaks the others.
 
 User errors (:class:`moe_runtime.errors.MoeServeError`, :class:`clients.errors.ClientError`, and
-argparse's bad flags or values) print one line and exit with status 2. Every (sub)command's ``--help`` shows option defaults
-(:class:`HelpFormatter`); ``moeserve --version`` prints the installed version.
+argparse's bad flags or values) print one line and exit with status 2. Every (sub)command's
+``--help`` shows option defaults (:class:`HelpFormatter`); ``moeserve --version`` prints the
+installed version.
 """
 
 from __future__ import annotations

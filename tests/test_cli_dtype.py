@@ -52,7 +52,8 @@ def test_explicit_dtype_is_kept(tmp_path):
 )
 def test_default_dtype_is_by_device(tmp_path, device, config, want):
     (tmp_path / "config.json").write_text(json.dumps(config))
-    args = build_parser().parse_args(["generate", "--prompt", "x", "--model", str(tmp_path), "--device", device])
+    argv = ["generate", "--prompt", "x", "--model", str(tmp_path), "--device", device]
+    args = build_parser().parse_args(argv)
     assert args.dtype == "by-device"
     assert _dtype(args) == want
 
@@ -71,5 +72,6 @@ def test_policy_choices_are_the_registries():
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
     choices = {a.dest: a.choices for a in sub._actions}
-    assert choices["cache_policy"] == cache_policy_names() and "eam-reuse" in choices["cache_policy"]
-    assert choices["prefetch_policy"] == prefetch_policy_names() and "hot-experts" in choices["prefetch_policy"]
+    assert choices["cache_policy"] == cache_policy_names()
+    assert choices["prefetch_policy"] == prefetch_policy_names()
+    assert "eam-reuse" in choices["cache_policy"] and "hot-experts" in choices["prefetch_policy"]

@@ -6,8 +6,6 @@ import argparse
 import re
 from collections.abc import Iterator
 
-import pytest
-
 from moeserve import __version__
 from moeserve.cli import build_parser, main
 
