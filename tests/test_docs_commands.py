@@ -69,9 +69,9 @@ PARSE_ONLY: dict[tuple[str, ...], str] = {
 CREATES_OUT: dict[tuple[str, ...], str] = {
     ("replay",): "clients/replay.py write_outputs: out.mkdir(parents=True)",
     ("bench", "sweep"): "clients/sweep.py run: out.mkdir(parents=True)",
-    ("make-checkpoint",): "moe_runtime/checkpoints writes with mkdir(parents=True)",
-    ("trace", "record"): "moe_runtime/bench/record_traces.py: parent.mkdir(parents=True)",
-    ("trace", "import"): "tracer importer: parent.mkdir(parents=True) (also run here)",
+    ("make-checkpoint",): "moe_runtime/checkpoints/writer.py: out.mkdir(parents=True)",
+    ("trace", "record"): "TraceWriter (tracer/trace_file.py): path.parent.mkdir(parents=True)",
+    ("trace", "import"): "TraceWriter (tracer/trace_file.py): path.parent.mkdir(parents=True); also run here",
 }
 
 #: (doc, substring of the command) -> the fault, for docs this change does not own; strict xfail.
