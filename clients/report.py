@@ -172,11 +172,8 @@ def render(summary: Summary, console: Console) -> None:
     if sv is None:
         console.print("server /metrics: not available")
         return
-    srv = Table(
-        title="Server counters over the run (/metrics after - before)",
-        title_justify="left",
-        show_header=False,
-    )
+    title = "Server counters over the run (/metrics after - before)"
+    srv = Table(title=title, title_justify="left", show_header=False, min_width=len(title))
     srv.add_column("what")
     srv.add_column("value", justify="right")
     srv.add_row(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from clients.metrics_scrape import diff, parse_metrics
 from clients.plots import plot_run, plot_sweep
 from clients.report import latency_stats, render, summarize
 from clients.sweep import parse_rates, sweep_rows
+from richconsole import make_console
 
 # moeserve's layout: per-layer families, and per-device families of the same counts
 BEFORE = """# TYPE moeserve_expert_lookups_total counter
@@ -126,3 +128,20 @@ def test_sweep_rates_and_plots(tmp_path: Path) -> None:
     for png in plot_sweep(rows, tmp_path, "test") + [plot_run([rec(i) for i in range(3)], tmp_path, "t")]:
         assert png is not None and png.read_bytes()[:4] == b"\x89PNG"
     assert plot_run([rec(0, ok=False, status="timeout")], tmp_path, "t") is None
+
+
+def test_render_to_a_pipe_keeps_lines_and_numbers_whole() -> None:
+    after = BEFORE.replace('layer="0"} 10', 'layer="0"} 1234567890').replace(
+        'device="0"} 20', 'device="0"} 1234567900'
+    )
+    server = diff(parse_metrics(BEFORE), parse_metrics(after))
+    settings = {f"setting_{i}": f"value_{i}" for i in range(12)}  # a settings line far over 80 columns
+    s = summarize(
+        [rec(i) for i in range(3)], duration_s=2.0, settings=settings, slo_tpot_ms=None, server=server
+    )
+    buf = io.StringIO()
+    render(s, make_console(file=buf))
+    lines = buf.getvalue().splitlines()
+    assert any(line.startswith("Settings: ") and line.endswith("setting_11=value_11") for line in lines)
+    assert "Server counters over the run (/metrics after - before)" in lines
+    assert any("1234567880 / 0" in line for line in lines)  # lookups delta printed whole
