@@ -88,7 +88,8 @@ class ModelConfig:
         ConfigError: an integer size outside :data:`MODEL_LIMITS`, an odd ``head_dim``, heads not
             a multiple of KV heads, top-k above the expert count, no MoE layer or one out of range,
             dense layers without a dense width, a non-finite or non-positive ``rope_theta``,
-            ``rms_norm_eps`` or ``clip_qkv``. Messages name the field; the loader prefixes the
+            ``rms_norm_eps`` or ``clip_qkv``, an ``attention_kind`` that does not match ``mla``.
+            Messages name the field; the loader prefixes the
             ``config.json`` path.
     """
 
@@ -138,12 +139,10 @@ class ModelConfig:
             raise ConfigError(
                 f"num_experts_per_tok={self.top_k} exceeds the number of experts {self.num_experts}"
             )
-        if (self.attention_kind == "mla") != (self.mla is not None) or self.attention_kind not in (
-            "gqa",
-            "mla",
-        ):
+        kind_ok = self.attention_kind == ("mla" if self.mla is not None else "gqa")
+        if not kind_ok:
             raise ConfigError(
-                f"attention_kind must be gqa, or mla with an MLA shape, got {self.attention_kind!r}"
+                f"attention_kind must be mla with an MLA shape, else gqa; got {self.attention_kind!r}"
             )
         if self.qk_norm not in ("none", "head", "full"):
             raise ConfigError(f"qk_norm must be none/head/full, got {self.qk_norm!r}")

@@ -2,7 +2,8 @@
 
 ``forward(input_ids [T], step) -> logits [N, V]`` for the N tokens that sample. Per decoder layer:
 RMSNorm -> q/k/v projections (+bias) -> q/k norm (per head or full) -> RoPE -> attention with the
-KV cache -> o projection -> residual -> RMSNorm -> MoE block (or dense MLP) -> residual.
+KV cache -> o projection -> residual -> RMSNorm -> MoE block (or dense MLP) -> residual. DeepSeek
+families attend with multi-head latent attention instead (``moe_runtime.layers.mla``).
 """
 
 from __future__ import annotations

@@ -17,8 +17,7 @@ import shutil
 
 import pytest
 import torch
-import transformers
-from test_runtime_oracle import _run_collecting_logits
+from test_runtime_oracle import _run_collecting_logits, greedy_references
 from tiny_models import DEEPSEEK_VARIANTS, make_deepseek_checkpoint
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ref
 
@@ -43,24 +42,9 @@ def deepseek(tmp_path_factory):
     """variant -> (checkpoint folder, transformers model, [(tokens, step logits [NEW, V])] per prompt)."""
     root = tmp_path_factory.mktemp("deepseek")
     out = {}
-    gen = transformers.GenerationConfig(
-        max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0
-    )
     for i, variant in enumerate(DEEPSEEK_VARIANTS):
         path = make_deepseek_checkpoint(variant, root / variant, seed=i)
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        model.generation_config.eos_token_id = None  # exactly NEW tokens, like ignore_eos
-        refs = []
-        for prompt in PROMPTS:
-            with torch.no_grad():
-                res = model.generate(
-                    torch.tensor([prompt]),
-                    generation_config=gen,
-                    output_logits=True,
-                    return_dict_in_generate=True,
-                )
-            refs.append((res.sequences[0, len(prompt) :].tolist(), torch.stack([x[0] for x in res.logits])))
-        out[variant] = (path, model, refs)
+        out[variant] = (path, *greedy_references(path, PROMPTS, NEW))
     return out
 
 

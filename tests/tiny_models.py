@@ -19,6 +19,17 @@ TEXT = (
     "A Mixture-of-Experts layer routes each token to its top-k experts; experts live in host memory.\n"
 ) * 20
 
+#: config fields every tiny checkpoint shares
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    max_position_embeddings=256,
+    eos_token_id=0,
+    bos_token_id=None,
+    pad_token_id=None,
+    tie_word_embeddings=False,
+)
+
 FAMILY_KWARGS = {
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48),
     "qwen2_moe": dict(
@@ -71,16 +82,10 @@ def make_checkpoint(
     config_cls, model_cls = classes[family]
     torch.manual_seed(seed)
     cfg = config_cls(
-        vocab_size=VOCAB,
-        hidden_size=64,
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=0,
-        bos_token_id=None,
-        pad_token_id=None,
-        tie_word_embeddings=False,
+        **COMMON,
         **FAMILY_KWARGS[family],
     )
     _save_random(model_cls(cfg), path)
@@ -141,8 +146,6 @@ def make_deepseek_checkpoint(variant: str, path: Path, seed: int = 0) -> Path:
     model_cls = transformers.DeepseekV3ForCausalLM if v3 else transformers.DeepseekV2ForCausalLM
     torch.manual_seed(seed)
     cfg = config_cls(
-        vocab_size=VOCAB,
-        hidden_size=64,
         intermediate_size=96,
         moe_intermediate_size=32,
         num_hidden_layers=3,
@@ -156,11 +159,7 @@ def make_deepseek_checkpoint(variant: str, path: Path, seed: int = 0) -> Path:
         n_routed_experts=8,
         num_experts_per_tok=2,
         n_shared_experts=2,
-        max_position_embeddings=256,
-        eos_token_id=0,
-        bos_token_id=None,
-        pad_token_id=None,
-        tie_word_embeddings=False,
+        **COMMON,
         **DEEPSEEK_VARIANTS[variant],
     )
     _save_random(model_cls(cfg), path)

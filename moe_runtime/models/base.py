@@ -1,9 +1,10 @@
 """What a model family is: how its ``config.json`` maps onto :class:`ModelConfig` and how its
 tensor names map onto our canonical weight names.
 
-All four supported families share the Llama-style dense naming (``model.layers.{i}.self_attn.
+The supported families share the Llama-style dense naming (``model.layers.{i}.self_attn.
 q_proj``...), so the mapping lives here and a family file only states what differs: where its MoE
-block lives, what its expert matrices are called and how it reads its config.
+block lives, what its expert matrices are called and how it reads its config (DeepSeek adds its
+latent-attention and shared-expert names in ``deepseek.py``; their shapes are :func:`mla_shapes`).
 
 Canonical names: ``embed``, ``final_norm``, ``lm_head`` and, per decoder layer ``i``,
 ``layers.{i}.{attn_norm,mlp_norm,q,k,v,o,q_bias,k_bias,v_bias,q_norm,k_norm,router,
