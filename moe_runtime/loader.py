@@ -235,7 +235,7 @@ def load_checkpoint(
         for f, handle in handles:
             for name in handle.keys():
                 kind = family.classify(name)
-                if kind is None:
+                if kind is None or family.ignores(name, cfg):
                     continue
                 try:
                     tensor = handle.get_tensor(name)

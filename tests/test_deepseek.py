@@ -159,3 +159,120 @@ def test_rotary_equals_transformers(deepseek, interleave):
     want_q, want_k = apply(q, k, cos, sin)
     assert torch.equal(ours.apply(q[0].transpose(0, 1), positions), want_q[0].transpose(0, 1))
     assert torch.equal(ours.apply(k[0].transpose(0, 1), positions), want_k[0].transpose(0, 1))
+
+
+V2_LITE = {  # DeepSeek-V2-Lite's config.json (the fields we read)
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "hidden_size": 2048,
+    "intermediate_size": 10944,
+    "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "n_routed_experts": 64,
+    "n_shared_experts": 2,
+    "num_experts_per_tok": 6,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "topk_method": "greedy",
+    "scoring_func": "softmax",
+    "norm_topk_prob": False,
+    "routed_scaling_factor": 1.0,
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "max_position_embeddings": 163840,
+    "rope_theta": 10000,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 40,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+    "vocab_size": 102400,
+    "bos_token_id": 100000,
+    "eos_token_id": 100001,
+    "rms_norm_eps": 1e-06,
+    "tie_word_embeddings": False,
+}
+V3 = {  # DeepSeek-V3/R1's config.json, bf16 (no quantization_config)
+    **V2_LITE,
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3,
+    "n_group": 8,
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "q_lora_rank": 1536,
+    "num_nextn_predict_layers": 1,
+    "rope_scaling": {**V2_LITE["rope_scaling"], "mscale": 1.0, "mscale_all_dim": 1.0},
+    "vocab_size": 129280,
+}
+
+
+@pytest.mark.parametrize(
+    ("raw", "moe_layers", "shared", "yarn_scale"),
+    [(V2_LITE, range(1, 27), 2 * 1408, 0.707), (V3, range(3, 61), 2048, 1.0)],
+    ids=["v2-lite", "v3"],
+)
+def test_released_configs_parse(tmp_path, raw, moe_layers, shared, yarn_scale):
+    """The released checkpoints' own config format (``rope_scaling`` + ``rope_theta``) gives their
+    shapes: MoE layers after the dense ones, the shared width, a 576-wide latent cache row, YaRN."""
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    _, cfg, _ = read_model_config(tmp_path)
+    assert cfg.moe_layers == list(moe_layers)
+    assert cfg.shared_expert_intermediate_size == shared and not cfg.shared_expert_gate
+    assert cfg.kv_elements_per_token == 576
+    assert cfg.mla.yarn.factor == 40 and cfg.mla.yarn.mscale_all_dim == yarn_scale
+    assert cfg.mla.yarn.original_max_position_embeddings == 4096
+    v3 = raw is V3
+    assert cfg.routing.topk_method == ("noaux_tc" if v3 else "greedy") and cfg.routing.score_bias == v3
+    assert cfg.norm_topk_prob == v3 and cfg.mla.q_lora_rank == (1536 if v3 else 0)
+
+
+def test_moe_layer_freq_makes_other_layers_dense(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps({**V2_LITE, "num_hidden_layers": 8, "moe_layer_freq": 2})
+    )
+    _, cfg, _ = read_model_config(tmp_path)
+    assert cfg.moe_layers == [2, 4, 6]
+
+
+def test_multi_token_prediction_layer_is_skipped(deepseek, tmp_path):
+    """V3 checkpoints carry a multi-token-prediction layer after the last decoder layer
+    (``model.layers.{num_hidden_layers}.*``); it is not served and does not fail the load."""
+    from safetensors.torch import save_file
+
+    path, _, refs = deepseek["v3"]
+    for f in path.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    save_file(
+        {
+            "model.layers.3.eh_proj.weight": torch.ones(64, 128),
+            "model.layers.3.mlp.experts.0.up_proj.weight": torch.ones(32, 64),
+        },
+        str(tmp_path / "mtp.safetensors"),
+    )
+    with LLMEngine.from_pretrained(tmp_path, RuntimeConfig(**RUNTIME)) as engine:
+        out = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+    assert out.output_token_ids == refs[0][0][:4]

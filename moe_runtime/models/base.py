@@ -76,6 +76,11 @@ class Family:
         """The :class:`ModelConfig` of a ``config.json``; raises ConfigError naming the field."""
         raise NotImplementedError
 
+    def ignores(self, name: str, cfg: ModelConfig) -> bool:
+        """A checkpoint tensor this family knows but does not serve (DeepSeek-V3's multi-token
+        prediction layers); none by default."""
+        return False
+
     def hf_name(self, canonical: str) -> str:
         """Checkpoint name of a canonical dense tensor (the inverse of :meth:`classify`)."""
         top = {

@@ -12,6 +12,8 @@ transformers' ``DeepseekV2TopkRouter``, V2 never renormalises (its checkpoints s
 
 from __future__ import annotations
 
+import re
+
 from moe_runtime.config import ModelConfig
 from moe_runtime.errors import ConfigError
 from moe_runtime.layers.mla import MLAShape
@@ -36,6 +38,7 @@ MLA_NAMES = {
     "mlp.shared_experts.up_proj.weight": "shared_up",
     "mlp.shared_experts.down_proj.weight": "shared_down",
 }
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta")
 _SHORT = {v: k for k, v in MLA_NAMES.items()}
 
@@ -138,6 +141,12 @@ class DeepseekFamily(Family):
             if rest in MLA_NAMES and layer.isascii() and layer.isdigit():
                 return f"layers.{int(layer)}.{MLA_NAMES[rest]}"
         return super().classify(name)
+
+    def ignores(self, name: str, cfg: ModelConfig) -> bool:
+        """Layers past ``num_hidden_layers``: V3's multi-token-prediction module
+        (``num_nextn_predict_layers``, ``model.layers.61.*``), which transformers skips too."""
+        m = _LAYER_INDEX.match(name)
+        return m is not None and int(m.group(1)) >= cfg.num_layers
 
     def hf_name(self, canonical: str) -> str:
         parts = canonical.split(".", 2)
