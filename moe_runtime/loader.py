@@ -253,7 +253,7 @@ def load_checkpoint(
                             f"{src}: expected shape {list(want[kind])}, found {list(tensor.shape)}"
                         )
                     try:
-                        dense[kind] = tensor.to(device=device, dtype=dtype)
+                        dense[kind] = tensor.to(device=device, dtype=family.dense_dtype(kind, dtype))
                     except torch.OutOfMemoryError:  # taken by another process since the plan was checked
                         raise InsufficientMemoryError(f"{src}: {device} ran out of memory") from None
                     check_finite(dense[kind], tensor, src)

@@ -276,3 +276,16 @@ def test_multi_token_prediction_layer_is_skipped(deepseek, tmp_path):
     with LLMEngine.from_pretrained(tmp_path, RuntimeConfig(**RUNTIME)) as engine:
         out = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
     assert out.output_token_ids == refs[0][0][:4]
+
+
+def test_bf16_keeps_the_router_bias_fp32(deepseek):
+    """In bf16 the V3 score bias stays fp32 (as in the checkpoint and transformers): the expert
+    choice adds it to fp32 sigmoid scores, where a bf16-rounded bias would move the choice."""
+    path = deepseek["v3"][0]
+    with LLMEngine.from_pretrained(path, RuntimeConfig(dtype="bf16", **RUNTIME)) as engine:
+        w = engine.model.w
+        assert (
+            w["layers.1.router_bias"].dtype == torch.float32 and w["layers.1.router"].dtype == torch.bfloat16
+        )
+        out = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+    assert len(out.output_token_ids) == 4

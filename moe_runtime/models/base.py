@@ -18,6 +18,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from moe_runtime.config import ModelConfig
 from moe_runtime.models.fields import ConfigFields
 
@@ -60,6 +62,8 @@ class Family:
         model_types: ``config.json`` ``model_type`` values it serves.
         moe_prefix: sub-module of a decoder layer holding router and experts.
         expert_parts: checkpoint name of each expert matrix -> ``gate``/``up``/``down``.
+        fp32_weights: canonical short names of dense tensors kept in fp32 whatever the runtime
+            dtype (DeepSeek-V3's ``router_bias``, fp32 in its checkpoints and in transformers).
     """
 
     name: str
@@ -71,10 +75,15 @@ class Family:
         ("up_proj", "up"),
         ("down_proj", "down"),
     )
+    fp32_weights: tuple[str, ...] = ()
 
     def parse_config(self, f: ConfigFields) -> ModelConfig:  # pragma: no cover - abstract
         """The :class:`ModelConfig` of a ``config.json``; raises ConfigError naming the field."""
         raise NotImplementedError
+
+    def dense_dtype(self, canonical: str, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a dense tensor is kept in: ``dtype``, or fp32 for :attr:`fp32_weights`."""
+        return torch.float32 if canonical.rsplit(".", 1)[-1] in self.fp32_weights else dtype
 
     def ignores(self, name: str, cfg: ModelConfig) -> bool:
         """A checkpoint tensor this family knows but does not serve (DeepSeek-V3's multi-token

@@ -159,5 +159,8 @@ DEEPSEEK_V2 = DeepseekFamily(
     name="deepseek_v2", architectures=("DeepseekV2ForCausalLM",), model_types=("deepseek_v2",)
 )
 DEEPSEEK_V3 = DeepseekFamily(
-    name="deepseek_v3", architectures=("DeepseekV3ForCausalLM",), model_types=("deepseek_v3",)
+    name="deepseek_v3",
+    architectures=("DeepseekV3ForCausalLM",),
+    model_types=("deepseek_v3",),
+    fp32_weights=("router_bias",),
 )
