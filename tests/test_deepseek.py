@@ -289,3 +289,20 @@ def test_bf16_keeps_the_router_bias_fp32(deepseek):
         )
         out = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
     assert len(out.output_token_ids) == 4
+
+
+def test_mixed_steps_and_chunked_prefill(deepseek):
+    """A request joining while another decodes (a step mixing prefill and decode over the latent
+    cache) and prompts prefilled in chunks of 3 tokens still give transformers' tokens."""
+    path, _, refs = deepseek["v3"]
+    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+    runtime = RuntimeConfig(buffer_slots=3, max_num_batched_tokens=3, **RUNTIME)
+    with LLMEngine.from_pretrained(path, runtime) as engine:
+        engine.add_request("a", PROMPTS[0], params)
+        finals, step = {}, 0
+        while engine.has_unfinished():
+            if step == 5:
+                engine.add_request("b", PROMPTS[1], params)
+            finals.update({o.request_id: o.output_token_ids for o in engine.step() if o.finished})
+            step += 1
+    assert finals == {"a": refs[0][0], "b": refs[1][0]}
