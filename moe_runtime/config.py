@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 import torch
 
 from moe_runtime.device import normalize_device
 from moe_runtime.errors import ConfigError
+
+if TYPE_CHECKING:
+    from moe_runtime.layers.mla import MLAShape
+    from moe_runtime.layers.routing import Routing
 
 DTYPES = {
     "fp32": torch.float32,
@@ -71,12 +76,20 @@ class ModelConfig:
         max_position_embeddings: the model's context length in tokens.
         tie_word_embeddings: the LM head shares the embedding matrix.
         bos_token_id / eos_token_ids: special tokens from the config (may be empty).
+        shared_expert_gate: the shared expert is scaled by a sigmoid gate (Qwen2-MoE); DeepSeek's
+            shared experts are added ungated.
+        routing: top-k routing variant, a :class:`moe_runtime.layers.routing.Routing` (None: softmax
+            top-k, the Mixtral/Qwen/OLMoE router).
+        attention_kind: ``"gqa"`` (grouped-query attention, the Llama layout) or ``"mla"``
+            (DeepSeek's multi-head latent attention; ``mla`` holds its shape, a
+            :class:`moe_runtime.layers.mla.MLAShape`).
 
     Raises:
         ConfigError: an integer size outside :data:`MODEL_LIMITS`, an odd ``head_dim``, heads not
             a multiple of KV heads, top-k above the expert count, no MoE layer or one out of range,
             dense layers without a dense width, a non-finite or non-positive ``rope_theta``,
-            ``rms_norm_eps`` or ``clip_qkv``. Messages name the field; the loader prefixes the
+            ``rms_norm_eps`` or ``clip_qkv``, an ``attention_kind`` that does not match ``mla``.
+            Messages name the field; the loader prefixes the
             ``config.json`` path.
     """
 
@@ -105,6 +118,10 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    shared_expert_gate: bool = True
+    routing: Routing | None = None
+    attention_kind: str = "gqa"
+    mla: MLAShape | None = None
 
     def __post_init__(self) -> None:
         for name, (lo, hi) in MODEL_LIMITS.items():
@@ -121,6 +138,11 @@ class ModelConfig:
         if self.top_k > self.num_experts:
             raise ConfigError(
                 f"num_experts_per_tok={self.top_k} exceeds the number of experts {self.num_experts}"
+            )
+        kind_ok = self.attention_kind == ("mla" if self.mla is not None else "gqa")
+        if not kind_ok:
+            raise ConfigError(
+                f"attention_kind must be mla with an MLA shape, else gqa; got {self.attention_kind!r}"
             )
         if self.qk_norm not in ("none", "head", "full"):
             raise ConfigError(f"qk_norm must be none/head/full, got {self.qk_norm!r}")
@@ -144,6 +166,14 @@ class ModelConfig:
     def num_moe_layers(self) -> int:
         """L in the paper's notation: the number of MoE layers."""
         return len(self.moe_layers)
+
+    @property
+    def kv_elements_per_token(self) -> int:
+        """KV-cache elements one token takes in one layer: K and V of every KV head, or for MLA the
+        latent (``kv_lora_rank``) and the shared rotary key (``qk_rope_head_dim``)."""
+        if self.mla is not None:
+            return self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
+        return 2 * self.num_kv_heads * self.head_dim
 
     @property
     def expert_numel(self) -> int:

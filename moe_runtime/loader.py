@@ -235,7 +235,7 @@ def load_checkpoint(
         for f, handle in handles:
             for name in handle.keys():
                 kind = family.classify(name)
-                if kind is None:
+                if kind is None or family.ignores(name, cfg):
                     continue
                 try:
                     tensor = handle.get_tensor(name)
@@ -253,7 +253,7 @@ def load_checkpoint(
                             f"{src}: expected shape {list(want[kind])}, found {list(tensor.shape)}"
                         )
                     try:
-                        dense[kind] = tensor.to(device=device, dtype=dtype)
+                        dense[kind] = tensor.to(device=device, dtype=family.dense_dtype(kind, dtype))
                     except torch.OutOfMemoryError:  # taken by another process since the plan was checked
                         raise InsufficientMemoryError(f"{src}: {device} ran out of memory") from None
                     check_finite(dense[kind], tensor, src)

@@ -9,8 +9,9 @@ The plan counts the large, long-lived allocations:
 - **host**: the expert store, ``L * E * 3 * I * H`` elements in the runtime dtype;
 - **compute device**: the dense weights (embeddings, attention, norms, routers, shared experts, LM
   head), the expert buffer's slots (none when one CPU device holds every expert: the slots are
-  the store itself) and the static KV cache, ``2 * layers * max_batch_size * kv_heads *
-  max_model_len * head_dim`` elements.
+  the store itself) and the static KV cache, ``layers * max_batch_size * max_model_len *
+  kv_elements_per_token`` elements (``2 * kv_heads * head_dim``, or for MLA the latent width
+  ``kv_lora_rank + qk_rope_head_dim``).
 
 On CPU the device bytes come out of host memory too. Activations, the router lookahead's folded
 router copies and allocator overhead are not counted (small next to the above). Available memory:
@@ -135,11 +136,11 @@ def plan_memory(cfg: ModelConfig, runtime: RuntimeConfig) -> MemoryPlan:
     parts = partition_slots(runtime, cfg.num_moe_layers, cfg.num_experts)
     alias = len(devices) == 1 and devices[0].type == "cpu" and parts[0] >= total and runtime.link_gbps is None
     dense = sum(math.prod(s) for s in expected_dense_shapes(cfg).values()) * itemsize
-    kv = 2 * cfg.num_layers * runtime.max_batch_size * cfg.num_kv_heads * kv_cache_len(cfg, runtime)
+    kv = cfg.num_layers * runtime.max_batch_size * kv_cache_len(cfg, runtime) * cfg.kv_elements_per_token
     return MemoryPlan(
         expert_store=total * expert_bytes,
         dense=dense,
-        kv_cache=kv * cfg.head_dim * itemsize,
+        kv_cache=kv * itemsize,
         buffer_slots=parts,
         slot_bytes=0 if alias else expert_bytes,
         devices=tuple(devices),

@@ -2,7 +2,8 @@
 
 ``forward(input_ids [T], step) -> logits [N, V]`` for the N tokens that sample. Per decoder layer:
 RMSNorm -> q/k/v projections (+bias) -> q/k norm (per head or full) -> RoPE -> attention with the
-KV cache -> o projection -> residual -> RMSNorm -> MoE block (or dense MLP) -> residual.
+KV cache -> o projection -> residual -> RMSNorm -> MoE block (or dense MLP) -> residual. DeepSeek
+families attend with multi-head latent attention instead (``moe_runtime.layers.mla``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from moe_runtime.engine.context import StepContext
 from moe_runtime.layers.attention import attention
 from moe_runtime.layers.experts import select_expert_path
 from moe_runtime.layers.kv_cache import KVCache
+from moe_runtime.layers.mla import MLAttention
 from moe_runtime.layers.moe import moe_block
 from moe_runtime.layers.norm import rms_norm
 from moe_runtime.layers.rotary import Rotary
@@ -46,6 +48,7 @@ class MoEModel:
         self.kv = kv_cache
         emb = dense["embed"]
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, max_len, emb.dtype, emb.device)
+        self.mla = MLAttention(cfg, max_len, emb.dtype, emb.device) if cfg.attention_kind == "mla" else None
         self.lm_head = dense["embed"] if cfg.tie_word_embeddings else dense["lm_head"]
         self.moe_index = {layer: i for i, layer in enumerate(cfg.moe_layers)}
         self.recorder: Any | None = None
@@ -90,6 +93,8 @@ class MoEModel:
         return F.linear(x, self.lm_head).float()  # [N, V]
 
     def _attention(self, x: torch.Tensor, layer: int, step: StepContext) -> torch.Tensor:
+        if self.mla is not None:  # DeepSeek's multi-head latent attention
+            return self.mla(x, self.w, layer, self.kv, step)
         cfg, w, p = self.cfg, self.w, f"layers.{layer}."
         t = x.shape[0]
         q = F.linear(x, w[p + "q"], w.get(p + "q_bias"))

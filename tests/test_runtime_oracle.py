@@ -27,24 +27,29 @@ def references(tiny_checkpoints):
     """family -> list of (tokens, step logits [NEW, V]) from transformers' greedy generate."""
     out = {}
     for fam in FAMILIES:
-        model = transformers.AutoModelForCausalLM.from_pretrained(tiny_checkpoints[fam], dtype=torch.float32)
-        model.eval()
-        model.generation_config.eos_token_id = None  # generate exactly NEW tokens, like ignore_eos
-        gen = transformers.GenerationConfig(
-            max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-        refs = []
-        for prompt in PROMPTS:
-            with torch.no_grad():
-                res = model.generate(
-                    torch.tensor([prompt]),
-                    generation_config=gen,
-                    output_logits=True,
-                    return_dict_in_generate=True,
-                )
-            refs.append((res.sequences[0, len(prompt) :].tolist(), torch.stack([x[0] for x in res.logits])))
-        out[fam] = (model, refs)
+        out[fam] = greedy_references(tiny_checkpoints[fam], PROMPTS, NEW)
     return out
+
+
+def greedy_references(path, prompts: list[list[int]], new: int):
+    """(fp32 transformers model, [(tokens, step logits [new, V])] per prompt) from greedy generate."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    model.generation_config.eos_token_id = None  # generate exactly ``new`` tokens, like ignore_eos
+    gen = transformers.GenerationConfig(
+        max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    refs = []
+    for prompt in prompts:
+        with torch.no_grad():
+            res = model.generate(
+                torch.tensor([prompt]),
+                generation_config=gen,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        refs.append((res.sequences[0, len(prompt) :].tolist(), torch.stack([x[0] for x in res.logits])))
+    return model, refs
 
 
 def _engine(path, slots):

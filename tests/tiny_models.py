@@ -19,6 +19,17 @@ TEXT = (
     "A Mixture-of-Experts layer routes each token to its top-k experts; experts live in host memory.\n"
 ) * 20
 
+#: config fields every tiny checkpoint shares
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    max_position_embeddings=256,
+    eos_token_id=0,
+    bos_token_id=None,
+    pad_token_id=None,
+    tie_word_embeddings=False,
+)
+
 FAMILY_KWARGS = {
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48),
     "qwen2_moe": dict(
@@ -71,24 +82,85 @@ def make_checkpoint(
     config_cls, model_cls = classes[family]
     torch.manual_seed(seed)
     cfg = config_cls(
-        vocab_size=VOCAB,
-        hidden_size=64,
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=0,
-        bos_token_id=None,
-        pad_token_id=None,
-        tie_word_embeddings=False,
+        **COMMON,
         **FAMILY_KWARGS[family],
     )
-    model = model_cls(cfg)
-    with torch.no_grad():  # larger weights than the default init, so routing and tokens vary
+    _save_random(model_cls(cfg), path)
+    if with_tokenizer:
+        write_tokenizer(path)
+    return path
+
+
+def _save_random(model, path: Path) -> None:
+    """Save ``model`` with larger weights than the default init, so routing and tokens vary (and
+    DeepSeek-V3's ``e_score_correction_bias`` is not all zeros)."""
+    with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.08)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
     model.save_pretrained(path)
-    if with_tokenizer:
-        write_tokenizer(path)
+
+
+_YARN = {"type": "yarn", "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1}
+
+#: DeepSeek variants: V2 without q compression and group-limited routing; V2 with q compression,
+#: greedy routing and V2-Lite's YaRN; V3 with noaux_tc, the score bias, renormalised and scaled
+#: weights and YaRN with a softmax mscale.
+DEEPSEEK_VARIANTS = {
+    "v2": dict(
+        q_lora_rank=None,
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=1.5,
+    ),
+    "v2_qlora_yarn": dict(
+        q_lora_rank=32,
+        topk_method="greedy",
+        rope_scaling={**_YARN, "factor": 40.0, "mscale": 0.707, "mscale_all_dim": 0.707},
+    ),
+    "v3": dict(
+        q_lora_rank=32,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        rope_scaling={**_YARN, "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 0.8},
+    ),
+}
+
+
+def make_deepseek_checkpoint(variant: str, path: Path, seed: int = 0) -> Path:
+    """A tiny DeepSeek checkpoint (3 layers, the first dense; 8 routed experts, top-2, 2 shared;
+    MLA with kv_lora_rank 16, rope 8, nope 16, v 12) of one of :data:`DEEPSEEK_VARIANTS`."""
+    import transformers
+
+    v3 = variant.startswith("v3")
+    config_cls = transformers.DeepseekV3Config if v3 else transformers.DeepseekV2Config
+    model_cls = transformers.DeepseekV3ForCausalLM if v3 else transformers.DeepseekV2ForCausalLM
+    torch.manual_seed(seed)
+    cfg = config_cls(
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=12,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=2,
+        **COMMON,
+        **DEEPSEEK_VARIANTS[variant],
+    )
+    _save_random(model_cls(cfg), path)
     return path

@@ -307,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
         h2d_gbps(device, expert_bytes),
         expert_bytes,
         dense_read_bytes(loaded.dense),
-        2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * base.torch_dtype.itemsize,
+        cfg.num_layers * cfg.kv_elements_per_token * base.torch_dtype.itemsize,
         args.link_latency_us,
     )
     load_avg = os.getloadavg()[0] if hasattr(os, "getloadavg") else None

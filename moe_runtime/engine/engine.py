@@ -31,6 +31,7 @@ from moe_runtime.engine.scheduler import ScheduledSeq, Scheduler
 from moe_runtime.engine.structured import GrammarMatcher
 from moe_runtime.errors import ConfigError, RequestError
 from moe_runtime.layers.kv_cache import KVCache
+from moe_runtime.layers.mla_cache import MLACache
 from moe_runtime.layers.router_lookahead import RouterLookahead
 from moe_runtime.loader import LoadedModel, load_checkpoint
 from moe_runtime.memory_plan import buffer_slot_count, engine_devices, kv_cache_len
@@ -95,15 +96,21 @@ class LLMEngine:
             link,
             context,
         )
-        self.kv = KVCache(
-            cfg.num_layers,
-            runtime.max_batch_size,
-            cfg.num_kv_heads,
-            self.max_model_len,
-            cfg.head_dim,
-            runtime.torch_dtype,
-            device,
-        )
+        if cfg.mla is not None:  # the latent, not expanded K/V
+            width = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
+            self.kv = MLACache(
+                cfg.num_layers, runtime.max_batch_size, self.max_model_len, width, runtime.torch_dtype, device
+            )
+        else:
+            self.kv = KVCache(
+                cfg.num_layers,
+                runtime.max_batch_size,
+                cfg.num_kv_heads,
+                self.max_model_len,
+                cfg.head_dim,
+                runtime.torch_dtype,
+                device,
+            )
         self.model = MoEModel(cfg, loaded.dense, self.buffer, self.kv, self.max_model_len)
         self.prefetcher = make_prefetch_policy(
             prefetch_policy,

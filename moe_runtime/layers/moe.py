@@ -23,17 +23,7 @@ from moe_runtime.buffer import ExpertBuffer
 from moe_runtime.config import ModelConfig
 from moe_runtime.engine.context import StepContext
 from moe_runtime.layers.experts import run_experts
-
-
-def route(x: torch.Tensor, router: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax top-k routing. ``x [T, H]`` -> (weights ``[T, k]``, expert ids ``[T, k]``)."""
-    probs = F.softmax(F.linear(x, router).float(), dim=-1)  # [T, E]
-    weights, ids = torch.topk(probs, cfg.top_k, dim=-1)
-    if cfg.norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    if cfg.router_weights_in_model_dtype:
-        weights = weights.to(x.dtype)
-    return weights, ids
+from moe_runtime.layers.routing import route
 
 
 def moe_block(
@@ -56,7 +46,7 @@ def moe_block(
     ``expert_path``: ``grouped`` or ``loop`` (``moe_runtime.layers.experts.select_expert_path``).
     """
     p = f"layers.{layer}."
-    weights, ids = route(x, w[p + "router"], cfg)
+    weights, ids = route(x, w[p + "router"], cfg, w.get(p + "router_bias"))
     num_experts = cfg.num_experts
     if prefetcher is None:
         ahead = None
@@ -85,7 +75,9 @@ def moe_block(
             F.silu(F.linear(x, w[p + "shared_gate_proj"])) * F.linear(x, w[p + "shared_up"]),
             w[p + "shared_down"],
         )
-        out = out + torch.sigmoid(F.linear(x, w[p + "shared_gate"])) * shared
+        if cfg.shared_expert_gate:  # Qwen2-MoE; DeepSeek's shared experts are ungated
+            shared = torch.sigmoid(F.linear(x, w[p + "shared_gate"])) * shared
+        out = out + shared
     return out
 
 

@@ -1,9 +1,10 @@
 """What a model family is: how its ``config.json`` maps onto :class:`ModelConfig` and how its
 tensor names map onto our canonical weight names.
 
-All four supported families share the Llama-style dense naming (``model.layers.{i}.self_attn.
+The supported families share the Llama-style dense naming (``model.layers.{i}.self_attn.
 q_proj``...), so the mapping lives here and a family file only states what differs: where its MoE
-block lives, what its expert matrices are called and how it reads its config.
+block lives, what its expert matrices are called and how it reads its config (DeepSeek adds its
+latent-attention and shared-expert names in ``deepseek.py``; their shapes are :func:`mla_shapes`).
 
 Canonical names: ``embed``, ``final_norm``, ``lm_head`` and, per decoder layer ``i``,
 ``layers.{i}.{attn_norm,mlp_norm,q,k,v,o,q_bias,k_bias,v_bias,q_norm,k_norm,router,
@@ -16,6 +17,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from moe_runtime.config import ModelConfig
 from moe_runtime.models.fields import ConfigFields
@@ -59,6 +62,8 @@ class Family:
         model_types: ``config.json`` ``model_type`` values it serves.
         moe_prefix: sub-module of a decoder layer holding router and experts.
         expert_parts: checkpoint name of each expert matrix -> ``gate``/``up``/``down``.
+        fp32_weights: canonical short names of dense tensors kept in fp32 whatever the runtime
+            dtype (DeepSeek-V3's ``router_bias``, fp32 in its checkpoints and in transformers).
     """
 
     name: str
@@ -70,10 +75,20 @@ class Family:
         ("up_proj", "up"),
         ("down_proj", "down"),
     )
+    fp32_weights: tuple[str, ...] = ()
 
     def parse_config(self, f: ConfigFields) -> ModelConfig:  # pragma: no cover - abstract
         """The :class:`ModelConfig` of a ``config.json``; raises ConfigError naming the field."""
         raise NotImplementedError
+
+    def dense_dtype(self, canonical: str, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a dense tensor is kept in: ``dtype``, or fp32 for :attr:`fp32_weights`."""
+        return torch.float32 if canonical.rsplit(".", 1)[-1] in self.fp32_weights else dtype
+
+    def ignores(self, name: str, cfg: ModelConfig) -> bool:
+        """A checkpoint tensor this family knows but does not serve (DeepSeek-V3's multi-token
+        prediction layers); none by default."""
+        return False
 
     def hf_name(self, canonical: str) -> str:
         """Checkpoint name of a canonical dense tensor (the inverse of :meth:`classify`)."""
@@ -213,17 +228,14 @@ def expected_dense_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     moe = set(cfg.moe_layers)
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
-        shapes.update(
-            {
-                p + "attn_norm": (h,),
-                p + "mlp_norm": (h,),
-                p + "q": (q_out, h),
-                p + "k": (kv_out, h),
-                p + "v": (kv_out, h),
-                p + "o": (h, q_out),
-            }
-        )
-        if cfg.attention_bias:
+        shapes.update({p + "attn_norm": (h,), p + "mlp_norm": (h,)})
+        if cfg.mla is not None:
+            shapes.update(mla_shapes(cfg, p))
+        else:
+            shapes.update(
+                {p + "q": (q_out, h), p + "k": (kv_out, h), p + "v": (kv_out, h), p + "o": (h, q_out)}
+            )
+        if cfg.attention_bias and cfg.mla is None:
             shapes.update({p + "q_bias": (q_out,), p + "k_bias": (kv_out,), p + "v_bias": (kv_out,)})
         if cfg.qk_norm == "head":
             shapes.update({p + "q_norm": (d,), p + "k_norm": (d,)})
@@ -231,17 +243,44 @@ def expected_dense_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes.update({p + "q_norm": (q_out,), p + "k_norm": (kv_out,)})
         if i in moe:
             shapes[p + "router"] = (cfg.num_experts, h)
+            if cfg.routing is not None and cfg.routing.score_bias:
+                shapes[p + "router_bias"] = (cfg.num_experts,)
             si = cfg.shared_expert_intermediate_size
             if si:
                 shapes.update(
-                    {
-                        p + "shared_gate_proj": (si, h),
-                        p + "shared_up": (si, h),
-                        p + "shared_down": (h, si),
-                        p + "shared_gate": (1, h),
-                    }
+                    {p + "shared_gate_proj": (si, h), p + "shared_up": (si, h), p + "shared_down": (h, si)}
                 )
+                if cfg.shared_expert_gate:
+                    shapes[p + "shared_gate"] = (1, h)
         else:
             di = cfg.dense_intermediate_size
             shapes.update({p + "mlp_gate": (di, h), p + "mlp_up": (di, h), p + "mlp_down": (h, di)})
+    return shapes
+
+
+def mla_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """Multi-head latent attention tensors of one layer (prefix ``p``): ``q`` or ``q_a``/``q_a_norm``/
+    ``q_b``, ``kv_a``, ``kv_a_norm``, ``kv_b``, ``o`` (+ ``q_a_bias``, ``kv_a_bias``, ``o_bias``)."""
+    s, h, n = cfg.mla, cfg.hidden_size, cfg.num_heads
+    assert s is not None
+    shapes: dict[str, tuple[int, ...]] = {
+        p + "kv_a": (s.kv_lora_rank + s.qk_rope_head_dim, h),
+        p + "kv_a_norm": (s.kv_lora_rank,),
+        p + "kv_b": (n * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank),
+        p + "o": (h, n * s.v_head_dim),
+    }
+    if s.q_lora_rank:
+        shapes.update(
+            {
+                p + "q_a": (s.q_lora_rank, h),
+                p + "q_a_norm": (s.q_lora_rank,),
+                p + "q_b": (n * s.qk_head_dim, s.q_lora_rank),
+            }
+        )
+    else:
+        shapes[p + "q"] = (n * s.qk_head_dim, h)
+    if cfg.attention_bias:
+        shapes.update({p + "kv_a_bias": (s.kv_lora_rank + s.qk_rope_head_dim,), p + "o_bias": (h,)})
+        if s.q_lora_rank:
+            shapes[p + "q_a_bias"] = (s.q_lora_rank,)
     return shapes

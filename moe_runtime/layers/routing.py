@@ -1,0 +1,133 @@
+"""Top-k routing variants behind one :func:`route`: router logits ``[T, E]`` -> the top-k experts of
+each token and their gate weights.
+
+* softmax top-k (Mixtral, Qwen, OLMoE; ``cfg.routing is None``): softmax over the experts, top-k,
+  optionally renormalised;
+* DeepSeek-V2 (``scoring="softmax"``): fp32 softmax scores, ``greedy`` top-k or
+  ``group_limited_greedy`` (experts in ``n_group`` equal groups; only the ``topk_group`` groups
+  with the highest best score compete);
+* DeepSeek-V3 (``scoring="sigmoid"``, ``noaux_tc``): sigmoid scores; the
+  ``e_score_correction_bias`` is added for the choice only (groups ranked by the sum of their top-2
+  biased scores), the gate weights are the unbiased scores of the chosen experts.
+
+The DeepSeek variants then renormalise (``norm_topk_prob``) and multiply by
+``routed_scaling_factor``; their weights stay fp32, like transformers' ``DeepseekV{2,3}TopkRouter``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moe_runtime.config import ModelConfig
+from moe_runtime.errors import ConfigError
+
+SCORINGS = ("softmax", "sigmoid")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+
+
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """A DeepSeek-style router.
+
+    Attributes:
+        scoring: ``softmax`` (V2) or ``sigmoid`` (V3).
+        topk_method: ``greedy``, ``group_limited_greedy`` (V2) or ``noaux_tc`` (V3: biased choice,
+            groups ranked by their top-2 sum).
+        n_group / topk_group: expert groups, and how many of them a token may use.
+        routed_scaling_factor: multiplies the routed experts' gate weights (> 0).
+        score_bias: the router carries ``e_score_correction_bias [E]`` (``noaux_tc`` only).
+
+    Raises:
+        ConfigError: an unknown scoring or method, ``noaux_tc`` without sigmoid scores, or group
+            counts that do not divide the experts / exceed the groups (checked by :meth:`check`).
+    """
+
+    scoring: str
+    topk_method: str
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    score_bias: bool = False
+
+    def check(self, num_experts: int, top_k: int) -> None:
+        """Consistency with the expert count; raises ConfigError naming the ``config.json`` field."""
+        if self.scoring not in SCORINGS:
+            raise ConfigError(f"scoring_func must be one of {', '.join(SCORINGS)}, got {self.scoring!r}")
+        if self.topk_method not in TOPK_METHODS:
+            raise ConfigError(
+                f"topk_method must be one of {', '.join(TOPK_METHODS)}, got {self.topk_method!r}"
+            )
+        if (self.topk_method == "noaux_tc") != (self.scoring == "sigmoid"):
+            raise ConfigError(f"topk_method {self.topk_method!r} does not go with {self.scoring} scores")
+        if self.topk_method == "greedy":
+            return
+        if num_experts % self.n_group:
+            raise ConfigError(f"n_group={self.n_group} does not divide n_routed_experts={num_experts}")
+        if self.topk_group > self.n_group:
+            raise ConfigError(f"topk_group={self.topk_group} exceeds n_group={self.n_group}")
+        per_group = num_experts // self.n_group
+        if self.topk_method == "noaux_tc" and per_group < 2:
+            raise ConfigError(
+                f"noaux_tc ranks groups by their top-2 experts; n_group={self.n_group} leaves {per_group}"
+            )
+        if top_k > self.topk_group * per_group:
+            raise ConfigError(
+                f"num_experts_per_tok={top_k} exceeds the {self.topk_group * per_group} experts "
+                f"of topk_group={self.topk_group} groups"
+            )
+
+
+def route(
+    x: torch.Tensor, router: torch.Tensor, cfg: ModelConfig, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Route ``x [T, H]`` with ``router [E, H]`` -> (gate weights ``[T, k]``, expert ids ``[T, k]``).
+
+    ``bias [E]``: the ``e_score_correction_bias`` when ``cfg.routing.score_bias``.
+    """
+    if cfg.routing is None:
+        return _softmax_topk(x, router, cfg)
+    return _grouped_topk(x, router, cfg, cfg.routing, bias)
+
+
+def _softmax_topk(
+    x: torch.Tensor, router: torch.Tensor, cfg: ModelConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    probs = F.softmax(F.linear(x, router).float(), dim=-1)  # [T, E]
+    weights, ids = torch.topk(probs, cfg.top_k, dim=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if cfg.router_weights_in_model_dtype:
+        weights = weights.to(x.dtype)
+    return weights, ids
+
+
+def _grouped_topk(
+    x: torch.Tensor, router: torch.Tensor, cfg: ModelConfig, r: Routing, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = F.linear(x.float(), router.float())  # [T, E], fp32 like the reference
+    if r.scoring == "softmax":
+        scores = logits.softmax(dim=-1)
+        choice = scores
+    else:
+        scores = logits.sigmoid()
+        choice = scores + bias.float() if bias is not None else scores
+    if r.topk_method != "greedy":
+        t, e = choice.shape
+        grouped = choice.view(t, r.n_group, e // r.n_group)
+        if r.topk_method == "noaux_tc":
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+        else:
+            group_scores = grouped.max(dim=-1).values
+        group_idx = torch.topk(group_scores, k=r.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+        keep = keep.unsqueeze(-1).expand(-1, -1, e // r.n_group).reshape(t, e)
+        # V2 zeroes the other groups' (positive) scores; V3 sets them to -inf
+        choice = choice.masked_fill(~keep, float("-inf") if r.topk_method == "noaux_tc" else 0.0)
+    ids = torch.topk(choice, k=cfg.top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * r.routed_scaling_factor, ids
