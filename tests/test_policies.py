@@ -72,7 +72,7 @@ def test_eam_plan_priorities_follow_the_formula():
         entry[1] = [0, 3, 1, 0, 0]
         entry[2] = [0, 0, 0, 2, 2]
         entry[3] = [4, 0, 0, 0, 0]
-        pol = fake_eam_policy(buf, entry, min_prob=0.0)
+        pol = fake_eam_policy(buf, entry, min_prob=0.0, cost_aware=False)  # the plan as such
         pol.after_routing(0, ["r"], np.zeros((1, 2), dtype=np.int64))
         probs = entry / entry.sum(axis=1, keepdims=True).clip(min=1)
         want = {}

@@ -37,7 +37,7 @@ class _Timer:
 
     def __init__(self) -> None:
         self.rows: list[list[int]] = []  # per routed layer: ns per hook, in HOOKS order
-        self._cur = [0, 0, 0, 0]
+        self._cur = [0, 0, 0, 0, 0]  # HOOKS, then the I/O side's work (not counted)
 
     def wrap(self, index: int, fn: Any) -> Any:
         cur, clock = self._cur, time.perf_counter_ns
@@ -52,8 +52,8 @@ class _Timer:
         return timed
 
     def close_layer(self) -> None:
-        self.rows.append(list(self._cur))
-        self._cur[:] = [0, 0, 0, 0]
+        self.rows.append(self._cur[:4])
+        self._cur[:] = [0, 0, 0, 0, 0]
 
 
 def measure(
@@ -100,7 +100,12 @@ def measure(
         if lookahead:
             pf.depth = lookahead  # as the engine builds it with --router-lookahead D
         rec.record = timer.wrap(0, rec.record)
-        buf.after_routing = timer.wrap(1, buf.after_routing)
+        for part in buf.parts:  # the cache policy itself: the simulator's clock replay is not host work
+            part.policy.after_routing = timer.wrap(1, part.policy.after_routing)
+        # An idle link starting its next copy (victim choice included) is the I/O thread's work in
+        # the runtime; inside a plan the simulator does it inline, so it is timed apart and removed.
+        buf._start = timer.wrap(4, buf._start)
+        cur = timer._cur
         observe = timer.wrap(2, lambda layer, ahead: pf.observe_lookahead(layer, ahead.cpu().numpy()))
         plan = timer.wrap(3, pf.after_routing)
 
@@ -111,7 +116,10 @@ def measure(
                 truth = np.stack([np.bincount(ids[:, j].ravel(), minlength=E) for j in range(layer + 1, hi)])
                 noisy = truth + rng.random(truth.shape) * len(request_ids)
                 observe(layer, torch.from_numpy(noisy.astype(np.float32)))
+            buf.advance()  # replay the clock to now first (the runtime's I/O thread did it already)
+            io0 = cur[4]
             plan(layer, request_ids, topk_ids)
+            cur[3] -= cur[4] - io0
             timer.close_layer()
 
         pf.after_routing = after_routing

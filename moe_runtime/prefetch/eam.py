@@ -27,6 +27,7 @@ import numpy as np
 
 from moe_runtime.errors import ConfigError
 from moe_runtime.prefetch.base import PrefetchPolicy
+from moe_runtime.prefetch.gate import PrefetchGate, clock
 from tracer.prefix_match import PrefixMatcher
 
 # Per-layer matching cost (us), full search vs incremental, measured on this 2-core host:
@@ -58,6 +59,7 @@ class EAMPrefetch(PrefetchPolicy):
         own_weight: float = 1.0,
         lookahead: int = 0,
         lookahead_weight: float = 2.0,
+        cost_aware: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -94,6 +96,9 @@ class EAMPrefetch(PrefetchPolicy):
         self._final: np.ndarray | None = None  # [D, E] normalised own + EAMC term
         self._evidence: np.ndarray | None = None  # [D] bool
         self._limited: tuple[int, np.ndarray] | None = None  # (cap, [D, E]) capped _final
+        # gain/cost test of every candidate (moe_runtime.prefetch.gate); None = issue every plan
+        self.gate = PrefetchGate(self.num_layers, self.num_experts, self.depth) if cost_aware else None
+        self._queued = True  # the last plan handed to the buffer was not empty
 
     def predict(self, layer: int, request_ids: list[str]) -> np.ndarray | None:
         """Activation probabilities ``[L, E]`` for the running batch, or None without evidence.
@@ -201,6 +206,9 @@ class EAMPrefetch(PrefetchPolicy):
         return probs
 
     def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
+        gate = self.gate
+        if gate is not None:
+            gate.observe(layer, topk_ids)  # score the earlier plans' candidates for this layer
         base = self.predict(layer, request_ids)
         probs = self.blend_lookahead(layer, base)
         self.last_probs = probs
@@ -219,7 +227,80 @@ class EAMPrefetch(PrefetchPolicy):
             rows = _limit(probs[lo:hi], cap, self.min_prob)
         # Only rows lo:hi score (in probs' dtype); the rest of the [L, E] scores are 0.
         scores = (rows * self.proximity(layer)[lo:hi, None]).astype(probs.dtype, copy=False)
+        if gate is not None:
+            scores = self._paying(gate, layer, lo, rows, scores, topk_ids.shape[0])
+            if scores is None:  # nothing pays and nothing of ours is queued: on-demand
+                return
+        self._queued = True
         self.issue(scores, first_layer=lo)
+
+    def _paying(
+        self, gate: PrefetchGate, layer: int, lo: int, rows: np.ndarray, scores: np.ndarray, tokens: int
+    ) -> np.ndarray | None:
+        """``scores [D, E]`` with the candidates whose expected gain does not beat their expected
+        cost zeroed (``moe_runtime.prefetch.gate``); None when none pays and no plan of ours is
+        queued (nothing to hand the buffer)."""
+        ranks = gate.note(lo, rows)  # [D, E]; E = not a candidate
+        E = self.num_experts
+        held = self.buffer.held[lo * E : lo * E + rows.size].reshape(rows.shape)
+        cand = (ranks < E) & ~held
+        r, c = cand.nonzero()
+        if r.size:
+            dist = lo + r - layer  # 1-based
+            p_used = gate.precision()[np.minimum(dist, gate.depth) - 1, ranks[r, c]]
+            order = (-scores[r, c]).argsort(kind="stable")  # the plan's order: best first
+            reuse = np.zeros(r.size)
+            reuse[order] = self._victim_reuse(layer, r.size, tokens)
+            keep = gate.pays(p_used, self._transfer_s(), reuse)
+            r, c = r[keep], c[keep]
+        if not r.size:
+            if not self._queued:
+                return None
+            self._queued = False
+            return np.zeros_like(scores)
+        out = np.zeros_like(scores)
+        out[r, c] = scores[r, c]
+        return out
+
+    def _victim_reuse(self, layer: int, n: int, tokens: int) -> np.ndarray:
+        """``[n]`` chance that the expert the i-th prefetch of a plan evicts is used in the next
+        step: 0 while free slots last, then the resident experts (not of ``layer``) lowest first,
+        ``p = 1 - (1 - share)^T`` from the batch's own EAM (``share``: its tokens' share routed
+        to the expert so far, ``T`` tokens per step), as the ``eam-reuse`` cache scores slots."""
+        buf, E = self.buffer, self.num_experts
+        held = buf.held
+        free = max(0, buf.num_slots - int(held.sum()))
+        out = np.zeros(n)
+        if n <= free or self._own is None:
+            return out
+        keys = held.nonzero()[0]
+        keys = keys[keys // E != layer]
+        weight = self.own_weight if self.own_weight > 0 else 1.0
+        share = np.minimum(self._own.reshape(-1)[keys] * (self.top_k / weight), 1.0)
+        p = 1.0 - (1.0 - share) ** tokens
+        m = min(n - free, p.size)
+        low = np.sort(np.partition(p, m - 1)[:m]) if m < p.size else np.sort(p)
+        out[free : free + m] = low
+        out[free + m :] = 1.0  # nothing left to evict: it cannot be placed anyway
+        return out
+
+    def _transfer_s(self) -> float:
+        """One expert copy's link time: the simulator's, else the emulated link's, else the
+        measured blocking per miss (a copy on an unemulated link is timed only there)."""
+        t = getattr(self.buffer, "transfer_s", None)
+        if t is not None:
+            return float(t)
+        part = self.buffer.parts[0]
+        link = getattr(part, "link", None)
+        if link is not None:
+            return link.transfer_seconds(part.expert_nbytes)
+        return self.gate.block_per_miss_s or 0.0
+
+    def end_step(self) -> None:
+        gate = self.gate
+        if gate is not None:
+            gate.update_link(self.buffer.stats, clock(self.buffer), self._transfer_s())
+            gate.new_step()
 
 
 def _limit(rows: np.ndarray, cap: int, min_prob: float) -> np.ndarray:
