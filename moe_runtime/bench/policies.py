@@ -32,7 +32,7 @@ COMBOS = [  # (label, prefetch policy, cache policy, runtime overrides)
     ("model-counts", "model-counts", "model-counts", {}),
     ("hot-experts+lru", "hot-experts", "lru", {}),
     ("eam-paper", "eam", "eam", {"router_lookahead": 0}),  # MoE-Infinity's EAMC-only plan
-    ("eam", "eam", "eam", {}),  # the default: EAMC + router lookahead for the nearest layers
+    ("eam", "eam", "eam-reuse", {}),  # the default: EAMC + router lookahead, cost-aware; loop-aware cache
     ("on-demand+eam-reuse", "on-demand", "eam-reuse", {}),  # caching alone, loop-aware
     ("oracle", "oracle", "oracle", {}),
 ]
@@ -51,6 +51,25 @@ class PolicyResult:
     prefetch_landed: int  # prefetches that completed a copy into a slot
     prefetch_used: int
     tokens: int
+    gap_closed: float | None = None  # share of the on-demand+lru -> oracle TPOT gap closed
+    bytes_vs_oracle: float | None = None  # bytes moved per token / the oracle's
+
+
+def add_relative(results: list[PolicyResult]) -> list[PolicyResult]:
+    """Fill ``gap_closed`` and ``bytes_vs_oracle`` against the on-demand+lru and oracle rows of
+    the same buffer fraction (None where either is missing); returns ``results``."""
+    from moe_runtime.sim.report import gap_closed
+
+    for fraction in {r.buffer_fraction for r in results}:
+        rows = [r for r in results if r.buffer_fraction == fraction]
+        base = next((r for r in rows if r.policy == "on-demand+lru"), None)
+        oracle = next((r for r in rows if r.policy == "oracle"), None)
+        if base is None or oracle is None:
+            continue
+        for r in rows:
+            r.gap_closed = gap_closed(r.tpot_ms, base.tpot_ms, oracle.tpot_ms)
+            r.bytes_vs_oracle = r.bytes_per_token / oracle.bytes_per_token if oracle.bytes_per_token else None
+    return results
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
@@ -245,6 +264,7 @@ def run(args: argparse.Namespace) -> int:
         "router_lookahead": args.router_lookahead,
         "seed": args.seed,
     }
+    add_relative(results)
     if args.json:
         print(json.dumps({"settings": settings, "results": [asdict(r) for r in results]}, indent=2))
     else:
@@ -269,6 +289,8 @@ def print_tables(settings: dict, results: list[PolicyResult]) -> None:
         "KiB/tok",
         "bytes vs on-demand",
         "TPOT ms",
+        "gap closed",
+        "bytes vs oracle",
     ):
         table.add_column(col, justify="right")
     for fraction in sorted({r.buffer_fraction for r in results}):
@@ -288,6 +310,8 @@ def print_tables(settings: dict, results: list[PolicyResult]) -> None:
                 f"{r.bytes_per_token / 1024:.0f}",
                 f"{r.bytes_per_token / base.bytes_per_token:.2f}" if base and base.bytes_per_token else "",
                 f"{r.tpot_ms:.2f}",
+                f"{100 * r.gap_closed:.0f}%" if r.gap_closed is not None else "",
+                f"{r.bytes_vs_oracle:.2f}x" if r.bytes_vs_oracle is not None else "",
             )
     console.print(table)
     console.print("settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))

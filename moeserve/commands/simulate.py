@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     from moe_runtime.sim.engine import SimConfig, Simulator
     from moe_runtime.sim.hardware import get_hardware
     from moe_runtime.sim.models import DEFAULT_KV_TOKENS, get_model
-    from moe_runtime.sim.report import as_json, print_single, print_tables, row_of
+    from moe_runtime.sim.report import add_relative, as_json, print_single, print_tables, row_of
     from moe_runtime.sim.runner import combo_for, run_combos
     from moe_runtime.sim.workload import load_workload, split_warm_eval
 
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     c0 = time.process_time()
     runs = run_combos(sim, combos, warm, evals)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    rows = [row_of(r) for r in runs]
+    rows = add_relative([row_of(r) for r in runs])
     simulated = sum(r.sim_lookups for r in runs)
     settings = {
         "trace": args.trace,
