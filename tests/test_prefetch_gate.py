@@ -42,13 +42,17 @@ def test_link_terms_come_from_the_buffer_counters() -> None:
 
 def test_pays_weighs_gain_against_link_and_eviction_cost() -> None:
     gate = PrefetchGate(num_layers=2, num_experts=4, depth=1)
-    gate.block_per_miss_s, gate.demand_busy = 1.0, 1.0
     p = np.array([0.9, 0.4, 0.9, 0.0])
     reuse = np.array([0.0, 0.0, 0.9, 0.0])
-    # 0.9 > 0.1; 0.4 < 0.6; 0.9 < 0.1 + 0.9; 0 > 0 is false
+    gate.block_per_miss_s, gate.demand_busy = 1.0, 0.5
+    # gain 0.5 P against 0.5 (1 - P) + R: 0.45 > 0.05; 0.2 < 0.3; 0.45 < 0.95; 0 > 0.5 is false
     np.testing.assert_array_equal(gate.pays(p, 1.0, reuse), [True, False, False, False])
     gate.demand_busy = 0.0  # an idle link: only the eviction counts
     np.testing.assert_array_equal(gate.pays(p, 1.0, reuse), [True, True, False, False])
+    gate.demand_busy = 1.0  # demand keeps the link busy: a prefetch only moves a copy ahead
+    assert not gate.pays(np.ones(4), 1.0, np.zeros(4)).any()
+    gate.demand_busy, gate.block_per_miss_s = 0.5, 0.0  # fetches never block: nothing to gain
+    assert not gate.pays(np.ones(4), 1.0, np.zeros(4)).any()
 
 
 def test_eam_with_zero_precision_is_on_demand(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -240,9 +240,9 @@ class EAMPrefetch(PrefetchPolicy):
         """``scores [D, E]`` with the candidates whose expected gain does not beat their expected
         cost zeroed (``moe_runtime.prefetch.gate``); None when none pays and no plan of ours is
         queued (nothing to hand the buffer)."""
-        ranks = gate.note(lo, rows)  # [D, E]; E = not a candidate
         E = self.num_experts
         held = self.buffer.held[lo * E : lo * E + rows.size].reshape(rows.shape)
+        ranks = gate.note(lo, rows, held)  # [D, E]; E = not a candidate
         cand = (ranks < E) & ~held
         r, c = cand.nonzero()
         if r.size:

@@ -7,8 +7,10 @@ NOTE: the terms (issue #15), all measured online, none typed in:
   experts it really used, and a running (exponentially decayed) precision is kept per layer
   distance ``d`` and rank ``r``: ``P = hits[d, r] / trials[d, r]``. Candidates are judged whether
   or not they were issued, so the estimate never starves.
-* gain ``= P * b``: ``b`` is the blocking one avoided demand fetch saves, the running mean of the
-  buffer's blocking seconds per miss (before any miss: one copy's link time).
+* gain ``= P * b * (1 - q)``: ``b`` is the blocking one avoided demand fetch saves, the running
+  mean of the buffer's blocking seconds per miss (before any miss: one copy's link time). A right
+  prefetch saves it only out of link time demand fetches leave idle: on a link the demand copies
+  keep busy (share ``q``) the copy merely moves ahead of a demand copy that then waits instead.
 * cost ``= (1 - P) * q * t + R * b``: a wrong prefetch holds the link for one copy's time ``t``,
   which demand fetches queue behind with the chance ``q`` that the link is busy with demand (the
   running share of time the demand copies take); and it evicts a resident expert that is used
@@ -16,7 +18,8 @@ NOTE: the terms (issue #15), all measured online, none typed in:
   from the running requests' request EAMs, as the ``eam-reuse`` cache scores slots: ``p = 1 - (1 -
   share)^T``, the victims taken lowest first.
 
-So with poor predictions (``P`` low), a link the demand fetches keep busy (``q`` near 1) or a
+So with poor predictions (``P`` low), a link the demand fetches keep busy (``q`` near 1), a fast
+link (``b`` near 0 against a measurable ``q``) or a
 buffer full of experts the batch keeps using (``R`` high), no candidate pays and the policy is
 on-demand; and a plan that keeps nothing cancels what it queued before.
 """
@@ -61,7 +64,9 @@ class PrefetchGate:
         self.num_layers, self.num_experts, self.depth, self.decay = num_layers, num_experts, depth, decay
         self.hits = np.full((depth, num_experts), float(prior[0]))  # [D, rank]
         self.trials = np.full((depth, num_experts), float(prior[1]))
-        self._pending: dict[int, list[tuple[int, np.ndarray, np.ndarray]]] = {}  # layer -> (d, experts, ranks)
+        self._pending: dict[
+            int, list[tuple[int, np.ndarray, np.ndarray]]
+        ] = {}  # layer -> (d, experts, ranks)
         self.block_per_miss_s: float | None = None  # b
         self.demand_busy = 1.0  # q: assume a busy link until measured
         self.checked = 0  # candidates checked against routing so far
@@ -72,9 +77,12 @@ class PrefetchGate:
         """``[D, E]`` running precision by layer distance (row ``d - 1``) and rank (column)."""
         return self.hits / self.trials
 
-    def note(self, first_layer: int, rows: np.ndarray) -> np.ndarray:
+    def note(self, first_layer: int, rows: np.ndarray, held: np.ndarray | None = None) -> np.ndarray:
         """Remember a plan's ranked candidates, ``rows [D', E]`` (probabilities of layers
         ``first_layer ..``; 0 = not a candidate), for checking when those layers route.
+
+        Only candidates not ``held [D', E]`` (resident or loading) are checked: those are the ones a
+        prefetch would copy, and they are used less often than the predictor's resident picks.
 
         Returns ``ranks [D', E]``: each entry's rank in its row (0 = most likely), ``E`` for
         non-candidates.
@@ -84,8 +92,9 @@ class PrefetchGate:
         np.put_along_axis(ranks, order, np.arange(rows.shape[1])[None, :], axis=1)
         ranks[rows <= 0] = self.num_experts
         dist0 = first_layer - self._layer
+        checked = rows > 0 if held is None else (rows > 0) & ~held
         for i in range(rows.shape[0]):
-            cand = np.flatnonzero(rows[i] > 0)
+            cand = np.flatnonzero(checked[i])
             d = dist0 + i  # 1-based distance
             if cand.size and 1 <= d <= self.depth:
                 self._pending.setdefault(first_layer + i, []).append((d, cand, ranks[i, cand]))
@@ -149,7 +158,7 @@ class PrefetchGate:
                 free slot).
         """
         b = transfer_s if self.block_per_miss_s is None else self.block_per_miss_s
-        gain = p_used * b
+        gain = p_used * b * (1.0 - self.demand_busy)
         cost = (1.0 - p_used) * self.demand_busy * transfer_s + reuse * b
         return gain > cost
 
