@@ -1,7 +1,8 @@
 """``moeserve bench overhead``: host work per MoE layer of the default policies, in microseconds.
 
 What one MoE layer costs the compute thread on the host after its router's top-k ids reach the
-host, with the default pair (``--prefetch-policy eam``, ``--cache-policy eam``): the tracer's
+host, with the ``eam`` row of ``moeserve bench policies`` (prefetch ``eam``, its cache policy,
+``--cache-policy`` to pick another): the tracer's
 ``record``, the cache policy's ``after_routing`` (``buffer.after_routing``), the router
 lookahead's host part (its ``[D, E]`` scores to numpy and ``observe_lookahead``; the matrix
 product itself runs on the device) and the prefetch planning (``prefetcher.after_routing``). Issue
@@ -29,7 +30,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from moe_runtime.bench.policies import COMBOS
+
 HOOKS = ("record", "cache", "lookahead", "plan")
+EAM_CACHE = next(cache for label, _, cache, _ in COMBOS if label == "eam")  # the default row's cache
 
 
 class _Timer:
@@ -66,6 +70,7 @@ def measure(
     warmup_steps: int,
     lookahead: int,
     seed: int,
+    cache: str = "eam-reuse",
 ) -> dict[str, Any]:
     """One repeat: p50/p90 per hook and in total (us per routed layer), fresh objects.
 
@@ -137,7 +142,7 @@ def measure(
 
     sim.make_state, sim._step = make_state, step
     t0 = time.perf_counter()
-    sim.run("eam", "eam", warm, evals)  # the warm part fills the EAMC; its layers are not counted
+    sim.run("eam", cache, warm, evals)  # the warm part fills the EAMC; its layers are not counted
     wall = time.perf_counter() - t0
     rows = np.asarray(timer.rows[mark[0] + warmup_steps * L :], dtype=np.float64) / 1e3  # us
     if not len(rows):
@@ -169,6 +174,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lookahead", type=int, default=1, help="router lookahead depth (the default 1; 0 = off)")
     p.add_argument("--repeats", type=int, default=3, help="fresh repeats (>= 1; median and spread)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache-policy", default=EAM_CACHE, help=f"cache policy (default: {EAM_CACHE})")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
 
@@ -186,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     settings = {
         "model_profile": args.model_profile,
         "hardware": args.hardware,
-        "policies": "prefetch eam + cache eam",
+        "policies": f"prefetch eam + cache {args.cache_policy}",
         "router_lookahead": args.lookahead,
         "buffer": args.buffer,
         "tokens": args.tokens,
@@ -194,7 +200,8 @@ def run(args: argparse.Namespace) -> int:
         "warmup_steps": args.warmup_steps,
         "repeats": args.repeats,
         "seed": args.seed,
-        "host": f"{platform.machine()}, {_cpus()} CPUs, python {platform.python_version()}, numpy {np.__version__}",
+        "host": f"{platform.machine()}, {_cpus()} CPUs, python {platform.python_version()}",
+        "numpy": np.__version__,
     }
     results = []
     for batch in args.batch:
