@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from moe_runtime.prefetch.eam import _ranked
 from moe_runtime.prefetch.gate import PrefetchGate
 from moe_runtime.stats import ExpertStats
 from tests.test_sim_engine import random_requests, sim_for
@@ -15,8 +16,9 @@ def test_precision_follows_the_routing_by_distance_and_rank() -> None:
     gate = PrefetchGate(num_layers=4, num_experts=4, depth=2, decay=1.0, prior=(1.0, 2.0))
     gate.observe(0, np.array([[0, 1]]))
     rows = np.array([[0.6, 0.3, 0.1, 0.0], [0.0, 0.0, 0.5, 0.5]])  # layers 1 and 2, from layer 0
-    ranks = gate.note(1, rows)
-    np.testing.assert_array_equal(ranks, [[0, 1, 2, 4], [4, 4, 0, 1]])
+    r, c, rank = _ranked(rows)
+    np.testing.assert_array_equal(rank, [0, 1, 2, 0, 1])
+    gate.note(1, 1, r, c, rank)
     gate.observe(1, np.array([[0, 2]]))  # used: rank 0 (expert 0) and rank 2 (expert 2); not rank 1
     prec = gate.precision()
     assert prec[0, 0] == pytest.approx(2 / 3) and prec[0, 2] == pytest.approx(2 / 3)
@@ -26,6 +28,20 @@ def test_precision_follows_the_routing_by_distance_and_rank() -> None:
     prec = gate.precision()
     assert prec[1, 0] == pytest.approx(1 / 3) and prec[1, 1] == pytest.approx(2 / 3)
     assert gate.checked == 5
+    gate.note(1, 3, np.array([0]), np.array([1]), np.array([0]))
+    gate.new_step()  # a finished step's unchecked candidates are dropped
+    gate.observe(3, np.array([[1, 2]]))
+    assert gate.checked == 5
+
+
+def test_ranks_are_those_of_a_stable_descending_sort() -> None:
+    rng = np.random.default_rng(0)
+    rows = rng.integers(0, 4, size=(5, 9)).astype(np.float32) / 4  # ties and zeros
+    r, c, rank = _ranked(rows)
+    full = np.empty_like(rows, dtype=np.int64)
+    np.put_along_axis(full, np.argsort(-rows, axis=1, kind="stable"), np.arange(9)[None, :], axis=1)
+    np.testing.assert_array_equal(rank, full[r, c])
+    assert (rows[r, c] > 0).all() and len(r) == (rows > 0).sum()
 
 
 def test_link_terms_come_from_the_buffer_counters() -> None:

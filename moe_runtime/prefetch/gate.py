@@ -77,28 +77,21 @@ class PrefetchGate:
         """``[D, E]`` running precision by layer distance (row ``d - 1``) and rank (column)."""
         return self.hits / self.trials
 
-    def note(self, first_layer: int, rows: np.ndarray, held: np.ndarray | None = None) -> np.ndarray:
-        """Remember a plan's ranked candidates, ``rows [D', E]`` (probabilities of layers
-        ``first_layer ..``; 0 = not a candidate), for checking when those layers route.
+    def note(self, distance0: int, first_layer: int, r: np.ndarray, c: np.ndarray, rank: np.ndarray) -> None:
+        """Remember a plan's candidates for checking when their layers route: entry ``i`` is
+        expert ``c[i]`` of layer ``first_layer + r[i]`` (``r`` ascending), ranked ``rank[i]`` by the
+        predictor in its layer's row, ``distance0 + r[i]`` layers ahead of the routed one.
 
-        Only candidates not ``held [D', E]`` (resident or loading) are checked: those are the ones a
-        prefetch would copy, and they are used less often than the predictor's resident picks.
-
-        Returns ``ranks [D', E]``: each entry's rank in its row (0 = most likely), ``E`` for
-        non-candidates.
+        Pass only candidates a prefetch would copy (not resident or loading): they are used less
+        often than the predictor's resident picks, and their precision is the one that matters.
         """
-        order = np.argsort(-rows, axis=1, kind="stable")  # [D', E]
-        ranks = np.empty_like(order)
-        np.put_along_axis(ranks, order, np.arange(rows.shape[1])[None, :], axis=1)
-        ranks[rows <= 0] = self.num_experts
-        dist0 = first_layer - self._layer
-        checked = rows > 0 if held is None else (rows > 0) & ~held
-        for i in range(rows.shape[0]):
-            cand = np.flatnonzero(checked[i])
-            d = dist0 + i  # 1-based distance
-            if cand.size and 1 <= d <= self.depth:
-                self._pending.setdefault(first_layer + i, []).append((d, cand, ranks[i, cand]))
-        return ranks
+        if not r.size:
+            return
+        bounds = np.flatnonzero(r[1:] != r[:-1]) + 1 if r.size > 1 else ()
+        for lo, hi in zip((0, *bounds), (*bounds, r.size), strict=True):
+            d = distance0 + int(r[lo])
+            if 1 <= d <= self.depth:
+                self._pending.setdefault(first_layer + int(r[lo]), []).append((d, c[lo:hi], rank[lo:hi]))
 
     def observe(self, layer: int, topk_ids: np.ndarray) -> None:
         """Layer ``layer`` routed ``topk_ids [T, k]``: score the candidates planned for it."""
