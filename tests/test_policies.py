@@ -32,6 +32,9 @@ class FakeRecorder:
     def query(self, request_ids, upto_layer):
         return np.stack([self.eam for _ in request_ids])
 
+    def query_sum(self, request_ids, upto_layer):
+        return self.query(request_ids, upto_layer).sum(axis=0)
+
 
 def FakeEAMC(entries: np.ndarray) -> EAMC:  # noqa: N802 - kept the old fake's name for its callers
     """A real EAMC holding ``entries [n, L, E]`` (rows are L2-normalised on add)."""
@@ -226,6 +229,9 @@ def test_cached_victim_scores_match_the_formula(name: str, seed: int) -> None:
     class Recorder:
         def query(self, request_ids, layer):
             return rng.integers(0, 4, size=(len(request_ids), L, E)).astype(np.float32)
+
+        def query_sum(self, request_ids, layer):
+            return self.query(request_ids, layer).sum(axis=0)
 
     pol = make_cache_policy(name, slots, E, num_layers=L, recorder=Recorder())
     keys = [-1] * slots

@@ -40,7 +40,10 @@ class EAMPrefetch(PrefetchPolicy):
     """Args (beyond the base): eamc: the EAM collection to match against; matches: top matches
     per request (default 16); min_prob: experts below this activation probability are not
     prefetched (default 0); own_weight: weight of the batch's own EAM so far in the prediction
-    (default 1).
+    (default 1); cost_aware: issue only the candidates whose expected gain beats their expected
+    cost (``moe_runtime.prefetch.gate``; default True); probe_every: while the last plan kept
+    nothing (on-demand), predict only at every ``probe_every``-th layer (default 4), which keeps
+    the gate's precision current at a quarter of the host work.
 
     Each later layer keeps at most ``tokens x top_k`` candidates (what this step can route there):
     on the bundled model at a 50% buffer this cut the bytes moved 1.4-6x (emulated link / memcpy)
@@ -60,6 +63,7 @@ class EAMPrefetch(PrefetchPolicy):
         lookahead: int = 0,
         lookahead_weight: float = 2.0,
         cost_aware: bool = True,
+        probe_every: int = 4,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -84,6 +88,7 @@ class EAMPrefetch(PrefetchPolicy):
         self._last: tuple[int, np.ndarray] | None = None  # (first layer, [D, E]) of the latest plan
         self._matcher: PrefixMatcher | None = None  # incremental EAMC matching of the running batch
         self._match_ids: list[str] | None = None  # the batch the matcher's step began with
+        self._unmatched: list[int] = []  # routed layers the matcher has not taken in yet
         # per-step state (see predict): the step's batch, the last routed layer, the own term,
         # the EAMC term and its key, their normalised sum and its capped form
         self._epoch = -1  # the recorder's epoch the state below belongs to
@@ -99,6 +104,10 @@ class EAMPrefetch(PrefetchPolicy):
         # gain/cost test of every candidate (moe_runtime.prefetch.gate); None = issue every plan
         self.gate = PrefetchGate(self.num_layers, self.num_experts, self.depth) if cost_aware else None
         self._queued = True  # the last plan handed to the buffer was not empty
+        if probe_every < 1:
+            raise ConfigError(f"eam probe_every must be >= 1, got {probe_every}")
+        self.probe_every = probe_every
+        self.plans = 0  # layers planned (predicted and tested), for the overhead figures
         self._p_use: tuple[np.ndarray, int, np.ndarray] | None = None  # (own term, T, [L * E] p)
 
     def predict(self, layer: int, request_ids: list[str]) -> np.ndarray | None:
@@ -173,6 +182,7 @@ class EAMPrefetch(PrefetchPolicy):
             self._own = self._final = self._eamc_block = None
             self._eamc_key = None
             self._match_ids = None  # the incremental matcher starts from the full query
+            self._unmatched = []
         self._last_layer = layer
 
     def _match(self, layer: int, request_ids: list[str], so_far: np.ndarray, k: int) -> np.ndarray:
@@ -195,7 +205,9 @@ class EAMPrefetch(PrefetchPolicy):
         if self._match_ids is None:
             m.begin_step(so_far)
             self._match_ids = self._step_ids
-        return m.update(layer, so_far)[1]
+            self._unmatched = []
+        layers, self._unmatched = [*self._unmatched, layer], []
+        return m.update(layers, so_far)[1]
 
     def observe_lookahead(self, layer: int, scores: np.ndarray) -> None:
         """Router lookahead scores ``[D, E]`` of MoE layers ``layer + 1 .. layer + D``, handed over
@@ -242,6 +254,16 @@ class EAMPrefetch(PrefetchPolicy):
         gate = self.gate
         if gate is not None:
             gate.observe(layer, topk_ids)  # score the earlier plans' candidates for this layer
+            if not self._queued and layer % self.probe_every:
+                # On-demand for now (the last plan kept nothing): only every probe_every-th layer
+                # predicts, to keep the precision current and to notice when prefetching pays again.
+                self._ahead = None
+                if self._match_ids is not None:  # the incremental matcher takes this row later
+                    self._begin_layer(layer, request_ids)
+                    if self._match_ids is not None:
+                        self._unmatched.append(layer)
+                return
+        self.plans += 1
         base = self._predict_rows(layer, request_ids)
         probs = self._blend_rows(layer, base)  # [D, E] rows of layers lo .. lo + D - 1
         lo = layer + 1
@@ -263,7 +285,6 @@ class EAMPrefetch(PrefetchPolicy):
             scores = self._paying(gate, layer, lo, rows, scores, topk_ids.shape[0])
             if scores is None:  # nothing pays and nothing of ours is queued: on-demand
                 return
-        self._queued = True
         self.issue(scores, first_layer=lo)
 
     def _paying(
@@ -294,6 +315,7 @@ class EAMPrefetch(PrefetchPolicy):
                 return None
             self._queued = False
             return np.zeros_like(scores)
+        self._queued = True
         out = np.zeros_like(scores)
         out[r, c] = scores[r, c]
         return out
