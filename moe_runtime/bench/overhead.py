@@ -56,8 +56,9 @@ class _Timer:
 
         return timed
 
-    def close_layer(self) -> None:
-        self.rows.append(self._cur[:4])
+    def close_layer(self, planned: bool) -> None:
+        """End a routed layer; ``planned``: the prefetch policy predicted and tested a plan."""
+        self.rows.append([*self._cur[:4], int(planned)])
         self._cur[:] = [0, 0, 0, 0, 0]
 
 
@@ -113,10 +114,10 @@ def measure(
 
         def after_routing(layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
             buf.advance()  # replay the clock to now first (the runtime's I/O thread did it already)
-            io0 = cur[4]
+            io0, plans0 = cur[4], pf.plans
             plan(layer, request_ids, topk_ids)
             cur[3] -= cur[4] - io0
-            timer.close_layer()
+            timer.close_layer(pf.plans > plans0)
 
         pf.after_routing = after_routing
         return state
@@ -130,7 +131,9 @@ def measure(
     t0 = time.perf_counter()
     sim.run("eam", cache, warm, evals)  # the warm part fills the EAMC; its layers are not counted
     wall = time.perf_counter() - t0
-    rows = np.asarray(timer.rows[mark[0] + warmup_steps * L :], dtype=np.float64) / 1e3  # us
+    table = np.asarray(timer.rows[mark[0] + warmup_steps * L :], dtype=np.float64)
+    planned = table[:, 4] > 0
+    rows = table[:, :4] / 1e3  # us
     if not len(rows):
         from moe_runtime.errors import ConfigError
 
@@ -139,6 +142,12 @@ def measure(
     out: dict[str, Any] = {"layers_timed": len(rows), "wall_s": round(wall, 2)}
     for name, col in zip(("total", *HOOKS), (total, *rows.T), strict=True):
         out[name] = {"p50": float(np.percentile(col, 50)), "p90": float(np.percentile(col, 90))}
+    # the layers that predicted a plan (all of them while prefetching pays; one in probe_every else)
+    out["planned_share"] = float(planned.mean())
+    full = total[planned] if planned.any() else total[:0]
+    out["planned_total"] = {
+        q: float(np.percentile(full, v)) if len(full) else 0.0 for q, v in (("p50", 50), ("p90", 90))
+    }
     return out
 
 
@@ -206,7 +215,8 @@ def run(args: argparse.Namespace) -> int:
             for r in range(args.repeats)
         ]
         row: dict[str, Any] = {"batch": batch, "layers_timed": reps[0]["layers_timed"]}
-        for name in ("total", *HOOKS):
+        row["planned_share"] = round(statistics.median(r["planned_share"] for r in reps), 3)
+        for name in ("total", *HOOKS, "planned_total"):
             for q in ("p50", "p90"):
                 vals = [r[name][q] for r in reps]
                 row[f"{name}_{q}_us"] = round(statistics.median(vals), 1)
@@ -221,11 +231,12 @@ def run(args: argparse.Namespace) -> int:
     print("us per routed MoE layer: median over repeats [min-max]")
     for r in results:
         parts = [f"batch {r['batch']:>3}"]
-        for name in ("total", *HOOKS):
+        for name in ("total", *HOOKS, "planned_total"):
             lo, hi = r[f"{name}_p50_spread_us"]
             parts.append(
                 f"{name} p50 {r[f'{name}_p50_us']:.1f} [{lo:.1f}-{hi:.1f}] p90 {r[f'{name}_p90_us']:.1f}"
             )
+        parts.append(f"planned {r['planned_share']:.0%} of layers")
         print(" | ".join(parts) + (" (within 50 us)" if r["meets_budget"] else " (over 50 us)"))
     return 0
 
