@@ -55,23 +55,6 @@ class PolicyResult:
     bytes_vs_oracle: float | None = None  # bytes moved per token / the oracle's
 
 
-def add_relative(results: list[PolicyResult]) -> list[PolicyResult]:
-    """Fill ``gap_closed`` and ``bytes_vs_oracle`` against the on-demand+lru and oracle rows of
-    the same buffer fraction (None where either is missing); returns ``results``."""
-    from moe_runtime.sim.report import gap_closed
-
-    for fraction in {r.buffer_fraction for r in results}:
-        rows = [r for r in results if r.buffer_fraction == fraction]
-        base = next((r for r in rows if r.policy == "on-demand+lru"), None)
-        oracle = next((r for r in rows if r.policy == "oracle"), None)
-        if base is None or oracle is None:
-            continue
-        for r in rows:
-            r.gap_closed = gap_closed(r.tpot_ms, base.tpot_ms, oracle.tpot_ms)
-            r.bytes_vs_oracle = r.bytes_per_token / oracle.bytes_per_token if oracle.bytes_per_token else None
-    return results
-
-
 def register_bench(sub: argparse._SubParsersAction) -> None:
     from moeserve.commands.common import add_model_arg
 
@@ -264,7 +247,9 @@ def run(args: argparse.Namespace) -> int:
         "router_lookahead": args.router_lookahead,
         "seed": args.seed,
     }
-    add_relative(results)
+    from moe_runtime.sim.report import add_relative
+
+    add_relative(results, group="buffer_fraction")
     if args.json:
         print(json.dumps({"settings": settings, "results": [asdict(r) for r in results]}, indent=2))
     else:

@@ -49,13 +49,15 @@ def gap_closed(tpot: float, on_demand: float, oracle: float) -> float | None:
     return (on_demand - tpot) / gap if gap > 0 else None
 
 
-def add_relative(rows: list[Row]) -> list[Row]:
-    """Fill ``gap_closed`` and ``bytes_vs_oracle`` of each row against the on-demand+LRU and the
-    oracle rows of the same buffer size (left None where either is missing); returns ``rows``."""
-    for slots in {r.slots for r in rows}:
-        block = [r for r in rows if r.slots == slots]
-        base = next((r for r in block if (r.prefetch, r.cache) == ("on-demand", "lru")), None)
-        oracle = next((r for r in block if r.prefetch == "oracle"), None)
+def add_relative(rows: list[Any], group: str = "slots") -> list[Any]:
+    """Fill ``gap_closed`` and ``bytes_vs_oracle`` of each row (a :class:`Row` or a bench
+    ``PolicyResult``: ``policy``, ``tpot_ms``, ``bytes_per_token``) against the ``on-demand+lru``
+    and ``oracle`` rows with the same ``group`` attribute (buffer size); left None where either is
+    missing. Returns ``rows``."""
+    for size in {getattr(r, group) for r in rows}:
+        block = [r for r in rows if getattr(r, group) == size]
+        base = next((r for r in block if r.policy == "on-demand+lru"), None)
+        oracle = next((r for r in block if r.policy == "oracle"), None)
         if base is None or oracle is None:
             continue
         for r in block:
