@@ -71,18 +71,6 @@ def test_pays_weighs_gain_against_link_and_eviction_cost() -> None:
     assert not gate.pays(np.ones(4), 1.0, np.zeros(4)).any()
 
 
-def test_a_plan_must_win_back_its_host_time() -> None:
-    gate = PrefetchGate(num_layers=2, num_experts=4, depth=1)
-    gate.block_per_miss_s, gate.demand_busy = 1e-3, 0.0  # each sure prefetch saves 1 ms
-    p, reuse = np.array([1.0, 1.0]), np.zeros(2)
-    assert gate.pays(p, 1e-3, reuse).all()
-    for _ in range(50):
-        gate.note_plan_time(3e-3)  # planning costs 3 ms, more than the 2 ms the plan saves
-    assert gate.plan_host_s == pytest.approx(3e-3, rel=1e-3)
-    assert not gate.pays(p, 1e-3, reuse).any()
-    assert gate.pays(np.ones(4), 1e-3, np.zeros(4)).all()  # 4 ms saved: worth its 3 ms
-
-
 def test_eam_with_zero_precision_is_on_demand(monkeypatch: pytest.MonkeyPatch) -> None:
     sim = sim_for(layers=3, experts=6, slots=6, batch=2)
     reqs = random_requests(3, 8, 3, 6, 2, 8)

@@ -21,7 +21,6 @@ simulator replays routing only) the policy is the paper's.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
@@ -109,7 +108,6 @@ class EAMPrefetch(PrefetchPolicy):
             raise ConfigError(f"eam probe_every must be >= 1, got {probe_every}")
         self.probe_every = probe_every
         self.plans = 0  # layers planned (predicted and tested), for the overhead figures
-        self._timed = getattr(self.buffer, "now", None) is None  # host clock = compute clock
         self._p_use: tuple[np.ndarray, int, np.ndarray] | None = None  # (own term, T, [L * E] p)
 
     def predict(self, layer: int, request_ids: list[str]) -> np.ndarray | None:
@@ -265,16 +263,6 @@ class EAMPrefetch(PrefetchPolicy):
                     if self._match_ids is not None:
                         self._unmatched.append(layer)
                 return
-            if self._timed:  # the runtime: the plan's host time is a cost the gate weighs
-                t0 = time.perf_counter()
-                self._plan(layer, request_ids, topk_ids)
-                gate.note_plan_time(time.perf_counter() - t0)
-                return
-        self._plan(layer, request_ids, topk_ids)
-
-    def _plan(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
-        """Predict, limit, test and issue the plan of the layers after ``layer``."""
-        gate = self.gate
         self.plans += 1
         base = self._predict_rows(layer, request_ids)
         probs = self._blend_rows(layer, base)  # [D, E] rows of layers lo .. lo + D - 1

@@ -18,10 +18,6 @@ NOTE: the terms (issue #15), all measured online, none typed in:
   from the running requests' request EAMs, as the ``eam-reuse`` cache scores slots: ``p = 1 - (1 -
   share)^T``, the victims taken lowest first.
 
-* The plan's own host time (measured by the runtime's policy; 0 in the simulator, whose clock is
-  not the host's) must be won back: a plan whose kept candidates' summed ``gain - cost`` does not
-  exceed it keeps nothing, so with a link fast enough that misses barely block it is on-demand.
-
 So with poor predictions (``P`` low), a link the demand fetches keep busy (``q`` near 1), a fast
 link (``b`` near 0 against a measurable ``q``) or a
 buffer full of experts the batch keeps using (``R`` high), no candidate pays and the policy is
@@ -73,7 +69,6 @@ class PrefetchGate:
         ] = {}  # layer -> (d, experts, ranks)
         self.block_per_miss_s: float | None = None  # b
         self.demand_busy = 1.0  # q: assume a busy link until measured
-        self.plan_host_s = 0.0  # running host time of one layer's plan (runtime only)
         self.checked = 0  # candidates checked against routing so far
         self._last: tuple[float, float, int, int] | None = None  # (clock, blocking, misses, demand)
 
@@ -158,16 +153,7 @@ class PrefetchGate:
         b = transfer_s if self.block_per_miss_s is None else self.block_per_miss_s
         gain = p_used * b * (1.0 - self.demand_busy)
         cost = (1.0 - p_used) * self.demand_busy * transfer_s + reuse * b
-        keep = gain > cost
-        # the plan itself costs the compute thread its host time: it must win that back too
-        if self.plan_host_s > 0 and float((gain - cost)[keep].sum()) <= self.plan_host_s:
-            keep[:] = False
-        return keep
-
-    def note_plan_time(self, seconds: float) -> None:
-        """One layer's planning took ``seconds`` of the compute thread's host time (measured by
-        the runtime's policy; the simulator, whose clock is not the host's, never calls this)."""
-        self.plan_host_s = LINK_DECAY * self.plan_host_s + (1 - LINK_DECAY) * seconds
+        return gain > cost
 
 
 def clock(buffer: Any) -> float:
