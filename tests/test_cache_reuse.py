@@ -20,6 +20,9 @@ class CountsRecorder:
     def query(self, request_ids, upto_layer):
         return np.stack([self.counts for _ in request_ids])
 
+    def query_sum(self, request_ids, upto_layer):
+        return self.query(request_ids, upto_layer).sum(axis=0)
+
 
 def _policy(counts: np.ndarray, keys: list[int], layer: int, tokens: int = 2):
     pol = make_cache_policy("eam-reuse", len(keys), E, num_layers=L, recorder=CountsRecorder(counts))

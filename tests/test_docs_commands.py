@@ -75,16 +75,7 @@ CREATES_OUT: dict[tuple[str, ...], str] = {
 }
 
 #: (doc, substring of the command) -> the fault, for docs this change does not own; strict xfail.
-KNOWN_BROKEN: dict[tuple[str, str], str] = {
-    (
-        "docs/results.md",
-        "bench policies --json",
-    ): "'> runs/bench/policies.json', no mkdir -p",
-    (
-        "docs/results.md",
-        "bench lookahead --json",
-    ): "'> runs/bench/lookahead.json', no mkdir -p",
-}
+KNOWN_BROKEN: dict[tuple[str, str], str] = {}
 
 
 @dataclass(slots=True)
@@ -175,6 +166,8 @@ def collect() -> list[DocCommand]:
             env: dict[str, str] = {}
             made: set[str] = set()
             for lineno, text, output in _logical_lines(start, tag, lines):
+                for name, values in re.findall(r"\bfor (\w+) in ([^;]+);", text):
+                    env[name] = values.split()[0]  # a loop's commands are checked for its first value
                 for argv, redirect in _split(text, env):
                     if len(argv) == 1 and re.fullmatch(r"\w+=.*", argv[0]):
                         name, value = argv[0].split("=", 1)

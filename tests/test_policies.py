@@ -32,6 +32,9 @@ class FakeRecorder:
     def query(self, request_ids, upto_layer):
         return np.stack([self.eam for _ in request_ids])
 
+    def query_sum(self, request_ids, upto_layer):
+        return self.query(request_ids, upto_layer).sum(axis=0)
+
 
 def FakeEAMC(entries: np.ndarray) -> EAMC:  # noqa: N802 - kept the old fake's name for its callers
     """A real EAMC holding ``entries [n, L, E]`` (rows are L2-normalised on add)."""
@@ -72,7 +75,7 @@ def test_eam_plan_priorities_follow_the_formula():
         entry[1] = [0, 3, 1, 0, 0]
         entry[2] = [0, 0, 0, 2, 2]
         entry[3] = [4, 0, 0, 0, 0]
-        pol = fake_eam_policy(buf, entry, min_prob=0.0)
+        pol = fake_eam_policy(buf, entry, min_prob=0.0, cost_aware=False)  # the plan as such
         pol.after_routing(0, ["r"], np.zeros((1, 2), dtype=np.int64))
         probs = entry / entry.sum(axis=1, keepdims=True).clip(min=1)
         want = {}
@@ -226,6 +229,9 @@ def test_cached_victim_scores_match_the_formula(name: str, seed: int) -> None:
     class Recorder:
         def query(self, request_ids, layer):
             return rng.integers(0, 4, size=(len(request_ids), L, E)).astype(np.float32)
+
+        def query_sum(self, request_ids, layer):
+            return self.query(request_ids, layer).sum(axis=0)
 
     pol = make_cache_policy(name, slots, E, num_layers=L, recorder=Recorder())
     keys = [-1] * slots

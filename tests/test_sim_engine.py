@@ -142,7 +142,10 @@ def test_eam_incremental_matching_plans_like_full_searches(seed: int, monkeypatc
     """The prefetch policy's incremental EAMC matching (PrefixMatcher) and one full search per
     layer pick the same matches: the whole simulated run comes out the same."""
     import moe_runtime.prefetch.eam as eam
+    from moe_runtime.prefetch.gate import PrefetchGate
 
+    # every candidate pays, so that the plans themselves reach the buffer and are compared
+    monkeypatch.setattr(PrefetchGate, "pays", lambda self, p, t, reuse: np.ones(len(p), dtype=bool))
     reqs = random_requests(seed, 44, 6, 8, 2, 6)  # more finished requests than matches (16)
     sim = sim_for(layers=6, experts=8, slots=12, batch=3)
     runs = []

@@ -260,3 +260,26 @@ def test_epoch_moves_only_when_earlier_step_counts_or_live_requests_change() -> 
     e3 = rec.epoch
     rec.abort("b")
     assert rec.epoch > e3
+
+
+def test_query_sum_equals_the_summed_query_as_layers_and_steps_go() -> None:
+    rng = np.random.default_rng(7)
+    L, E, k = 4, 6, 2
+    rec = RequestRecorder(L, E, k)
+    for r in ("a", "b", "c"):
+        rec.begin_request(r, 3)
+    batches = [["a", "b", "c"], ["a", "c"], ["a", "c"]]
+    for step, ids in enumerate(batches):
+        seq = np.arange(len(ids))
+        for layer in range(L):
+            topk = rng.integers(0, E, size=(len(ids), k))
+            rec.record(layer, ids, seq, np.zeros(len(ids), bool), topk, np.ones((len(ids), k), np.float32))
+            got = rec.query_sum(ids, layer)
+            np.testing.assert_array_equal(got, rec.query(ids, layer).sum(axis=0))
+            if layer == 1:  # asking about an earlier layer again, then later ones, stays right
+                np.testing.assert_array_equal(rec.query_sum(ids, 0), rec.query(ids, 0).sum(axis=0))
+        rec.end_step()
+        if step == 0:
+            rec.finish("b")
+        live = ["a", "c"]
+        np.testing.assert_array_equal(rec.query_sum(live, -1), rec.query(live, -1).sum(axis=0))

@@ -313,6 +313,7 @@ if look.exists():
 ### How well the router lookahead guesses (`moeserve bench lookahead`)
 
 ```bash
+mkdir -p runs/bench
 moeserve bench lookahead --json > runs/bench/lookahead.json
 ```
 
@@ -332,6 +333,7 @@ MoE-Infinity's Tables 2, 3 and 5 on our runtime and the bundled model: every pre
 buffers of 10%, 25% and 50% of all experts, an emulated host->device link, one run. Command:
 
 ```bash
+mkdir -p runs/bench
 moeserve bench policies --json > runs/bench/policies.json
 moeserve bench render runs/bench/policies.json
 python tools/update_bench_docs.py   # writes this section

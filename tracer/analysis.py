@@ -151,10 +151,9 @@ def trace_stats(records: list[TraceRecord]) -> dict[str, Any]:
 
 def print_stats(stats: dict[str, Any], title: str = "") -> None:
     """Render :func:`trace_stats` output as rich tables."""
-    from rich.console import Console
-    from rich.table import Table
+    from richconsole import Table, make_console
 
-    console = Console()
+    console = make_console()
     m, tok = stats["model"], stats["tokens"]
     console.print(
         f"{title}  L={m['num_layers']} E={m['num_experts']} top_k={m['top_k']}  "

@@ -165,11 +165,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _print(result: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from richconsole import Table, make_console
 
     s = result["settings"]
-    console = Console()
+    console = make_console()
     console.print(
         "EAMC search  " + "  ".join(f"{k}={v}" for k, v in s.items()) + f"  fill={result['fill_seconds']}s"
     )

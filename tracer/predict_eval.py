@@ -178,11 +178,10 @@ def _predict_token(
 
 def print_eval(result: dict[str, Any]) -> None:
     """Render :func:`evaluate` output as a rich table (precision / recall per method and ``d``)."""
-    from rich.console import Console
-    from rich.table import Table
+    from richconsole import Table, make_console
 
     s = result["settings"]
-    console = Console()
+    console = make_console()
     console.print("predict-eval  " + "  ".join(f"{k}={v}" for k, v in s.items()))
     table = Table("method", "d", "precision", "recall", "events")
     for r in result["rows"]:

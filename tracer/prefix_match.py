@@ -97,12 +97,15 @@ class PrefixMatcher:
         with _omp_threads(self.eamc.threads):
             self._rebuild()
 
-    def update(self, layer: int, query: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def update(self, layer: int | list[int], query: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Row ``layer`` of the queries changed; return the best ``k`` matches of each.
 
         Args:
-            layer: the MoE layer just routed.
-            query: ``(B, L, E)`` current queries (only row ``layer`` is read) or ``(B, E)`` that row.
+            layer: the MoE layer just routed, or a list of layers routed since the last update
+                (their rows are updated in order, the same as one call per layer, and the top ``k``
+                taken once).
+            query: ``(B, L, E)`` current queries (only the ``layer`` rows are read) or ``(B, E)``
+                that row (one layer only).
 
         Returns:
             ``(sims, idx)``, both ``(B, min(k, len(eamc)))``, as :meth:`EAMC.search`.
@@ -111,19 +114,25 @@ class PrefixMatcher:
             ValueError: the batch size differs from ``begin_step``'s or the shape is wrong.
         """
         query = np.asarray(query)
-        row = query[:, layer] if query.ndim == 3 else query
-        if row.shape != (self._q.shape[0], self.eamc.num_experts):
-            raise ValueError(
-                f"query row must be ({self._q.shape[0]}, {self.eamc.num_experts}), got {row.shape}"
-            )
-        self._q[:, layer] = normalize_rows(row)
+        layers = [layer] if isinstance(layer, int) else list(layer)
+        if query.ndim != 3 and len(layers) != 1:
+            raise ValueError("a (B, E) query row updates one layer; pass (B, L, E) for several")
+        for lay in layers:
+            row = query[:, lay] if query.ndim == 3 else query
+            if row.shape != (self._q.shape[0], self.eamc.num_experts):
+                raise ValueError(
+                    f"query row must be ({self._q.shape[0]}, {self.eamc.num_experts}), got {row.shape}"
+                )
+            self._q[:, lay] = normalize_rows(row)
         with _omp_threads(self.eamc.threads):  # faiss heaps go parallel on large batches
             if self._version != self.eamc.version:
                 self._rebuild()
             else:
-                self._sum -= self._cos[layer]
-                self._layer_cos(self.eamc.layer_major(), layer, self._cos[layer])
-                self._sum += self._cos[layer]
+                by_layer = self.eamc.layer_major()
+                for lay in layers:
+                    self._sum -= self._cos[lay]
+                    self._layer_cos(by_layer, lay, self._cos[lay])
+                    self._sum += self._cos[lay]
             return self._top_k()
 
     def _top_k(self) -> tuple[np.ndarray, np.ndarray]:

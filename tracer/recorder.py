@@ -85,6 +85,11 @@ class RequestRecorder:
         self._last_ids: list[str] | None = None
         self._last_rows: slice | np.ndarray = np.zeros(0, dtype=np.int64)  # _rows(_last_ids)
         self._query_memo: tuple[int, list[str], np.ndarray] | None = None  # dropped when counts change
+        # query_sum's running state: (epoch, ids), earlier steps' [L, E] sum, this step's rows <= upto
+        self._total_key: tuple[int, list[str]] | None = None
+        self._total_base = np.zeros((num_layers, num_experts), dtype=np.float32)
+        self._total_step = np.zeros((num_layers, num_experts), dtype=np.float32)
+        self._total_upto = -1
         self.committed = 0
         # bumped when an EAM of earlier steps or the set of live requests changes (see ``query``)
         self.epoch = 0
@@ -188,6 +193,8 @@ class RequestRecorder:
         self._step_sum[rows, moe_layer, :] += counts[:, _PREFILL] + counts[:, _DECODE]
         self._touched[rows] = True
         self._query_memo = None
+        if moe_layer <= self._total_upto:  # a layer query_sum already summed changed again
+            self._total_key = None
         if self.trace_writer is not None:
             self._keep_choices(moe_layer, request_ids, token_seq, token_prefill, topk_ids, topk_weights)
 
@@ -275,6 +282,29 @@ class RequestRecorder:
         out.flags.writeable = False  # shared by every caller until the counts change
         self._query_memo = (upto_layer, list(request_ids), out)
         return out
+
+    def query_sum(self, request_ids: list[str], upto_layer: int) -> np.ndarray:
+        """:meth:`query` summed over the requests: ``(L, E)`` float32 token counts (a new array).
+
+        Equal to ``query(request_ids, upto_layer).sum(axis=0)`` (counts are integers, exact in
+        float32), without building the ``(B, L, E)`` array: the earlier steps' sum is taken once
+        per :attr:`epoch` and batch, and each routed layer's rows are added once.
+
+        Raises:
+            KeyError: a request id is not live.
+        """
+        rows = self._rows(request_ids)
+        key = self._total_key
+        if key is None or key[0] != self.epoch or key[1] != request_ids or upto_layer < self._total_upto:
+            self._total_base = self._sum[rows].sum(axis=0)
+            self._total_step[:] = 0
+            self._total_upto = -1
+            self._total_key = (self.epoch, list(request_ids))
+        if upto_layer > self._total_upto:
+            lo = self._total_upto + 1
+            self._total_step[lo : upto_layer + 1] = self._step_sum[rows, lo : upto_layer + 1].sum(axis=0)
+            self._total_upto = upto_layer
+        return self._total_base + self._total_step
 
     def request_eam(self, request_id: str) -> tuple[np.ndarray, np.ndarray]:
         """``(prefill, decode)`` ``(L, E)`` int64 copies of the request EAM (finished steps only).

@@ -32,7 +32,7 @@ COMBOS = [  # (label, prefetch policy, cache policy, runtime overrides)
     ("model-counts", "model-counts", "model-counts", {}),
     ("hot-experts+lru", "hot-experts", "lru", {}),
     ("eam-paper", "eam", "eam", {"router_lookahead": 0}),  # MoE-Infinity's EAMC-only plan
-    ("eam", "eam", "eam", {}),  # the default: EAMC + router lookahead for the nearest layers
+    ("eam", "eam", "eam-reuse", {}),  # the default: EAMC + router lookahead, cost-aware; loop-aware cache
     ("on-demand+eam-reuse", "on-demand", "eam-reuse", {}),  # caching alone, loop-aware
     ("oracle", "oracle", "oracle", {}),
 ]
@@ -51,6 +51,8 @@ class PolicyResult:
     prefetch_landed: int  # prefetches that completed a copy into a slot
     prefetch_used: int
     tokens: int
+    gap_closed: float | None = None  # share of the on-demand+lru -> oracle TPOT gap closed
+    bytes_vs_oracle: float | None = None  # bytes moved per token / the oracle's
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
@@ -245,6 +247,9 @@ def run(args: argparse.Namespace) -> int:
         "router_lookahead": args.router_lookahead,
         "seed": args.seed,
     }
+    from moe_runtime.sim.report import add_relative
+
+    add_relative(results, group="buffer_fraction")
     if args.json:
         print(json.dumps({"settings": settings, "results": [asdict(r) for r in results]}, indent=2))
     else:
@@ -254,10 +259,9 @@ def run(args: argparse.Namespace) -> int:
 
 def print_tables(settings: dict, results: list[PolicyResult]) -> None:
     """Paper-style tables: blocking and bytes normalised to on-demand; hit rate vs. oracle."""
-    from rich.console import Console
-    from rich.table import Table
+    from richconsole import Table, make_console
 
-    console = Console()
+    console = make_console()
     table = Table(title="moeserve bench policies")
     for col in (
         "buffer",
@@ -269,6 +273,8 @@ def print_tables(settings: dict, results: list[PolicyResult]) -> None:
         "KiB/tok",
         "bytes vs on-demand",
         "TPOT ms",
+        "gap closed",
+        "bytes vs oracle",
     ):
         table.add_column(col, justify="right")
     for fraction in sorted({r.buffer_fraction for r in results}):
@@ -288,6 +294,8 @@ def print_tables(settings: dict, results: list[PolicyResult]) -> None:
                 f"{r.bytes_per_token / 1024:.0f}",
                 f"{r.bytes_per_token / base.bytes_per_token:.2f}" if base and base.bytes_per_token else "",
                 f"{r.tpot_ms:.2f}",
+                f"{100 * r.gap_closed:.0f}%" if r.gap_closed is not None else "",
+                f"{r.bytes_vs_oracle:.2f}x" if r.bytes_vs_oracle is not None else "",
             )
     console.print(table)
     console.print("settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))

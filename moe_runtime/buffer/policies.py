@@ -115,16 +115,16 @@ class EAMReuseCachePolicy(CachePolicy):
         self.layer = layer
         self._stale = True
         if request_ids and topk_ids.size:
-            # the recorder's answer is read-only: keep it, derive ``p_use`` when a victim needs it
-            self._routed = (self.recorder.query(request_ids, layer), topk_ids.shape)
+            # the batch's counts [L, E] (a snapshot): ``p_use`` is derived when a victim needs it
+            self._routed = (self.recorder.query_sum(request_ids, layer), topk_ids.shape)
 
     @property
     def p_use(self) -> np.ndarray:
         """``[L * E]`` per-step use probability of each key, from the latest routed layer's counts."""
         if self._routed is not None:
-            eams, (T, k) = self._routed
+            summed, (T, k) = self._routed
             self._routed = None
-            counts = eams.sum(axis=0).astype(np.float64)  # [L, E]
+            counts = summed.astype(np.float64)  # [L, E]
             tokens = counts.sum(axis=1, keepdims=True)
             share = counts / np.where(tokens > 0, tokens, 1.0)  # counts >= 0: a 0-token row is all 0
             share *= k  # share of tokens choosing the expert (each token picks k)

@@ -27,6 +27,7 @@ import numpy as np
 
 from moe_runtime.errors import ConfigError
 from moe_runtime.prefetch.base import PrefetchPolicy
+from moe_runtime.prefetch.gate import PrefetchGate, clock
 from tracer.prefix_match import PrefixMatcher
 
 # Per-layer matching cost (us), full search vs incremental, measured on this 2-core host:
@@ -39,7 +40,10 @@ class EAMPrefetch(PrefetchPolicy):
     """Args (beyond the base): eamc: the EAM collection to match against; matches: top matches
     per request (default 16); min_prob: experts below this activation probability are not
     prefetched (default 0); own_weight: weight of the batch's own EAM so far in the prediction
-    (default 1).
+    (default 1); cost_aware: issue only the candidates whose expected gain beats their expected
+    cost (``moe_runtime.prefetch.gate``; default True); probe_every: while the last plan kept
+    nothing (on-demand), predict only at every ``probe_every``-th layer (default 4), which keeps
+    the gate's precision current at a quarter of the host work.
 
     Each later layer keeps at most ``tokens x top_k`` candidates (what this step can route there):
     on the bundled model at a 50% buffer this cut the bytes moved 1.4-6x (emulated link / memcpy)
@@ -58,6 +62,8 @@ class EAMPrefetch(PrefetchPolicy):
         own_weight: float = 1.0,
         lookahead: int = 0,
         lookahead_weight: float = 2.0,
+        cost_aware: bool = True,
+        probe_every: int = 4,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -79,9 +85,10 @@ class EAMPrefetch(PrefetchPolicy):
             self.depth = lookahead  # plan only the layers the lookahead sees (docs/results.md)
         self.lookahead_weight = lookahead_weight
         self._ahead: tuple[int, np.ndarray] | None = None  # (layer, [D, E]) of the current layer
-        self.last_probs: np.ndarray | None = None  # [L, E] of the latest plan, for tests and stats
+        self._last: tuple[int, np.ndarray] | None = None  # (first layer, [D, E]) of the latest plan
         self._matcher: PrefixMatcher | None = None  # incremental EAMC matching of the running batch
         self._match_ids: list[str] | None = None  # the batch the matcher's step began with
+        self._unmatched: list[int] = []  # routed layers the matcher has not taken in yet
         # per-step state (see predict): the step's batch, the last routed layer, the own term,
         # the EAMC term and its key, their normalised sum and its capped form
         self._epoch = -1  # the recorder's epoch the state below belongs to
@@ -94,6 +101,14 @@ class EAMPrefetch(PrefetchPolicy):
         self._final: np.ndarray | None = None  # [D, E] normalised own + EAMC term
         self._evidence: np.ndarray | None = None  # [D] bool
         self._limited: tuple[int, np.ndarray] | None = None  # (cap, [D, E]) capped _final
+        # gain/cost test of every candidate (moe_runtime.prefetch.gate); None = issue every plan
+        self.gate = PrefetchGate(self.num_layers, self.num_experts, self.depth) if cost_aware else None
+        self._queued = True  # the last plan handed to the buffer was not empty
+        if probe_every < 1:
+            raise ConfigError(f"eam probe_every must be >= 1, got {probe_every}")
+        self.probe_every = probe_every
+        self.plans = 0  # layers planned (predicted and tested), for the overhead figures
+        self._p_use: tuple[np.ndarray, int, np.ndarray] | None = None  # (own term, T, [L * E] p)
 
     def predict(self, layer: int, request_ids: list[str]) -> np.ndarray | None:
         """Activation probabilities ``[L, E]`` for the running batch, or None without evidence.
@@ -110,6 +125,16 @@ class EAMPrefetch(PrefetchPolicy):
         (or the EAMC) change or a later layer needs rows outside the last window. Row by row the
         numbers are those of a from-scratch computation.
         """
+        rows = self._predict_rows(layer, request_ids)
+        if rows is None:
+            return None
+        prob = np.zeros((self.num_layers, self.num_experts), dtype=np.float32)
+        prob[layer + 1 : layer + 1 + len(rows)] = rows
+        return prob
+
+    def _predict_rows(self, layer: int, request_ids: list[str]) -> np.ndarray | None:
+        """:meth:`predict`'s rows ``layer + 1 .. layer + depth`` only, ``[D, E]`` (read-only: the
+        step's cached rows), or None."""
         lo, hi = layer + 1, min(self.num_layers, layer + 1 + self.depth)
         if not request_ids or lo >= hi:
             return None
@@ -146,9 +171,7 @@ class EAMPrefetch(PrefetchPolicy):
             self._limited = None
         if not self._evidence[lo - w0 : hi - w0].any():
             return None
-        prob = np.zeros((self.num_layers, self.num_experts), dtype=np.float32)
-        prob[lo:hi] = self._final[lo - w0 : hi - w0]
-        return prob
+        return self._final[lo - w0 : hi - w0]
 
     def _begin_layer(self, layer: int, request_ids: list[str]) -> None:
         """Drop the per-step state when the recorder's earlier-step EAMs or live requests changed
@@ -159,6 +182,7 @@ class EAMPrefetch(PrefetchPolicy):
             self._own = self._final = self._eamc_block = None
             self._eamc_key = None
             self._match_ids = None  # the incremental matcher starts from the full query
+            self._unmatched = []
         self._last_layer = layer
 
     def _match(self, layer: int, request_ids: list[str], so_far: np.ndarray, k: int) -> np.ndarray:
@@ -181,7 +205,9 @@ class EAMPrefetch(PrefetchPolicy):
         if self._match_ids is None:
             m.begin_step(so_far)
             self._match_ids = self._step_ids
-        return m.update(layer, so_far)[1]
+            self._unmatched = []
+        layers, self._unmatched = [*self._unmatched, layer], []
+        return m.update(layers, so_far)[1]
 
     def observe_lookahead(self, layer: int, scores: np.ndarray) -> None:
         """Router lookahead scores ``[D, E]`` of MoE layers ``layer + 1 .. layer + D``, handed over
@@ -190,36 +216,167 @@ class EAMPrefetch(PrefetchPolicy):
 
     def blend_lookahead(self, layer: int, probs: np.ndarray | None) -> np.ndarray | None:
         """``probs [L, E]`` with the router lookahead of ``layer`` blended into its next layers."""
+        lo = layer + 1
+        rows = None if probs is None else probs[lo : min(self.num_layers, lo + self.depth)]
+        out = self._blend_rows(layer, rows)
+        if out is rows:
+            return probs
+        full = np.zeros((self.num_layers, self.num_experts), np.float32) if probs is None else probs.copy()
+        full[lo : lo + len(out)] = out
+        return full
+
+    def _blend_rows(self, layer: int, rows: np.ndarray | None) -> np.ndarray | None:
+        """:meth:`blend_lookahead` on the plan's rows ``[D, E]`` (layers ``layer + 1 ..``): ``rows``
+        itself without a lookahead for ``layer``, else a new array."""
         ahead, self._ahead = self._ahead, None
         if ahead is None or ahead[0] != layer or self.lookahead_weight == 0:
-            return probs
-        d = min(self.lookahead_depth, self.depth, len(ahead[1]))
+            return rows
+        n = min(self.num_layers, layer + 1 + self.depth) - layer - 1  # rows of the plan
+        d = min(self.lookahead_depth, n, len(ahead[1]))
+        if d <= 0:
+            return rows
         spec = _row_probs(ahead[1][:d].astype(np.float32)) * self.lookahead_weight  # [d, E]
-        probs = np.zeros((self.num_layers, self.num_experts), np.float32) if probs is None else probs.copy()
-        lo, hi = layer + 1, layer + 1 + d
-        probs[lo:hi] = _row_probs(probs[lo:hi] + spec)
-        return probs
+        out = np.zeros((n, self.num_experts), np.float32) if rows is None else rows.copy()
+        out[:d] = _row_probs(out[:d] + spec)
+        return out
+
+    @property
+    def last_probs(self) -> np.ndarray | None:
+        """``[L, E]`` probabilities of the latest plan (rows it covers; others 0), or None."""
+        if self._last is None:
+            return None
+        lo, rows = self._last
+        prob = np.zeros((self.num_layers, self.num_experts), np.float32)
+        prob[lo : lo + len(rows)] = rows
+        return prob
 
     def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
-        base = self.predict(layer, request_ids)
-        probs = self.blend_lookahead(layer, base)
-        self.last_probs = probs
+        gate = self.gate
+        if gate is not None:
+            gate.observe(layer, topk_ids)  # score the earlier plans' candidates for this layer
+            if not self._queued and layer % self.probe_every:
+                # On-demand for now (the last plan kept nothing): only every probe_every-th layer
+                # predicts, to keep the precision current and to notice when prefetching pays again.
+                self._ahead = None
+                if self._match_ids is not None:  # the incremental matcher takes this row later
+                    self._begin_layer(layer, request_ids)
+                    if self._match_ids is not None:
+                        self._unmatched.append(layer)
+                return
+        self.plans += 1
+        base = self._predict_rows(layer, request_ids)
+        probs = self._blend_rows(layer, base)  # [D, E] rows of layers lo .. lo + D - 1
+        lo = layer + 1
+        self._last = None if probs is None else (lo, probs)
         if probs is None:
             return
-        lo, hi = layer + 1, min(self.num_layers, layer + 1 + self.depth)
         # A later layer will need at most as many experts as this step routes (tokens x top-k):
         # keep only that many of its most likely experts, so the plan does not flood the link.
         cap = min(self.num_experts, topk_ids.size)
-        if probs is base:  # rows lo:hi are the step's cached rows: limit them once per step
+        if probs is base:  # the step's cached rows: limit them once per step
             if self._limited is None or self._limited[0] != cap:
                 self._limited = (cap, _limit(self._final, cap, self.min_prob))
             w0 = self._window[0]
-            rows = self._limited[1][lo - w0 : hi - w0]
+            rows = self._limited[1][lo - w0 : lo - w0 + len(probs)]
         else:
-            rows = _limit(probs[lo:hi], cap, self.min_prob)
-        # Only rows lo:hi score (in probs' dtype); the rest of the [L, E] scores are 0.
-        scores = (rows * self.proximity(layer)[lo:hi, None]).astype(probs.dtype, copy=False)
+            rows = _limit(probs, cap, self.min_prob)
+        scores = (rows * self.proximity(layer)[lo : lo + len(rows), None]).astype(probs.dtype, copy=False)
+        if gate is not None:
+            scores = self._paying(gate, layer, lo, rows, scores, topk_ids.shape[0])
+            if scores is None:  # nothing pays and nothing of ours is queued: on-demand
+                return
         self.issue(scores, first_layer=lo)
+
+    def _paying(
+        self, gate: PrefetchGate, layer: int, lo: int, rows: np.ndarray, scores: np.ndarray, tokens: int
+    ) -> np.ndarray | None:
+        """``scores [D, E]`` with the candidates whose expected gain does not beat their expected
+        cost zeroed (``moe_runtime.prefetch.gate``); None when none pays and no plan of ours is
+        queued (nothing to hand the buffer)."""
+        E = self.num_experts
+        held = self.buffer.held[lo * E : lo * E + rows.size].reshape(rows.shape)
+        r, c, rank = _ranked(rows)  # the predictor's candidates, ranked within their row
+        free = ~held[r, c]
+        r, c, rank = r[free], c[free], rank[free]  # the ones a prefetch would copy
+        gate.note(lo - layer, lo, r, c, rank)
+        if r.size:
+            p_used = gate.precision()[np.minimum(lo + r - layer, gate.depth) - 1, rank]
+            t = self._transfer_s()
+            reuse = np.zeros(r.size)
+            if gate.pays(p_used, t, reuse).any():  # an eviction only adds cost: check it then
+                order = (-scores[r, c]).argsort(kind="stable")  # the plan's order: best first
+                reuse[order] = self._victim_reuse(layer, r.size, tokens)
+                keep = gate.pays(p_used, t, reuse)
+                r, c = r[keep], c[keep]
+            else:
+                r = r[:0]
+        if not r.size:
+            if not self._queued:
+                return None
+            self._queued = False
+            return np.zeros_like(scores)
+        self._queued = True
+        out = np.zeros_like(scores)
+        out[r, c] = scores[r, c]
+        return out
+
+    def _victim_reuse(self, layer: int, n: int, tokens: int) -> np.ndarray:
+        """``[n]`` chance that the expert the i-th prefetch of a plan evicts is used in the next
+        step: 0 while free slots last, then the resident experts (not of ``layer``) lowest first,
+        ``p = 1 - (1 - share)^T`` from the batch's own EAM (``share``: its tokens' share routed
+        to the expert so far, ``T`` tokens per step), as the ``eam-reuse`` cache scores slots."""
+        buf, E = self.buffer, self.num_experts
+        held = buf.held
+        n_held = int(held.sum())
+        free = max(0, buf.num_slots - n_held)
+        out = np.zeros(n)
+        if n <= free or self._own is None:
+            return out
+        own = self._own
+        if self._p_use is None or self._p_use[0] is not own or self._p_use[1] != tokens:  # once a step
+            weight = self.own_weight if self.own_weight > 0 else 1.0
+            share = np.minimum(own.reshape(-1) * (self.top_k / weight), 1.0)
+            self._p_use = (own, tokens, 1.0 - (1.0 - share) ** tokens)  # [L * E]
+        p = np.where(held, self._p_use[2], np.inf)
+        p[layer * E : (layer + 1) * E] = np.inf  # the running layer's experts are pinned
+        avail = n_held - int(held[layer * E : (layer + 1) * E].sum())
+        m = min(n - free, avail)
+        if m > 0:
+            out[free : free + m] = np.sort(np.partition(p, m - 1)[:m])
+        out[free + max(m, 0) :] = 1.0  # nothing left to evict: it cannot be placed anyway
+        return out
+
+    def _transfer_s(self) -> float:
+        """One expert copy's link time: the simulator's, else the emulated link's, else the
+        measured blocking per miss (a copy on an unemulated link is timed only there)."""
+        t = getattr(self.buffer, "transfer_s", None)
+        if t is not None:
+            return float(t)
+        part = self.buffer.parts[0]
+        link = getattr(part, "link", None)
+        if link is not None:
+            return link.transfer_seconds(part.expert_nbytes)
+        return self.gate.block_per_miss_s or 0.0
+
+    def end_step(self) -> None:
+        gate = self.gate
+        if gate is not None:
+            gate.update_link(self.buffer.stats, clock(self.buffer), self._transfer_s())
+            gate.new_step()
+
+
+def _ranked(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The positive entries of ``rows [D, E]`` as ``(row [n], column [n], rank [n])``, row-major;
+    ``rank`` is the entry's place in its row by falling value (0 = largest; ties: lower column
+    first), as a stable descending sort of the whole row ranks it."""
+    r, c = (rows > 0).nonzero()
+    if r.size <= 1:
+        return r, c, np.zeros(r.size, dtype=np.int64)
+    order = np.lexsort((c, -rows[r, c], r))  # by row, then value falling, then column
+    first = np.searchsorted(r, r[order])  # each sorted entry's row start (r is row-major sorted)
+    rank = np.empty(r.size, dtype=np.int64)
+    rank[order] = np.arange(r.size) - first
+    return r, c, rank
 
 
 def _limit(rows: np.ndarray, cap: int, min_prob: float) -> np.ndarray:

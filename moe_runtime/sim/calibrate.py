@@ -285,10 +285,9 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, str]:
 
 
 def print_comparison(doc: dict[str, Any], seconds: float) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from richconsole import Table, make_console
 
-    console = Console(width=180)
+    console = make_console()
     table = Table(title="simulator vs runtime (moeserve bench policies)")
     cols = ("rep", "buffer", "policy", "costs", "hit runtime", "hit sim", "diff pts",
             "block ms/tok runtime", "runtime spread", "block ms/tok sim", "block err", "TPOT runtime",

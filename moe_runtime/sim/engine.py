@@ -55,6 +55,12 @@ class SimConfig:
             policy; times below zero clip to zero). A runtime's layer times jitter, and a policy
             near a timing threshold (one more copy landing before a layer runs) lands between its
             two outcomes there; the deterministic default (0) takes one side.
+        lookahead_precision: the router lookahead modelled as a predictor (``--router-lookahead``,
+            which needs hidden states a routing trace does not hold): entry ``d - 1`` is its
+            per-token top-k precision ``d`` MoE layers ahead, as ``moeserve bench lookahead``
+            measures it. Each token's guess keeps each of its real experts with that chance and
+            otherwise names a random expert it did not choose (seeded by ``lookahead_seed``); the
+            ``eam`` prefetch gets the guesses' counts as its lookahead scores. Empty: no lookahead.
     """
 
     slots: int
@@ -66,6 +72,8 @@ class SimConfig:
     host_time_scale: float = 0.0
     layer_jitter_s: float = 0.0
     jitter_seed: int = 0
+    lookahead_precision: tuple[float, ...] = ()
+    lookahead_seed: int = 0
 
 
 @dataclass(slots=True)
@@ -144,8 +152,12 @@ class Simulator:
         oracle_log: list[tuple[int, tuple[int, ...]]] | None = None,
         record_log: bool = False,
         label: str | None = None,
+        lookahead: int | None = None,
     ) -> PolicyRun:
         """Warm (skipped for the oracle, as in ``bench policies``), then measure ``evals``.
+
+        ``lookahead``: router lookahead layers of an ``eam`` prefetch (None: as many as
+        ``config.lookahead_precision`` has; 0: none, the paper's plan).
 
         Raises:
             ConfigError: unknown policy name, or the oracle without ``oracle_log``.
@@ -153,7 +165,7 @@ class Simulator:
         # NOTE: the policies' small matrix products must not wake a multi-threaded BLAS pool: on
         # a busy 2-core host its spinning threads made a 256-request run 4x slower (26 vs 6.5 CPU-s).
         with threadpool_limits(limits=1, user_api="blas"):
-            return self._run(prefetch, cache, warm, evals, oracle_log, record_log, label)
+            return self._run(prefetch, cache, warm, evals, oracle_log, record_log, label, lookahead)
 
     def _run(
         self,
@@ -164,9 +176,10 @@ class Simulator:
         oracle_log: list[tuple[int, tuple[int, ...]]] | None,
         record_log: bool,
         label: str | None,
+        lookahead: int | None = None,
     ) -> PolicyRun:
         t_wall = time.perf_counter()
-        state = self.make_state(prefetch, cache, oracle_log)
+        state = self.make_state(prefetch, cache, oracle_log, lookahead)
         buf = state.buffer
         if oracle_log is None:
             self._run_batches(state, warm)
@@ -191,7 +204,11 @@ class Simulator:
         )
 
     def make_state(
-        self, prefetch: str, cache: str, oracle_log: list[tuple[int, tuple[int, ...]]] | None = None
+        self,
+        prefetch: str,
+        cache: str,
+        oracle_log: list[tuple[int, tuple[int, ...]]] | None = None,
+        lookahead: int | None = None,
     ) -> RunState:
         """The live objects of one run, built as ``LLMEngine.__init__`` builds them: a tracer
         recorder with an EAMC only for the ``eam`` policies, the buffer with the cache policy, the
@@ -211,6 +228,10 @@ class Simulator:
 
             eamc = EAMC(self.L, self.E, capacity=cfg.eamc_capacity)
             recorder = RequestRecorder(self.L, self.E, self.k, eamc=eamc)
+        precision = cfg.lookahead_precision
+        depth = len(precision) if lookahead is None else min(lookahead, len(precision))
+        if prefetch == "eam" and depth > 0:
+            context["lookahead"] = depth  # the engine's --router-lookahead
         per_device = -(-min(cfg.slots, self.L * self.E) // cfg.num_devices)
         buf = SimBuffer(
             self.L, self.E, per_device, cfg.num_devices, self.expert_bytes, self.cost.transfer_s, cache,
@@ -221,6 +242,8 @@ class Simulator:
             recorder=recorder, depth=cfg.prefetch_depth, eamc=eamc, **context,
         )  # fmt: skip
         state = RunState(buf, prefetcher, recorder)
+        if "lookahead" in context:
+            state.ahead = (np.asarray(precision[:depth]), np.random.default_rng(cfg.lookahead_seed))
         if cfg.layer_jitter_s > 0:
             state.jitter = np.random.default_rng(cfg.jitter_seed)
         return state
@@ -308,6 +331,8 @@ class Simulator:
             buf.now += cost.plan_s
             if scale:
                 t_host = time.perf_counter()
+            if state.ahead is not None:
+                prefetcher.observe_lookahead(layer, _lookahead_scores(ids, layer, self.E, *state.ahead))
             prefetcher.after_routing(layer, rids, lid)
             if scale:
                 buf.now += scale * (time.perf_counter() - t_host)
@@ -316,6 +341,31 @@ class Simulator:
         if recorder is not None:
             recorder.end_step()
         prefetcher.end_step()
+
+
+def _lookahead_scores(
+    ids: np.ndarray, layer: int, num_experts: int, precision: np.ndarray, rng: np.random.Generator
+) -> np.ndarray:
+    """``[D', E]`` router lookahead scores of layers ``layer + 1 ..`` for a step's ``ids [T, L, k]``
+    (``D'`` = ``len(precision)`` clipped to the last layer): per token and later layer ``d``, each
+    real expert is guessed with probability ``precision[d - 1]``, else a random expert the token did
+    not choose; the scores are the guesses' counts (the runtime hands over expected counts)."""
+    hi = min(ids.shape[1], layer + 1 + len(precision))
+    out = np.zeros((max(0, hi - layer - 1), num_experts), dtype=np.float32)
+    for j in range(layer + 1, hi):
+        true = ids[:, j, :]
+        true = true[(true >= 0).all(axis=1)]  # [T', k] tokens routed there
+        guess = true.copy()
+        wrong = rng.random(true.shape) >= precision[j - layer - 1]
+        idx = wrong.nonzero()
+        draw = rng.integers(0, num_experts, size=len(idx[0]))
+        clash = (draw[:, None] == true[idx[0]]).any(axis=1)
+        while clash.any():  # a wrong guess names an expert the token did not choose
+            draw[clash] = rng.integers(0, num_experts, size=int(clash.sum()))
+            clash = (draw[:, None] == true[idx[0]]).any(axis=1)
+        guess[idx] = draw
+        out[j - layer - 1] = np.bincount(guess.ravel(), minlength=num_experts)
+    return out
 
 
 def _layer_counts(ids: np.ndarray, num_experts: int) -> tuple[list[list[int]], np.ndarray]:
@@ -336,9 +386,10 @@ def _layer_counts(ids: np.ndarray, num_experts: int) -> tuple[list[list[int]], n
 class RunState:
     """One policy run's live objects: the buffer, the prefetch policy, the recorder (or None)."""
 
-    __slots__ = ("buffer", "prefetcher", "recorder", "by_id", "jitter")
+    __slots__ = ("buffer", "prefetcher", "recorder", "by_id", "jitter", "ahead")
 
     def __init__(self, buffer: SimBuffer, prefetcher: Any, recorder: Any | None) -> None:
         self.buffer, self.prefetcher, self.recorder = buffer, prefetcher, recorder
         self.by_id: dict[str, SimRequest] = {}
         self.jitter: np.random.Generator | None = None  # layer-time noise (SimConfig.layer_jitter_s)
+        self.ahead: tuple[np.ndarray, np.random.Generator] | None = None  # lookahead precision, rng

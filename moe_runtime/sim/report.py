@@ -38,6 +38,32 @@ class Row:
     demand_fetches: int
     sim_lookups: int
     wall_s: float
+    gap_closed: float | None = None  # share of the on-demand+LRU -> oracle TPOT gap closed
+    bytes_vs_oracle: float | None = None  # bytes moved per token / the oracle's
+
+
+def gap_closed(tpot: float, on_demand: float, oracle: float) -> float | None:
+    """Fraction of the TPOT gap from on-demand+LRU (0) to the oracle (1) that ``tpot`` closes;
+    negative when slower than on-demand, None when there is no gap (oracle not faster)."""
+    gap = on_demand - oracle
+    return (on_demand - tpot) / gap if gap > 0 else None
+
+
+def add_relative(rows: list[Any], group: str = "slots") -> list[Any]:
+    """Fill ``gap_closed`` and ``bytes_vs_oracle`` of each row (a :class:`Row` or a bench
+    ``PolicyResult``: ``policy``, ``tpot_ms``, ``bytes_per_token``) against the ``on-demand+lru``
+    and ``oracle`` rows with the same ``group`` attribute (buffer size); left None where either is
+    missing. Returns ``rows``."""
+    for size in {getattr(r, group) for r in rows}:
+        block = [r for r in rows if getattr(r, group) == size]
+        base = next((r for r in block if r.policy == "on-demand+lru"), None)
+        oracle = next((r for r in block if r.policy == "oracle"), None)
+        if base is None or oracle is None:
+            continue
+        for r in block:
+            r.gap_closed = gap_closed(r.tpot_ms, base.tpot_ms, oracle.tpot_ms)
+            r.bytes_vs_oracle = r.bytes_per_token / oracle.bytes_per_token if oracle.bytes_per_token else None
+    return rows
 
 
 def row_of(run: PolicyRun) -> Row:
@@ -72,12 +98,15 @@ def _ratio(x: float, base: float | None) -> str:
     return f"{100 * x / base:.0f}%" if base else "-"
 
 
+def _share(x: float | None) -> str:
+    return f"{100 * x:.0f}%" if x is not None else "-"
+
+
 def print_tables(settings: dict[str, Any], rows: list[Row], title: str = "moeserve simulate") -> None:
     """The paper-style table (one block per buffer size) and the settings line."""
-    from rich.console import Console
-    from rich.table import Table
+    from richconsole import Table, make_console
 
-    console = Console(width=160)
+    console = make_console()
     table = Table(title=title)
     cols = (
         "slots",
@@ -89,13 +118,16 @@ def print_tables(settings: dict[str, Any], rows: list[Row], title: str = "moeser
         "MiB/tok",
         "bytes vs on-demand (T3)",
         "TPOT ms",
+        "gap closed",
+        "bytes vs oracle",
         "prefetch used/issued",
     )
     for col in cols:
         table.add_column(col, justify="right")
     for slots in sorted({r.slots for r in rows}):
         block = [r for r in rows if r.slots == slots]
-        base = next((r for r in block if r.prefetch == "on-demand"), None)
+        base = next((r for r in block if (r.prefetch, r.cache) == ("on-demand", "lru")), None)
+        base = base or next((r for r in block if r.prefetch == "on-demand"), None)
         oracle = next((r for r in block if r.prefetch == "oracle"), None)
         for r in block:
             table.add_row(
@@ -108,6 +140,8 @@ def print_tables(settings: dict[str, Any], rows: list[Row], title: str = "moeser
                 f"{r.bytes_per_token / MiB:.1f}",
                 _ratio(r.bytes_per_token, base.bytes_per_token if base else None),
                 f"{r.tpot_ms:.2f}",
+                _share(r.gap_closed),
+                f"{r.bytes_vs_oracle:.2f}x" if r.bytes_vs_oracle is not None else "-",
                 f"{r.prefetch_used}/{r.prefetch_issued}",
             )
     console.print(table)
@@ -127,14 +161,12 @@ def print_single(settings: dict[str, Any], row: Row) -> None:
 def print_profiles(kv_tokens: int) -> None:
     """Model profiles (sizes computed from their config shapes) with the buffer slots each GPU
     holds, then the hardware pieces with their effective figures and sources."""
-    from rich.console import Console
-    from rich.table import Table
-
     from moe_runtime.errors import ConfigError
     from moe_runtime.sim.hardware import GPUS, LINK_EFFICIENCY, LINKS, GiB, get_hardware
     from moe_runtime.sim.models import MODELS
+    from richconsole import Table, make_console
 
-    console = Console(width=170)
+    console = make_console()
     models = Table(title=f"model profiles (slots: GPU memory - dense - KV for {kv_tokens} tokens - 1 GiB)")
     for col in ("profile", "L", "E", "k", "expert MiB", "experts GiB", "dense params", "total params",
                 "dense GiB", *(f"slots {g}" for g in GPUS)):  # fmt: skip

@@ -2,9 +2,9 @@
 
 The combinations (prefetch policy + cache policy) are the benchmark's own list
 (:data:`moe_runtime.bench.policies.COMBOS`, rows ``(label, prefetch, cache, runtime overrides)``).
-The overrides are runtime settings the simulator has no counterpart for (``router_lookahead``: the
-simulator replays recorded routing, there is no residual stream to look ahead on), so they are
-ignored and a row is the pair of policies alone. The oracle replays the expert-access log of the
+The overrides' ``router_lookahead`` is honoured when the simulator models the router lookahead
+(``SimConfig.lookahead_precision``); without it a routing replay has no residual stream to look
+ahead on and a row is the pair of policies alone. The oracle replays the expert-access log of the
 on-demand run's eval part (MoE-Infinity Table 5's "Ideal"), so on-demand always runs first.
 """
 
@@ -17,6 +17,7 @@ from moe_runtime.sim.engine import PolicyRun, Simulator
 from moe_runtime.sim.workload import SimRequest
 
 SIM_COMBOS: list[tuple[str, str, str]] = [(label, p, c) for label, p, c, *_ in COMBOS]
+LOOKAHEAD = {label: o["router_lookahead"] for label, _, _, o in COMBOS if "router_lookahead" in o}
 PAIRED_CACHE = {prefetch: cache for _, prefetch, cache in SIM_COMBOS}
 
 
@@ -42,7 +43,8 @@ def run_combos(
     warm: list[SimRequest],
     evals: list[SimRequest],
 ) -> list[PolicyRun]:
-    """Run each ``(label, prefetch, cache, ...)`` (extra fields ignored); on-demand+lru runs first
+    """Run each ``(label, prefetch, cache, ...)`` (a bench row's ``router_lookahead`` override is
+    honoured, other fields ignored); on-demand+lru runs first
     when the oracle is asked for (its eval access log is the oracle's future) and is reported only if
     asked for too."""
     wanted = [tuple(c[:3]) for c in combos]
@@ -63,6 +65,7 @@ def run_combos(
             oracle_log=log if uses_oracle else None,
             record_log=combo == base,
             label=label,
+            lookahead=LOOKAHEAD.get(label),
         )
         if combo == base:
             log = run.access_log

@@ -13,6 +13,7 @@ BENCH_MODULES: list[str] = [
     "moe_runtime.bench.policies",
     "moe_runtime.bench.lookahead",
     "moe_runtime.bench.experts",
+    "moe_runtime.bench.overhead",
     "moe_runtime.bench.render",
     "clients.sweep",
     "tracer.bench_eamc",

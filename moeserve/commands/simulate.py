@@ -45,8 +45,43 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--layer-jitter-us", type=float, default=0.0, help="std of each layer's dense time, seeded (µs)"
     )
+    p.add_argument(
+        "--lookahead-precision",
+        default=None,
+        help="model the eam row's router lookahead: per-distance top-k precision, comma-separated "
+        "(e.g. 0.647,0.576) or the JSON of moeserve bench lookahead (default: no lookahead)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
+
+
+def lookahead_precision(value: str | None) -> tuple[float, ...]:
+    """``--lookahead-precision``: floats in [0, 1] (comma-separated) or a ``bench lookahead --json``
+    file (its ``topk_precision`` by distance).
+
+    Raises:
+        ConfigError: unreadable file, bad JSON or value, naming it.
+    """
+    from pathlib import Path
+
+    from moe_runtime.errors import ConfigError
+
+    if value is None:
+        return ()
+    if value.endswith(".json"):
+        try:
+            rows = json.loads(Path(value).read_text())["results"]
+            vals = [float(r["topk_precision"]) for r in sorted(rows, key=lambda r: r["distance"])]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"--lookahead-precision {value}: not a bench lookahead JSON ({exc})") from None
+    else:
+        try:
+            vals = [float(v) for v in value.split(",")]
+        except ValueError:
+            raise ConfigError(f"--lookahead-precision {value!r}: expected numbers like 0.647,0.576") from None
+    if not vals or not all(0 <= v <= 1 for v in vals):
+        raise ConfigError(f"--lookahead-precision {value!r}: each precision must lie in [0, 1]")
+    return tuple(vals)
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -72,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     from moe_runtime.sim.engine import SimConfig, Simulator
     from moe_runtime.sim.hardware import get_hardware
     from moe_runtime.sim.models import DEFAULT_KV_TOKENS, get_model
-    from moe_runtime.sim.report import as_json, print_single, print_tables, row_of
+    from moe_runtime.sim.report import add_relative, as_json, print_single, print_tables, row_of
     from moe_runtime.sim.runner import combo_for, run_combos
     from moe_runtime.sim.workload import load_workload, split_warm_eval
 
@@ -116,13 +151,14 @@ def run(args: argparse.Namespace) -> int:
         prefetch_depth=args.prefetch_depth,
         eamc_capacity=args.eamc_capacity,
         layer_jitter_s=args.layer_jitter_us * 1e-6,
+        lookahead_precision=lookahead_precision(args.lookahead_precision),
     )
     sim = Simulator(*shape, profile.expert_bytes, cost, config)
     t0 = time.perf_counter()
     c0 = time.process_time()
     runs = run_combos(sim, combos, warm, evals)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    rows = [row_of(r) for r in runs]
+    rows = add_relative([row_of(r) for r in runs])
     simulated = sum(r.sim_lookups for r in runs)
     settings = {
         "trace": args.trace,
@@ -137,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
         "num_devices": args.num_devices,
         "batch": args.batch,
         "layer_jitter_us": args.layer_jitter_us,
+        "lookahead_precision": ",".join(f"{v:g}" for v in config.lookahead_precision) or "none",
         **cost.describe(),
         "sim_lookups": simulated,
         "sim_wall_s": round(wall, 2),

@@ -1,0 +1,247 @@
+"""``moeserve bench overhead``: host work per MoE layer of the default policies, in microseconds.
+
+What one MoE layer costs the compute thread on the host after its router's top-k ids reach the
+host, with the ``eam`` row of ``moeserve bench policies`` (prefetch ``eam``, its cache policy,
+``--cache-policy`` to pick another): the tracer's
+``record``, the cache policy's ``after_routing`` (``buffer.after_routing``), the router
+lookahead's host part (its ``[D, E]`` scores to numpy and ``observe_lookahead``; the matrix
+product itself runs on the device) and the prefetch planning (``prefetcher.after_routing``). Issue
+#15's budget is 50 us p50 at the Qwen3-30B-A3B shape (48 layers, 128 experts, top-8).
+
+NOTE: the harness. The runtime's own objects (``RequestRecorder``, ``EAMC``, cache and prefetch
+policies, ``Partition`` and ``TransferQueue``) are driven by the simulator (``moe_runtime.sim``)
+on a seeded synthetic workload of the shape (group-structured routing, Gumbel top-k per token),
+so the buffer's state evolves as in a run; every hook call is timed with ``perf_counter_ns`` and
+summed per routed layer. The lookahead scores are the simulator's modelled router lookahead
+(``SimConfig.lookahead_precision``), handed over as a ``torch`` tensor as the model does. The
+first ``--warmup-steps`` steps of each repeat are dropped; each repeat starts from fresh objects;
+figures are the median over repeats with the min-max spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from moe_runtime.bench.policies import COMBOS
+
+HOOKS = ("record", "cache", "lookahead", "plan")
+LOOKAHEAD_PRECISION = (0.647, 0.576, 0.493)  # bench lookahead, bundled model, d = 1..3 (timing only)
+EAM_CACHE = next(cache for label, _, cache, _ in COMBOS if label == "eam")  # the default row's cache
+
+
+class _Timer:
+    """Per-hook durations (ns) of the current layer, summed into one row per routed layer."""
+
+    def __init__(self) -> None:
+        self.rows: list[list[int]] = []  # per routed layer: ns per hook, in HOOKS order
+        self._cur = [0, 0, 0, 0, 0]  # HOOKS, then the I/O side's work (not counted)
+
+    def wrap(self, index: int, fn: Any) -> Any:
+        cur, clock = self._cur, time.perf_counter_ns
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                cur[index] += clock() - t0
+
+        return timed
+
+    def close_layer(self, planned: bool) -> None:
+        """End a routed layer; ``planned``: the prefetch policy predicted and tested a plan."""
+        self.rows.append([*self._cur[:4], int(planned)])
+        self._cur[:] = [0, 0, 0, 0, 0]
+
+
+def measure(
+    profile: str,
+    hardware: str,
+    batch: int,
+    buffer_share: float,
+    tokens: int,
+    warm_requests: int,
+    warmup_steps: int,
+    lookahead: int,
+    seed: int,
+    cache: str = "eam-reuse",
+) -> dict[str, Any]:
+    """One repeat: p50/p90 per hook and in total (us per routed layer), fresh objects.
+
+    Raises:
+        ConfigError: unknown profile or hardware.
+    """
+    from moe_runtime.sim.cost import CostModel
+    from moe_runtime.sim.engine import SimConfig, Simulator
+    from moe_runtime.sim.hardware import get_hardware
+    from moe_runtime.sim.models import get_model
+    from moe_runtime.sim.speed import synthetic_workload
+
+    model, hw = get_model(profile), get_hardware(hardware)
+    L, E, k = model.num_layers, model.num_experts, model.top_k
+    wl = synthetic_workload(L, E, k, warm_requests + batch, tokens, seed=seed)
+    warm, evals = wl.requests[:warm_requests], wl.requests[warm_requests:]
+    slots = max(1, round(buffer_share * L * E))
+    # the router lookahead's guesses (precision per distance: docs/results.md's bench lookahead)
+    config = SimConfig(slots=slots, batch=batch, lookahead_precision=LOOKAHEAD_PRECISION[:lookahead])
+    sim = Simulator(L, E, k, model.expert_bytes, CostModel.roofline(model, hw), config)
+    timer = _Timer()
+    eval_names = {r.request_id for r in evals}
+    mark: list[int] = []  # routed layers before the first measured step
+    orig_make_state, orig_step = sim.make_state, sim._step
+
+    def make_state(*args: Any, **kwargs: Any) -> Any:
+        state = orig_make_state(*args, **kwargs)
+        pf, rec, buf = state.prefetcher, state.recorder, state.buffer
+        rec.record = timer.wrap(0, rec.record)
+        for part in buf.parts:  # the cache policy itself: the simulator's clock replay is not host work
+            part.policy.after_routing = timer.wrap(1, part.policy.after_routing)
+        # the runtime hands the lookahead over as a tensor (copied to the host after the router's ids)
+        seen = pf.observe_lookahead
+        pf.observe_lookahead = timer.wrap(2, lambda layer, s: seen(layer, torch.from_numpy(s).cpu().numpy()))
+        # An idle link starting its next copy (victim choice included) is the I/O thread's work in
+        # the runtime; inside a plan the simulator does it inline, so it is timed apart and removed.
+        buf._start = timer.wrap(4, buf._start)
+        plan, cur = timer.wrap(3, pf.after_routing), timer._cur
+
+        def after_routing(layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
+            buf.advance()  # replay the clock to now first (the runtime's I/O thread did it already)
+            io0, plans0 = cur[4], pf.plans
+            plan(layer, request_ids, topk_ids)
+            cur[3] -= cur[4] - io0
+            timer.close_layer(pf.plans > plans0)
+
+        pf.after_routing = after_routing
+        return state
+
+    def step(state: Any, scheduled: list) -> None:
+        if not mark and any(state.by_id[s.seq.request_id].request_id in eval_names for s in scheduled):
+            mark.append(len(timer.rows))
+        orig_step(state, scheduled)
+
+    sim.make_state, sim._step = make_state, step
+    t0 = time.perf_counter()
+    sim.run("eam", cache, warm, evals)  # the warm part fills the EAMC; its layers are not counted
+    wall = time.perf_counter() - t0
+    table = np.asarray(timer.rows[mark[0] + warmup_steps * L :], dtype=np.float64)
+    planned = table[:, 4] > 0
+    rows = table[:, :4] / 1e3  # us
+    if not len(rows):
+        from moe_runtime.errors import ConfigError
+
+        raise ConfigError(f"--tokens {tokens} leaves no step after --warmup-steps {warmup_steps}")
+    total = rows.sum(axis=1)
+    out: dict[str, Any] = {"layers_timed": len(rows), "wall_s": round(wall, 2)}
+    for name, col in zip(("total", *HOOKS), (total, *rows.T), strict=True):
+        out[name] = {"p50": float(np.percentile(col, 50)), "p90": float(np.percentile(col, 90))}
+    # the layers that predicted a plan (all of them while prefetching pays; one in probe_every else)
+    out["planned_share"] = float(planned.mean())
+    full = total[planned] if planned.any() else total[:0]
+    out["planned_total"] = {
+        q: float(np.percentile(full, v)) if len(full) else 0.0 for q, v in (("p50", 50), ("p90", 90))
+    }
+    return out
+
+
+def register_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("overhead", help="host work per MoE layer of the default policies (us)")
+    p.add_argument(
+        "--model-profile", default="qwen3-30b-a3b", help="shape (moeserve simulate --list-profiles)"
+    )
+    p.add_argument(
+        "--hardware", default="h100-80gb+pcie5", help="link and GPU profile for the buffer's clock"
+    )
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16], help="running requests (default: 1 16)")
+    p.add_argument(
+        "--buffer", type=float, default=0.25, help="slots as a share of all experts (default: 0.25)"
+    )
+    p.add_argument("--tokens", type=int, default=24, help="decode tokens per measured request (default: 24)")
+    p.add_argument("--warm-requests", type=int, default=32, help="requests that fill the EAMC first")
+    p.add_argument("--warmup-steps", type=int, default=4, help="measured steps dropped per repeat")
+    p.add_argument("--lookahead", type=int, default=1, help="router lookahead depth (the default 1; 0 = off)")
+    p.add_argument("--repeats", type=int, default=3, help="fresh repeats (>= 1; median and spread)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache-policy", default=EAM_CACHE, help=f"cache policy (default: {EAM_CACHE})")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moe_runtime.errors import ConfigError
+
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
+    if not 0 < args.buffer <= 1:
+        raise ConfigError(f"--buffer must be in (0, 1], got {args.buffer}")
+    if min(args.batch) < 1 or args.tokens < 1 or args.lookahead < 0 or args.warmup_steps < 0:
+        raise ConfigError("--batch and --tokens must be >= 1, --lookahead and --warmup-steps >= 0")
+    torch.set_num_threads(1)
+    settings = {
+        "model_profile": args.model_profile,
+        "hardware": args.hardware,
+        "policies": f"prefetch eam + cache {args.cache_policy}",
+        "router_lookahead": args.lookahead,
+        "buffer": args.buffer,
+        "tokens": args.tokens,
+        "warm_requests": args.warm_requests,
+        "warmup_steps": args.warmup_steps,
+        "repeats": args.repeats,
+        "seed": args.seed,
+        "host": f"{platform.machine()}, {_cpus()} CPUs, python {platform.python_version()}",
+        "numpy": np.__version__,
+    }
+    results = []
+    for batch in args.batch:
+        reps = [
+            measure(
+                args.model_profile,
+                args.hardware,
+                batch,
+                args.buffer,
+                args.tokens,
+                args.warm_requests,
+                args.warmup_steps,
+                args.lookahead,
+                args.seed + r,
+            )  # fmt: skip
+            for r in range(args.repeats)
+        ]
+        row: dict[str, Any] = {"batch": batch, "layers_timed": reps[0]["layers_timed"]}
+        row["planned_share"] = round(statistics.median(r["planned_share"] for r in reps), 3)
+        for name in ("total", *HOOKS, "planned_total"):
+            for q in ("p50", "p90"):
+                vals = [r[name][q] for r in reps]
+                row[f"{name}_{q}_us"] = round(statistics.median(vals), 1)
+                row[f"{name}_{q}_spread_us"] = [round(min(vals), 1), round(max(vals), 1)]
+        row["budget_us"] = 50.0
+        row["meets_budget"] = row["total_p50_us"] <= 50.0
+        results.append(row)
+    if args.json:
+        print(json.dumps({"settings": settings, "results": results}, indent=2))
+        return 0
+    print("settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
+    print("us per routed MoE layer: median over repeats [min-max]")
+    for r in results:
+        parts = [f"batch {r['batch']:>3}"]
+        for name in ("total", *HOOKS, "planned_total"):
+            lo, hi = r[f"{name}_p50_spread_us"]
+            parts.append(
+                f"{name} p50 {r[f'{name}_p50_us']:.1f} [{lo:.1f}-{hi:.1f}] p90 {r[f'{name}_p90_us']:.1f}"
+            )
+        parts.append(f"planned {r['planned_share']:.0%} of layers")
+        print(" | ".join(parts) + (" (within 50 us)" if r["meets_budget"] else " (over 50 us)"))
+    return 0
+
+
+def _cpus() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

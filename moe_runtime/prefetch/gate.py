@@ -1,0 +1,162 @@
+"""Cost-aware prefetching: issue a prefetch only when its expected gain beats its expected cost.
+
+NOTE: the terms (issue #15), all measured online, none typed in:
+
+* ``P``: the chance a candidate is used. Every plan's candidates are ranked per later layer by the
+  predictor's probability; when that layer routes, each ranked candidate is checked against the
+  experts it really used, and a running (exponentially decayed) precision is kept per layer
+  distance ``d`` and rank ``r``: ``P = hits[d, r] / trials[d, r]``. Candidates are judged whether
+  or not they were issued, so the estimate never starves.
+* gain ``= P * b * (1 - q)``: ``b`` is the blocking one avoided demand fetch saves, the running
+  mean of the buffer's blocking seconds per miss (before any miss: one copy's link time). A right
+  prefetch saves it only out of link time demand fetches leave idle: on a link the demand copies
+  keep busy (share ``q``) the copy merely moves ahead of a demand copy that then waits instead.
+* cost ``= (1 - P) * q * t + R * b``: a wrong prefetch holds the link for one copy's time ``t``,
+  which demand fetches queue behind with the chance ``q`` that the link is busy with demand (the
+  running share of time the demand copies take); and it evicts a resident expert that is used
+  again in the next step with probability ``R`` (no eviction while slots are free). ``R`` comes
+  from the running requests' request EAMs, as the ``eam-reuse`` cache scores slots: ``p = 1 - (1 -
+  share)^T``, the victims taken lowest first.
+
+So with poor predictions (``P`` low), a link the demand fetches keep busy (``q`` near 1), a fast
+link (``b`` near 0 against a measurable ``q``) or a
+buffer full of experts the batch keeps using (``R`` high), no candidate pays and the policy is
+on-demand; and a plan that keeps nothing cancels what it queued before.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+# Weight of the past in the per-step link figures (b, q): they follow the load within a few steps.
+LINK_DECAY = 0.8
+
+
+class PrefetchGate:
+    """Online precision by (layer distance, rank), link and blocking terms, and the gain/cost test.
+
+    Args:
+        num_layers, num_experts: ``L``, ``E``.
+        depth: the farthest layer distance a plan covers (>= 1).
+        decay: weight of the past per new observation in the running figures, in ``(0, 1]``.
+        prior: ``(hits, trials)`` each (distance, rank) cell starts with (precision 0.5 by default,
+            worth two observations).
+
+    Raises:
+        ValueError: ``depth < 1`` or ``decay`` outside ``(0, 1]``.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_experts: int,
+        depth: int,
+        decay: float = 0.98,
+        prior: tuple[float, float] = (1.0, 2.0),
+    ) -> None:
+        if depth < 1:
+            raise ValueError(f"gate depth must be >= 1, got {depth}")
+        if not 0 < decay <= 1:
+            raise ValueError(f"gate decay must be in (0, 1], got {decay}")
+        self.num_layers, self.num_experts, self.depth, self.decay = num_layers, num_experts, depth, decay
+        self.hits = np.full((depth, num_experts), float(prior[0]))  # [D, rank]
+        self.trials = np.full((depth, num_experts), float(prior[1]))
+        self._pending: dict[
+            int, list[tuple[int, np.ndarray, np.ndarray]]
+        ] = {}  # layer -> (d, experts, ranks)
+        self.block_per_miss_s: float | None = None  # b
+        self.demand_busy = 1.0  # q: assume a busy link until measured
+        self.checked = 0  # candidates checked against routing so far
+        self._last: tuple[float, float, int, int] | None = None  # (clock, blocking, misses, demand)
+
+    # ------------------------------------------------------------------ precision
+    def precision(self) -> np.ndarray:
+        """``[D, E]`` running precision by layer distance (row ``d - 1``) and rank (column)."""
+        return self.hits / self.trials
+
+    def note(self, distance0: int, first_layer: int, r: np.ndarray, c: np.ndarray, rank: np.ndarray) -> None:
+        """Remember a plan's candidates for checking when their layers route: entry ``i`` is
+        expert ``c[i]`` of layer ``first_layer + r[i]`` (``r`` ascending), ranked ``rank[i]`` by the
+        predictor in its layer's row, ``distance0 + r[i]`` layers ahead of the routed one.
+
+        Pass only candidates a prefetch would copy (not resident or loading): they are used less
+        often than the predictor's resident picks, and their precision is the one that matters.
+        """
+        if not r.size:
+            return
+        bounds = np.flatnonzero(r[1:] != r[:-1]) + 1 if r.size > 1 else ()
+        for lo, hi in zip((0, *bounds), (*bounds, r.size), strict=True):
+            d = distance0 + int(r[lo])
+            if 1 <= d <= self.depth:
+                self._pending.setdefault(first_layer + int(r[lo]), []).append((d, c[lo:hi], rank[lo:hi]))
+
+    def observe(self, layer: int, topk_ids: np.ndarray) -> None:
+        """Layer ``layer`` routed ``topk_ids [T, k]``: score the candidates planned for it."""
+        self._layer = layer
+        pending = self._pending.pop(layer, None)
+        if not pending:
+            return
+        used = np.zeros(self.num_experts, dtype=bool)
+        ids = topk_ids.reshape(-1)
+        used[ids[ids >= 0]] = True
+        keep = self.decay
+        for d, experts, ranks in pending:
+            self.hits[d - 1, ranks] = keep * self.hits[d - 1, ranks] + used[experts]
+            self.trials[d - 1, ranks] = keep * self.trials[d - 1, ranks] + 1.0
+            self.checked += len(experts)
+
+    _layer = -1
+
+    def new_step(self) -> None:
+        """Plans of the finished step that were never checked are dropped."""
+        self._pending.clear()
+        self._layer = -1
+
+    # ------------------------------------------------------------------ link and blocking
+    def update_link(self, stats: Any, clock_s: float, transfer_s: float) -> None:
+        """Refresh ``b`` and ``q`` from the buffer's counters (``ExpertStats``) at a step's end;
+        ``clock_s`` is the compute side's clock (simulated or wall seconds), ``transfer_s`` one
+        copy's link time."""
+        blocking = stats.total_blocking_s
+        demand = sum(stats.demand_fetches)
+        misses = demand + sum(stats.late_prefetches)
+        last, self._last = self._last, (clock_s, blocking, misses, demand)
+        if last is None:
+            return
+        dt, db, dm, dd = clock_s - last[0], blocking - last[1], misses - last[2], demand - last[3]
+        keep = LINK_DECAY
+        if dm > 0:
+            b = db / dm
+            old = self.block_per_miss_s
+            self.block_per_miss_s = b if old is None else keep * old + (1 - keep) * b
+        if dt > 0:
+            self.demand_busy = keep * self.demand_busy + (1 - keep) * min(1.0, dd * transfer_s / dt)
+
+    # ------------------------------------------------------------------ the test
+    def pays(
+        self,
+        p_used: np.ndarray,
+        transfer_s: float,
+        reuse: np.ndarray,
+    ) -> np.ndarray:
+        """``[n]`` bool: candidates (best first) whose gain beats their cost.
+
+        Args:
+            p_used: ``[n]`` chance each is used (from :meth:`precision`).
+            transfer_s: one copy's link time ``t``.
+            reuse: ``[n]`` chance the expert each one would evict is used in the next step (0: a
+                free slot).
+        """
+        b = transfer_s if self.block_per_miss_s is None else self.block_per_miss_s
+        gain = p_used * b * (1.0 - self.demand_busy)
+        cost = (1.0 - p_used) * self.demand_busy * transfer_s + reuse * b
+        return gain > cost
+
+
+def clock(buffer: Any) -> float:
+    """The compute side's clock: the simulator's ``now``, else wall time."""
+    now = getattr(buffer, "now", None)
+    return time.perf_counter() if now is None else float(now)

@@ -1,0 +1,33 @@
+"""``moeserve bench overhead``: figures per hook with their settings; bad values exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moeserve.cli import main
+
+
+def test_json_reports_every_hook_with_spread_and_settings(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["bench", "overhead", "--model-profile", "mixtral-8x7b", "--batch", "1", "2", "--tokens", "3"]
+    code = main([*args, "--warm-requests", "2", "--warmup-steps", "1", "--repeats", "2", "--json"])
+    assert code == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["settings"]["model_profile"] == "mixtral-8x7b" and doc["settings"]["repeats"] == 2
+    assert doc["settings"]["policies"].startswith("prefetch eam + cache ")
+    assert [r["batch"] for r in doc["results"]] == [1, 2]
+    for row in doc["results"]:
+        assert row["layers_timed"] == 2 * 32  # (3 tokens - 1 warm-up step) x 32 layers
+        for name in ("total", "record", "cache", "lookahead", "plan"):
+            lo, hi = row[f"{name}_p50_spread_us"]
+            assert 0 <= lo <= row[f"{name}_p50_us"] <= hi
+            assert row[f"{name}_p50_us"] <= row[f"{name}_p90_us"]
+        assert 0 < row["planned_share"] <= 1
+        assert row["meets_budget"] == (row["total_p50_us"] <= 50.0)
+
+
+@pytest.mark.parametrize("bad", [["--repeats", "0"], ["--buffer", "1.5"], ["--batch", "0"]])
+def test_bad_values_exit_2(bad: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "overhead", *bad]) == 2
+    assert "--" in capsys.readouterr().err
