@@ -9,7 +9,7 @@ import argparse
 import json
 from pathlib import Path
 
-from moe_runtime.config import RuntimeConfig, cache_policy_names, prefetch_policy_names
+from moe_runtime.config import DEFAULT_CACHE_POLICY, RuntimeConfig, cache_policy_names, prefetch_policy_names
 from moe_runtime.errors import CheckpointError
 
 
@@ -87,9 +87,10 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--cache-policy",
-        default="eam",
+        default=DEFAULT_CACHE_POLICY,
         choices=cache_policy_names(),
-        help="expert cache policy",
+        help="expert cache policy (eam-reuse: evict the expert whose next use is furthest, "
+        "with the layers' loop counted; eam: MoE-Infinity's)",
     )
     g.add_argument(
         "--prefetch-policy",
