@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import moe_runtime.layers.experts as experts
+from moe_runtime.assets import default_model_dir
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine.engine import LLMEngine
 from moe_runtime.engine.request import SamplingParams
@@ -17,13 +18,13 @@ PROMPTS = [[5, 17, 33, 2, 250, 7], [9, 1, 44], [3, 3, 8, 120]]
 PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
-def _logits(path, expert_path: str, dtype: str = "fp32", **kw) -> torch.Tensor:
+def _logits(path, expert_path: str, dtype: str = "fp32", prompts=PROMPTS, **kw) -> torch.Tensor:
     """Every step's sampled logits, stacked ``[steps * seqs, V]``."""
     runtime = RuntimeConfig(max_model_len=64, max_batch_size=3, dtype=dtype, **kw)
     rows = []
     with LLMEngine.from_pretrained(path, runtime) as engine:
         engine.model.expert_path = expert_path
-        for i, p in enumerate(PROMPTS):
+        for i, p in enumerate(prompts):
             engine.add_request(str(i), p, PARAMS)
         while engine.has_unfinished():
             engine.step()
@@ -44,6 +45,22 @@ def test_grouped_and_loop_identical_at_any_buffer(tiny_checkpoints, family, monk
 
 def test_grouped_and_loop_identical_in_bf16(tiny_qwen3):
     assert torch.equal(_logits(tiny_qwen3, "grouped", "bf16"), _logits(tiny_qwen3, "loop", "bf16"))
+
+
+@pytest.mark.parametrize(("dtype", "slots"), [("fp32", None), ("bf16", None), ("fp32", 2)])
+def test_one_token_steps_identical_to_grouped(monkeypatch, dtype, slots):
+    """Decode steps of one sequence take the CPU's one-token path (resident and landed experts);
+    its logits equal the grouped path's bit for bit."""
+    calls = []
+    one_token = experts._one_token
+    monkeypatch.setattr(experts, "_one_token", lambda *a: calls.append(1) or one_token(*a))
+    kw = {"dtype": dtype, "prompts": PROMPTS[:1], "buffer_slots": slots}
+    got = _logits(default_model_dir(), "grouped", **kw)
+    assert calls, "the one-token path did not run"
+    monkeypatch.setitem(experts.ONE_TOKEN_LOOP, "cpu", False)
+    calls.clear()
+    assert torch.equal(got, _logits(default_model_dir(), "grouped", **kw))
+    assert not calls
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -32,6 +32,11 @@ MAX_GROUPS = 1024  # CUDA grouped_mm: "Can't process more than 1024 groups"
 # every group in C++ (~2 µs per empty one, fp32, bundled shape), about what 8 more ops of an
 # extra call cost, so a longer run of unused slots starts a new call.
 MAX_GAP = {"cuda": MAX_GROUPS, "cpu": 8}
+# Decode steps of one token run their k experts as two ``F.linear`` each straight on the slot views,
+# with no index tensors (:func:`_one_token`), on these device types. On the CPU that is cheaper than
+# building the grouped call's indices (measured, ``docs/bench-regression.md``); on CUDA the grouped
+# call's two launches beat 2k matmuls' launches.
+ONE_TOKEN_LOOP = {"cpu": True, "cuda": False}
 Segment = tuple[int, int, int]  # (first slot, slot count, first row) of one grouped call
 
 
@@ -151,8 +156,10 @@ def run_experts(
     Returns:
         (``out [T, H]``, hit ``[E]`` bool, blocked seconds ``[E]``).
     """
-    plan = LayerPlan(ids_host, num_experts, MAX_GAP.get(x.device.type, MAX_GROUPS))
     t, k = ids_host.shape
+    if t == 1 and ONE_TOKEN_LOOP.get(x.device.type, False):
+        return _one_token(x, weights, ids_host, run, num_experts)
+    plan = LayerPlan(ids_host, num_experts, MAX_GAP.get(x.device.type, MAX_GROUPS))
     w_flat = weights.reshape(-1)
     contrib = torch.empty((t * k, x.shape[1]), dtype=x.dtype, device=x.device)  # (token, rank) rows
     hit = np.zeros(num_experts, dtype=bool)
@@ -179,6 +186,35 @@ def run_experts(
             contrib.index_copy_(0, dev[2 * n : 3 * n], y)
     # contributions summed per token in ascending expert order (ranks were sorted by expert id)
     ranks = contrib.view(t, k, -1).unbind(1)
+    out = ranks[0]
+    for c in ranks[1:]:
+        out = out + c
+    return out, hit, blocked
+
+
+def _one_token(
+    x: torch.Tensor, weights: torch.Tensor, ids_host: np.ndarray, run: Any, num_experts: int
+) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    """:func:`run_experts` for ``x [1, H]``: each expert as two ``F.linear`` on its slot views, in
+    the order the run hands them out; no index tensor is built. Same arithmetic as the grouped and
+    loop paths (router weight ``[1, 1]``, so the product promotes as theirs), same ascending-expert
+    sum."""
+    rank_of = {e: r for r, e in enumerate(ids_host[0].tolist())}  # expert -> its column in weights
+    contrib: dict[int, torch.Tensor] = {}  # expert -> scaled output [1, H]
+    hit = np.zeros(num_experts, dtype=bool)
+    blocked = np.zeros(num_experts, dtype=np.float64)
+    for batch in run.batches():
+        for h in batch:
+            e = h.expert
+            hit[e], blocked[e] = h.hit, h.blocked_s
+            xs = x if h.device == x.device else x.to(h.device)
+            gate, up = F.linear(xs, h.gate_up).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, h.down)
+            if h.device != x.device:
+                y = y.to(x.device)
+            r = rank_of[e]
+            contrib[e] = (y * weights[:, r : r + 1]).to(x.dtype)
+    ranks = [contrib[e] for e in sorted(contrib)]
     out = ranks[0]
     for c in ranks[1:]:
         out = out + c
