@@ -79,7 +79,7 @@ def moe_block(
         out, hit, blocked = run_experts(x, weights, ids_host, run, num_experts, expert_path)
     finally:
         run.close()
-    _attribute(step, ids_host, hit, blocked, num_experts)
+    _attribute(step, ids_host, needed, hit, blocked, num_experts)
     if cfg.shared_expert_intermediate_size:
         shared = F.linear(
             F.silu(F.linear(x, w[p + "shared_gate_proj"])) * F.linear(x, w[p + "shared_up"]),
@@ -112,9 +112,21 @@ def _to_host(
 
 
 def _attribute(
-    step: StepContext, ids_host: np.ndarray, hit: np.ndarray, blocked: np.ndarray, num_experts: int
+    step: StepContext,
+    ids_host: np.ndarray,
+    needed: list[int],
+    hit: np.ndarray,
+    blocked: np.ndarray,
+    num_experts: int,
 ) -> None:
-    """Charge each sequence the lookups, hits and blocking of the experts its tokens used."""
+    """Charge each sequence the lookups, hits and blocking of the experts its tokens used
+    (``needed``: the layer's distinct experts, ascending)."""
+    if step.num_seqs == 1:  # one sequence used every needed expert: no [S, E] table
+        step.seq_lookups[0] += len(needed)
+        step.seq_hits[0] += int(hit[needed].sum())
+        if blocked.any():
+            step.seq_blocking_s[0] += float(blocked[needed].sum())
+        return
     use = np.zeros((step.num_seqs, num_experts), dtype=bool)
     use[step.token_seq[:, None], ids_host] = True
     step.seq_lookups += use.sum(axis=1)
