@@ -11,9 +11,10 @@ on a shared host do not inflate). Reported per row: median and min/max of the pe
 µs, the speed-up, and whether the two paths' outputs are bit-identical. ``--markdown FILE``
 writes the table with its settings (docs/bench-experts.md is written this way).
 
-Shapes (hidden H, expert width I, experts E, top-k) are those of the public configs; ``bundled``
-is read from the bundled checkpoint's ``config.json``. Mixtral's layer is 2.8 GB in bf16: select
-it explicitly (``--shapes mixtral-8x7b``).
+Shapes (hidden H, expert width I, experts E, top-k) come from the one table of real shapes,
+:data:`moe_runtime.checkpoints.shapes.SHAPES` (the public configs; ``moeserve make-checkpoint``
+writes from it too); ``bundled`` is read from the bundled checkpoint's ``config.json``. Mixtral's
+layer is 2.8 GB in bf16: select it explicitly (``--shapes mixtral-8x7b``).
 """
 
 from __future__ import annotations
@@ -29,15 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from moe_runtime.checkpoints.shapes import SHAPES
 from moe_runtime.errors import ConfigError
 
-# name -> (hidden H, expert intermediate I, experts E, top-k); from each model's config.json
-SHAPES: dict[str, tuple[int, int, int, int]] = {
-    "mixtral-8x7b": (4096, 14336, 8, 2),  # mistralai/Mixtral-8x7B-v0.1
-    "qwen3-30b-a3b": (2048, 768, 128, 8),  # Qwen/Qwen3-30B-A3B
-    "qwen2-moe-a2.7b": (2048, 1408, 60, 4),  # Qwen/Qwen1.5-MoE-A2.7B
-    "olmoe-1b-7b": (2048, 1024, 64, 8),  # allenai/OLMoE-1B-7B-0924
-}
 DEFAULT_SHAPES = "bundled,qwen3-30b-a3b"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -55,7 +50,8 @@ def shape_of(name: str) -> tuple[int, int, int, int]:
         return c["hidden_size"], c["moe_intermediate_size"], c["num_local_experts"], c["num_experts_per_tok"]
     if name not in SHAPES:
         raise ConfigError(f"--shapes: unknown shape {name!r} (known: bundled, {', '.join(SHAPES)})")
-    return SHAPES[name]
+    s = SHAPES[name]
+    return s.hidden, s.moe_intermediate, s.experts, s.top_k
 
 
 def clock_for(device: torch.device, cpu_threads: int) -> str:
