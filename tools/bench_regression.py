@@ -71,7 +71,10 @@ def worker(model: str, new_tokens: int, prompt_len: int, prefill_len: int) -> di
             prompts = rng.integers(0, vocab, size=(batch, prompt_len)).tolist()
             timed_steps(engine, prompts, 4, True)  # warm-up
             cpu, wall, steps = timed_steps(engine, prompts, new_tokens + 1, True)
-        out[f"decode {fraction:.0%} batch {batch}"] = {"cpu_ms": 1e3 * cpu / steps, "wall_ms": 1e3 * wall / steps}
+        out[f"decode {fraction:.0%} batch {batch}"] = {
+            "cpu_ms": 1e3 * cpu / steps,
+            "wall_ms": 1e3 * wall / steps,
+        }
     rt = RuntimeConfig(max_model_len=prefill_len + 8, max_batch_size=1, cpu_threads=1)
     with LLMEngine.from_pretrained(model, rt) as engine:
         prompt = rng.integers(0, engine.config.vocab_size, size=prefill_len).tolist()
@@ -88,7 +91,9 @@ def export(commit: str, dest: Path) -> str:
     )
     if full.returncode:
         sys.exit(f"bench_regression: --base: unknown commit {commit!r}")
-    archive = subprocess.run(["git", "archive", full.stdout.strip()], cwd=ROOT, capture_output=True, check=True)
+    archive = subprocess.run(
+        ["git", "archive", full.stdout.strip()], cwd=ROOT, capture_output=True, check=True
+    )
     with tempfile.TemporaryFile() as f:
         f.write(archive.stdout)
         f.seek(0)
@@ -110,7 +115,9 @@ def run_worker(tree: Path, args) -> dict:
 
 def head_commit() -> str:
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
+    )
     return rev.stdout.strip() + (" + uncommitted changes" if dirty.stdout.strip() else "")
 
 
