@@ -84,7 +84,7 @@ def test_moe_layer_ops_and_syncs(monkeypatch, segmenting):
     the CPU with CUDA's segmenting (a grouped call spans unused slots, also for one token), the
     GPU's op stream."""
     monkeypatch.setitem(experts.MAX_GAP, "cpu", experts.MAX_GAP[segmenting])
-    monkeypatch.setitem(experts.ONE_TOKEN_LOOP, "cpu", experts.ONE_TOKEN_LOOP[segmenting])
+    monkeypatch.setitem(experts.FEW_TOKENS, "cpu", experts.FEW_TOKENS[segmenting])
     ops1, syncs1 = _per_layer(monkeypatch, 1)
     ops8, syncs8 = _per_layer(monkeypatch, 8)
     print(f"{segmenting}: aten ops per MoE layer per decode step: batch 1 {ops1:.1f}, batch 8 {ops8:.1f}")
@@ -98,6 +98,7 @@ def test_moe_layer_ops_and_syncs(monkeypatch, segmenting):
 def test_counter_sees_ops(monkeypatch):
     """The counter is live: the per-expert loop path costs more ops at batch 8 than at batch 1."""
     monkeypatch.setattr(model_mod, "select_expert_path", lambda *args: "loop")
+    monkeypatch.setitem(experts.FEW_TOKENS, "cpu", 0)  # batch 1 on the loop path too
     ops1, _ = _per_layer(monkeypatch, 1)
     ops8, _ = _per_layer(monkeypatch, 8)
     assert ops8 > 1.2 * ops1 > 0

@@ -8,7 +8,10 @@ work is done on the host from the router ids the layer already synced: per batch
 host->device copy of indices, no further sync. CUDA's grouped kernel takes at most
 :data:`MAX_GROUPS` groups, so a batch spanning more slots runs one call per segment of slots.
 The ``loop`` path runs the same batches with two ``F.linear`` per expert (the fallback where
-``grouped_mm`` cannot run: dtype, CUDA architecture).
+``grouped_mm`` cannot run: dtype, CUDA architecture). Steps of at most :data:`FEW_TOKENS` tokens
+(decode of one to a few sequences; CPU only) take the ``few`` path instead: each expert's two
+``F.linear`` on its own rows, a slice of ``x`` for a single token, with none of the grouped call's
+host index work, which at a handful of rows costs more than it saves.
 
 Determinism: a token's expert contributions land in ``contrib [T*k, H]`` at (token, rank) with the
 ranks sorted by expert id; the final sum adds rank 0, 1, ... in that order, as the reference's
@@ -32,11 +35,13 @@ MAX_GROUPS = 1024  # CUDA grouped_mm: "Can't process more than 1024 groups"
 # every group in C++ (~2 µs per empty one, fp32, bundled shape), about what 8 more ops of an
 # extra call cost, so a longer run of unused slots starts a new call.
 MAX_GAP = {"cuda": MAX_GROUPS, "cpu": 8}
-# Decode steps of one token run their k experts as two ``F.linear`` each straight on the slot views,
-# with no index tensors (:func:`_one_token`), on these device types. On the CPU that is cheaper than
-# building the grouped call's indices (measured, ``docs/bench-regression.md``); on CUDA the grouped
-# call's two launches beat 2k matmuls' launches.
-ONE_TOKEN_LOOP = {"cpu": True, "cuda": False}
+# Steps of at most this many tokens run each expert as two ``F.linear`` straight on its slot views
+# (:func:`_few_tokens`: no sort, no offsets, index tensors only for experts several tokens chose),
+# per device type. CPU: cheaper than the grouped call's index work and per-group cost up to a few
+# tokens (``few µs`` against ``grouped µs`` per token count in docs/bench-experts.md; whole decode
+# steps in docs/bench-regression.md). CUDA: 0, the grouped call's two launches beat two matmuls'
+# launches per expert.
+FEW_TOKENS = {"cpu": 3, "cuda": 0}
 Segment = tuple[int, int, int]  # (first slot, slot count, first row) of one grouped call
 
 
@@ -138,6 +143,12 @@ class LayerPlan:
             yield handles[0].part, pos, segments, np.asarray(offs, dtype=np.int32)
 
 
+def step_path(load_path: str, device: torch.device, tokens: int) -> str:
+    """The path a step of ``tokens`` tokens runs: ``few`` up to :data:`FEW_TOKENS` on ``device``'s
+    type, else ``load_path`` (:func:`select_expert_path`'s choice at load)."""
+    return "few" if tokens <= FEW_TOKENS.get(device.type, 0) else load_path
+
+
 def run_experts(
     x: torch.Tensor,
     weights: torch.Tensor,
@@ -151,14 +162,15 @@ def run_experts(
     Args:
         weights: ``[T, k]`` router weights of ``ids_host [T, k]`` (same order).
         run: the layer run (:meth:`ExpertBuffer.start_layer`); its ``batches()`` are consumed.
-        path: ``grouped`` or ``loop`` (:func:`select_expert_path`).
+        path: ``grouped`` or ``loop`` (:func:`select_expert_path`), or ``few`` (each expert on its
+            own rows, no grouped index work; :func:`step_path` picks it for steps of few tokens).
 
     Returns:
         (``out [T, H]``, hit ``[E]`` bool, blocked seconds ``[E]``).
     """
     t, k = ids_host.shape
-    if t == 1 and ONE_TOKEN_LOOP.get(x.device.type, False):
-        return _one_token(x, weights, ids_host, run, num_experts)
+    if path == "few":
+        return _few_tokens(x, weights, ids_host, run, num_experts)
     plan = LayerPlan(ids_host, num_experts, MAX_GAP.get(x.device.type, MAX_GROUPS))
     w_flat = weights.reshape(-1)
     contrib = torch.empty((t * k, x.shape[1]), dtype=x.dtype, device=x.device)  # (token, rank) rows
@@ -192,29 +204,55 @@ def run_experts(
     return out, hit, blocked
 
 
-def _one_token(
+def _few_tokens(
     x: torch.Tensor, weights: torch.Tensor, ids_host: np.ndarray, run: Any, num_experts: int
 ) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
-    """:func:`run_experts` for ``x [1, H]``: each expert as two ``F.linear`` on its slot views, in
-    the order the run hands them out; no index tensor is built. Same arithmetic as the grouped and
-    loop paths (router weight ``[1, 1]``, so the product promotes as theirs), same ascending-expert
-    sum."""
-    rank_of = {e: r for r, e in enumerate(ids_host[0].tolist())}  # expert -> its column in weights
-    contrib: dict[int, torch.Tensor] = {}  # expert -> scaled output [1, H]
+    """:func:`run_experts` for a step of few tokens (``x [T, H]``, T at most
+    :data:`FEW_TOKENS`): each expert as two ``F.linear`` on its slot views over its own rows, in
+    the order the run hands them out. A row of one token is a slice of ``x``; only an expert that
+    several tokens chose gathers its rows (one small index tensor). Same arithmetic as the grouped
+    and loop paths (an expert's rows in one ``F.linear``, router weights ``[n, 1]`` so the product
+    promotes as theirs), same sum per token in ascending expert order."""
+    t, k = ids_host.shape
+    # expert -> its (token, column in weights, (token, rank) position) rows, ranks sorted by expert
+    rows: dict[int, list[tuple[int, int, int]]] = {}
+    for tok, (ids_row, cols) in enumerate(zip(ids_host.tolist(), np.argsort(ids_host, axis=1).tolist())):
+        for rank, col in enumerate(cols):
+            rows.setdefault(ids_row[col], []).append((tok, col, tok * k + rank))
+    pieces: list[Any] = [None] * (t * k)  # scaled output row [1, H] per (token, rank)
     hit = np.zeros(num_experts, dtype=bool)
     blocked = np.zeros(num_experts, dtype=np.float64)
     for batch in run.batches():
         for h in batch:
             e = h.expert
             hit[e], blocked[e] = h.hit, h.blocked_s
-            xs = x if h.device == x.device else x.to(h.device)
+            mine = rows[e]
+            if len(mine) == 1:
+                tok, col, pos = mine[0]
+                xs = x if t == 1 else x[tok : tok + 1]
+                w = weights[tok : tok + 1, col : col + 1]
+            else:
+                idx = torch.tensor([[tok, tok * k + col] for tok, col, _ in mine], device=x.device).T
+                xs = x.index_select(0, idx[0])
+                w = weights.reshape(-1).index_select(0, idx[1]).unsqueeze(1)
+            if h.device != x.device:
+                xs = xs.to(h.device)
             gate, up = F.linear(xs, h.gate_up).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, h.down)
             if h.device != x.device:
                 y = y.to(x.device)
-            r = rank_of[e]
-            contrib[e] = (y * weights[:, r : r + 1]).to(x.dtype)
-    ranks = [contrib[e] for e in sorted(contrib)]
+            y = (y * w).to(x.dtype)
+            if len(mine) == 1:
+                pieces[mine[0][2]] = y
+            else:
+                for i, (_, _, pos) in enumerate(mine):
+                    pieces[pos] = y[i : i + 1]
+    if t == 1:
+        out = pieces[0]
+        for c in pieces[1:]:
+            out = out + c
+        return out, hit, blocked
+    ranks = torch.cat(pieces).view(t, k, -1).unbind(1)
     out = ranks[0]
     for c in ranks[1:]:
         out = out + c

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from moe_runtime.buffer import ExpertBuffer
 from moe_runtime.config import ModelConfig
 from moe_runtime.engine.context import StepContext
-from moe_runtime.layers.experts import run_experts
+from moe_runtime.layers.experts import run_experts, step_path
 
 
 def route(x: torch.Tensor, router: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +53,8 @@ def moe_block(
 
     ``ahead [D, E]``: the router lookahead's scores of the next D MoE layers, if the prefetch policy
     uses them (``moe_runtime.layers.router_lookahead``); handed to ``prefetcher.observe_lookahead``.
-    ``expert_path``: ``grouped`` or ``loop`` (``moe_runtime.layers.experts.select_expert_path``).
+    ``expert_path``: ``grouped`` or ``loop`` (``moe_runtime.layers.experts.select_expert_path``);
+    steps of few tokens run the ``few`` path instead (``moe_runtime.layers.experts.step_path``).
     """
     p = f"layers.{layer}."
     weights, ids = route(x, w[p + "router"], cfg)
@@ -76,7 +77,8 @@ def moe_block(
             if ahead_host is not None:
                 prefetcher.observe_lookahead(moe_layer, ahead_host)
             prefetcher.after_routing(moe_layer, step.request_ids, ids_host)
-        out, hit, blocked = run_experts(x, weights, ids_host, run, num_experts, expert_path)
+        path = step_path(expert_path, x.device, x.shape[0])
+        out, hit, blocked = run_experts(x, weights, ids_host, run, num_experts, path)
     finally:
         run.close()
     _attribute(step, ids_host, needed, hit, blocked, num_experts)
