@@ -12,9 +12,9 @@ with one intra-op thread, and times the rows below. Per row and tree it reports 
 per decode step (every thread of the process: the compute thread and the I/O threads; robust to
 other work sharing the CPU) and wall time per step; the ratio new/old is taken per repeat (the
 two workers of a repeat ran back to back), and the table gives the median ratio with the lowest
-and highest. Rows: every expert resident and a 25% buffer (default ``eam`` policies), batch 1 and
-8, ``--new-tokens`` greedy tokens after a warm-up run; prefill: one ``--prefill-len``-token prompt,
-all resident, admission to first token. The worker only uses APIs both trees have
+and highest. Rows: every expert resident at batch 1, 3 (the CPU's ``few`` path) and 8, a 25%
+buffer (default ``eam`` policies) at batch 1 and 8, ``--new-tokens`` greedy tokens after a warm-up
+run; prefill: one ``--prefill-len``-token prompt, all resident, admission to first token. The worker only uses APIs both trees have
 (``LLMEngine.from_pretrained``, ``add_request``, ``step``).
 """
 
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DECODE_ROWS = [(1.0, 1), (1.0, 8), (0.25, 1), (0.25, 8)]  # (buffer fraction, batch)
+DECODE_ROWS = [(1.0, 1), (1.0, 3), (1.0, 8), (0.25, 1), (0.25, 8)]  # (buffer fraction, batch)
 
 
 def worker(model: str, new_tokens: int, prompt_len: int, prefill_len: int) -> dict:
