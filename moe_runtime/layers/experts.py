@@ -32,9 +32,10 @@ import torch.nn.functional as F
 MAX_GROUPS = 1024  # CUDA grouped_mm: "Can't process more than 1024 groups"
 # Unused slots one grouped call may span between two used ones, per device type. CUDA: any (an
 # empty group costs the kernel next to nothing; a call costs launches). CPU: grouped_mm loops over
-# every group in C++ (~2 µs per empty one, fp32, bundled shape), about what 8 more ops of an
-# extra call cost, so a longer run of unused slots starts a new call.
-MAX_GAP = {"cuda": MAX_GROUPS, "cpu": 8}
+# every group in C++ (~2 µs per empty one, fp32, bundled shape), about what the ~9 ops of an extra
+# call cost, so a longer run of unused slots starts a new call (8 and 16 gave the same batch-8
+# decode time on the bundled model; 16 makes fewer calls).
+MAX_GAP = {"cuda": MAX_GROUPS, "cpu": 16}
 # Steps of at most this many tokens run each expert as two ``F.linear`` straight on its slot views
 # (:func:`_few_tokens`: no sort, no offsets, index tensors only for experts several tokens chose),
 # per device type. CPU: cheaper than the grouped call's index work and per-group cost up to a few
@@ -220,6 +221,8 @@ def _few_tokens(
         for rank, col in enumerate(cols):
             rows.setdefault(ids_row[col], []).append((tok, col, tok * k + rank))
     pieces: list[Any] = [None] * (t * k)  # scaled output row [1, H] per (token, rank)
+    x_rows = (x,) if t == 1 else x.split(1)  # [1, H] views, one op
+    w_cells = weights.reshape(-1, 1).split(1)  # [1, 1] view of each router weight, two ops
     hit = np.zeros(num_experts, dtype=bool)
     blocked = np.zeros(num_experts, dtype=np.float64)
     for batch in run.batches():
@@ -229,19 +232,21 @@ def _few_tokens(
             mine = rows[e]
             if len(mine) == 1:
                 tok, col, pos = mine[0]
-                xs = x if t == 1 else x[tok : tok + 1]
-                w = weights[tok : tok + 1, col : col + 1]
+                xs, w = x_rows[tok], w_cells[tok * k + col]
             else:
                 idx = torch.tensor([[tok, tok * k + col] for tok, col, _ in mine], device=x.device).T
                 xs = x.index_select(0, idx[0])
                 w = weights.reshape(-1).index_select(0, idx[1]).unsqueeze(1)
-            if h.device != x.device:
+            moved = h.device != x.device
+            if moved:
                 xs = xs.to(h.device)
             gate, up = F.linear(xs, h.gate_up).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, h.down)
-            if h.device != x.device:
+            if moved:
                 y = y.to(x.device)
-            y = (y * w).to(x.dtype)
+            y = y * w
+            if y.dtype != x.dtype:  # router weights in fp32: cast back, as the other paths do
+                y = y.to(x.dtype)
             if len(mine) == 1:
                 pieces[mine[0][2]] = y
             else:
