@@ -38,10 +38,11 @@ MAX_GROUPS = 1024  # CUDA grouped_mm: "Can't process more than 1024 groups"
 MAX_GAP = {"cuda": MAX_GROUPS, "cpu": 16}
 # Steps of at most this many tokens run each expert as two ``F.linear`` straight on its slot views
 # (:func:`_few_tokens`: no sort, no offsets, index tensors only for experts several tokens chose),
-# per device type. CPU: cheaper than the grouped call's index work and per-group cost up to a few
-# tokens (``few µs`` against ``grouped µs`` per token count in docs/bench-experts.md; whole decode
-# steps in docs/bench-regression.md). CUDA: 0, the grouped call's two launches beat two matmuls'
-# launches per expert.
+# per device type. CPU: 3, chosen on whole decode steps of the bundled model (thread CPU time of
+# the MoE blocks at batch 1, 2, 3, 4 and 8 with each threshold: few wins up to 3, ties at 4, loses
+# at 8); one isolated layer with random routing (``few µs`` against ``grouped µs`` in
+# docs/bench-experts.md) puts the crossover at 2-3 tokens; docs/bench-regression.md has the decode
+# rows. CUDA: 0, the grouped call's two launches beat two matmuls' launches per expert.
 FEW_TOKENS = {"cpu": 3, "cuda": 0}
 Segment = tuple[int, int, int]  # (first slot, slot count, first row) of one grouped call
 
