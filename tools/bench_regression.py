@@ -69,7 +69,7 @@ def worker(model: str, new_tokens: int, prompt_len: int, prefill_len: int) -> di
         with LLMEngine.from_pretrained(model, rt) as engine:
             vocab = engine.config.vocab_size
             prompts = rng.integers(0, vocab, size=(batch, prompt_len)).tolist()
-            timed_steps(engine, prompts, 4, True)  # warm-up
+            timed_steps(engine, prompts, new_tokens + 1, True)  # warm-up: as long as the timed run
             cpu, wall, steps = timed_steps(engine, prompts, new_tokens + 1, True)
         out[f"decode {fraction:.0%} batch {batch}"] = {
             "cpu_ms": 1e3 * cpu / steps,

@@ -337,7 +337,8 @@ def run(args: argparse.Namespace) -> int:
             with LLMEngine(loaded, rt) as engine:
                 for batch in batches:
                     prompts = _prompts(cfg.vocab_size, batch, args.prompt_len, args.seed + batch)
-                    _engine_decode(engine, prompts, min(4, args.new_tokens))  # warm-up
+                    # warm-up as long as a timed run: the first engine's first short runs were slower
+                    _engine_decode(engine, prompts, args.new_tokens)
                     runs = [_engine_decode(engine, prompts, args.new_tokens) for _ in range(args.repeats)]
                     steps = sum(r.steps for r in runs)
                     lookups = sum(r.lookups for r in runs)
@@ -403,7 +404,7 @@ def run(args: argparse.Namespace) -> int:
         "prefill_len": args.prefill_len,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "repeats": args.repeats,
-        "warmup": "1 run of 4 tokens (decode), 1 prompt (prefill)",
+        "warmup": f"1 run of {args.new_tokens} tokens per row (decode), 1 prompt (prefill)",
         "load_avg_1min": round(load_avg, 2) if load_avg is not None else None,
         "torch": torch.__version__,
         "transformers": _transformers_version(),
