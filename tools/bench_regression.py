@@ -49,6 +49,9 @@ def worker(model: str, new_tokens: int, prompt_len: int, prefill_len: int) -> di
     rng = np.random.default_rng(0)
     out = {}
 
+    def moved(engine) -> int:
+        return engine.buffer.stats.demand_bytes + engine.buffer.stats.prefetch_bytes
+
     def timed_steps(engine, prompts, max_tokens, skip_first: bool) -> tuple[float, float, int]:
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         for i, p in enumerate(prompts):
@@ -70,10 +73,13 @@ def worker(model: str, new_tokens: int, prompt_len: int, prefill_len: int) -> di
             vocab = engine.config.vocab_size
             prompts = rng.integers(0, vocab, size=(batch, prompt_len)).tolist()
             timed_steps(engine, prompts, new_tokens + 1, True)  # warm-up: as long as the timed run
+            before = moved(engine)
             cpu, wall, steps = timed_steps(engine, prompts, new_tokens + 1, True)
+            kib = (moved(engine) - before) / 1024 / steps  # includes the run's one prefill step
         out[f"decode {fraction:.0%} batch {batch}"] = {
             "cpu_ms": 1e3 * cpu / steps,
             "wall_ms": 1e3 * wall / steps,
+            "kib_moved": kib,
         }
     rt = RuntimeConfig(max_model_len=prefill_len + 8, max_batch_size=1, cpu_threads=1)
     with LLMEngine.from_pretrained(model, rt) as engine:
@@ -125,8 +131,8 @@ def report(base: str, runs: dict[str, list[dict]], args, started_load: float) ->
     rows = list(runs["new"][0])
     lines = [
         "| row | old CPU ms | new CPU ms | new/old CPU | spread | best/best CPU "
-        "| old wall ms | new wall ms | new/old wall | spread | best/best wall |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| old wall ms | new wall ms | new/old wall | spread | best/best wall | KiB moved per step old, new |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         cells = [row]
@@ -141,6 +147,8 @@ def report(base: str, runs: dict[str, list[dict]], args, started_load: float) ->
                 f"{min(ratios):.2f}-{max(ratios):.2f}",
                 f"{min(new) / min(old):.2f}",
             ]
+        kib = [statistics.median(r[row].get("kib_moved", 0.0) for r in runs[t]) for t in ("old", "new")]
+        cells.append(f"{kib[0]:.0f}, {kib[1]:.0f}" if any(kib) else "")
         lines.append("| " + " | ".join(cells) + " |")
     import torch
 
@@ -166,7 +174,9 @@ def report(base: str, runs: dict[str, list[dict]], args, started_load: float) ->
             "the prefill row; wall ms: elapsed time, same unit. Old and new figures are medians over",
             "repeats. Ratios are taken per repeat (the two trees ran back to back) and summarised by",
             "their median and range; best/best divides the two trees' fastest repeats, the figure",
-            "other work on the machine disturbs least. Below 1.00 the new tree is cheaper.",
+            "other work on the machine disturbs least. Below 1.00 the new tree is cheaper. KiB moved:",
+            "expert bytes copied host->device per step (demand and prefetch; buffers below 100%),",
+            "median over repeats: prefetch policies move different amounts, which costs CPU time.",
             "",
             "```bash",
             f"python tools/bench_regression.py --base {args.base} --out docs/bench-regression.md",
