@@ -32,10 +32,11 @@ import torch.nn.functional as F
 MAX_GROUPS = 1024  # CUDA grouped_mm: "Can't process more than 1024 groups"
 # Unused slots one grouped call may span between two used ones, per device type. CUDA: any (an
 # empty group costs the kernel next to nothing; a call costs launches). CPU: grouped_mm loops over
-# every group in C++ (~2 µs per empty one, fp32, bundled shape), about what the ~9 ops of an extra
-# call cost, so a longer run of unused slots starts a new call (8 and 16 gave the same batch-8
-# decode time on the bundled model; 16 makes fewer calls).
-MAX_GAP = {"cuda": MAX_GROUPS, "cpu": 16}
+# every group in C++ (~0.8 µs per empty one and call, so ~1.6 µs per unused slot for the two
+# projections; fp32, bundled shape), and ~9 ops of an extra call cost about what 8 unused slots
+# do, so a longer run of unused slots starts a new call. It matters below 100% buffers, where a
+# batch's experts sit in scattered slots (16 was measurably slower there at batch 8).
+MAX_GAP = {"cuda": MAX_GROUPS, "cpu": 8}
 # Steps of at most this many tokens run each expert as two ``F.linear`` straight on its slot views
 # (:func:`_few_tokens`: no sort, no offsets, index tensors only for experts several tokens chose),
 # per device type. CPU: 3, chosen on whole decode steps of the bundled model (thread CPU time of
