@@ -96,13 +96,19 @@ def worker(model: str, new_tokens: int, prompt_len: int, prefill_len: int) -> di
     return out
 
 
+def fail(msg: str) -> None:
+    """One line on stderr, exit status 2."""
+    print(f"bench_regression: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def export(commit: str, dest: Path) -> str:
     """Write ``commit``'s tree into ``dest``; returns its full hash."""
     full = subprocess.run(
         ["git", "rev-parse", "--verify", f"{commit}^{{commit}}"], cwd=ROOT, capture_output=True, text=True
     )
     if full.returncode:
-        sys.exit(f"bench_regression: --base: unknown commit {commit!r}")
+        fail(f"--base: unknown commit {commit!r}")
     archive = subprocess.run(
         ["git", "archive", full.stdout.strip()], cwd=ROOT, capture_output=True, check=True
     )
@@ -121,7 +127,7 @@ def run_worker(tree: Path, args) -> dict:
     cmd += ["--prefill-len", str(args.prefill_len)]
     res = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     if res.returncode:
-        sys.exit(f"bench_regression: worker in {tree.name} failed:\n{res.stderr[-2000:]}")
+        fail(f"the worker in {tree.name} failed: {(res.stderr.strip().splitlines() or ['no output'])[-1]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
@@ -213,7 +219,7 @@ def main() -> int:
         print(json.dumps(worker(args.model, args.new_tokens, args.prompt_len, args.prefill_len)))
         return 0
     if args.repeats < 1:
-        sys.exit(f"bench_regression: --repeats must be >= 1, got {args.repeats}")
+        fail(f"--repeats must be >= 1, got {args.repeats}")
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench-regression-") as tmp:
         old_tree = Path(tmp) / "old"
