@@ -40,6 +40,7 @@ def test_decode_rows_carry_bounds(bench):
     assert st["hbm_gbps"] == HBM and st["hbm_source"] == "--hbm-gbps" and st["h2d_gbps_measured"] > 0
     for r in rows:
         assert r["tpot_ms_min"] <= r["tpot_ms"] <= r["tpot_ms_max"]
+        assert r["cpu_ms"] > 0  # process CPU time per decode step
         assert r["weight_bytes_per_step"] >= st["dense_read_bytes"] + st["expert_bytes"]  # >= 1 expert
         assert r["kv_bytes_per_step"] == r["batch"] * (6 + 4 / 2) * st["kv_bytes_per_token"]
         assert r["hbm_bound_ms"] == pytest.approx(
@@ -79,6 +80,7 @@ def test_prefill_rows(bench):
 def test_render_shows_bounds_and_prefill(bench):
     md = render_decode(bench)
     assert "HBM bound ms" in md and "link bound ms" in md and "prompt tokens/s" in md
+    assert "CPU ms/step" in md and f"| {bench['results'][0]['cpu_ms']:.2f} |" in md
     first = bench["results"][0]
     assert f"{first['hbm_bound_ms']:.3f}" in md
     assert "`hbm_source=--hbm-gbps`" in md

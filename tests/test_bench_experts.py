@@ -19,10 +19,11 @@ def test_bench_experts_json_and_markdown(capsys, tmp_path):
     assert data["settings"]["device"] == "cpu" and data["settings"]["repeats"] == 3
     rows = data["results"]
     assert [r["tokens"] for r in rows] == [1, 4]
+    assert [r["step_path"] for r in rows] == ["few", "grouped"]  # FEW_TOKENS on the CPU: 3
     for r in rows:
         assert r["identical"] and r["probe_path"] == "grouped"
         assert 1 <= r["experts_used"] <= r["tokens"] * r["top_k"]
-        for path in ("loop_us", "grouped_us"):
+        for path in ("loop_us", "grouped_us", "few_us"):
             assert len(r[path]["runs"]) == 3 and r[path]["min"] <= r[path]["median"] <= r[path]["max"]
     text = doc.read_text()
     assert "moeserve bench experts --device cpu --dtype fp32 --shapes bundled --tokens 1,4" in text

@@ -4,11 +4,14 @@ once at load and named in the summary."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import moe_runtime.layers.experts as experts
+from moe_runtime.assets import default_model_dir
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine.engine import LLMEngine
 from moe_runtime.engine.request import SamplingParams
@@ -17,13 +20,19 @@ PROMPTS = [[5, 17, 33, 2, 250, 7], [9, 1, 44], [3, 3, 8, 120]]
 PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
-def _logits(path, expert_path: str, dtype: str = "fp32", **kw) -> torch.Tensor:
-    """Every step's sampled logits, stacked ``[steps * seqs, V]``."""
+def _logits(
+    path, expert_path: str, dtype: str = "fp32", prompts=PROMPTS, few_tokens: int = 0, **kw
+) -> torch.Tensor:
+    """Every step's sampled logits, stacked ``[steps * seqs, V]``; steps of at most ``few_tokens``
+    tokens take the ``few`` path (0: every step runs ``expert_path``)."""
     runtime = RuntimeConfig(max_model_len=64, max_batch_size=3, dtype=dtype, **kw)
     rows = []
-    with LLMEngine.from_pretrained(path, runtime) as engine:
+    with (
+        mock.patch.dict(experts.FEW_TOKENS, {"cpu": few_tokens}),
+        LLMEngine.from_pretrained(path, runtime) as engine,
+    ):
         engine.model.expert_path = expert_path
-        for i, p in enumerate(PROMPTS):
+        for i, p in enumerate(prompts):
             engine.add_request(str(i), p, PARAMS)
         while engine.has_unfinished():
             engine.step()
@@ -44,6 +53,31 @@ def test_grouped_and_loop_identical_at_any_buffer(tiny_checkpoints, family, monk
 
 def test_grouped_and_loop_identical_in_bf16(tiny_qwen3):
     assert torch.equal(_logits(tiny_qwen3, "grouped", "bf16"), _logits(tiny_qwen3, "loop", "bf16"))
+
+
+@pytest.mark.parametrize(("dtype", "seqs", "slots"), [("fp32", 1, None), ("bf16", 1, None), ("fp32", 3, 2)])
+def test_few_token_steps_identical_to_grouped(monkeypatch, dtype, seqs, slots):
+    """Decode steps of up to FEW_TOKENS tokens take the CPU's ``few`` path (resident and landed
+    experts, experts shared by several tokens); its logits equal the grouped path's bit for bit.
+    The bundled model's top-4 makes the sum order matter."""
+    calls = []
+    few = experts._few_tokens
+    monkeypatch.setattr(experts, "_few_tokens", lambda *a: calls.append(a[0].shape[0]) or few(*a))
+    kw = {"dtype": dtype, "prompts": PROMPTS[:seqs], "buffer_slots": slots}
+    got = _logits(default_model_dir(), "grouped", few_tokens=experts.FEW_TOKENS["cpu"], **kw)
+    assert set(calls) == {seqs}, "the few path did not run (or ran a prefill)"
+    calls.clear()
+    assert torch.equal(got, _logits(default_model_dir(), "grouped", **kw))
+    assert not calls
+
+
+def test_step_path_by_device_and_tokens():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    n = experts.FEW_TOKENS["cpu"]
+    assert n >= 1 and experts.step_path("grouped", cpu, n) == "few"
+    assert experts.step_path("grouped", cpu, n + 1) == "grouped"
+    assert experts.step_path("loop", cpu, n + 1) == "loop"
+    assert experts.step_path("grouped", cuda, 1) == "grouped"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

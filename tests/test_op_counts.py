@@ -80,9 +80,11 @@ def _per_layer(monkeypatch, batch: int, **runtime_kw) -> tuple[float, float]:
 
 @pytest.mark.parametrize("segmenting", ["cpu", "cuda"])
 def test_moe_layer_ops_and_syncs(monkeypatch, segmenting):
-    """Issue 14's bounds: <= 60 ops at batch 1, batch 8 <= 1.2x batch 1, one sync. ``cuda`` runs
-    the CPU with CUDA's segmenting (a grouped call spans unused slots), the GPU's op stream."""
+    """Issue 14's bounds on the grouped path: <= 60 ops at batch 1, batch 8 <= 1.2x batch 1, one
+    sync. ``cuda`` runs the CPU with CUDA's segmenting (a grouped call spans unused slots), the
+    GPU's op stream. The CPU's few-token path is checked below."""
     monkeypatch.setitem(experts.MAX_GAP, "cpu", experts.MAX_GAP[segmenting])
+    monkeypatch.setitem(experts.FEW_TOKENS, "cpu", 0)  # the grouped path at every batch
     ops1, syncs1 = _per_layer(monkeypatch, 1)
     ops8, syncs8 = _per_layer(monkeypatch, 8)
     print(f"{segmenting}: aten ops per MoE layer per decode step: batch 1 {ops1:.1f}, batch 8 {ops8:.1f}")
@@ -93,9 +95,20 @@ def test_moe_layer_ops_and_syncs(monkeypatch, segmenting):
         assert ops8 == ops1
 
 
+def test_few_token_path_ops(monkeypatch):
+    """What a CPU decode step of one sequence runs (the few path): within the same bound, fewer
+    ops than the grouped path, one sync."""
+    few1, syncs = _per_layer(monkeypatch, 1)
+    monkeypatch.setitem(experts.FEW_TOKENS, "cpu", 0)
+    grouped1, _ = _per_layer(monkeypatch, 1)
+    print(f"aten ops per MoE layer at batch 1: few {few1:.1f}, grouped {grouped1:.1f}")
+    assert few1 < grouped1 and few1 <= 60 and syncs == 1, (few1, grouped1, syncs)
+
+
 def test_counter_sees_ops(monkeypatch):
     """The counter is live: the per-expert loop path costs more ops at batch 8 than at batch 1."""
     monkeypatch.setattr(model_mod, "select_expert_path", lambda *args: "loop")
+    monkeypatch.setitem(experts.FEW_TOKENS, "cpu", 0)  # batch 1 on the loop path too
     ops1, _ = _per_layer(monkeypatch, 1)
     ops8, _ = _per_layer(monkeypatch, 8)
     assert ops8 > 1.2 * ops1 > 0

@@ -103,7 +103,9 @@ copy) and batch size, the engine decodes `new_tokens` greedy tokens for seeded r
 `repeats` times after a warm-up run; TPOT is the mean decode-step time of a run, the figure is the
 median over runs and "spread" the fastest and slowest run. With every expert resident, the same
 prompts also run through `transformers` `generate` on the same device with the same dtype and
-thread count. Hit rate, blocking and bytes per token count decode steps only.
+thread count. Hit rate, blocking and bytes per token count decode steps only. "CPU ms/step" is
+the process's CPU time per decode step (compute and I/O threads, median over runs): other work on
+a shared machine inflates it far less than TPOT, so compare it across runs.
 
 Two lower bounds stand beside TPOT (milliseconds per decode step):
 - **HBM bound**: bytes a step reads from device memory (resident dense weights, the embedding
@@ -136,6 +138,9 @@ Reading the table:
   I/O thread.
 - `--cpu-threads 1` is the default: on this machine 2 intra-op threads made small-expert steps
   several times slower under load (see `docs/architecture.md`).
+- Whether a change made these rows slower is measured in one run against the older commit, with
+  the two trees' workers interleaved: `docs/bench-regression.md`, written by
+  `python tools/bench_regression.py --base COMMIT --out docs/bench-regression.md`.
 
 ## Other devices and checkpoints
 

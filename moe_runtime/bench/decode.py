@@ -62,6 +62,7 @@ class DecodeResult:
     transformers_tpot_ms: float | None = None
     transformers_tpot_ms_min: float | None = None
     transformers_tpot_ms_max: float | None = None
+    cpu_ms: float | None = None  # process CPU time per decode step (all threads), median over runs
 
     @property
     def ratio(self) -> float | None:
@@ -136,6 +137,7 @@ class _Run:
     """One engine run: timed decode steps and the buffer counters over them."""
 
     tpot_s: float
+    cpu_s: float  # process CPU time per step (compute and I/O threads)
     steps: int
     lookups: int
     hits: int
@@ -165,12 +167,13 @@ def _engine_decode(engine, prompts: list[list[int]], new_tokens: int) -> _Run:
     while started != ids:
         started.update(o.request_id for o in engine.step())
     before = engine.buffer.stats.snapshot()
-    times = []
+    times, cpu = [], 0.0
     while engine.has_unfinished():
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
-    return _Run(sum(times) / len(times), len(times), *_delta(engine, before))
+        cpu += time.process_time() - c0
+    return _Run(sum(times) / len(times), cpu / len(times), len(times), *_delta(engine, before))
 
 
 def _engine_prefill(engine, prompt: list[int]) -> tuple[float, int, int, int]:
@@ -334,7 +337,8 @@ def run(args: argparse.Namespace) -> int:
             with LLMEngine(loaded, rt) as engine:
                 for batch in batches:
                     prompts = _prompts(cfg.vocab_size, batch, args.prompt_len, args.seed + batch)
-                    _engine_decode(engine, prompts, min(4, args.new_tokens))  # warm-up
+                    # warm-up as long as a timed run: the first engine's first short runs were slower
+                    _engine_decode(engine, prompts, args.new_tokens)
                     runs = [_engine_decode(engine, prompts, args.new_tokens) for _ in range(args.repeats)]
                     steps = sum(r.steps for r in runs)
                     lookups = sum(r.lookups for r in runs)
@@ -359,6 +363,7 @@ def run(args: argparse.Namespace) -> int:
                         moved / steps,
                         b.hbm_ms(weight + kv),
                         b.link_ms(moved / steps, link),
+                        cpu_ms=statistics.median(1e3 * r.cpu_s for r in runs),
                     )
                     if hf_model is not None and fraction == 1.0 and link is None:
                         hf = [
@@ -399,7 +404,7 @@ def run(args: argparse.Namespace) -> int:
         "prefill_len": args.prefill_len,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "repeats": args.repeats,
-        "warmup": "1 run of 4 tokens (decode), 1 prompt (prefill)",
+        "warmup": f"1 run of {args.new_tokens} tokens per row (decode), 1 prompt (prefill)",
         "load_avg_1min": round(load_avg, 2) if load_avg is not None else None,
         "torch": torch.__version__,
         "transformers": _transformers_version(),

@@ -3,17 +3,21 @@
 For each selected expert shape and token count, a host store of one layer's experts (random
 weights, seeded) is loaded all resident into an :class:`~moe_runtime.buffer.ExpertBuffer` on
 ``--device``; tokens are routed to ``top_k`` distinct random experts (seeded). The runtime's own
-``moe_runtime.layers.experts.run_experts`` then runs the layer on both paths (``loop``: two
-``F.linear`` per expert; ``grouped``: one ``grouped_mm`` per projection over the slot buffer), after
+``moe_runtime.layers.experts.run_experts`` then runs the layer on each path (``loop``: two
+``F.linear`` per expert over rows gathered and sorted as for the grouped call; ``grouped``: one
+``grouped_mm`` per projection over the slot buffer; ``few``: two ``F.linear`` per expert on its
+own rows with no grouped index work, which steps of few tokens run), after
 ``--warmup`` calls, ``--repeats`` times ``--calls`` calls each (CUDA synchronised around each
 repeat; on CPU with one intra-op thread the clock is the thread's CPU time, which other processes
 on a shared host do not inflate). Reported per row: median and min/max of the per-call time in
-µs, the speed-up, and whether the two paths' outputs are bit-identical. ``--markdown FILE``
+µs, the speed-up grouped over loop, whether the paths' outputs are bit-identical, and the path
+the engine runs at that token count (``step runs``). ``--markdown FILE``
 writes the table with its settings (docs/bench-experts.md is written this way).
 
-Shapes (hidden H, expert width I, experts E, top-k) are those of the public configs; ``bundled``
-is read from the bundled checkpoint's ``config.json``. Mixtral's layer is 2.8 GB in bf16: select
-it explicitly (``--shapes mixtral-8x7b``).
+Shapes (hidden H, expert width I, experts E, top-k) come from the one table of real shapes,
+:data:`moe_runtime.checkpoints.shapes.SHAPES` (the public configs; ``moeserve make-checkpoint``
+writes from it too); ``bundled`` is read from the bundled checkpoint's ``config.json``. Mixtral's
+layer is 2.8 GB in bf16: select it explicitly (``--shapes mixtral-8x7b``).
 """
 
 from __future__ import annotations
@@ -29,15 +33,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from moe_runtime.checkpoints.shapes import SHAPES
 from moe_runtime.errors import ConfigError
 
-# name -> (hidden H, expert intermediate I, experts E, top-k); from each model's config.json
-SHAPES: dict[str, tuple[int, int, int, int]] = {
-    "mixtral-8x7b": (4096, 14336, 8, 2),  # mistralai/Mixtral-8x7B-v0.1
-    "qwen3-30b-a3b": (2048, 768, 128, 8),  # Qwen/Qwen3-30B-A3B
-    "qwen2-moe-a2.7b": (2048, 1408, 60, 4),  # Qwen/Qwen1.5-MoE-A2.7B
-    "olmoe-1b-7b": (2048, 1024, 64, 8),  # allenai/OLMoE-1B-7B-0924
-}
 DEFAULT_SHAPES = "bundled,qwen3-30b-a3b"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -55,7 +53,8 @@ def shape_of(name: str) -> tuple[int, int, int, int]:
         return c["hidden_size"], c["moe_intermediate_size"], c["num_local_experts"], c["num_experts_per_tok"]
     if name not in SHAPES:
         raise ConfigError(f"--shapes: unknown shape {name!r} (known: bundled, {', '.join(SHAPES)})")
-    return SHAPES[name]
+    s = SHAPES[name]
+    return s.hidden, s.moe_intermediate, s.experts, s.top_k
 
 
 def clock_for(device: torch.device, cpu_threads: int) -> str:
@@ -93,9 +92,10 @@ def bench_shape(
     seed: int,
     clock: str = "wall",
 ) -> dict[str, Any]:
-    """One row: both paths on one layer of shape ``name`` with ``tokens`` tokens."""
+    """One row: the three paths (``loop``, ``grouped``, ``few``) on one layer of shape ``name``
+    with ``tokens`` tokens."""
     from moe_runtime.buffer import ExpertBuffer
-    from moe_runtime.layers.experts import run_experts, select_expert_path
+    from moe_runtime.layers.experts import run_experts, select_expert_path, step_path
     from moe_runtime.store import HostExpertStore
 
     hidden, inter, num_experts, top_k = shape_of(name)
@@ -110,7 +110,7 @@ def bench_shape(
     buf = ExpertBuffer(store, [device], num_experts)
     try:
         outs, times = {}, {}
-        for path in ("loop", "grouped"):
+        for path in ("loop", "grouped", "few"):
 
             def call(path=path):
                 return run_experts(x, weights, ids_host, buf.start_layer(0, needed), num_experts, path)[0]
@@ -128,7 +128,8 @@ def bench_shape(
         "tokens": tokens,
         "experts_used": len(needed),
         "probe_path": select_expert_path(device, dtype),
-        "identical": bool(torch.equal(outs["loop"], outs["grouped"])),
+        "step_path": step_path(select_expert_path(device, dtype), device, tokens),
+        "identical": all(torch.equal(outs["loop"], o) for o in outs.values()),
     }
     for path, ts in times.items():
         us = [t * 1e6 for t in ts]
@@ -237,17 +238,19 @@ def render(data: dict[str, Any]) -> str:
     lines = [
         head,
         "",
-        "| shape | H | I | E | top-k | tokens | experts used | loop µs | grouped µs | speed-up "
-        "| identical | load picks |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | H | I | E | top-k | tokens | experts used | loop µs | grouped µs | few µs "
+        "| speed-up | identical | load picks | step runs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in data["results"]:
-        lo, gr = r["loop_us"], r["grouped_us"]
+        cells = " | ".join(
+            f"{t['median']:.0f} [{t['min']:.0f}-{t['max']:.0f}]"
+            for t in (r["loop_us"], r["grouped_us"], r["few_us"])
+        )
         lines.append(
             f"| {r['shape']} | {r['hidden']} | {r['intermediate']} | {r['experts']} | {r['top_k']} | "
-            f"{r['tokens']} | {r['experts_used']} | {lo['median']:.0f} [{lo['min']:.0f}-{lo['max']:.0f}] | "
-            f"{gr['median']:.0f} [{gr['min']:.0f}-{gr['max']:.0f}] | {r['speedup']:.2f}x | "
-            f"{'yes' if r['identical'] else 'NO'} | {r['probe_path']} |"
+            f"{r['tokens']} | {r['experts_used']} | {cells} | {r['speedup']:.2f}x | "
+            f"{'yes' if r['identical'] else 'NO'} | {r['probe_path']} | {r['step_path']} |"
         )
     return "\n".join(lines)
 
@@ -261,11 +264,14 @@ def _document(data: dict[str, Any], table: str) -> str:
         f"--shapes {shapes} --tokens {tokens} --repeats {s['repeats']} --calls {s['calls']} "
         f"--markdown docs/bench-experts.md"
     )
-    return f"""# Routed experts: per-expert loop vs grouped GEMMs (`moeserve bench experts`)
+    return f"""# Routed experts: per-expert loop, grouped GEMMs, few-token path (`moeserve bench experts`)
 
 Generated by `moeserve bench experts` (do not edit by hand). One MoE layer's experts, all resident,
-through the runtime's `run_experts` on both paths; `identical` compares the two outputs bit for bit;
-`load picks` is the path the engine's load-time probe chooses on this device and dtype.
+through the runtime's `run_experts` on each path; `identical` compares the three outputs bit for
+bit; `load picks` is the path the engine's load-time probe chooses on this device and dtype, and
+`step runs` the one a step of that many tokens runs (`few` up to `FEW_TOKENS` of
+`moe_runtime/layers/experts.py` on this device type: each expert on its own rows, no grouped
+index work).
 Command:
 
 ```bash

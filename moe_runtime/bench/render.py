@@ -38,11 +38,11 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def render_decode(data: dict) -> str:
-    """Decode rows (TPOT, spread, HBM and link bounds, transformers), then prefill rows, then the
-    settings line."""
-    decode_header = ["buffer", "slots", "link GB/s", "batch", "TPOT ms", "spread ms", "HBM bound ms",
-                     "link bound ms", "hit rate", "blocking ms/token", "KiB/token", "transformers TPOT ms",
-                     "ours / transformers"]  # fmt: skip
+    """Decode rows (TPOT, spread, process CPU time per step where recorded, HBM and link bounds,
+    transformers), then prefill rows, then the settings line."""
+    decode_header = ["buffer", "slots", "link GB/s", "batch", "TPOT ms", "spread ms", "CPU ms/step",
+                     "HBM bound ms", "link bound ms", "hit rate", "blocking ms/token", "KiB/token",
+                     "transformers TPOT ms", "ours / transformers"]  # fmt: skip
     rows = [
         [
             f"{r['buffer_fraction']:.0%}",
@@ -51,6 +51,7 @@ def render_decode(data: dict) -> str:
             str(r["batch"]),
             f"{r['tpot_ms']:.2f}",
             _spread(r.get("tpot_ms_min"), r.get("tpot_ms_max")),
+            _ms(r.get("cpu_ms")),
             f"{r['hbm_bound_ms']:.3f}" if "hbm_bound_ms" in r else "",
             f"{r['link_bound_ms']:.3f}" if "link_bound_ms" in r else "",
             f"{r['hit_rate']:.3f}",

@@ -120,6 +120,15 @@ class ExpertBuffer:
                         part.slots[s].copy_(store.expert(key))
                 part.preload(homed.tolist())
         self.all_resident = all(len(p.key_slot) == int((self.home == p.index).sum()) for p in self.parts)
+        # all resident: every expert's handle, by key, made once (slots never change)
+        self._resident_handles = (
+            [
+                handle(key % self.num_experts, part, part.key_slot[key], True, 0.0)
+                for key, part in ((key, self.parts[d]) for key, d in enumerate(self.home.tolist()))
+            ]
+            if self.all_resident
+            else []
+        )
         self._threads = [
             threading.Thread(target=self._io_loop, args=(p,), name=f"moeserve-io-{p.index}", daemon=True)
             for p in self.parts
@@ -205,18 +214,19 @@ class ExpertBuffer:
         return LayerRun(self, layer, ready, waiting)
 
     def _run_resident(self, layer: int, experts: list[int]) -> ResidentRun:
-        st, n = self.stats, len(experts)
-        keys = [layer * self.num_experts + e for e in experts]
+        st, n, key0 = self.stats, len(experts), layer * self.num_experts
+        handles = [self._resident_handles[key0 + e] for e in experts]
         with self.cond:
             st.lookups[layer] += n
             st.hits[layer] += n
-            for d in self.home[keys].tolist():
-                st.device_lookups[d] += 1
-                st.device_hits[d] += 1
-        parts, home = self.parts, self._home
-        return ResidentRun(
-            [handle(e, parts[home[k]], parts[home[k]].key_slot[k], True, 0.0) for e, k in zip(experts, keys)]
-        )
+            if len(self.parts) == 1:
+                st.device_lookups[0] += n
+                st.device_hits[0] += n
+            else:
+                for h in handles:
+                    st.device_lookups[h.part.index] += 1
+                    st.device_hits[h.part.index] += 1
+        return ResidentRun(handles)
 
     def _landed(self, layer: int, waiting: list[tuple[int, Partition]]) -> list[int]:
         """Indices into ``waiting`` of the experts READY now (caller holds ``cond``)."""

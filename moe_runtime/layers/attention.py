@@ -45,13 +45,15 @@ def attention(
     kc, vc = cache.k[layer], cache.v[layer]  # [rows, Hkv, max_len, D]
     kc[step.token_rows, :, step.positions] = k
     vc[step.token_rows, :, step.positions] = v
+    if step.all_decode and not q.is_cuda:  # the common CPU case: no backend context
+        return _decode(q, kc, vc, step).reshape(q.shape[0], -1)
     backends = sdpa_kernel(CUDA_BACKENDS) if q.is_cuda else contextlib.nullcontext()
     with backends:
         if step.all_decode:
             return _decode(q, kc, vc, step).reshape(q.shape[0], -1)
         out = torch.empty_like(q)  # [T, Hq, D]
         if step.rows_t is not None:  # the decodes of a mixed step, in one call
-            od = _decode(q.index_select(0, step.decode_tokens), kc, vc, step)
+            od = _decode(q.index_select(0, step.decode_tokens), kc, vc, step).squeeze(2)
             out.index_copy_(0, step.decode_tokens, od)
         if step.prefill_mask is not None:  # every prefill chunk in one padded call
             out.index_copy_(0, step.prefill_tokens, _prefill_padded(q, kc, vc, step))
@@ -86,10 +88,10 @@ def _prefill_padded(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, step) -
 
 
 def _decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, step) -> torch.Tensor:
-    """One batched SDPA for the decoding sequences' queries ``q [B_d, Hq, D]`` -> ``[B_d, Hq, D]``."""
+    """One batched SDPA for the decoding sequences' queries ``q [B_d, Hq, D]`` -> ``[B_d, Hq, 1, D]``."""
     keys = kc[step.rows_t, :, : step.decode_ctx]  # [B_d, Hkv, C, D]
     vals = vc[step.rows_t, :, : step.decode_ctx]
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2), keys, vals, attn_mask=step.decode_mask, enable_gqa=True
-    )  # [B_d, Hq, 1, D]
-    return out.squeeze(2)
+    )
+    return out

@@ -8,7 +8,10 @@ work is done on the host from the router ids the layer already synced: per batch
 host->device copy of indices, no further sync. CUDA's grouped kernel takes at most
 :data:`MAX_GROUPS` groups, so a batch spanning more slots runs one call per segment of slots.
 The ``loop`` path runs the same batches with two ``F.linear`` per expert (the fallback where
-``grouped_mm`` cannot run: dtype, CUDA architecture).
+``grouped_mm`` cannot run: dtype, CUDA architecture). Steps of at most :data:`FEW_TOKENS` tokens
+(decode of one to a few sequences; CPU only) take the ``few`` path instead: each expert's two
+``F.linear`` on its own rows, a slice of ``x`` for a single token, with none of the grouped call's
+host index work, which at a handful of rows costs more than it saves.
 
 Determinism: a token's expert contributions land in ``contrib [T*k, H]`` at (token, rank) with the
 ranks sorted by expert id; the final sum adds rank 0, 1, ... in that order, as the reference's
@@ -29,9 +32,19 @@ import torch.nn.functional as F
 MAX_GROUPS = 1024  # CUDA grouped_mm: "Can't process more than 1024 groups"
 # Unused slots one grouped call may span between two used ones, per device type. CUDA: any (an
 # empty group costs the kernel next to nothing; a call costs launches). CPU: grouped_mm loops over
-# every group in C++ (~2 µs per empty one, fp32, bundled shape), about what 8 more ops of an
-# extra call cost, so a longer run of unused slots starts a new call.
+# every group in C++ (~0.8 µs per empty one and call, so ~1.6 µs per unused slot for the two
+# projections; fp32, bundled shape), and ~9 ops of an extra call cost about what 8 unused slots
+# do, so a longer run of unused slots starts a new call. It matters below 100% buffers, where a
+# batch's experts sit in scattered slots (16 was measurably slower there at batch 8).
 MAX_GAP = {"cuda": MAX_GROUPS, "cpu": 8}
+# Steps of at most this many tokens run each expert as two ``F.linear`` straight on its slot views
+# (:func:`_few_tokens`: no sort, no offsets, index tensors only for experts several tokens chose),
+# per device type. CPU: 3, chosen on whole decode steps of the bundled model (thread CPU time of
+# the MoE blocks at batch 1, 2, 3, 4 and 8 with each threshold: few wins up to 3, ties at 4, loses
+# at 8); one isolated layer with random routing (``few µs`` against ``grouped µs`` in
+# docs/bench-experts.md) puts the crossover at 2-3 tokens; docs/bench-regression.md has the decode
+# rows. CUDA: 0, the grouped call's two launches beat two matmuls' launches per expert.
+FEW_TOKENS = {"cpu": 3, "cuda": 0}
 Segment = tuple[int, int, int]  # (first slot, slot count, first row) of one grouped call
 
 
@@ -133,6 +146,12 @@ class LayerPlan:
             yield handles[0].part, pos, segments, np.asarray(offs, dtype=np.int32)
 
 
+def step_path(load_path: str, device: torch.device, tokens: int) -> str:
+    """The path a step of ``tokens`` tokens runs: ``few`` up to :data:`FEW_TOKENS` on ``device``'s
+    type, else ``load_path`` (:func:`select_expert_path`'s choice at load)."""
+    return "few" if tokens <= FEW_TOKENS.get(device.type, 0) else load_path
+
+
 def run_experts(
     x: torch.Tensor,
     weights: torch.Tensor,
@@ -146,13 +165,16 @@ def run_experts(
     Args:
         weights: ``[T, k]`` router weights of ``ids_host [T, k]`` (same order).
         run: the layer run (:meth:`ExpertBuffer.start_layer`); its ``batches()`` are consumed.
-        path: ``grouped`` or ``loop`` (:func:`select_expert_path`).
+        path: ``grouped`` or ``loop`` (:func:`select_expert_path`), or ``few`` (each expert on its
+            own rows, no grouped index work; :func:`step_path` picks it for steps of few tokens).
 
     Returns:
         (``out [T, H]``, hit ``[E]`` bool, blocked seconds ``[E]``).
     """
-    plan = LayerPlan(ids_host, num_experts, MAX_GAP.get(x.device.type, MAX_GROUPS))
     t, k = ids_host.shape
+    if path == "few":
+        return _few_tokens(x, weights, ids_host, run, num_experts)
+    plan = LayerPlan(ids_host, num_experts, MAX_GAP.get(x.device.type, MAX_GROUPS))
     w_flat = weights.reshape(-1)
     contrib = torch.empty((t * k, x.shape[1]), dtype=x.dtype, device=x.device)  # (token, rank) rows
     hit = np.zeros(num_experts, dtype=bool)
@@ -179,6 +201,65 @@ def run_experts(
             contrib.index_copy_(0, dev[2 * n : 3 * n], y)
     # contributions summed per token in ascending expert order (ranks were sorted by expert id)
     ranks = contrib.view(t, k, -1).unbind(1)
+    out = ranks[0]
+    for c in ranks[1:]:
+        out = out + c
+    return out, hit, blocked
+
+
+def _few_tokens(
+    x: torch.Tensor, weights: torch.Tensor, ids_host: np.ndarray, run: Any, num_experts: int
+) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    """:func:`run_experts` for a step of few tokens (``x [T, H]``, T at most
+    :data:`FEW_TOKENS`): each expert as two ``F.linear`` on its slot views over its own rows, in
+    the order the run hands them out. A row of one token is a slice of ``x``; only an expert that
+    several tokens chose gathers its rows (one small index tensor). Same arithmetic as the grouped
+    and loop paths (an expert's rows in one ``F.linear``, router weights ``[n, 1]`` so the product
+    promotes as theirs), same sum per token in ascending expert order."""
+    t, k = ids_host.shape
+    # expert -> its (token, column in weights, (token, rank) position) rows, ranks sorted by expert
+    rows: dict[int, list[tuple[int, int, int]]] = {}
+    for tok, (ids_row, cols) in enumerate(zip(ids_host.tolist(), np.argsort(ids_host, axis=1).tolist())):
+        for rank, col in enumerate(cols):
+            rows.setdefault(ids_row[col], []).append((tok, col, tok * k + rank))
+    pieces: list[Any] = [None] * (t * k)  # scaled output row [1, H] per (token, rank)
+    x_rows = (x,) if t == 1 else x.split(1)  # [1, H] views, one op
+    w_cells = weights.reshape(-1, 1).split(1)  # [1, 1] view of each router weight, two ops
+    hit = np.zeros(num_experts, dtype=bool)
+    blocked = np.zeros(num_experts, dtype=np.float64)
+    for batch in run.batches():
+        for h in batch:
+            e = h.expert
+            hit[e], blocked[e] = h.hit, h.blocked_s
+            mine = rows[e]
+            if len(mine) == 1:
+                tok, col, pos = mine[0]
+                xs, w = x_rows[tok], w_cells[tok * k + col]
+            else:
+                idx = torch.tensor([[tok, tok * k + col] for tok, col, _ in mine], device=x.device).T
+                xs = x.index_select(0, idx[0])
+                w = weights.reshape(-1).index_select(0, idx[1]).unsqueeze(1)
+            moved = h.device != x.device
+            if moved:
+                xs = xs.to(h.device)
+            gate, up = F.linear(xs, h.gate_up).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, h.down)
+            if moved:
+                y = y.to(x.device)
+            y = y * w
+            if y.dtype != x.dtype:  # router weights in fp32: cast back, as the other paths do
+                y = y.to(x.dtype)
+            if len(mine) == 1:
+                pieces[mine[0][2]] = y
+            else:
+                for i, (_, _, pos) in enumerate(mine):
+                    pieces[pos] = y[i : i + 1]
+    if t == 1:
+        out = pieces[0]
+        for c in pieces[1:]:
+            out = out + c
+        return out, hit, blocked
+    ranks = torch.cat(pieces).view(t, k, -1).unbind(1)
     out = ranks[0]
     for c in ranks[1:]:
         out = out + c

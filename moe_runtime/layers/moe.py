@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from moe_runtime.buffer import ExpertBuffer
 from moe_runtime.config import ModelConfig
 from moe_runtime.engine.context import StepContext
-from moe_runtime.layers.experts import run_experts
+from moe_runtime.layers.experts import run_experts, step_path
 from moe_runtime.layers.routing import route
 
 
@@ -43,7 +43,8 @@ def moe_block(
 
     ``ahead [D, E]``: the router lookahead's scores of the next D MoE layers, if the prefetch policy
     uses them (``moe_runtime.layers.router_lookahead``); handed to ``prefetcher.observe_lookahead``.
-    ``expert_path``: ``grouped`` or ``loop`` (``moe_runtime.layers.experts.select_expert_path``).
+    ``expert_path``: ``grouped`` or ``loop`` (``moe_runtime.layers.experts.select_expert_path``);
+    steps of few tokens run the ``few`` path instead (``moe_runtime.layers.experts.step_path``).
     """
     p = f"layers.{layer}."
     weights, ids = route(x, w[p + "router"], cfg, w.get(p + "router_bias"))
@@ -66,10 +67,11 @@ def moe_block(
             if ahead_host is not None:
                 prefetcher.observe_lookahead(moe_layer, ahead_host)
             prefetcher.after_routing(moe_layer, step.request_ids, ids_host)
-        out, hit, blocked = run_experts(x, weights, ids_host, run, num_experts, expert_path)
+        path = step_path(expert_path, x.device, x.shape[0])
+        out, hit, blocked = run_experts(x, weights, ids_host, run, num_experts, path)
     finally:
         run.close()
-    _attribute(step, ids_host, hit, blocked, num_experts)
+    _attribute(step, ids_host, needed, hit, blocked, num_experts)
     if cfg.shared_expert_intermediate_size:
         shared = F.linear(
             F.silu(F.linear(x, w[p + "shared_gate_proj"])) * F.linear(x, w[p + "shared_up"]),
@@ -104,9 +106,21 @@ def _to_host(
 
 
 def _attribute(
-    step: StepContext, ids_host: np.ndarray, hit: np.ndarray, blocked: np.ndarray, num_experts: int
+    step: StepContext,
+    ids_host: np.ndarray,
+    needed: list[int],
+    hit: np.ndarray,
+    blocked: np.ndarray,
+    num_experts: int,
 ) -> None:
-    """Charge each sequence the lookups, hits and blocking of the experts its tokens used."""
+    """Charge each sequence the lookups, hits and blocking of the experts its tokens used
+    (``needed``: the layer's distinct experts, ascending)."""
+    if step.num_seqs == 1:  # one sequence used every needed expert: no [S, E] table
+        step.seq_lookups[0] += len(needed)
+        step.seq_hits[0] += int(hit[needed].sum())
+        if blocked.any():
+            step.seq_blocking_s[0] += float(blocked[needed].sum())
+        return
     use = np.zeros((step.num_seqs, num_experts), dtype=bool)
     use[step.token_seq[:, None], ids_host] = True
     step.seq_lookups += use.sum(axis=1)
