@@ -182,7 +182,7 @@ the following. Everything a command writes under `$OUT` on the GPU machine comes
    wheels the GPU machine lacks (into `.whl/`, git-ignored).
 
    ```bash
-   mkdir -p runs/bench && touch runs/bench/gpu-routine.start && ../shared/tools/gpu-wheels.sh
+   mkdir -p runs/bench && touch runs/bench/gpu-routine.start && ../shared/tools/gpu-wheels.sh llguidance threadpoolctl
    ```
 
 2. Run each of these three commands with the device tool's `run`, `carry: [".whl"]`, and
