@@ -132,11 +132,9 @@ prev_path = bench / "policies-previous.json"
 if prev_path.exists():
     prev = json.loads(prev_path.read_text())
     pr, ps = prev["results"], prev["settings"]
-    same = [
-        k
-        for k in ("tasks", "warm_prompts", "eval_prompts", "batch", "new_tokens", "link_gbps", "seed")
-        if ps.get(k) == st.get(k)
-    ]
+    keys = ("tasks", "warm_prompts", "eval_prompts", "batch", "new_tokens", "link_gbps", "seed")
+    same = ", ".join(f"`{k}`" for k in keys if ps.get(k) == st.get(k)) or "none"
+    differ = ", ".join(f"`{k}`" for k in keys if ps.get(k) != st.get(k)) or "none"
     lines, outside = [], 0
     for r in res:
         p = get(r["buffer_fraction"], r["policy"], pr)
@@ -153,10 +151,10 @@ if prev_path.exists():
 ### The previous {"single run" if n_prev == 1 else f"{n_prev}-repeat run"} beside this one
 
 `runs/bench/policies-previous.json` ({"one run of each row, as the command did before `--repeats`" if n_prev == 1 else f"{n_prev} repeats"};
-same {", ".join(f"`{k}`" for k in same)}) against this run's median [spread]. {outside} of
-{2 * len(lines)} previous figures fall outside this run's spread: a single run of a row is not a
-measurement of that row on this shared 2-core host, and the verdicts above are taken only where
-the spreads separate.
+workload settings the same: {same}; different: {differ}) against this run's median [spread]:
+{outside} of {2 * len(lines)} previous figures lie outside this run's spread. Verdicts drawn from a
+single run, as this section's were before, can sit inside the run-to-run noise; those above are
+drawn only where the spreads separate.
 
 | buffer | policy | TPOT ms, previous | TPOT ms, now | inside | blocking ms/token, previous | blocking ms/token, now | inside |
 |---|---|---|---|---|---|---|---|
@@ -223,8 +221,8 @@ before the median, except the gap-closed median, which comes from the median TPO
 or target is called only when the spread clears it, else "within noise". This run took
 {st["wall_s"] / 60:.1f} minutes on this 2-core machine (load averages over 1, 5 and 15 minutes:
 {load(st["load_avg_before"])} before, {load(st["load_avg_after"])} after; another engineer's
-benchmarks shared the host). The workload defaults are the single-run command's; `--repeats 3`
-(the default, at least 3) makes a run three rounds long, under ten minutes here.
+benchmarks shared the host). The workload defaults are those of the single-run command before
+`--repeats` (all in the settings line); the default `--repeats 3` makes a run three rounds long.
 
 **All experts resident** (the TPOT reference): TPOT {fmt_key(resident, "tpot_ms")} ms.
 

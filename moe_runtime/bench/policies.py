@@ -161,12 +161,32 @@ def _run_batches(engine, prompts: list[list[int]], batch: int, new_tokens: int) 
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_runtime.config import RuntimeConfig
     from moe_runtime.errors import ConfigError
-    from moeserve.commands.common import resolve_model
 
     if args.repeats < 3:
         raise ConfigError(f"--repeats {args.repeats}: must be >= 3 (median and spread of runs)")
+    settings, rounds = measure(args, args.repeats)
+    rows = summarise(rounds)
+    comparisons = verdicts(rows)
+    if args.json:
+        out = {"settings": settings, "results": [asdict(r) for r in rows], "verdicts": comparisons}
+        print(json.dumps(out, indent=2))
+    else:
+        print_tables(settings, rows, comparisons)
+    return 0
+
+
+def measure(
+    args: argparse.Namespace, repeats: int, warmup: bool = True
+) -> tuple[dict, list[list[PolicyResult]]]:
+    """The settings and ``repeats`` rounds of the benchmark: after one warm-up run (all experts
+    resident, not reported; skipped without ``warmup``), each round runs every row once, the
+    all-resident reference first, then per buffer size every policy (on-demand+lru before the
+    oracle, which replays its accesses). One engine per run, created in that order. Raises
+    ConfigError for a checkpoint without a tokenizer or a policy that changes the outputs."""
+    from moe_runtime.config import RuntimeConfig
+    from moeserve.commands.common import resolve_model
+
     torch.set_num_threads(args.cpu_threads)
     model_dir = resolve_model(args)
     labels = args.policies.split(",")
@@ -189,9 +209,10 @@ def run(args: argparse.Namespace) -> int:
     load_before = _load_average()
     t_start = time.monotonic()
     bench = _Runs(loaded, base, warm, evals, args)
-    bench.run_one(1.0, RESIDENT, None)  # warm-up, not reported
+    if warmup:
+        bench.run_one(1.0, RESIDENT, None)  # warm-up, not reported
     rounds: list[list[PolicyResult]] = []
-    for rep in range(args.repeats):  # round-robin: every row once per round, so drift hits all alike
+    for rep in range(repeats):  # round-robin: every row once per round, so drift hits all alike
         rounds.append([])
         for fraction, fraction_combos in runs:
             log = None
@@ -201,11 +222,10 @@ def run(args: argparse.Namespace) -> int:
                 rounds[-1].append(res)
                 if not args.json:
                     print(
-                        f"  round {rep + 1}/{args.repeats} {fraction:.0%} {combo[0]}: "
+                        f"  round {rep + 1}/{repeats} {fraction:.0%} {combo[0]}: "
                         f"hit={res.hit_rate:.3f} tpot={res.tpot_ms:.2f} ms",
                         file=sys.stderr,
                     )
-    rows = summarise(rounds)
     settings = {
         "model": model_dir.name,
         "architecture": cfg.architecture,
@@ -224,20 +244,14 @@ def run(args: argparse.Namespace) -> int:
         "max_prompt_tokens": args.max_prompt_tokens,
         "router_lookahead": args.router_lookahead,
         "seed": args.seed,
-        "repeats": args.repeats,
+        "repeats": repeats,
         "order": "round-robin: each round runs every (buffer, policy) row once",
-        "warmup": "1 all-resident run of the whole workload, not reported",
+        "warmup": "1 all-resident run of the whole workload, not reported" if warmup else "none",
         "load_avg_before": load_before,
         "load_avg_after": _load_average(),
         "wall_s": round(time.monotonic() - t_start, 1),
     }
-    comparisons = verdicts(rows)
-    if args.json:
-        out = {"settings": settings, "results": [asdict(r) for r in rows], "verdicts": comparisons}
-        print(json.dumps(out, indent=2))
-    else:
-        print_tables(settings, rows, comparisons)
-    return 0
+    return settings, rounds
 
 
 def _load_average() -> list[float] | None:
