@@ -4,7 +4,8 @@ Run after ``moeserve bench policies --json > runs/bench/policies.json`` (and, fo
 subsection, ``moeserve bench lookahead --json > runs/bench/lookahead.json``). Needs nothing else:
 no ``runs/bench/decode.json`` (``tools/update_bench_docs.py`` calls this file after writing
 docs/benchmarks.md). When ``runs/bench/policies-previous.json`` exists (a single-run or earlier
-``--json`` output of the same command), its TPOT and blocking stand beside this run's, row by row.
+``--json`` output of the same command: copy the last ``policies.json`` there before a rerun), its
+TPOT and blocking stand beside this run's, row by row.
 The tables come from ``moeserve bench render``'s code; every figure in the prose is computed here
 from the same files. Leaves docs/results.md as it is when runs/bench/policies.json is absent.
 """
@@ -150,7 +151,7 @@ if prev_path.exists():
     prev_txt = f"""
 ### The previous {"single run" if n_prev == 1 else f"{n_prev}-repeat run"} beside this one
 
-`runs/bench/policies-previous.json` ({"one run of each row, as the command did before `--repeats`" if n_prev == 1 else f"{n_prev} repeats"};
+`runs/bench/policies-previous.json` ({"one run of each row by the command before `--repeats`, the kind of run this section's tables came from before" if n_prev == 1 else f"{n_prev} repeats"};
 workload settings the same: {same}; different: {differ}) against this run's median [spread]:
 {outside} of {2 * len(lines)} previous figures lie outside this run's spread. Verdicts drawn from a
 single run, as this section's were before, can sit inside the run-to-run noise; those above are

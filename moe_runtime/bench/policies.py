@@ -351,7 +351,9 @@ def print_tables(settings: dict, rows: list[PolicyRow], comparisons: list[dict])
                 f"{r.blocking_ms_per_token / base.blocking_ms_per_token:.2f}"
                 if base and base.blocking_ms_per_token
                 else "",
-                f"{r.bytes_per_token / 1024:.0f}",
+                fmt_spread(
+                    r.bytes_per_token, r.bytes_per_token_min, r.bytes_per_token_max, "{:.0f}", 1 / 1024
+                ),
                 f"{r.bytes_per_token / base.bytes_per_token:.2f}" if base and base.bytes_per_token else "",
                 fmt_spread(r.tpot_ms, r.tpot_ms_min, r.tpot_ms_max),
                 fmt_spread(r.tpot_vs_on_demand, r.tpot_vs_on_demand_min, r.tpot_vs_on_demand_max, "{:.3f}"),

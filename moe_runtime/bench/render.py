@@ -85,18 +85,21 @@ def render_decode(data: dict) -> str:
     return out + "\n" + _settings(data["settings"]) + "\n"
 
 
-def fmt_spread(median: float | None, lo: float | None, hi: float | None, fmt: str = "{:.2f}") -> str:
-    """``median [lo, hi]``; the median alone when there is no spread (a single-run file); "" for None."""
+def fmt_spread(
+    median: float | None, lo: float | None, hi: float | None, fmt: str = "{:.2f}", scale: float = 1.0
+) -> str:
+    """``median [lo, hi]``, each times ``scale``; the median alone when there is no spread (a
+    single-run file); "" for None."""
     if median is None:
         return ""
     if lo is None or hi is None:
-        return fmt.format(median)
-    return f"{fmt.format(median)} [{fmt.format(lo)}, {fmt.format(hi)}]"
+        return fmt.format(median * scale)
+    return f"{fmt.format(median * scale)} [{fmt.format(lo * scale)}, {fmt.format(hi * scale)}]"
 
 
-def fmt_key(d: dict, key: str, fmt: str = "{:.2f}") -> str:
+def fmt_key(d: dict, key: str, fmt: str = "{:.2f}", scale: float = 1.0) -> str:
     """``d[key]`` with the spread ``d[key_min]``-``d[key_max]`` beside it (see :func:`fmt_spread`)."""
-    return fmt_spread(d.get(key), d.get(key + "_min"), d.get(key + "_max"), fmt)
+    return fmt_spread(d.get(key), d.get(key + "_min"), d.get(key + "_max"), fmt, scale)
 
 
 def verdict_rows(verdicts: list[dict]) -> tuple[list[str], list[list[str]]]:
@@ -126,7 +129,7 @@ def verdict_rows(verdicts: list[dict]) -> tuple[list[str], list[list[str]]]:
 
 
 def render_policies(data: dict) -> str:
-    """Per buffer size, one table of median [min-max] over repeats (the median alone for a
+    """Per buffer size, one table of median [min, max] over repeats (the median alone for a
     single-run file), then the eam vs on-demand verdicts (when present), then the settings line."""
     out = []
     rows = data["results"]
@@ -158,10 +161,10 @@ def render_policies(data: dict) -> str:
             landed = r.get("prefetch_landed", r["prefetch_issued"])
             prec = f"{r['prefetch_used'] / landed:.2f}" if landed else ""
             bvo = f"{r['bytes_vs_oracle']:.2f}" if r.get("bytes_vs_oracle") is not None else ""
+            kib = fmt_key(r, "bytes_per_token", "{:.0f}", 1 / 1024)
             out.append(
                 f"| {r['policy']} | {fmt_key(r, 'hit_rate', '{:.3f}')} | {vs_oracle} | {vs_lru} | "
-                f"{fmt_key(r, 'blocking_ms_per_token')} | {blk} | {r['bytes_per_token'] / 1024:.0f} | "
-                f"{byt} | "
+                f"{fmt_key(r, 'blocking_ms_per_token')} | {blk} | {kib} | {byt} | "
                 f"{prec} | {fmt_key(r, 'tpot_ms')} | {fmt_key(r, 'tpot_vs_on_demand', '{:.3f}')} | "
                 f"{fmt_key(r, 'gap_closed')} | {bvo} |"
             )
