@@ -40,6 +40,11 @@ def get(frac, name, rows=res):
     return next((r for r in rows if abs(r["buffer_fraction"] - frac) < 1e-9 and r["policy"] == name), None)
 
 
+def load(x):
+    """Load averages (1, 5, 15 min) as text."""
+    return ", ".join(str(v) for v in x) if x else "n/a"
+
+
 def fmt(trio, f="{:.2f}"):
     return fmt_spread(*trio, f)
 
@@ -153,7 +158,8 @@ if prev_path.exists():
 
 `runs/bench/policies-previous.json` ({"one run of each row by the command before `--repeats`, the kind of run this section's tables came from before" if n_prev == 1 else f"{n_prev} repeats"};
 workload settings the same: {same}; different: {differ}) against this run's median [spread]:
-{outside} of {2 * len(lines)} previous figures lie outside this run's spread. Verdicts drawn from a
+{outside} of {2 * len(lines)} previous figures lie outside this run's spread (load averages of the
+previous run: {load(ps.get("load_avg_before")) if ps.get("load_avg_before") else "not recorded"}). Verdicts drawn from a
 single run, as this section's were before, can sit inside the run-to-run noise; those above are
 drawn only where the spreads separate.
 
@@ -191,7 +197,6 @@ comparison, EAMC matching's per-token top-4 precision at distance 1 on this mode
 """
 
 ntasks = len(st["tasks"])
-load = lambda x: ", ".join(str(v) for v in x) if x else "n/a"  # noqa: E731
 section = f"""<!-- BEGIN policies (owner: runtime, issue #5) -->
 ## Prefetching and caching policies on the runtime (`moeserve bench policies`)
 
@@ -221,8 +226,8 @@ slowest round) in brackets; "TPOT vs on-demand" and "gap closed" are taken per r
 before the median, except the gap-closed median, which comes from the median TPOTs. A comparison
 or target is called only when the spread clears it, else "within noise". This run took
 {st["wall_s"] / 60:.1f} minutes on this 2-core machine (load averages over 1, 5 and 15 minutes:
-{load(st["load_avg_before"])} before, {load(st["load_avg_after"])} after; another engineer's
-benchmarks shared the host). The workload defaults are those of the single-run command before
+{load(st["load_avg_before"])} before, {load(st["load_avg_after"])} after; the host is shared
+with other work). The workload defaults are those of the single-run command before
 `--repeats` (all in the settings line); the default `--repeats 3` makes a run three rounds long.
 
 **All experts resident** (the TPOT reference): TPOT {fmt_key(resident, "tpot_ms")} ms.
