@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from moe_runtime.bench.policies import PolicyResult
+from moe_runtime.bench.policy_summary import summarise
 from moe_runtime.sim.report import Row, add_relative, gap_closed
 
 
@@ -39,11 +40,11 @@ def test_sim_rows_compare_within_their_buffer_size() -> None:
 
 
 def test_bench_rows_compare_within_their_buffer_fraction() -> None:
-    res = [
+    rnd = [
         PolicyResult(0.25, 10, "on-demand+lru", 0.1, 5.0, 2048.0, 20.0, 0, 0, 0, 8),
         PolicyResult(0.25, 10, "eam", 0.3, 3.0, 1024.0, 17.0, 4, 4, 2, 8),
         PolicyResult(0.25, 10, "oracle", 0.5, 1.0, 512.0, 14.0, 4, 4, 4, 8),
     ]
-    add_relative(res, group="buffer_fraction")
+    res = summarise([rnd, rnd, rnd])  # identical rounds: medians are the figures themselves
     assert res[1].gap_closed == pytest.approx(0.5) and res[1].bytes_vs_oracle == 2.0
     assert res[0].gap_closed == 0.0 and res[2].gap_closed == 1.0

@@ -9,21 +9,29 @@ every expert resident, the reference for TPOT); the oracle replays
 the expert-access log recorded during the on-demand run's eval part (outputs, hence accesses, are
 identical across policies — the run checks it). Reported per policy: buffer hit rate, blocking
 time per token, bytes moved per token, TPOT (median over eval batches of the mean decode-step time).
+
+Every row runs ``--repeats`` (>= 3) times after one warm-up run, interleaved round-robin (each round
+runs every row once, so slow drift of a shared host hits every policy alike); the report gives the
+median and the spread (fastest and slowest repeat) of every figure, the ``eam`` vs on-demand+LRU
+verdicts and issue #15's targets decided only when the spreads clear them
+(:mod:`moe_runtime.bench.policy_summary`), and the host's load averages before and after.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
+from moe_runtime.bench.policy_summary import PolicyRow, summarise, verdicts
 from moe_runtime.bench.prompts import prompts_by_task
 
 COMBOS = [  # (label, prefetch policy, cache policy, runtime overrides)
@@ -36,6 +44,7 @@ COMBOS = [  # (label, prefetch policy, cache policy, runtime overrides)
     ("on-demand+eam-reuse", "on-demand", "eam-reuse", {}),  # caching alone, loop-aware
     ("oracle", "oracle", "oracle", {}),
 ]
+RESIDENT = ("all-resident", "on-demand", "lru", {})  # the TPOT reference, every expert in the buffer
 
 
 @dataclass
@@ -51,8 +60,6 @@ class PolicyResult:
     prefetch_landed: int  # prefetches that completed a copy into a slot
     prefetch_used: int
     tokens: int
-    gap_closed: float | None = None  # share of the on-demand+lru -> oracle TPOT gap closed
-    bytes_vs_oracle: float | None = None  # bytes moved per token / the oracle's
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
@@ -73,6 +80,9 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--dtype", default="fp32", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--cpu-threads", type=int, default=1)
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed runs of every row, >= 3, round-robin (default: 3)"
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
 
@@ -151,10 +161,30 @@ def _run_batches(engine, prompts: list[list[int]], batch: int, new_tokens: int) 
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_runtime.config import RuntimeConfig
-    from moe_runtime.engine.engine import LLMEngine
     from moe_runtime.errors import ConfigError
-    from moe_runtime.prefetch import OracleSchedule
+
+    if args.repeats < 3:
+        raise ConfigError(f"--repeats {args.repeats}: must be >= 3 (median and spread of runs)")
+    settings, rounds = measure(args, args.repeats)
+    rows = summarise(rounds)
+    comparisons = verdicts(rows)
+    if args.json:
+        out = {"settings": settings, "results": [asdict(r) for r in rows], "verdicts": comparisons}
+        print(json.dumps(out, indent=2))
+    else:
+        print_tables(settings, rows, comparisons)
+    return 0
+
+
+def measure(
+    args: argparse.Namespace, repeats: int, warmup: bool = True
+) -> tuple[dict, list[list[PolicyResult]]]:
+    """The settings and ``repeats`` rounds of the benchmark: after one warm-up run (all experts
+    resident, not reported; skipped without ``warmup``), each round runs every row once, the
+    all-resident reference first, then per buffer size every policy (on-demand+lru before the
+    oracle, which replays its accesses). One engine per run, created in that order. Raises
+    ConfigError for a checkpoint without a tokenizer or a policy that changes the outputs."""
+    from moe_runtime.config import RuntimeConfig
     from moeserve.commands.common import resolve_model
 
     torch.set_num_threads(args.cpu_threads)
@@ -175,61 +205,29 @@ def run(args: argparse.Namespace) -> int:
     )
     loaded, warm, evals, tasks = load_model_and_workload(model_dir, base, args, "policies")
     cfg = loaded.config
-    results: list[PolicyResult] = []
-    reference = None  # every run, whatever the buffer or policy, must produce these tokens
-    runs = [(1.0, [("all-resident", "on-demand", "lru", {})])]
-    runs += [(float(f), combos) for f in args.fractions.split(",")]
-    for fraction, fraction_combos in runs:
-        log = None
-        for label, prefetch, cache, overrides in fraction_combos:
-            rt = RuntimeConfig(
-                **{
-                    **{f.name: getattr(base, f.name) for f in fields(base)},
-                    "buffer_fraction": fraction,
-                    "prefetch_policy": prefetch,
-                    "cache_policy": cache,
-                    **overrides,
-                }
-            )
-            context = {"oracle": OracleSchedule(log, cfg.num_experts)} if prefetch == "oracle" else None
-            with LLMEngine(loaded, rt, policy_context=context) as engine:
-                if prefetch != "oracle":
-                    _run_batches(engine, warm, args.batch, args.new_tokens)
-                if prefetch == "on-demand":
-                    engine.buffer.access_log = []
-                st0 = engine.buffer.stats.snapshot()
-                tpots, outputs = _run_batches(engine, evals, args.batch, args.new_tokens)
-                st1 = engine.buffer.stats
-                if prefetch == "on-demand":
-                    log = engine.buffer.access_log
-                if reference is None:
-                    reference = outputs
-                elif outputs != reference:
-                    raise ConfigError(f"policy {label} changed the outputs (it must not)")
-                tokens = sum(len(o) for o in outputs)
-                lookups = st1.total_lookups - st0.total_lookups
-                moved = st1.demand_bytes + st1.prefetch_bytes - st0.demand_bytes - st0.prefetch_bytes
-                res = PolicyResult(
-                    fraction,
-                    engine.buffer.num_slots,
-                    label,
-                    (st1.total_hits - st0.total_hits) / lookups if lookups else 0.0,
-                    1e3 * (st1.total_blocking_s - st0.total_blocking_s) / tokens,
-                    moved / tokens,
-                    1e3 * statistics.median(tpots),
-                    st1.prefetch_issued - st0.prefetch_issued,
-                    (st1.prefetch_bytes - st0.prefetch_bytes) // loaded.store.expert_nbytes,
-                    st1.prefetch_used - st0.prefetch_used,
-                    tokens,
-                )
-                results.append(res)
+    runs = [(1.0, [RESIDENT])] + [(float(f), combos) for f in args.fractions.split(",")]
+    load_before = _load_average()
+    t_start = time.monotonic()
+    bench = _Runs(loaded, base, warm, evals, args)
+    if warmup:
+        bench.run_one(1.0, RESIDENT, None)  # warm-up, not reported
+    rounds: list[list[PolicyResult]] = []
+    for rep in range(repeats):  # round-robin: every row once per round, so drift hits all alike
+        rounds.append([])
+        for fraction, fraction_combos in runs:
+            log = None
+            for combo in fraction_combos:
+                res, access_log = bench.run_one(fraction, combo, log)
+                log = access_log if access_log is not None else log
+                rounds[-1].append(res)
                 if not args.json:
                     print(
-                        f"  {fraction:.0%} {label}: hit={res.hit_rate:.3f} tpot={res.tpot_ms:.2f} ms",
+                        f"  round {rep + 1}/{repeats} {fraction:.0%} {combo[0]}: "
+                        f"hit={res.hit_rate:.3f} tpot={res.tpot_ms:.2f} ms",
                         file=sys.stderr,
                     )
     settings = {
-        "model": str(model_dir),
+        "model": model_dir.name,
         "architecture": cfg.architecture,
         "experts": cfg.num_moe_layers * cfg.num_experts,
         "expert_bytes": loaded.store.expert_nbytes,
@@ -246,23 +244,84 @@ def run(args: argparse.Namespace) -> int:
         "max_prompt_tokens": args.max_prompt_tokens,
         "router_lookahead": args.router_lookahead,
         "seed": args.seed,
+        "repeats": repeats,
+        "order": "round-robin: each round runs every (buffer, policy) row once",
+        "warmup": "1 all-resident run of the whole workload, not reported" if warmup else "none",
+        "load_avg_before": load_before,
+        "load_avg_after": _load_average(),
+        "wall_s": round(time.monotonic() - t_start, 1),
     }
-    from moe_runtime.sim.report import add_relative
-
-    add_relative(results, group="buffer_fraction")
-    if args.json:
-        print(json.dumps({"settings": settings, "results": [asdict(r) for r in results]}, indent=2))
-    else:
-        print_tables(settings, results)
-    return 0
+    return settings, rounds
 
 
-def print_tables(settings: dict, results: list[PolicyResult]) -> None:
-    """Paper-style tables: blocking and bytes normalised to on-demand; hit rate vs. oracle."""
+def _load_average() -> list[float] | None:
+    """The host's 1, 5 and 15 minute load averages (None where the OS has none)."""
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+
+
+class _Runs:
+    """One measured run of a (buffer size, policy) row: fresh engine and buffer, warm prompts, then
+    the timed eval prompts. Every run must produce the same tokens as the first one."""
+
+    def __init__(self, loaded, base, warm: list[list[int]], evals: list[list[int]], args) -> None:
+        self.loaded, self.base, self.warm, self.evals, self.args = loaded, base, warm, evals, args
+        self.reference = None
+
+    def run_one(self, fraction: float, combo: tuple, log: list | None) -> tuple[PolicyResult, list | None]:
+        """Returns the row's result and, for an on-demand run, its eval part's expert-access log
+        (the oracle of the same buffer size replays it). Raises ConfigError when the outputs
+        differ from the first run's."""
+        from moe_runtime.engine.engine import LLMEngine
+        from moe_runtime.errors import ConfigError
+        from moe_runtime.prefetch import OracleSchedule
+
+        label, prefetch, cache, overrides = combo
+        rt = replace(
+            self.base, buffer_fraction=fraction, prefetch_policy=prefetch, cache_policy=cache, **overrides
+        )
+        num_experts = self.loaded.config.num_experts
+        context = {"oracle": OracleSchedule(log, num_experts)} if prefetch == "oracle" else None
+        batch, new_tokens = self.args.batch, self.args.new_tokens
+        with LLMEngine(self.loaded, rt, policy_context=context) as engine:
+            if prefetch != "oracle":
+                _run_batches(engine, self.warm, batch, new_tokens)
+            if prefetch == "on-demand":
+                engine.buffer.access_log = []
+            st0 = engine.buffer.stats.snapshot()
+            tpots, outputs = _run_batches(engine, self.evals, batch, new_tokens)
+            st1 = engine.buffer.stats
+            access_log = engine.buffer.access_log if prefetch == "on-demand" else None
+            if self.reference is None:
+                self.reference = outputs
+            elif outputs != self.reference:
+                raise ConfigError(f"policy {label} changed the outputs (it must not)")
+            tokens = sum(len(o) for o in outputs)
+            lookups = st1.total_lookups - st0.total_lookups
+            moved = st1.demand_bytes + st1.prefetch_bytes - st0.demand_bytes - st0.prefetch_bytes
+            res = PolicyResult(
+                fraction,
+                engine.buffer.num_slots,
+                label,
+                (st1.total_hits - st0.total_hits) / lookups if lookups else 0.0,
+                1e3 * (st1.total_blocking_s - st0.total_blocking_s) / tokens,
+                moved / tokens,
+                1e3 * statistics.median(tpots),
+                st1.prefetch_issued - st0.prefetch_issued,
+                (st1.prefetch_bytes - st0.prefetch_bytes) // self.loaded.store.expert_nbytes,
+                st1.prefetch_used - st0.prefetch_used,
+                tokens,
+            )
+        return res, access_log
+
+
+def print_tables(settings: dict, rows: list[PolicyRow], comparisons: list[dict]) -> None:
+    """Paper-style tables with median [min-max] over repeats: blocking and bytes normalised to
+    on-demand; hit rate vs. oracle; TPOT vs on-demand (paired per round); then the verdicts."""
+    from moe_runtime.bench.render import fmt_spread, verdict_rows
     from richconsole import Table, make_console
 
     console = make_console()
-    table = Table(title="moeserve bench policies")
+    table = Table(title=f"moeserve bench policies: median, spread min-max, of {settings['repeats']} repeats")
     for col in (
         "buffer",
         "policy",
@@ -273,29 +332,40 @@ def print_tables(settings: dict, results: list[PolicyResult]) -> None:
         "KiB/tok",
         "bytes vs on-demand",
         "TPOT ms",
+        "TPOT vs on-demand",
         "gap closed",
         "bytes vs oracle",
     ):
         table.add_column(col, justify="right")
-    for fraction in sorted({r.buffer_fraction for r in results}):
-        rows = [r for r in results if r.buffer_fraction == fraction]
-        base = next((r for r in rows if r.policy == "on-demand+lru"), None)
-        oracle = next((r for r in rows if r.policy == "oracle"), None)
-        for r in rows:
+    for fraction in sorted({r.buffer_fraction for r in rows}):
+        block = [r for r in rows if r.buffer_fraction == fraction]
+        base = next((r for r in block if r.policy == "on-demand+lru"), None)
+        oracle = next((r for r in block if r.policy == "oracle"), None)
+        for r in block:
             table.add_row(
                 f"{fraction:.0%}",
                 r.policy,
-                f"{r.hit_rate:.3f}",
+                fmt_spread(r.hit_rate, r.hit_rate_min, r.hit_rate_max, "{:.3f}"),
                 f"{r.hit_rate - oracle.hit_rate:+.3f}" if oracle else "",
-                f"{r.blocking_ms_per_token:.2f}",
+                fmt_spread(r.blocking_ms_per_token, r.blocking_ms_per_token_min, r.blocking_ms_per_token_max),
                 f"{r.blocking_ms_per_token / base.blocking_ms_per_token:.2f}"
                 if base and base.blocking_ms_per_token
                 else "",
-                f"{r.bytes_per_token / 1024:.0f}",
+                fmt_spread(
+                    r.bytes_per_token, r.bytes_per_token_min, r.bytes_per_token_max, "{:.0f}", 1 / 1024
+                ),
                 f"{r.bytes_per_token / base.bytes_per_token:.2f}" if base and base.bytes_per_token else "",
-                f"{r.tpot_ms:.2f}",
-                f"{100 * r.gap_closed:.0f}%" if r.gap_closed is not None else "",
+                fmt_spread(r.tpot_ms, r.tpot_ms_min, r.tpot_ms_max),
+                fmt_spread(r.tpot_vs_on_demand, r.tpot_vs_on_demand_min, r.tpot_vs_on_demand_max, "{:.3f}"),
+                fmt_spread(r.gap_closed, r.gap_closed_min, r.gap_closed_max),
                 f"{r.bytes_vs_oracle:.2f}x" if r.bytes_vs_oracle is not None else "",
             )
     console.print(table)
+    verdict_table = Table(title="eam vs on-demand+lru (decided only when the spreads separate)")
+    header, lines = verdict_rows(comparisons)
+    for col in header:
+        verdict_table.add_column(col, justify="right")
+    for line in lines:
+        verdict_table.add_row(*line)
+    console.print(verdict_table)
     console.print("settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))

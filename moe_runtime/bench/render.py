@@ -4,7 +4,7 @@ Knows the two runtime benchmarks: ``bench decode`` (TPOT per buffer size, link a
 spread, HBM and link bounds and the transformers ratio; the prefill rows) and ``bench policies``
 (MoE-Infinity Tables 2/3/5 layout: hit rate against the oracle, blocking time and bytes per token
 normalised to on-demand, prefetch precision = prefetches used / prefetches that landed in a slot,
-TPOT).
+TPOT, each as median [min-max] over repeats, and the eam vs on-demand+LRU verdicts).
 """
 
 from __future__ import annotations
@@ -86,7 +86,52 @@ def render_decode(data: dict) -> str:
     return out + "\n" + _settings(data["settings"]) + "\n"
 
 
+def fmt_spread(
+    median: float | None, lo: float | None, hi: float | None, fmt: str = "{:.2f}", scale: float = 1.0
+) -> str:
+    """``median [lo, hi]``, each times ``scale``; the median alone when there is no spread (a
+    single-run file); "" for None."""
+    if median is None:
+        return ""
+    if lo is None or hi is None:
+        return fmt.format(median * scale)
+    return f"{fmt.format(median * scale)} [{fmt.format(lo * scale)}, {fmt.format(hi * scale)}]"
+
+
+def fmt_key(d: dict, key: str, fmt: str = "{:.2f}", scale: float = 1.0) -> str:
+    """``d[key]`` with the spread ``d[key_min]``-``d[key_max]`` beside it (see :func:`fmt_spread`)."""
+    return fmt_spread(d.get(key), d.get(key + "_min"), d.get(key + "_max"), fmt, scale)
+
+
+def verdict_rows(verdicts: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the eam vs on-demand+LRU table of a policies run (one row per buffer):
+    TPOT and blocking with their spreads and verdicts, issue #15's ratio and gap-closed targets."""
+    header = ["buffer", "eam TPOT ms", "on-demand+lru TPOT ms", "TPOT", "eam blocking ms/token",
+              "on-demand blocking ms/token", "blocking", "TPOT eam / on-demand",
+              "<= 1.02", "gap closed", ">= 0.5"]  # fmt: skip
+    rows = []
+    for v in verdicts:
+        rows.append(
+            [
+                f"{v['buffer_fraction']:.0%}",
+                fmt_key(v, "tpot_ms"),
+                fmt_key(v, "on_demand_tpot_ms"),
+                f"eam {v['tpot']}" if v["tpot"] != "within noise" else v["tpot"],
+                fmt_key(v, "blocking_ms_per_token"),
+                fmt_key(v, "on_demand_blocking_ms_per_token"),
+                f"eam {v['blocking']}" if v["blocking"] != "within noise" else v["blocking"],
+                fmt_key(v, "tpot_ratio", "{:.3f}"),
+                v["tpot_ratio_verdict"],
+                fmt_key(v, "gap_closed"),
+                v["gap_closed_verdict"],
+            ]
+        )
+    return header, rows
+
+
 def render_policies(data: dict) -> str:
+    """Per buffer size, one table of median [min, max] over repeats (the median alone for a
+    single-run file), then the eam vs on-demand verdicts (when present), then the settings line."""
     out = []
     rows = data["results"]
     for fraction in sorted({r["buffer_fraction"] for r in rows}):
@@ -97,9 +142,10 @@ def render_policies(data: dict) -> str:
         out.append(f"**Buffer {fraction:.0%} of experts ({group[0]['buffer_slots']} slots)**\n")
         out.append(
             "| policy | hit rate | vs oracle (points) | vs lru (x) | blocking ms/token "
-            "| blocking vs on-demand | KiB/token | bytes vs on-demand | prefetch precision | TPOT ms |"
+            "| blocking vs on-demand | KiB/token | bytes vs on-demand | prefetch precision | TPOT ms "
+            "| TPOT vs on-demand | gap closed | bytes vs oracle |"
         )
-        out.append("|" + "---|" * 10)
+        out.append("|" + "---|" * 13)
         for r in group:
             vs_oracle = f"{100 * (r['hit_rate'] - oracle['hit_rate']):+.1f}" if oracle else ""
             vs_lru = f"{r['hit_rate'] / lru['hit_rate']:.2f}" if lru and lru["hit_rate"] else ""
@@ -115,12 +161,19 @@ def render_policies(data: dict) -> str:
             )
             landed = r.get("prefetch_landed", r["prefetch_issued"])
             prec = f"{r['prefetch_used'] / landed:.2f}" if landed else ""
+            bvo = f"{r['bytes_vs_oracle']:.2f}" if r.get("bytes_vs_oracle") is not None else ""
+            kib = fmt_key(r, "bytes_per_token", "{:.0f}", 1 / 1024)
             out.append(
-                f"| {r['policy']} | {r['hit_rate']:.3f} | {vs_oracle} | {vs_lru} | "
-                f"{r['blocking_ms_per_token']:.2f} | {blk} | {r['bytes_per_token'] / 1024:.0f} | {byt} | "
-                f"{prec} | {r['tpot_ms']:.2f} |"
+                f"| {r['policy']} | {fmt_key(r, 'hit_rate', '{:.3f}')} | {vs_oracle} | {vs_lru} | "
+                f"{fmt_key(r, 'blocking_ms_per_token')} | {blk} | {kib} | {byt} | "
+                f"{prec} | {fmt_key(r, 'tpot_ms')} | {fmt_key(r, 'tpot_vs_on_demand', '{:.3f}')} | "
+                f"{fmt_key(r, 'gap_closed')} | {bvo} |"
             )
         out.append("")
+    if data.get("verdicts"):
+        header, vrows = verdict_rows(data["verdicts"])
+        out.append("**`eam` against `on-demand+lru`** (a verdict only where the spreads do not overlap)\n")
+        out.append(_table(header, vrows))
     return "\n".join(out) + "\n" + _settings(data["settings"]) + "\n"
 
 

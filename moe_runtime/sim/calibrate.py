@@ -7,7 +7,7 @@ NOTE: what is measured and what is compared.
    the runtime with every expert resident and the tracer's ``TraceWriter`` attached, writing
    ``warm.jsonl`` and ``eval.jsonl``. Routing does not depend on the policy or the buffer size
    (the bench checks that outputs are equal), so every policy run replays this trace.
-2. *Runtime figures.* ``bench.policies.run`` itself (``--json``), unchanged, under a
+2. *Runtime figures.* ``bench.policies.measure`` itself (one round, no warm-up), unchanged, under a
    :class:`~moe_runtime.sim.probe.RuntimeProbe` that timestamps layers, forwards and link holds.
 3. *Costs.* Two cost models, both built only from non-blocking times:
    ``offline`` -- measured before the benchmark on a resident engine (per-expert compute, dense
@@ -27,8 +27,6 @@ NOTE: what is measured and what is compared.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import math
 import sys
@@ -132,7 +130,7 @@ def measure_link(loaded: Any, args: argparse.Namespace, n: int = 40) -> dict[str
 
 
 def run_runtime(args: argparse.Namespace) -> tuple[dict[str, Any], list[Any]]:
-    """``bench policies --json`` on the same settings (stdout captured), under the probe."""
+    """One round of ``bench policies`` on the same settings (its rows as dicts), under the probe."""
     keys = ("model", "prompts", "tasks", "warm", "eval", "batch", "new_tokens", "max_prompt_tokens",
             "fractions", "policies", "link_gbps", "link_latency_us", "dtype", "cpu_threads",
             "seed")  # fmt: skip
@@ -140,10 +138,9 @@ def run_runtime(args: argparse.Namespace) -> tuple[dict[str, Any], list[Any]]:
     bench.register_bench(parser.add_subparsers())
     defaults = vars(parser.parse_args(["policies"]))  # every bench flag, then ours on top
     ns = argparse.Namespace(**{**defaults, **{k: getattr(args, k) for k in keys}, "json": True})
-    out = io.StringIO()
-    with RuntimeProbe() as probe, contextlib.redirect_stdout(out):
-        bench.run(ns)
-    return json.loads(out.getvalue()), probe.runs
+    with RuntimeProbe() as probe:
+        settings, rounds = bench.measure(ns, repeats=1, warmup=False)  # one engine per row, in order
+    return {"settings": settings, "results": [asdict(r) for r in rounds[0]]}, probe.runs
 
 
 def replayable(combo: tuple) -> bool:

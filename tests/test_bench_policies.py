@@ -1,0 +1,121 @@
+"""``moeserve bench policies --repeats``: medians, spreads, and verdicts only outside the noise.
+
+The summary logic is checked on synthetic rounds whose figures are chosen so the expected median,
+spread and verdict follow by hand; one short real run of the bundled model checks the CLI end to
+end (``--repeats`` refused below 3, the JSON's fields, the rendered Markdown).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import pytest
+
+from moe_runtime.bench.policies import PolicyResult
+from moe_runtime.bench.policy_summary import compare, paired, summarise, target, verdicts
+from moe_runtime.bench.render import render_policies
+from moeserve.cli import main
+
+
+def _res(policy: str, tpot: float, blocking: float = 1.0) -> PolicyResult:
+    return PolicyResult(0.25, 128, policy, 0.5, blocking, 1000.0, tpot, 0, 0, 0, 96)
+
+
+def _rounds(od: list, eam: list, oracle: list, eam_blocking=(1.0, 1.0, 1.0)) -> list[list[PolicyResult]]:
+    return [
+        [_res("on-demand+lru", o, blocking=2.0), _res("eam", e, blocking=b), _res("oracle", x, blocking=0.5)]
+        for o, e, x, b in zip(od, eam, oracle, eam_blocking, strict=True)
+    ]
+
+
+def test_median_and_spread_over_rounds_and_paired_ratios() -> None:
+    rows = summarise(_rounds(od=[20.0, 22.0, 30.0], eam=[16.0, 23.1, 18.0], oracle=[10.0, 12.0, 14.0]))
+    eam = next(r for r in rows if r.policy == "eam")
+    assert (eam.tpot_ms, eam.tpot_ms_min, eam.tpot_ms_max) == (18.0, 16.0, 23.1)
+    assert eam.runs["tpot_ms"] == [16.0, 23.1, 18.0]  # round order kept
+    # paired per round: 16/20, 23.1/22, 18/30 -> median 0.8, spread 0.6..1.05
+    assert eam.tpot_vs_on_demand == pytest.approx(0.8)
+    assert (eam.tpot_vs_on_demand_min, eam.tpot_vs_on_demand_max) == (pytest.approx(0.6), pytest.approx(1.05))
+    # gap closed from the medians (od 22, oracle 12): (22 - 18) / 10; its spread per round
+    assert eam.gap_closed == pytest.approx(0.4)
+    assert eam.gap_closed_min == pytest.approx((22 - 23.1) / 10)
+    assert eam.gap_closed_max == pytest.approx((30 - 18) / 16)
+    assert eam.bytes_vs_oracle == 1.0
+
+
+def test_verdict_only_when_the_spreads_separate() -> None:
+    overlap = verdicts(summarise(_rounds(od=[20, 21, 22], eam=[19, 21.5, 23], oracle=[10, 10, 10])))[0]
+    assert overlap["tpot"] == "within noise"
+    assert overlap["tpot_ratio_verdict"] == "within noise"  # ratios 0.95 .. 1.045 straddle 1.02
+    apart = verdicts(
+        summarise(_rounds(od=[20, 21, 22], eam=[15, 16, 17], oracle=[10, 10, 10], eam_blocking=(3, 3, 3)))
+    )[0]
+    assert apart["tpot"] == "faster" and apart["tpot_ratio_verdict"] == "met"
+    assert apart["blocking"] == "more"  # eam blocked 3 ms/token against on-demand's 2 in every round
+    assert apart["gap_closed_verdict"] == "within noise"  # per round 0.5, 0.45, 0.42 (median TPOTs: 0.45)
+    slower = verdicts(summarise(_rounds(od=[20, 20, 20], eam=[21, 22, 23], oracle=[10, 10, 10])))[0]
+    assert slower["tpot"] == "slower" and slower["tpot_ratio_verdict"] == "not met"
+    assert slower["gap_closed_verdict"] == "not met"
+
+
+def test_target_and_compare_edges() -> None:
+    assert target(0.9, 1.02, 1.02, at_most=True) == "met"  # the whole spread at or under the bound
+    assert target(1.021, 1.3, 1.02, at_most=True) == "not met"
+    assert target(0.5, 0.7, 0.5, at_most=False) == "met"
+    assert target(0.2, 0.49, 0.5, at_most=False) == "not met"
+    assert target(None, None, 0.5, at_most=False) == "n/a"
+    assert compare(1, 2, 2, 3, "lower", "higher") == "within noise"  # touching spreads overlap
+    assert compare(1, 1.9, 2, 3, "lower", "higher") == "lower"
+
+
+def test_summarise_refuses_unmatched_rounds() -> None:
+    rounds = _rounds(od=[20, 21, 22], eam=[19, 20, 21], oracle=[10, 10, 10])
+    rounds[1] = rounds[1][:2]  # round 2 lost its oracle row
+    with pytest.raises(ValueError, match="same"):
+        summarise(rounds)
+    a, b = summarise(_rounds(od=[20, 21, 22], eam=[19, 20, 21], oracle=[10, 10, 10]))[:2]
+    assert paired(b, a, "tpot_ms", diff=True) == (-1.0, -1.0, -1.0)
+
+
+def test_repeats_below_three_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "policies", "--repeats", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "moeserve: error: --repeats 2: must be >= 3 (median and spread of runs)"
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    prompts = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    rows = [{"dataset": "d", "task": "t", "prompt": f"Question {i}: what is {i} plus {i}?"} for i in range(3)]
+    prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    args = ["bench", "policies", "--prompts", str(prompts), "--tasks", "1", "--warm", "1", "--eval", "2"]
+    args += ["--batch", "2", "--new-tokens", "3", "--fractions", "0.25", "--policies", "eam,oracle"]
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        assert main([*args, "--repeats", "3", "--json"]) == 0
+    return json.loads(buf.getvalue())
+
+
+def test_json_has_medians_spreads_settings_and_verdicts(small_run: dict) -> None:
+    st, rows = small_run["settings"], small_run["results"]
+    assert st["repeats"] == 3 and "round-robin" in st["order"] and "warmup" in st
+    assert len(st["load_avg_before"]) == 3 and len(st["load_avg_after"]) == 3
+    assert not Path(st["model"]).is_absolute()
+    # the oracle pulls in on-demand+lru (it replays that run's accesses); all-resident is the reference
+    assert {r["policy"] for r in rows} == {"all-resident", "on-demand+lru", "eam", "oracle"}
+    for r in rows:
+        for m in ("hit_rate", "blocking_ms_per_token", "bytes_per_token", "tpot_ms"):
+            assert len(r["runs"][m]) == 3
+            assert r[m + "_min"] <= r[m] <= r[m + "_max"]
+            assert r[m + "_min"] == min(r["runs"][m]) and r[m + "_max"] == max(r["runs"][m])
+    od = next(r for r in rows if r["policy"] == "on-demand+lru")
+    assert od["gap_closed"] == 0.0 and od["tpot_vs_on_demand"] == 1.0
+    (v,) = small_run["verdicts"]
+    assert v["buffer_fraction"] == 0.25 and v["tpot_ratio_target"] == 1.02 and v["gap_closed_target"] == 0.5
+    assert v["tpot"] in ("faster", "slower", "within noise")
+    assert v["tpot_ratio_verdict"] in ("met", "not met", "within noise")
+    md = render_policies(small_run)
+    assert "| eam | " in md and "`repeats=3`" in md and "TPOT eam / on-demand" in md
