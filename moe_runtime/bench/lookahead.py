@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from moe_runtime.layers.router_lookahead import RouterLookahead
+from moe_runtime.paths import shown_path
 
 
 class _Probe(RouterLookahead):
@@ -103,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     prec = hits[:, 0] / np.maximum(total, 1)
     rec2k = hits[:, 1] / np.maximum(total, 1)
     settings = {
-        "model": str(model_dir),
+        "model": shown_path(model_dir),
         "num_moe_layers": cfg.num_moe_layers,
         "num_experts": e,
         "top_k": k,
