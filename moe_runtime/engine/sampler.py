@@ -132,10 +132,10 @@ def sample(
         one entry per row: a :class:`Sampled`, or the exception that row raised (a
         :class:`SamplingError` for NaN logits or no probability mass).
     """
-    has_nan = logits.isnan().any(dim=-1).tolist()
     logp = logits.log_softmax(dim=-1) if any(p.logprobs is not None for p in params) else None
     processed = process_logits(logits, params, history, allowed)
-    tokens = processed.argmax(dim=-1).tolist()
+    # one device->host copy per step: each row's argmax and whether its logits hold a NaN
+    tokens, has_nan = torch.stack((processed.argmax(dim=-1), logits.isnan().any(dim=-1).long())).tolist()
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     scaled: dict[int, torch.Tensor] = {}
     if drawn:

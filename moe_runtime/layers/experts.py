@@ -22,7 +22,7 @@ depend on the path, the buffer size or the policy.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -200,11 +200,7 @@ def run_experts(
             y = (y * w_flat.index_select(0, dev[n : 2 * n]).unsqueeze(1)).to(contrib.dtype)
             contrib.index_copy_(0, dev[2 * n : 3 * n], y)
     # contributions summed per token in ascending expert order (ranks were sorted by expert id)
-    ranks = contrib.view(t, k, -1).unbind(1)
-    out = ranks[0]
-    for c in ranks[1:]:
-        out = out + c
-    return out, hit, blocked
+    return _sum_in_order(contrib.view(t, k, -1).unbind(1)), hit, blocked
 
 
 def _few_tokens(
@@ -254,16 +250,17 @@ def _few_tokens(
             else:
                 for i, (_, _, pos) in enumerate(mine):
                     pieces[pos] = y[i : i + 1]
-    if t == 1:
-        out = pieces[0]
-        for c in pieces[1:]:
-            out = out + c
-        return out, hit, blocked
-    ranks = torch.cat(pieces).view(t, k, -1).unbind(1)
+    ranks = pieces if t == 1 else torch.cat(pieces).view(t, k, -1).unbind(1)
+    return _sum_in_order(ranks), hit, blocked
+
+
+def _sum_in_order(ranks: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``ranks[0] + ranks[1] + ...`` left to right: each token's expert contributions in ascending
+    expert order, the reference's order, so every path gives the same bits."""
     out = ranks[0]
     for c in ranks[1:]:
         out = out + c
-    return out, hit, blocked
+    return out
 
 
 def _grouped(xs: torch.Tensor, part: Any, segments: list[Segment], offs: torch.Tensor) -> torch.Tensor:
