@@ -59,13 +59,6 @@ def engine_devices(runtime: RuntimeConfig) -> list[torch.device]:
     return [device] * runtime.num_devices
 
 
-def _indexed(device: torch.device) -> torch.device:
-    """``cuda`` -> ``cuda:<current>``, so one GPU is one key whatever way it is named."""
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
 @dataclass(frozen=True)
 class MemoryPlan:
     """Bytes the runtime will allocate for one model (see the module docstring for what counts).
@@ -96,12 +89,12 @@ class MemoryPlan:
         """Expert slots on each device (partitions of one device summed)."""
         slots: dict[torch.device, int] = {}
         for dev, n in zip(self.devices, self.buffer_slots, strict=True):
-            slots[_indexed(dev)] = slots.get(_indexed(dev), 0) + n
+            slots[dev] = slots.get(dev, 0) + n
         return slots
 
     def per_device(self) -> dict[torch.device, int]:
         """Bytes on each device: dense and KV cache on ``compute``, slots on their partition's."""
-        need = {_indexed(self.compute): self.dense + self.kv_cache}
+        need = {self.compute: self.dense + self.kv_cache}
         for dev, n in self.slots_per_device().items():
             need[dev] = need.get(dev, 0) + n * self.slot_bytes
         return need
@@ -144,7 +137,7 @@ def plan_memory(cfg: ModelConfig, runtime: RuntimeConfig) -> MemoryPlan:
         buffer_slots=parts,
         slot_bytes=0 if alias else expert_bytes,
         devices=tuple(devices),
-        compute=torch.device(runtime.device),
+        compute=runtime.torch_device,  # indexed, as engine_devices' (one key per GPU)
     )
 
 
@@ -220,7 +213,7 @@ def check_memory(plan: MemoryPlan, source: str) -> None:
         free = device_available(dev) if dev.type == "cuda" else need
         if need > free:
             parts = [f"{slots.get(dev, 0)} expert slots {human_bytes(slots.get(dev, 0) * plan.slot_bytes)}"]
-            if dev == _indexed(plan.compute):
+            if dev == plan.compute:
                 parts[:0] = [f"dense {human_bytes(plan.dense)}", f"KV cache {human_bytes(plan.kv_cache)}"]
             raise InsufficientMemoryError(
                 f"{source}: {dev} needs {human_bytes(need)} ({', '.join(parts)}), only {human_bytes(free)} "

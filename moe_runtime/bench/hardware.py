@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from moe_runtime.device import normalize_device
 from moe_runtime.errors import ConfigError
 from moe_runtime.sim.hardware import GPUS, GiB, GPUProfile
 
@@ -113,8 +114,7 @@ def h2d_gbps(device: torch.device, nbytes: int, repeats: int = 5) -> float:
         src = torch.ones(nbytes, dtype=torch.uint8)
         dst = torch.empty_like(src)
         return nbytes / _fastest(lambda: dst.copy_(src), repeats) / 1e9
-    if device.index is None:  # plain "cuda": the current device
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = normalize_device(device)  # plain "cuda": the current device
     src = torch.ones(nbytes, dtype=torch.uint8).pin_memory()
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     stream = torch.cuda.Stream(device)
