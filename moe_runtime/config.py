@@ -19,6 +19,7 @@ from moe_runtime.errors import ConfigError
 
 if TYPE_CHECKING:
     from moe_runtime.layers.mla import MLAShape
+    from moe_runtime.layers.rotary import LongRoPE
     from moe_runtime.layers.routing import Routing
 
 DTYPES = {
@@ -83,6 +84,13 @@ class ModelConfig:
         attention_kind: ``"gqa"`` (grouped-query attention, the Llama layout) or ``"mla"``
             (DeepSeek's multi-head latent attention; ``mla`` holds its shape, a
             :class:`moe_runtime.layers.mla.MLAShape`).
+        norm: ``"rms"`` (RMSNorm, every family but one) or ``"layer"`` (LayerNorm with a bias, for
+            the decoder and final norms: Phi-3.5-MoE; ``rms_norm_eps`` is its epsilon).
+        rotary_dim: leading dims of each head RoPE turns (``partial_rotary_factor * head_dim``,
+            GLM-4.5: half); None = the whole head.
+        longrope: LongRoPE scaling (Phi-3.5-MoE), a :class:`moe_runtime.layers.rotary.LongRoPE`.
+        o_bias: the attention output projection carries a bias (Phi-3.5-MoE).
+        lm_head_bias: the LM head carries a bias (Phi-3.5-MoE's ``lm_head_bias``).
 
     Raises:
         ConfigError: an integer size outside :data:`MODEL_LIMITS`, an odd ``head_dim``, heads not
@@ -122,6 +130,11 @@ class ModelConfig:
     routing: Routing | None = None
     attention_kind: str = "gqa"
     mla: MLAShape | None = None
+    norm: str = "rms"
+    rotary_dim: int | None = None
+    longrope: LongRoPE | None = None
+    o_bias: bool = False
+    lm_head_bias: bool = False
 
     def __post_init__(self) -> None:
         for name, (lo, hi) in MODEL_LIMITS.items():
@@ -146,6 +159,14 @@ class ModelConfig:
             )
         if self.qk_norm not in ("none", "head", "full"):
             raise ConfigError(f"qk_norm must be none/head/full, got {self.qk_norm!r}")
+        if self.norm not in ("rms", "layer"):
+            raise ConfigError(f"norm must be rms or layer, got {self.norm!r}")
+        rd = self.rotary_dim
+        if rd is not None and (rd % 2 or not 2 <= rd <= self.head_dim):
+            raise ConfigError(
+                f"partial_rotary_factor gives {rd} rotary dims: must be even and in "
+                f"[2, head_dim={self.head_dim}]"
+            )
         if not self.moe_layers:
             raise ConfigError("the model has no MoE layer")
         if any(not 0 <= i < self.num_layers for i in self.moe_layers):

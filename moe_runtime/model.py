@@ -1,8 +1,9 @@
 """Our own forward pass of an MoE decoder over a packed step (no transformers modules).
 
 ``forward(input_ids [T], step) -> logits [N, V]`` for the N tokens that sample. Per decoder layer:
-RMSNorm -> q/k/v projections (+bias) -> q/k norm (per head or full) -> RoPE -> attention with the
-KV cache -> o projection -> residual -> RMSNorm -> MoE block (or dense MLP) -> residual. DeepSeek
+RMSNorm (LayerNorm for Phi-3.5-MoE) -> q/k/v projections (+bias) -> q/k norm (per head or full) ->
+RoPE (partial, LongRoPE) -> attention with the KV cache -> o projection (+bias) -> residual -> RMSNorm
+-> MoE block (or dense MLP) -> residual. DeepSeek
 families attend with multi-head latent attention instead (``moe_runtime.layers.mla``).
 """
 
@@ -21,7 +22,7 @@ from moe_runtime.layers.experts import select_expert_path
 from moe_runtime.layers.kv_cache import KVCache
 from moe_runtime.layers.mla import MLAttention
 from moe_runtime.layers.moe import moe_block
-from moe_runtime.layers.norm import rms_norm
+from moe_runtime.layers.norm import decoder_norm, rms_norm
 from moe_runtime.layers.rotary import Rotary
 from moe_runtime.layers.router_lookahead import RouterLookahead
 
@@ -47,7 +48,9 @@ class MoEModel:
         self.buffer = buffer
         self.kv = kv_cache
         emb = dense["embed"]
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, max_len, emb.dtype, emb.device)
+        self.rotary = Rotary(
+            cfg.head_dim, cfg.rope_theta, max_len, emb.dtype, emb.device, cfg.rotary_dim, cfg.longrope
+        )
         self.mla = MLAttention(cfg, max_len, emb.dtype, emb.device) if cfg.attention_kind == "mla" else None
         self.lm_head = dense["embed"] if cfg.tie_word_embeddings else dense["lm_head"]
         self.moe_index = {layer: i for i, layer in enumerate(cfg.moe_layers)}
@@ -68,8 +71,9 @@ class MoEModel:
             ahead = None
             if self.lookahead is not None and step.observe and layer in self.moe_index:
                 ahead = self.lookahead.scores(x, self.moe_index[layer])  # from the layer's input
-            x = x + self._attention(rms_norm(x, w[p + "attn_norm"], cfg.rms_norm_eps), layer, step)
-            h = rms_norm(x, w[p + "mlp_norm"], cfg.rms_norm_eps)
+            h = decoder_norm(x, w, p + "attn_norm", cfg.norm, cfg.rms_norm_eps)
+            x = x + self._attention(h, layer, step)
+            h = decoder_norm(x, w, p + "mlp_norm", cfg.norm, cfg.rms_norm_eps)
             if layer in self.moe_index:
                 h = moe_block(
                     h,
@@ -89,8 +93,8 @@ class MoEModel:
                     F.silu(F.linear(h, w[p + "mlp_gate"])) * F.linear(h, w[p + "mlp_up"]), w[p + "mlp_down"]
                 )
             x = x + h
-        x = rms_norm(x[step.logits_index], w["final_norm"], cfg.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()  # [N, V]
+        x = decoder_norm(x[step.logits_index], w, "final_norm", cfg.norm, cfg.rms_norm_eps)
+        return F.linear(x, self.lm_head, w.get("lm_head_bias")).float()  # [N, V]
 
     def _attention(self, x: torch.Tensor, layer: int, step: StepContext) -> torch.Tensor:
         if self.mla is not None:  # DeepSeek's multi-head latent attention
@@ -113,4 +117,4 @@ class MoEModel:
             k = rms_norm(k, w[p + "k_norm"], cfg.rms_norm_eps)
         q, k = self.rotary.apply(q, k, step.positions)
         out = attention(q, k, v, layer, self.kv, step)  # [T, Hq * D]
-        return F.linear(out, w[p + "o"])
+        return F.linear(out, w[p + "o"], w.get(p + "o_bias"))

@@ -1,33 +1,90 @@
-"""Rotary position embedding (RoPE), default type, with a cos/sin table built once."""
+"""Rotary position embedding (RoPE) with a cos/sin table built once: the default type, partial
+rotary (only the leading ``rotary_dim`` dims of a head turn, GLM-4.5) and LongRoPE (Phi-3.5-MoE).
+
+LongRoPE as transformers 5's ``PhimoeRotaryEmbedding`` computes it: inverse frequencies divided by
+the ``short_factor`` list, cos/sin multiplied by ``short_mscale`` while a forward call's largest
+position + 1 is at most ``original_max_position_embeddings``, else by ``long_mscale``. Within the
+original context (all that the tests check) our table equals transformers' bit for bit. Beyond it
+the table applies that rule per position: a token at position ``>= original`` gets
+``long_mscale``, an earlier one ``short_mscale``, which equals transformers for every decode step
+of one sequence but not for a prefill chunk that crosses the boundary (transformers scales the
+whole call by ``long_mscale``; a per-call rule cannot be batched). transformers 5's Phimoe forward
+never uses ``long_factor`` (it recomputes the inverse frequencies without a sequence length), and
+neither do we; the original Phi-3 code switches to it beyond the original context.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 
+@dataclass(frozen=True, slots=True)
+class LongRoPE:
+    """``rope_scaling``/``rope_parameters`` of ``type: longrope`` (Phi-3.5-MoE).
+
+    Attributes:
+        short_factor / long_factor: per-frequency divisors, ``rotary_dim / 2`` each.
+        short_mscale / long_mscale: cos/sin multipliers within / beyond the original context.
+        original_max_position_embeddings: pre-training context length.
+    """
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    short_mscale: float
+    long_mscale: float
+    original_max_position_embeddings: int
+
+
 class Rotary:
-    """Precomputed ``cos``/``sin`` tables ``[max_len, head_dim]`` for positions ``0..max_len-1``.
+    """Precomputed ``cos``/``sin`` tables ``[max_len, rotary_dim]`` for positions ``0..max_len-1``.
 
     Values match the reference: inverse frequencies and angles in fp32, then cast to ``dtype``.
+    ``rotary_dim`` (default ``head_dim``): the leading dims of each head that turn, the rest pass
+    through (transformers' ``apply_rotary_pos_emb`` with a partial ``cos``).
     """
 
     def __init__(
-        self, head_dim: int, theta: float, max_len: int, dtype: torch.dtype, device: torch.device
+        self,
+        head_dim: int,
+        theta: float,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        rotary_dim: int | None = None,
+        longrope: LongRoPE | None = None,
     ) -> None:
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        dim = rotary_dim or head_dim
+        self.dim = dim
+        exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+        if longrope is None:
+            inv_freq = 1.0 / (theta**exponent)
+        else:
+            inv_freq = 1.0 / (torch.tensor(longrope.short_factor, dtype=torch.float32) * theta**exponent)
         pos = torch.arange(max_len, dtype=torch.float32)
-        freqs = pos[:, None] * inv_freq[None, :]  # [max_len, head_dim/2]
+        freqs = pos[:, None] * inv_freq[None, :]  # [max_len, dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(dtype=dtype, device=device)
-        self.sin = emb.sin().to(dtype=dtype, device=device)
+        cos, sin = emb.cos(), emb.sin()
+        if longrope is not None:  # transformers' per-call rule, applied per position (module doc)
+            beyond = pos[:, None] + 1 > longrope.original_max_position_embeddings
+            scale = torch.where(beyond, longrope.long_mscale, longrope.short_mscale)
+            cos, sin = cos * scale, sin * scale
+        self.cos = cos.to(dtype=dtype, device=device)
+        self.sin = sin.to(dtype=dtype, device=device)
 
     def apply(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` by the angles of ``positions [T]``."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, rotary_dim]
         sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        if self.dim == q.shape[-1]:
+            return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        d = self.dim
+        return tuple(
+            torch.cat((z[..., :d] * cos + _rotate_half(z[..., :d]) * sin, z[..., d:]), dim=-1) for z in (q, k)
+        )
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,8 @@ EAMC still plans the layers further away and drives the cache policy.
 
 Cost per MoE layer: one ``[T, H] x [H, D*E]`` matmul and a softmax over ``[T, D, E]``; the later
 layers' RMSNorm weights are folded into their routers once (``rms_norm(x) @ R.T`` equals
-``normalise(x) @ (R * g).T``). The result is copied to the host after the router's own top-k ids,
+``normalise(x) @ (R * g).T``); for a LayerNorm (Phi-3.5-MoE) ``x`` is centred first and the
+bias term ``R @ b`` is added to the logits. The result is copied to the host after the router's own top-k ids,
 so it adds no extra device->host synchronisation.
 """
 
@@ -42,13 +43,17 @@ class RouterLookahead:
         self.depth = depth
         self.eps = cfg.rms_norm_eps
         self.num_experts = cfg.num_experts
-        fused = []
+        self.centre = cfg.norm == "layer"
+        fused, offsets = [], []
         for layer in cfg.moe_layers:
             p = f"layers.{layer}."
             router = dense[p + "router"]  # [E, H]
             folded = router.float() * dense[p + "mlp_norm"].float()[None, :]  # folded in fp32
             fused.append(folded.to(router.dtype))
+            if self.centre:  # LayerNorm's bias b: + R @ b
+                offsets.append(router.float() @ dense[p + "mlp_norm_bias"].float())
         self.routers = torch.cat(fused, dim=0)  # [L*E, H] in the model's dtype, norm weights folded in
+        self.offsets = torch.cat(offsets) if offsets else None  # [L*E] fp32, LayerNorm only
         self.num_layers = len(fused)
 
     def logits(self, x: torch.Tensor, moe_layer: int) -> torch.Tensor | None:
@@ -60,8 +65,13 @@ class RouterLookahead:
         if first >= last:
             return None
         h = x.float()
+        if self.centre:
+            h = h - h.mean(-1, keepdim=True)
         h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(self.routers.dtype)  # [T, H]
-        logits = F.linear(h, self.routers[first * self.num_experts : last * self.num_experts]).float()
+        rows = slice(first * self.num_experts, last * self.num_experts)
+        logits = F.linear(h, self.routers[rows]).float()
+        if self.offsets is not None:
+            logits = logits + self.offsets[rows]
         return logits.view(x.shape[0], last - first, self.num_experts)
 
     def scores(self, x: torch.Tensor, moe_layer: int) -> torch.Tensor | None:

@@ -10,6 +10,12 @@ each token and their gate weights.
   ``e_score_correction_bias`` is added for the choice only (groups ranked by the sum of their top-2
   biased scores), the gate weights are the unbiased scores of the chosen experts.
 
+* Phi-3.5-MoE's sparsemixer (``topk_method="sparsemixer"``, top-2 only), as transformers'
+  ``sparsemixer`` computes it in eval mode: the top-1 expert is the largest logit, its weight the
+  softmax over the logits within ``2 * jitter_eps`` (relative) of it; the top-2 expert is the
+  largest other logit, its weight the softmax over the other logits within ``2 * jitter_eps`` of
+  that one. Logits and weights stay in the model dtype.
+
 The DeepSeek variants then renormalise (``norm_topk_prob``) and multiply by
 ``routed_scaling_factor``; their weights stay fp32, like transformers' ``DeepseekV{2,3}TopkRouter``.
 """
@@ -25,12 +31,12 @@ from moe_runtime.config import ModelConfig
 from moe_runtime.errors import ConfigError
 
 SCORINGS = ("softmax", "sigmoid")
-TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc", "sparsemixer")
 
 
 @dataclass(frozen=True, slots=True)
 class Routing:
-    """A DeepSeek-style router.
+    """A DeepSeek-style router (also GLM-4.5's ``noaux_tc``) or Phi-3.5-MoE's sparsemixer.
 
     Attributes:
         scoring: ``softmax`` (V2) or ``sigmoid`` (V3).
@@ -39,6 +45,7 @@ class Routing:
         n_group / topk_group: expert groups, and how many of them a token may use.
         routed_scaling_factor: multiplies the routed experts' gate weights (> 0).
         score_bias: the router carries ``e_score_correction_bias [E]`` (``noaux_tc`` only).
+        jitter_eps: sparsemixer's relative mask threshold (``router_jitter_noise``, >= 0).
 
     Raises:
         ConfigError: an unknown scoring or method, ``noaux_tc`` without sigmoid scores, or group
@@ -51,6 +58,7 @@ class Routing:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     score_bias: bool = False
+    jitter_eps: float = 0.0
 
     def check(self, num_experts: int, top_k: int) -> None:
         """Consistency with the expert count; raises ConfigError naming the ``config.json`` field."""
@@ -62,6 +70,15 @@ class Routing:
             )
         if (self.topk_method == "noaux_tc") != (self.scoring == "sigmoid"):
             raise ConfigError(f"topk_method {self.topk_method!r} does not go with {self.scoring} scores")
+        if self.topk_method == "sparsemixer":
+            if top_k != 2:
+                raise ConfigError(f"num_experts_per_tok={top_k}: sparsemixer routing is top-2 only")
+            if num_experts < 2 or not self.jitter_eps >= 0:
+                raise ConfigError(
+                    f"sparsemixer needs >= 2 experts and router_jitter_noise >= 0, got {num_experts}, "
+                    f"{self.jitter_eps}"
+                )
+            return
         if self.topk_method == "greedy":
             return
         if num_experts % self.n_group:
@@ -89,6 +106,8 @@ def route(
     """
     if cfg.routing is None:
         return _softmax_topk(x, router, cfg)
+    if cfg.routing.topk_method == "sparsemixer":
+        return _sparsemixer(F.linear(x, router), cfg.routing.jitter_eps)
     return _grouped_topk(x, router, cfg, cfg.routing, bias)
 
 
@@ -131,3 +150,16 @@ def _grouped_topk(
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * r.routed_scaling_factor, ids
+
+
+def _sparsemixer(logits: torch.Tensor, jitter_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phi-3.5-MoE's top-2 from router logits ``[T, E]`` (eval mode of transformers' ``sparsemixer``,
+    step for step, so ties and masks resolve alike) -> (weights ``[T, 2]``, ids ``[T, 2]``)."""
+    top1, ids1 = logits.max(dim=-1, keepdim=True)
+    far = ((top1 - logits) / logits.abs().clamp(min=top1)) > 2 * jitter_eps
+    w1 = logits.masked_fill(far, float("-inf")).softmax(dim=-1).gather(-1, ids1)
+    rest = torch.scatter(logits, -1, ids1, float("-inf"))
+    top2, ids2 = rest.max(dim=-1, keepdim=True)
+    far = ((top2 - logits) / logits.abs().clamp(min=top2)) > 2 * jitter_eps
+    w2 = rest.masked_fill(far, float("-inf")).softmax(dim=-1).gather(-1, ids2)
+    return torch.cat((w1, w2), dim=-1), torch.cat((ids1, ids2), dim=-1)

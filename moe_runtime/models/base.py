@@ -6,9 +6,11 @@ q_proj``...), so the mapping lives here and a family file only states what diffe
 block lives, what its expert matrices are called and how it reads its config (DeepSeek adds its
 latent-attention and shared-expert names in ``deepseek.py``; their shapes are :func:`mla_shapes`).
 
-Canonical names: ``embed``, ``final_norm``, ``lm_head`` and, per decoder layer ``i``,
-``layers.{i}.{attn_norm,mlp_norm,q,k,v,o,q_bias,k_bias,v_bias,q_norm,k_norm,router,
-shared_gate_proj,shared_up,shared_down,shared_gate,mlp_gate,mlp_up,mlp_down}``.
+Canonical names: ``embed``, ``final_norm`` (+ ``final_norm_bias``), ``lm_head`` (+ ``lm_head_bias``)
+and, per decoder layer ``i``, ``layers.{i}.{attn_norm,mlp_norm,q,k,v,o,q_bias,k_bias,v_bias,o_bias,
+q_norm,k_norm,router,router_bias,shared_gate_proj,shared_up,shared_down,shared_gate,mlp_gate,mlp_up,
+mlp_down}`` (LayerNorm families add ``attn_norm_bias``, ``mlp_norm_bias``). A family's own names
+beyond these are its :attr:`Family.layer_names`.
 Experts are addressed as ``(layer, expert, part)`` with part in ``gate``, ``up``, ``down``.
 """
 
@@ -35,11 +37,32 @@ _DENSE_LAYER_NAMES = {
     "self_attn.q_proj.bias": "q_bias",
     "self_attn.k_proj.bias": "k_bias",
     "self_attn.v_proj.bias": "v_bias",
+    "self_attn.o_proj.bias": "o_bias",
+    "input_layernorm.bias": "attn_norm_bias",
+    "post_attention_layernorm.bias": "mlp_norm_bias",
     "self_attn.q_norm.weight": "q_norm",
     "self_attn.k_norm.weight": "k_norm",
     "mlp.gate_proj.weight": "mlp_gate",
     "mlp.up_proj.weight": "mlp_up",
     "mlp.down_proj.weight": "mlp_down",
+}
+
+_TOP_NAMES = {
+    "model.embed_tokens.weight": "embed",
+    "model.norm.weight": "final_norm",
+    "model.norm.bias": "final_norm_bias",
+    "lm_head.weight": "lm_head",
+    "lm_head.bias": "lm_head_bias",
+}
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+
+#: DeepSeek-style MoE names (DeepSeek-V2/V3, GLM-4.5): ungated shared experts and the router's
+#: ``e_score_correction_bias``; checkpoint name after ``model.layers.{i}.`` -> canonical short name
+SHARED_EXPERTS_NAMES = {
+    "mlp.gate.e_score_correction_bias": "router_bias",
+    "mlp.shared_experts.gate_proj.weight": "shared_gate_proj",
+    "mlp.shared_experts.up_proj.weight": "shared_up",
+    "mlp.shared_experts.down_proj.weight": "shared_down",
 }
 
 
@@ -64,6 +87,10 @@ class Family:
         expert_parts: checkpoint name of each expert matrix -> ``gate``/``up``/``down``.
         fp32_weights: canonical short names of dense tensors kept in fp32 whatever the runtime
             dtype (DeepSeek-V3's ``router_bias``, fp32 in its checkpoints and in transformers).
+        layer_names: the family's own per-layer names beyond the Llama ones: checkpoint name after
+            ``model.layers.{i}.`` -> canonical short name (DeepSeek's latent attention).
+        skips_layers_past_end: tensors of layers ``>= num_hidden_layers`` are known and not served
+            (DeepSeek-V3's and GLM-4.5's multi-token-prediction layers, skipped by transformers too).
     """
 
     name: str
@@ -76,6 +103,8 @@ class Family:
         ("down_proj", "down"),
     )
     fp32_weights: tuple[str, ...] = ()
+    layer_names: tuple[tuple[str, str], ...] = ()
+    skips_layers_past_end: bool = False
 
     def parse_config(self, f: ConfigFields) -> ModelConfig:  # pragma: no cover - abstract
         """The :class:`ModelConfig` of a ``config.json``; raises ConfigError naming the field."""
@@ -86,20 +115,21 @@ class Family:
         return torch.float32 if canonical.rsplit(".", 1)[-1] in self.fp32_weights else dtype
 
     def ignores(self, name: str, cfg: ModelConfig) -> bool:
-        """A checkpoint tensor this family knows but does not serve (DeepSeek-V3's multi-token
-        prediction layers); none by default."""
-        return False
+        """A checkpoint tensor this family knows but does not serve: with
+        :attr:`skips_layers_past_end`, layers past ``num_hidden_layers`` (V3's
+        ``num_nextn_predict_layers``, ``model.layers.61.*``); none by default."""
+        m = _LAYER_INDEX.match(name) if self.skips_layers_past_end else None
+        return m is not None and int(m.group(1)) >= cfg.num_layers
 
     def hf_name(self, canonical: str) -> str:
         """Checkpoint name of a canonical dense tensor (the inverse of :meth:`classify`)."""
-        top = {
-            "embed": "model.embed_tokens.weight",
-            "final_norm": "model.norm.weight",
-            "lm_head": "lm_head.weight",
-        }
+        top = {v: k for k, v in _TOP_NAMES.items()}
         if canonical in top:
             return top[canonical]
         _, layer, short = canonical.split(".", 2)
+        own = {v: k for k, v in self.layer_names}
+        if short in own:
+            return f"model.layers.{layer}.{own[short]}"
         p = self.moe_prefix
         moe = {
             "router": f"{p}.gate.weight",
@@ -116,16 +146,15 @@ class Family:
 
         Returns None for tensors we do not use (e.g. rotary ``inv_freq`` buffers).
         """
-        if name == "model.embed_tokens.weight":
-            return "embed"
-        if name == "model.norm.weight":
-            return "final_norm"
-        if name == "lm_head.weight":
-            return "lm_head"
+        if name in _TOP_NAMES:
+            return _TOP_NAMES[name]
         m = _LAYER.fullmatch(name)
         if m is None:
             return None
         layer, rest = int(m.group(1)), m.group(2)
+        own = dict(self.layer_names)
+        if rest in own:
+            return f"layers.{layer}.{own[rest]}"
         if rest in _DENSE_LAYER_NAMES:
             return f"layers.{layer}.{_DENSE_LAYER_NAMES[rest]}"
         p = self.moe_prefix
@@ -223,12 +252,19 @@ def expected_dense_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     h, d = cfg.hidden_size, cfg.head_dim
     q_out, kv_out = cfg.num_heads * d, cfg.num_kv_heads * d
     shapes: dict[str, tuple[int, ...]] = {"embed": (cfg.vocab_size, h), "final_norm": (h,)}
+    layer_norm = cfg.norm == "layer"  # LayerNorms carry a bias
+    if layer_norm:
+        shapes["final_norm_bias"] = (h,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (cfg.vocab_size, h)
+    if cfg.lm_head_bias:
+        shapes["lm_head_bias"] = (cfg.vocab_size,)
     moe = set(cfg.moe_layers)
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         shapes.update({p + "attn_norm": (h,), p + "mlp_norm": (h,)})
+        if layer_norm:
+            shapes.update({p + "attn_norm_bias": (h,), p + "mlp_norm_bias": (h,)})
         if cfg.mla is not None:
             shapes.update(mla_shapes(cfg, p))
         else:
@@ -237,6 +273,8 @@ def expected_dense_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             )
         if cfg.attention_bias and cfg.mla is None:
             shapes.update({p + "q_bias": (q_out,), p + "k_bias": (kv_out,), p + "v_bias": (kv_out,)})
+        if cfg.o_bias and cfg.mla is None:
+            shapes[p + "o_bias"] = (h,)
         if cfg.qk_norm == "head":
             shapes.update({p + "q_norm": (d,), p + "k_norm": (d,)})
         elif cfg.qk_norm == "full":

@@ -12,14 +12,12 @@ transformers' ``DeepseekV2TopkRouter``, V2 never renormalises (its checkpoints s
 
 from __future__ import annotations
 
-import re
-
 from moe_runtime.config import ModelConfig
 from moe_runtime.errors import ConfigError
 from moe_runtime.layers.mla import MLAShape
 from moe_runtime.layers.routing import Routing
 from moe_runtime.layers.yarn import YarnScaling
-from moe_runtime.models.base import ExpertTensor, Family, common_fields
+from moe_runtime.models.base import SHARED_EXPERTS_NAMES, Family, common_fields
 from moe_runtime.models.fields import ConfigFields
 
 #: checkpoint name (after ``model.layers.{i}.``) -> canonical short name, beyond the Llama names
@@ -32,15 +30,9 @@ MLA_NAMES = {
     "self_attn.kv_a_proj_with_mqa.bias": "kv_a_bias",
     "self_attn.kv_a_layernorm.weight": "kv_a_norm",
     "self_attn.kv_b_proj.weight": "kv_b",
-    "self_attn.o_proj.bias": "o_bias",
-    "mlp.gate.e_score_correction_bias": "router_bias",
-    "mlp.shared_experts.gate_proj.weight": "shared_gate_proj",
-    "mlp.shared_experts.up_proj.weight": "shared_up",
-    "mlp.shared_experts.down_proj.weight": "shared_down",
+    **SHARED_EXPERTS_NAMES,
 }
-_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta")
-_SHORT = {v: k for k, v in MLA_NAMES.items()}
 
 
 def yarn_of(f: ConfigFields, max_positions: int) -> tuple[float, YarnScaling | None]:
@@ -135,32 +127,19 @@ class DeepseekFamily(Family):
             mla=mla,
         )
 
-    def classify(self, name: str) -> str | ExpertTensor | None:
-        if name.startswith("model.layers."):
-            layer, _, rest = name[len("model.layers.") :].partition(".")
-            if rest in MLA_NAMES and layer.isascii() and layer.isdigit():
-                return f"layers.{int(layer)}.{MLA_NAMES[rest]}"
-        return super().classify(name)
-
-    def ignores(self, name: str, cfg: ModelConfig) -> bool:
-        """Layers past ``num_hidden_layers``: V3's multi-token-prediction module
-        (``num_nextn_predict_layers``, ``model.layers.61.*``), which transformers skips too."""
-        m = _LAYER_INDEX.match(name)
-        return m is not None and int(m.group(1)) >= cfg.num_layers
-
-    def hf_name(self, canonical: str) -> str:
-        parts = canonical.split(".", 2)
-        if len(parts) == 3 and parts[2] in _SHORT:
-            return f"model.layers.{parts[1]}.{_SHORT[parts[2]]}"
-        return super().hf_name(canonical)
-
 
 DEEPSEEK_V2 = DeepseekFamily(
-    name="deepseek_v2", architectures=("DeepseekV2ForCausalLM",), model_types=("deepseek_v2",)
+    name="deepseek_v2",
+    architectures=("DeepseekV2ForCausalLM",),
+    model_types=("deepseek_v2",),
+    layer_names=tuple(MLA_NAMES.items()),
+    skips_layers_past_end=True,
 )
 DEEPSEEK_V3 = DeepseekFamily(
     name="deepseek_v3",
     architectures=("DeepseekV3ForCausalLM",),
     model_types=("deepseek_v3",),
     fp32_weights=("router_bias",),
+    layer_names=tuple(MLA_NAMES.items()),
+    skips_layers_past_end=True,
 )
