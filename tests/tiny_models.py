@@ -164,3 +164,91 @@ def make_deepseek_checkpoint(variant: str, path: Path, seed: int = 0) -> Path:
     )
     _save_random(model_cls(cfg), path)
     return path
+
+
+def _randomise_vectors(model, seed: int) -> None:
+    """Biases ``N(0, 0.1)`` and norm weights ``1 + N(0, 0.1)``, so no bias term is zero."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                noise = torch.randn(p.shape, generator=g) * 0.1
+                p.copy_(noise + (1.0 if name.endswith("norm.weight") else 0.0))
+
+
+#: GLM-4.5 tiny: grouped routing (4 groups of 2, 2 kept), 2 dense layers first, partial RoPE (a
+#: quarter of the head), q/k/v biases, per-head q/k norm, score bias, scaled renormalised weights
+GLM4_MOE = dict(
+    num_hidden_layers=4,
+    first_k_dense_replace=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    n_group=4,
+    topk_group=2,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.0,
+    attention_bias=True,
+    use_qk_norm=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+)
+
+
+def make_glm4_moe_checkpoint(path: Path, seed: int = 0, **overrides) -> Path:
+    """A tiny GLM-4.5 checkpoint (:data:`GLM4_MOE`, fields overridable), random biases."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.Glm4MoeConfig(**{**COMMON, **GLM4_MOE, **overrides})
+    model = transformers.Glm4MoeForCausalLM(cfg)
+    _randomise_vectors(model, seed)
+    _save_random(model, path)
+    return path
+
+
+#: Phi-3.5-MoE tiny: LongRoPE (short/long factors and mscales, original context 64), a large
+#: sparsemixer threshold, every bias (q/k/v/o, LayerNorms, LM head) random
+PHIMOE = dict(
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=48,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    router_jitter_noise=0.3,
+    attention_bias=True,
+    lm_head_bias=True,
+    rms_norm_eps=1e-5,
+)
+
+
+def phimoe_rope(head_dim: int = 16, original: int = 64, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": (1 + 3 * torch.rand(head_dim // 2, generator=g)).tolist(),
+        "long_factor": (2 + 6 * torch.rand(head_dim // 2, generator=g)).tolist(),
+        "short_mscale": 1.2,
+        "long_mscale": 1.4,
+        "original_max_position_embeddings": original,
+    }
+
+
+def make_phimoe_checkpoint(path: Path, seed: int = 0, **overrides) -> Path:
+    """A tiny Phi-3.5-MoE checkpoint (:data:`PHIMOE`, :func:`phimoe_rope`), random biases."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.PhimoeConfig(
+        **{**COMMON, **PHIMOE, "rope_parameters": phimoe_rope(seed=seed), **overrides}
+    )
+    model = transformers.PhimoeForCausalLM(cfg)
+    _randomise_vectors(model, seed)
+    _save_random(model, path)
+    return path
