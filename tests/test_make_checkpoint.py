@@ -7,6 +7,8 @@ published configs and built on the ``meta`` device by transformers.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
@@ -15,6 +17,7 @@ from moe_runtime.checkpoints.shapes import SHAPES, hf_config
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine.engine import LLMEngine
 from moe_runtime.engine.request import SamplingParams
+from moe_runtime.loader import read_model_config
 from moe_runtime.sim.models import MODELS
 from moeserve.cli import main
 
@@ -25,6 +28,59 @@ PUBLISHED = {
     "qwen3-30b-a3b": (2048, 48, 32, 4, 128, 151936, 128, 8, 768, 1e6),
     "qwen2-moe-a2.7b": (2048, 24, 16, 16, 128, 151936, 60, 4, 1408, 1e6),
     "olmoe-1b-7b": (2048, 16, 16, 16, 128, 50304, 64, 8, 1024, 1e4),
+}
+#: the shapes beyond the Llama layout: (hidden, layers, heads, kv heads, vocab, experts, top-k, expert
+#: width, dense width, rope theta) and their family fields, from each model's config.json on the Hub
+PUBLISHED_EXTRA = {
+    "deepseek-v2-lite": (
+        (2048, 27, 16, 16, 102400, 64, 6, 1408, 10944, 1e4),
+        dict(
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_rope_head_dim=64,
+            n_shared_experts=2,
+            first_k_dense_replace=1,
+            topk_method="greedy",
+            routed_scaling_factor=1.0,
+        ),
+    ),
+    "deepseek-v3": (
+        (7168, 61, 128, 128, 129280, 256, 8, 2048, 18432, 1e4),
+        dict(
+            kv_lora_rank=512,
+            q_lora_rank=1536,
+            qk_rope_head_dim=64,
+            n_shared_experts=1,
+            first_k_dense_replace=3,
+            n_group=8,
+            topk_group=4,
+            routed_scaling_factor=2.5,
+        ),
+    ),
+    "glm-4.5-air": (
+        (4096, 46, 96, 8, 151552, 128, 8, 1408, 10944, 1e6),
+        dict(
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            partial_rotary_factor=0.5,
+            use_qk_norm=False,
+        ),
+    ),
+    "gpt-oss-20b": (
+        (2880, 24, 64, 8, 201088, 32, 4, 2880, 0, 150000.0),
+        dict(sliding_window=128, swiglu_limit=7.0),
+    ),
+    "phi-3.5-moe": (
+        (4096, 32, 32, 8, 32064, 16, 2, 6400, 0, 1e4),
+        dict(lm_head_bias=True, router_jitter_noise=0.01, sliding_window=131072),
+    ),
+}
+SERVED = {  # made shape -> (our family, MoE layers of a 4-layer checkpoint); gpt-oss: transformers only
+    "deepseek-v2-lite": ("deepseek_v2", [1, 2, 3]),
+    "deepseek-v3": ("deepseek_v3", [3]),
+    "glm-4.5-air": ("glm4_moe", [1, 2, 3]),
+    "phi-3.5-moe": ("phimoe", [0, 1, 2, 3]),
 }
 PROMPT = "The quick brown fox jumps over"
 
@@ -44,6 +100,61 @@ def test_shape_table_matches_published_configs(name):
             s.experts,
             s.top_k,
         )
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED_EXTRA))
+def test_family_shapes_match_published_configs(name):
+    s = SHAPES[name]
+    numbers, fields = PUBLISHED_EXTRA[name]
+    got = (s.hidden, s.num_layers, s.heads, s.kv_heads, s.vocab, s.experts, s.top_k, s.moe_intermediate)
+    assert got + (s.dense_intermediate, s.rope_theta) == numbers
+    assert {k: s.extra[k] for k in fields} == fields
+    assert s.shared_intermediate == s.extra.get("n_shared_experts", 0) * s.moe_intermediate
+
+
+@pytest.mark.parametrize("name", list(SERVED))
+def test_family_shape_configs_parse_to_real_shapes(tmp_path, name):
+    """The config.json written for 4 layers of each real shape (no weights: real widths are
+    gigabytes) is read by our family with the real sizes, dense-first layers and routing."""
+    s = SHAPES[name]
+    hf_config(s, 4, "bfloat16").save_pretrained(tmp_path)
+    family, cfg, _ = read_model_config(tmp_path)
+    assert (family.name, cfg.moe_layers) == SERVED[name]
+    assert (cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size) == (
+        s.hidden,
+        s.experts,
+        s.top_k,
+        s.moe_intermediate,
+    )
+    assert cfg.shared_expert_intermediate_size == s.shared_intermediate
+    assert cfg.vocab_size == s.vocab and cfg.num_heads == s.heads and cfg.rope_theta == s.rope_theta
+    if cfg.mla is not None:
+        assert (cfg.mla.kv_lora_rank, cfg.mla.q_lora_rank or None) == (
+            s.extra["kv_lora_rank"],
+            s.extra["q_lora_rank"],
+        )
+        assert cfg.mla.yarn.factor == 40 and cfg.routing.n_group == s.extra.get("n_group", 1)
+    if name == "glm-4.5-air":
+        assert cfg.rotary_dim == 64 and cfg.routing.score_bias and cfg.attention_bias
+    if name == "phi-3.5-moe":
+        assert (
+            cfg.norm == "layer" and cfg.lm_head_bias and cfg.longrope.original_max_position_embeddings == 4096
+        )
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED_EXTRA))
+def test_family_shape_builds_in_transformers(name):
+    """Real widths on the meta device: every MoE layer holds E experts of ``3 * H * I`` (+ gpt-oss'
+    expert biases), dense-first layers hold none."""
+    s = SHAPES[name]
+    layers = s.first_dense + 1
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config(s, layers, "bfloat16"))
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    biases = s.experts * (2 * s.moe_intermediate + s.hidden) if name == "gpt-oss-20b" else 0
+    assert experts == s.experts * s.expert_params + biases
+    assert model.lm_head.weight.shape == (s.vocab, s.hidden)
+    assert (model.lm_head.bias is not None) == s.extra.get("lm_head_bias", False)
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
@@ -70,8 +181,12 @@ def _greedy(engine, prompt, n):
     raise AssertionError("no output")
 
 
-@pytest.mark.parametrize("name", list(PUBLISHED))
+@pytest.mark.parametrize(
+    "name", [*PUBLISHED, "deepseek-v2-lite", "glm-4.5-air", "phi-3.5-moe", "gpt-oss-20b"]
+)
 def test_made_checkpoint_loads_in_both_and_agrees(capsys, tmp_path, name):
+    """Written at --shrink 16; gpt-oss is checked in transformers only (its family is served
+    elsewhere)."""
     out = tmp_path / "ckpt"
     rc = main(
         [
@@ -103,6 +218,13 @@ def test_made_checkpoint_loads_in_both_and_agrees(capsys, tmp_path, name):
         ref = hf.generate(
             torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
         )[0, len(prompt) :].tolist()
+    assert len(set(ref)) > 1  # not one token repeated
+    if name == "gpt-oss-20b":
+        assert json.loads((out / "config.json").read_text())["layer_types"] == [
+            "sliding_attention",
+            "full_attention",
+        ]
+        return
     with LLMEngine.from_pretrained(
         out, RuntimeConfig(buffer_slots=2, max_model_len=64, max_batch_size=1)
     ) as eng:
@@ -129,6 +251,7 @@ def test_routing_is_input_dependent(tmp_path):
         (["--shape", "olmoe-1b-7b", "--layers", "0"], "--layers 0"),
         (["--shape", "olmoe-1b-7b", "--layers", "17"], "--layers 17"),
         (["--shape", "olmoe-1b-7b", "--layers", "1", "--shrink", "3"], "--shrink 3"),
+        (["--shape", "deepseek-v3", "--layers", "3"], "first 3 layers are dense"),
     ],
 )
 def test_bad_arguments_one_line_exit_2(capsys, tmp_path, args, needle):

@@ -11,7 +11,8 @@ Weights: every matrix ``N(0, 0.02)`` (the configs' ``initializer_range``), norms
 routers ``N(0, ROUTER_LOGIT_STD / sqrt(hidden))``: a unit-RMS hidden state then gives router
 logits of std ``ROUTER_LOGIT_STD``, so top-k margins are real and routing depends on the input (at
 0.02 the logits of a 2048-wide model have std 0.9 and routing is close to uniform).
-:func:`routing_summary` measures it on layer 0.
+:func:`routing_summary` measures it on the first MoE layer (after DeepSeek's and GLM-4.5's dense
+ones), as a softmax over the router logits whatever the family's scoring.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 @dataclass
 class WriteReport:
-    """What :func:`write_checkpoint` wrote. ``routing``: :func:`routing_summary` of layer 0."""
+    """What :func:`write_checkpoint` wrote. ``routing``: :func:`routing_summary` of the first MoE
+    layer, plus its decoder-layer index as ``layer``."""
 
     out: Path
     total_bytes: int
@@ -93,14 +95,25 @@ def _draw(
     name: str, shape: torch.Size, dtype: torch.dtype, real: RealShape, g: torch.Generator
 ) -> torch.Tensor:
     t = torch.empty(shape, dtype=dtype)
-    leaf = name.rsplit(".", 2)
     if name.endswith("bias"):
         return t.zero_()
     if len(shape) == 1 and "norm" in name:
         return t.fill_(1.0)
-    if tuple(shape) == (real.experts, real.hidden) and "experts" not in name and leaf[-2] == "gate":
+    if _is_router(name, shape, real):
         return t.normal_(0.0, ROUTER_LOGIT_STD / math.sqrt(real.hidden), generator=g)
     return t.normal_(0.0, INITIALIZER_RANGE, generator=g)
+
+
+def _is_router(name: str, shape: torch.Size, real: RealShape) -> bool:
+    """A router weight ``[E, H]``: ``...gate.weight`` (most families) or ``...router.weight``
+    (transformers' Phi-3.5-MoE and gpt-oss modules)."""
+    leaf = name.rsplit(".", 2)
+    return (
+        tuple(shape) == (real.experts, real.hidden)
+        and "experts" not in name
+        and leaf[-1] == "weight"
+        and leaf[-2] in ("gate", "router")
+    )
 
 
 def write_checkpoint(
@@ -147,14 +160,11 @@ def write_checkpoint(
         sd = {n: _draw(n, params[n].shape, torch_dtype, real, g) for n in names}
         if i == 0:
             embed = next(v for n, v in sd.items() if n.endswith("embed_tokens.weight"))
-        elif i == 1:
-            router = next(
-                v
-                for n, v in sd.items()
-                if tuple(v.shape) == (real.experts, real.hidden) and "experts" not in n
-            )
-            routing = routing_summary(embed, router, real.top_k, seed=seed)
-            embed = None
+        elif routing is None:
+            router = next((v for n, v in sd.items() if _is_router(n, v.shape, real)), None)
+            if router is not None:  # the first MoE layer
+                routing = {**routing_summary(embed, router, real.top_k, seed=seed), "layer": i - 1}
+                embed = None
         disk = {k: v.contiguous() for k, v in revert_weight_conversion(meta, sd).items()}
         fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         save_file(disk, str(out / fname), metadata={"format": "pt"})

@@ -4,7 +4,8 @@ Example (the Mixtral-8x7B shape with 4 of its 32 layers, 11.8 GB in bf16)::
 
     moeserve make-checkpoint --shape mixtral-8x7b --layers 4 --out runs/ckpt/mixtral-4l
 
-Shapes: ``mixtral-8x7b``, ``qwen3-30b-a3b``, ``qwen2-moe-a2.7b``, ``olmoe-1b-7b``
+Shapes: ``mixtral-8x7b``, ``qwen3-30b-a3b``, ``qwen2-moe-a2.7b``, ``olmoe-1b-7b``,
+``deepseek-v2-lite``, ``deepseek-v3``, ``glm-4.5-air``, ``gpt-oss-20b``, ``phi-3.5-moe``
 (:mod:`moe_runtime.checkpoints.shapes`). ``--shrink N`` (hidden from ``--help``; for tests)
 divides every width by N. Needs ``transformers`` (the ``train`` extra).
 """
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     r = rep.routing
     print(
         f"wrote {args.out}: {rep.total_bytes / 1e9:.2f} GB in {rep.shards} shards "
-        f"({rep.expert_bytes / 1e9:.2f} GB experts) in {rep.seconds:.1f} s; layer-0 routing of "
+        f"({rep.expert_bytes / 1e9:.2f} GB experts) in {rep.seconds:.1f} s; layer-{r['layer']} routing of "
         f"{r['tokens']} random tokens: entropy {r['entropy']:.2f} of uniform, "
         f"top-1 share {r['top1_share']:.2f}, {r['distinct_topk']} distinct top-{shape.top_k} sets, "
         f"{r['experts_used']}/{shape.experts} experts used"
