@@ -190,3 +190,16 @@ def test_bad_config_fields_are_named(tmp_path, change, field):
     (tmp_path / "config.json").write_text(json.dumps({**PHI_35_MOE, **change}))
     with pytest.raises(ConfigError, match=field):
         read_model_config(tmp_path)
+
+
+def test_memory_plan_counts_the_biases(phi):
+    """LayerNorm, o_proj and LM-head biases are in the loaded dense weights and the memory plan."""
+    from moe_runtime.memory_plan import plan_memory
+
+    path = phi[0]
+    _, cfg, _ = read_model_config(path)
+    with LLMEngine.from_pretrained(path, RuntimeConfig(**RUNTIME)) as engine:
+        dense = engine.model.w
+    for name in ("final_norm_bias", "lm_head_bias", "layers.1.o_bias", "layers.0.attn_norm_bias"):
+        assert dense[name].abs().sum() > 0
+    assert plan_memory(cfg, RuntimeConfig(**RUNTIME)).dense == sum(t.numel() * 4 for t in dense.values())

@@ -66,8 +66,21 @@ def other_runs() -> str:
 
 
 def extras(s) -> str:
+    x = s.extra
     parts = [f"qk-norm ({s.qk_norm})"] if s.qk_norm != "none" else []
+    parts += (
+        [f"MLA (kv rank {x['kv_lora_rank']}, q rank {x['q_lora_rank'] or '-'})"]
+        if "kv_lora_rank" in x
+        else []
+    )
+    parts += [f"{s.first_dense} dense layers first (width {s.dense_intermediate})"] if s.first_dense else []
     parts += [f"shared expert {s.shared_intermediate}"] if s.shared_intermediate else []
+    parts += [f"{x['n_group']} expert groups, {x['topk_group']} used"] if x.get("n_group", 1) > 1 else []
+    parts += [f"RoPE on {x['partial_rotary_factor']:g} of the head"] if "partial_rotary_factor" in x else []
+    parts += [f"sliding window {x['sliding_window']}"] if "layer_types" in x else []
+    rope = x.get("rope_parameters", {}).get("rope_type")
+    parts += [rope] if rope else []
+    parts += ["LayerNorm, lm_head bias"] if x.get("lm_head_bias") else []
     return ", ".join(parts + (["qkv bias"] if s.attention_bias else []))
 
 
@@ -164,8 +177,15 @@ model, keeping its first `N` decoder layers. Both `transformers` (`from_pretrain
   `transformers`' own save conversion. So peak memory is one layer, not the model.
 - Weights are `N(0, 0.02)`, norms 1, biases 0. Routers are `N(0, 3 / sqrt(hidden))`, so router
   logits of a unit-RMS hidden state have std 3. Routing then depends on the input and is far from
-  uniform. The command prints layer 0's routing of 64 random tokens: its softmax entropy as a
-  share of uniform's (the tests require it below 0.8), and how many distinct top-k sets it saw.
+  uniform. The command prints the first MoE layer's routing of 64 random tokens: its softmax
+  entropy as a share of uniform's (the tests require it below 0.8), and how many distinct top-k
+  sets it saw.
+- Family fields (DeepSeek's latent-attention ranks, YaRN and grouped routing, dense-first
+  layers, GLM-4.5's partial RoPE, gpt-oss' alternating sliding window, Phi-3.5-MoE's LongRoPE)
+  come from the same config files. `--layers` must keep at least one MoE layer
+  (`deepseek-v3`: 4 or more). `phi-3.5-moe` uses LongRoPE factors of 1.0, not the published
+  lists (equal sizes and cost, different positions' angles). moeserve serves all but
+  `gpt-oss-20b` today; transformers loads every one.
 - The tokenizer is the bundled model's byte-level BPE, padded to the model's `vocab_size` with
   `<|reserved_N|>` entries that no merge produces. Every id a model emits decodes. EOS and padding
   are `<|endoftext|>` = 0, not the real models' ids.
