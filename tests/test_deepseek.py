@@ -17,7 +17,7 @@ import shutil
 
 import pytest
 import torch
-from test_runtime_oracle import _run_collecting_logits, greedy_references
+from test_runtime_oracle import check_greedy_matches, check_prefill_matches, greedy_references
 from tiny_models import DEEPSEEK_VARIANTS, make_deepseek_checkpoint
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ref
 
@@ -33,7 +33,6 @@ from moe_runtime.memory_plan import plan_memory
 
 PROMPTS = [[5, 17, 33, 2, 250, 7, 91, 12], [9, 1, 44]]
 NEW = 16
-ATOL = 1e-4
 RUNTIME = dict(max_model_len=64, max_batch_size=2)
 
 
@@ -52,29 +51,13 @@ def deepseek(tmp_path_factory):
 @pytest.mark.parametrize("variant", list(DEEPSEEK_VARIANTS))
 def test_greedy_tokens_and_logits_match_transformers(deepseek, variant, slots):
     path, _, refs = deepseek[variant]
-    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
-    with LLMEngine.from_pretrained(path, RuntimeConfig(buffer_slots=slots, **RUNTIME)) as engine:
-        single = _run_collecting_logits(engine, PROMPTS[:1], params)
-        batch = _run_collecting_logits(engine, PROMPTS, params)
-        stats = engine.buffer.stats
-    for (tokens, logits), (ref_tokens, ref_logits) in zip(single + batch, refs[:1] + refs):
-        assert tokens == ref_tokens
-        torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
-    if slots == 2:  # 8 experts, top-2, 2 slots: experts are evicted and copied in
-        assert stats.demand_bytes > 0 and stats.hit_rate < 0.5
-    else:
-        assert stats.hit_rate == 1.0 and stats.demand_bytes == 0
+    check_greedy_matches(path, refs, PROMPTS, slots, RUNTIME)
 
 
 @pytest.mark.parametrize("variant", list(DEEPSEEK_VARIANTS))
 def test_prefill_logits_match_forward(deepseek, variant):
     path, model, refs = deepseek[variant]
-    seq = PROMPTS[0] + refs[0][0]
-    with torch.no_grad():
-        want = model(torch.tensor([seq])).logits[0]
-    with LLMEngine.from_pretrained(path, RuntimeConfig(buffer_slots=2, **RUNTIME)) as engine:
-        got = engine.prefill_logits(seq)
-    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    check_prefill_matches(path, model, PROMPTS[0] + refs[0][0], RUNTIME)
 
 
 def test_kv_cache_holds_the_latent(deepseek):

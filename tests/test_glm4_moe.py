@@ -16,7 +16,7 @@ import shutil
 
 import pytest
 import torch
-from test_runtime_oracle import _run_collecting_logits, greedy_references
+from test_runtime_oracle import check_greedy_matches, check_prefill_matches, greedy_references
 from tiny_models import make_glm4_moe_checkpoint
 from transformers.models.glm4_moe import modeling_glm4_moe as ref
 
@@ -31,7 +31,6 @@ from moe_runtime.memory_plan import plan_memory
 
 PROMPTS = [[5, 17, 33, 2, 250, 7, 91, 12], [9, 1, 44], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [100]]
 NEW = 32
-ATOL = 1e-4
 RUNTIME = dict(max_model_len=64, max_batch_size=4)
 
 
@@ -45,30 +44,13 @@ def glm(tmp_path_factory):
 @pytest.mark.parametrize("slots", [None, 2], ids=["all-resident", "2-slots"])
 def test_greedy_tokens_and_logits_match_transformers(glm, slots):
     path, _, refs = glm
-    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
-    with LLMEngine.from_pretrained(path, RuntimeConfig(buffer_slots=slots, **RUNTIME)) as engine:
-        assert engine.config.moe_layers == [2, 3] and engine.config.rotary_dim == 4
-        single = _run_collecting_logits(engine, PROMPTS[:1], params)
-        batch = _run_collecting_logits(engine, PROMPTS, params)
-        stats = engine.buffer.stats
-    for (tokens, logits), (ref_tokens, ref_logits) in zip(single + batch, refs[:1] + refs):
-        assert tokens == ref_tokens
-        torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
+    check_greedy_matches(path, refs, PROMPTS, slots, RUNTIME)
     assert len({t for tokens, _ in refs for t in tokens}) > 8  # the outputs are not degenerate
-    if slots == 2:  # 8 experts, top-2, 2 slots: experts are evicted and copied in
-        assert stats.demand_bytes > 0 and stats.hit_rate < 0.5
-    else:
-        assert stats.hit_rate == 1.0 and stats.demand_bytes == 0
 
 
 def test_prefill_logits_match_forward(glm):
     path, model, refs = glm
-    seq = PROMPTS[0] + refs[0][0]
-    with torch.no_grad():
-        want = model(torch.tensor([seq])).logits[0]
-    with LLMEngine.from_pretrained(path, RuntimeConfig(buffer_slots=2, **RUNTIME)) as engine:
-        got = engine.prefill_logits(seq)
-    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    check_prefill_matches(path, model, PROMPTS[0] + refs[0][0], RUNTIME)
 
 
 def test_router_matches_transformers(glm):
@@ -92,6 +74,7 @@ def test_partial_rotary_equals_transformers(glm):
     """Only the first quarter of each head turns, with transformers' cos/sin, bit for bit."""
     path, model, _ = glm
     _, cfg, _ = read_model_config(path)
+    assert cfg.rotary_dim == 4 and cfg.moe_layers == [2, 3]
     ours = Rotary(cfg.head_dim, cfg.rope_theta, 64, torch.float32, torch.device("cpu"), cfg.rotary_dim)
     positions = torch.arange(0, 64, 3)
     q = torch.randn(1, 4, len(positions), 16, generator=torch.Generator().manual_seed(1))

@@ -16,13 +16,12 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from test_runtime_oracle import _run_collecting_logits, greedy_references
+from test_runtime_oracle import check_greedy_matches, check_prefill_matches, greedy_references
 from tiny_models import make_phimoe_checkpoint
 from transformers.models.phimoe import modeling_phimoe as ref
 
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine.engine import LLMEngine
-from moe_runtime.engine.request import SamplingParams
 from moe_runtime.errors import ConfigError
 from moe_runtime.layers.norm import layer_norm
 from moe_runtime.layers.rotary import Rotary
@@ -32,7 +31,6 @@ from moe_runtime.loader import read_model_config
 
 PROMPTS = [[5, 17, 33, 2, 250, 7, 91, 12], [9, 1, 44], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [100]]
 NEW = 32
-ATOL = 1e-4
 RUNTIME = dict(max_model_len=64, max_batch_size=4)
 
 
@@ -46,30 +44,13 @@ def phi(tmp_path_factory):
 @pytest.mark.parametrize("slots", [None, 2], ids=["all-resident", "2-slots"])
 def test_greedy_tokens_and_logits_match_transformers(phi, slots):
     path, _, refs = phi
-    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
-    with LLMEngine.from_pretrained(path, RuntimeConfig(buffer_slots=slots, **RUNTIME)) as engine:
-        assert engine.config.norm == "layer" and engine.config.longrope is not None
-        single = _run_collecting_logits(engine, PROMPTS[:1], params)
-        batch = _run_collecting_logits(engine, PROMPTS, params)
-        stats = engine.buffer.stats
-    for (tokens, logits), (ref_tokens, ref_logits) in zip(single + batch, refs[:1] + refs):
-        assert tokens == ref_tokens
-        torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
+    check_greedy_matches(path, refs, PROMPTS, slots, RUNTIME)
     assert len({t for tokens, _ in refs for t in tokens}) > 8  # the outputs are not degenerate
-    if slots == 2:
-        assert stats.demand_bytes > 0 and stats.hit_rate < 0.5
-    else:
-        assert stats.hit_rate == 1.0 and stats.demand_bytes == 0
 
 
 def test_prefill_logits_match_forward(phi):
     path, model, refs = phi
-    seq = PROMPTS[2] + refs[2][0]  # 44 positions, inside the original context of 64
-    with torch.no_grad():
-        want = model(torch.tensor([seq])).logits[0]
-    with LLMEngine.from_pretrained(path, RuntimeConfig(buffer_slots=2, **RUNTIME)) as engine:
-        got = engine.prefill_logits(seq)
-    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    check_prefill_matches(path, model, PROMPTS[2] + refs[2][0], RUNTIME)  # 44 positions < 64
 
 
 def test_sparsemixer_matches_transformers(phi):

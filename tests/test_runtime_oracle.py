@@ -52,6 +52,33 @@ def greedy_references(path, prompts: list[list[int]], new: int):
     return model, refs
 
 
+def check_greedy_matches(path, refs, prompts, slots, runtime: dict) -> None:
+    """The first prompt alone, then all ``prompts`` as one batch, greedy for as many tokens as
+    ``refs`` (from :func:`greedy_references`) hold: tokens equal and every step's fp32 logits
+    within :data:`ATOL`; with ``slots=2`` experts were copied in, with ``None`` all were hits."""
+    params = SamplingParams(max_tokens=len(refs[0][0]), temperature=0, ignore_eos=True)
+    with LLMEngine.from_pretrained(path, RuntimeConfig(buffer_slots=slots, **runtime)) as engine:
+        single = _run_collecting_logits(engine, prompts[:1], params)
+        batch = _run_collecting_logits(engine, prompts, params)
+        stats = engine.buffer.stats
+    for (tokens, logits), (ref_tokens, ref_logits) in zip(single + batch, refs[:1] + refs):
+        assert tokens == ref_tokens
+        torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
+    if slots == 2:  # 8 experts, top-2, 2 slots: experts are evicted and copied in
+        assert stats.demand_bytes > 0 and stats.hit_rate < 0.5
+    else:
+        assert stats.hit_rate == 1.0 and stats.demand_bytes == 0
+
+
+def check_prefill_matches(path, model, seq: list[int], runtime: dict) -> None:
+    """Our prefill logits of ``seq`` (2-slot buffer) equal transformers' ``model`` forward."""
+    with torch.no_grad():
+        want = model(torch.tensor([seq])).logits[0]
+    with LLMEngine.from_pretrained(path, RuntimeConfig(buffer_slots=2, **runtime)) as engine:
+        got = engine.prefill_logits(seq)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
 def _engine(path, slots):
     return LLMEngine.from_pretrained(
         path, RuntimeConfig(buffer_slots=slots, max_model_len=128, max_batch_size=4)

@@ -201,11 +201,17 @@ GLM4_MOE = dict(
 
 def make_glm4_moe_checkpoint(path: Path, seed: int = 0, **overrides) -> Path:
     """A tiny GLM-4.5 checkpoint (:data:`GLM4_MOE`, fields overridable), random biases."""
+    return _make_with_random_vectors("Glm4Moe", {**GLM4_MOE, **overrides}, path, seed)
+
+
+def _make_with_random_vectors(prefix: str, fields: dict, path: Path, seed: int) -> Path:
+    """``transformers.{prefix}ForCausalLM`` of :data:`COMMON` + ``fields``, random weights and
+    :func:`_randomise_vectors`, saved to ``path``."""
     import transformers
 
     torch.manual_seed(seed)
-    cfg = transformers.Glm4MoeConfig(**{**COMMON, **GLM4_MOE, **overrides})
-    model = transformers.Glm4MoeForCausalLM(cfg)
+    cfg = getattr(transformers, f"{prefix}Config")(**{**COMMON, **fields})
+    model = getattr(transformers, f"{prefix}ForCausalLM")(cfg)
     _randomise_vectors(model, seed)
     _save_random(model, path)
     return path
@@ -242,13 +248,6 @@ def phimoe_rope(head_dim: int = 16, original: int = 64, seed: int = 0) -> dict:
 
 def make_phimoe_checkpoint(path: Path, seed: int = 0, **overrides) -> Path:
     """A tiny Phi-3.5-MoE checkpoint (:data:`PHIMOE`, :func:`phimoe_rope`), random biases."""
-    import transformers
-
-    torch.manual_seed(seed)
-    cfg = transformers.PhimoeConfig(
-        **{**COMMON, **PHIMOE, "rope_parameters": phimoe_rope(seed=seed), **overrides}
+    return _make_with_random_vectors(
+        "Phimoe", {**PHIMOE, "rope_parameters": phimoe_rope(seed=seed), **overrides}, path, seed
     )
-    model = transformers.PhimoeForCausalLM(cfg)
-    _randomise_vectors(model, seed)
-    _save_random(model, path)
-    return path
