@@ -13,6 +13,19 @@ into each sequence's cache row, then:
 On CUDA the SDPA backends are limited to flash, memory-efficient and math
 (``torch.nn.attention.sdpa_kernel``): the cuDNN backend builds a new plan whenever the KV length
 changes, i.e. at every decode step (issue 14: 7.3 ms of host time per call on an H100).
+
+gpt-oss adds two options, each a change of the mask only (:func:`_sdpa`):
+
+* a sliding window (``window``): a query at position ``p`` sees keys ``p - window + 1 .. p``;
+  the step's boolean masks (a visible prefix per query) keep their last ``window`` keys. The KV
+  cache stays full length (memory is not saved, the keys outside the window are masked out);
+* attention sinks (``sinks [Hq]``): a learned logit per head that joins the softmax denominator
+  and carries no value. Each call gets one extra key column with ``k = 0`` and ``v = 0`` (the
+  keys and values are padded, one copy) and a float mask whose value in that column is the
+  head's sink (``q . 0 * scale + sink = sink``), ``-inf`` where a key is hidden and 0 elsewhere:
+  ``softmax`` then equals transformers' ``[logits | sink]`` softmax with the sink column
+  dropped. A float mask rules out the flash backend on CUDA: those calls run the
+  memory-efficient kernel (or math); on CPU any SDPA backend takes it.
 """
 
 from __future__ import annotations
@@ -30,7 +43,14 @@ CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDP
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: KVCache, step
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    cache: KVCache,
+    step,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attend and update the cache.
 
@@ -38,6 +58,8 @@ def attention(
         q: ``[T, Hq, D]`` rotated queries; k, v: ``[T, Hkv, D]`` rotated keys and values.
         layer: decoder layer index into the cache.
         step: the step's :class:`~moe_runtime.engine.context.StepContext`.
+        sinks: ``[Hq]`` attention-sink logits, or None (module docstring).
+        window: sliding window in positions (>= 1), or None for full causal attention.
 
     Returns:
         ``[T, Hq * D]`` attention output, in token order.
@@ -45,18 +67,19 @@ def attention(
     kc, vc = cache.k[layer], cache.v[layer]  # [rows, Hkv, max_len, D]
     kc[step.token_rows, :, step.positions] = k
     vc[step.token_rows, :, step.positions] = v
+    extra = None if sinks is None and window is None else (sinks, window)
     if step.all_decode and not q.is_cuda:  # the common CPU case: no backend context
-        return _decode(q, kc, vc, step).reshape(q.shape[0], -1)
+        return _decode(q, kc, vc, step, extra).reshape(q.shape[0], -1)
     backends = sdpa_kernel(CUDA_BACKENDS) if q.is_cuda else contextlib.nullcontext()
     with backends:
         if step.all_decode:
-            return _decode(q, kc, vc, step).reshape(q.shape[0], -1)
+            return _decode(q, kc, vc, step, extra).reshape(q.shape[0], -1)
         out = torch.empty_like(q)  # [T, Hq, D]
         if step.rows_t is not None:  # the decodes of a mixed step, in one call
-            od = _decode(q.index_select(0, step.decode_tokens), kc, vc, step).squeeze(2)
+            od = _decode(q.index_select(0, step.decode_tokens), kc, vc, step, extra).squeeze(2)
             out.index_copy_(0, step.decode_tokens, od)
         if step.prefill_mask is not None:  # every prefill chunk in one padded call
-            out.index_copy_(0, step.prefill_tokens, _prefill_padded(q, kc, vc, step))
+            out.index_copy_(0, step.prefill_tokens, _prefill_padded(q, kc, vc, step, extra))
             return out.reshape(q.shape[0], -1)
         for i in step.prefill_seqs:
             start, n = step.starts[i], step.num_new[i]
@@ -65,16 +88,45 @@ def attention(
             ki = kc[row, :, :ctx].unsqueeze(0)
             vi = vc[row, :, :ctx].unsqueeze(0)
             past = ctx - n
-            if past == 0:
+            if past == 0 and extra is None:
                 oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
             else:
                 mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(diagonal=past)
-                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=True)
+                oi = _sdpa(qi, ki, vi, mask, extra)
             out[start : start + n] = oi[0].transpose(0, 1)
         return out.reshape(q.shape[0], -1)
 
 
-def _prefill_padded(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, step) -> torch.Tensor:
+def _sdpa(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    vals: torch.Tensor,
+    visible: torch.Tensor,
+    extra: tuple[torch.Tensor | None, int | None] | None,
+) -> torch.Tensor:
+    """SDPA of ``q [B, Hq, Lq, D]`` over ``keys``/``vals [B, Hkv, C, D]`` with the boolean mask
+    ``visible [B or 1, 1, Lq, C]`` (or ``[Lq, C]``; each query sees a prefix of the keys);
+    ``extra = (sinks [Hq] or None, window or None)`` applies the module docstring's sliding window
+    and attention sinks."""
+    if extra is None:
+        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=visible, enable_gqa=True)
+    sinks, window = extra
+    if window is not None:  # keep each query's last ``window`` visible keys
+        visible = visible & (visible.flip(-1).cumsum(-1).flip(-1) <= window)
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=visible, enable_gqa=True)
+    b, heads, lq, _ = q.shape
+    bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+    bias = bias.expand(b, heads, lq, -1)  # [B, Hq, Lq, C]
+    sink = sinks.to(q.dtype).view(1, heads, 1, 1).expand(b, heads, lq, 1)
+    # one zero key and value per row: its logit is 0 + sink, its value adds nothing
+    keys, vals = F.pad(keys, (0, 0, 0, 1)), F.pad(vals, (0, 0, 0, 1))
+    return F.scaled_dot_product_attention(
+        q, keys, vals, attn_mask=torch.cat((bias, sink), dim=-1), enable_gqa=True
+    )
+
+
+def _prefill_padded(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, step, extra=None) -> torch.Tensor:
     """One SDPA for all prefill chunks, padded to ``[P, Hq, max_new, D]``; returns their tokens'
     outputs ``[sum n_p, Hq, D]`` in ``step.prefill_tokens`` order."""
     p, _, max_new, ctx = step.prefill_mask.shape
@@ -83,15 +135,12 @@ def _prefill_padded(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, step) -
     qp = qp.view(p, max_new, q.shape[1], q.shape[2]).transpose(1, 2)  # [P, Hq, max_new, D]
     keys = kc[step.prefill_rows_t, :, :ctx]  # [P, Hkv, C, D]
     vals = vc[step.prefill_rows_t, :, :ctx]
-    out = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=step.prefill_mask, enable_gqa=True)
+    out = _sdpa(qp, keys, vals, step.prefill_mask, extra)
     return out.transpose(1, 2).reshape(p * max_new, q.shape[1], q.shape[2]).index_select(0, step.prefill_pad)
 
 
-def _decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, step) -> torch.Tensor:
+def _decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, step, extra=None) -> torch.Tensor:
     """One batched SDPA for the decoding sequences' queries ``q [B_d, Hq, D]`` -> ``[B_d, Hq, 1, D]``."""
     keys = kc[step.rows_t, :, : step.decode_ctx]  # [B_d, Hkv, C, D]
     vals = vc[step.rows_t, :, : step.decode_ctx]
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), keys, vals, attn_mask=step.decode_mask, enable_gqa=True
-    )
-    return out
+    return _sdpa(q.unsqueeze(2), keys, vals, step.decode_mask, extra)

@@ -1,25 +1,41 @@
-"""Rotary position embedding (RoPE), default type, with a cos/sin table built once."""
+"""Rotary position embedding (RoPE), default or YaRN-scaled, with a cos/sin table built once."""
 
 from __future__ import annotations
 
 import torch
+
+from moe_runtime.layers.yarn import YarnScaling, yarn_inv_freq
 
 
 class Rotary:
     """Precomputed ``cos``/``sin`` tables ``[max_len, head_dim]`` for positions ``0..max_len-1``.
 
     Values match the reference: inverse frequencies and angles in fp32, then cast to ``dtype``.
+    With ``yarn`` (gpt-oss) the inverse frequencies and the cos/sin factor are YaRN's
+    (:func:`moe_runtime.layers.yarn.yarn_inv_freq`, transformers' ``_compute_yarn_parameters``).
     """
 
     def __init__(
-        self, head_dim: int, theta: float, max_len: int, dtype: torch.dtype, device: torch.device
+        self,
+        head_dim: int,
+        theta: float,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        yarn: YarnScaling | None = None,
     ) -> None:
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        if yarn is None:
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        else:
+            inv_freq, factor = yarn_inv_freq(head_dim, theta, yarn)
         pos = torch.arange(max_len, dtype=torch.float32)
         freqs = pos[:, None] * inv_freq[None, :]  # [max_len, head_dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(dtype=dtype, device=device)
-        self.sin = emb.sin().to(dtype=dtype, device=device)
+        cos, sin = emb.cos(), emb.sin()
+        if yarn is not None:
+            cos, sin = cos * factor, sin * factor
+        self.cos = cos.to(dtype=dtype, device=device)
+        self.sin = sin.to(dtype=dtype, device=device)
 
     def apply(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
