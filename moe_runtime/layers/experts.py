@@ -62,12 +62,14 @@ class ExpertFFN:
     Attributes:
         gate_up_bias: ``[E, 2I]`` bias of the fused gate/up projection, ``[gate | up]`` order as the
             slots' rows, or None. down_bias: ``[E, H]`` bias of the down projection, or None.
-        act: ``(gate [n, I], up [n, I]) -> [n, I]``; None = ``silu(gate) * up``.
+        act: ``gate_up [n, 2I]`` (``[gate | up]``, a fresh tensor it may overwrite) -> ``[n, I]``;
+            None = ``silu(gate) * up``. It must give each row the same bits whatever rows are
+            beside it (the paths batch rows differently): see ``ClampedSwiGLU``.
     """
 
     gate_up_bias: torch.Tensor | None = None
     down_bias: torch.Tensor | None = None
-    act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    act: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def rows(self, experts: torch.Tensor, device: torch.device) -> RowBias:
         """Both biases of the rows whose experts are ``experts [n]`` (int64), on ``device``."""
@@ -81,10 +83,10 @@ def _hidden(gate_up: torch.Tensor, ffn: ExpertFFN | None, bias: torch.Tensor | N
     """The activation of ``gate_up [n, 2I]`` (plus its bias rows) -> ``[n, I]``."""
     if bias is not None:
         gate_up = gate_up + bias
+    if ffn is not None and ffn.act is not None:
+        return ffn.act(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
-    if ffn is None or ffn.act is None:
-        return F.silu(gate) * up
-    return ffn.act(gate, up)
+    return F.silu(gate) * up
 
 
 def _biased(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -297,7 +299,9 @@ def _few_tokens(
                 xs = xs.to(h.device)
             gu_bias = down_bias = None
             if ffn is not None:  # this expert's bias rows, [2I] and [H] (broadcast over its rows)
-                gu_bias, down_bias = (None if b is None else b[e].to(h.device) for b in (ffn.gate_up_bias, ffn.down_bias))
+                gu_bias, down_bias = (
+                    None if b is None else b[e].to(h.device) for b in (ffn.gate_up_bias, ffn.down_bias)
+                )
             y = _biased(F.linear(_hidden(F.linear(xs, h.gate_up), ffn, gu_bias), h.down), down_bias)
             if moved:
                 y = y.to(x.device)
@@ -367,6 +371,10 @@ def _loop(
         starts = np.concatenate(([0], ends[:-1]))
         for s in np.flatnonzero(ends > starts).tolist():
             lo, hi = a + int(starts[s]), a + int(ends[s])
-            hidden = _hidden(F.linear(xs[lo:hi], part.gate_up[first + s]), ffn, None if gu_b is None else gu_b[lo:hi])
-            y[lo:hi] = _biased(F.linear(hidden, part.down[first + s]), None if down_b is None else down_b[lo:hi])
+            hidden = _hidden(
+                F.linear(xs[lo:hi], part.gate_up[first + s]), ffn, None if gu_b is None else gu_b[lo:hi]
+            )
+            y[lo:hi] = _biased(
+                F.linear(hidden, part.down[first + s]), None if down_b is None else down_b[lo:hi]
+            )
     return y

@@ -54,8 +54,8 @@ _EXPERT_HF = {"gate": "gate_up_proj", "up": "gate_up_proj", "down": "down_proj"}
 @dataclass(frozen=True, slots=True)
 class ClampedSwiGLU:
     """gpt-oss's expert activation: ``gate`` clamped above at ``limit``, ``up`` to
-    ``[-limit, limit]``, then ``(up + 1) * gate * sigmoid(alpha * gate)`` (transformers'
-    ``GptOssExperts._apply_gate``, same op order).
+    ``[-limit, limit]``, then ``(up + 1) * (gate * sigmoid(gate * alpha))`` (transformers'
+    ``GptOssExperts._apply_gate``, same op order, on our ``[gate | up]`` row layout).
 
     Attributes:
         alpha: sigmoid gain (``swiglu_alpha``, 1.702). limit: clamp (``swiglu_limit``, 7.0).
@@ -64,11 +64,20 @@ class ClampedSwiGLU:
     alpha: float = 1.702
     limit: float = 7.0
 
-    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """``gate``, ``up`` ``[n, I]`` -> ``[n, I]``."""
-        gate = gate.clamp(min=None, max=self.limit)
-        up = up.clamp(min=-self.limit, max=self.limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gate_up [n, 2I]`` (overwritten) -> ``[n, I]``.
+
+        The sigmoid runs in place on the ``up`` half (a view with row stride ``2I``): CPU kernels
+        round a vectorised body and a scalar tail differently, and over a contiguous ``[n, I]``
+        tensor where a row's elements fall depends on ``n``; over the view each row is its own
+        loop, so the grouped, loop and few expert paths give the same bits (as ``F.silu`` on a
+        ``chunk`` view does for the other families). Clamps, products and sums are exact."""
+        i = gate_up.shape[-1] // 2
+        gate, up = gate_up[..., :i], gate_up[..., i:]
+        gate.clamp_(max=self.limit)
+        up_plus_one = up.clamp_(min=-self.limit, max=self.limit) + 1
+        sig = torch.mul(gate, self.alpha, out=up).sigmoid_()
+        return up_plus_one * (gate * sig)
 
 
 def sliding_layers_of(f: ConfigFields, num_layers: int) -> list[int]:
