@@ -17,7 +17,13 @@ import shutil
 
 import pytest
 import torch
-from test_runtime_oracle import _run_collecting_logits, greedy_references
+from test_runtime_oracle import (
+    _run_collecting_logits,
+    assert_matches,
+    check_buffer_stats,
+    greedy_references,
+    join_mid_decode,
+)
 from tiny_models import DEEPSEEK_VARIANTS, make_deepseek_checkpoint
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ref
 
@@ -57,13 +63,8 @@ def test_greedy_tokens_and_logits_match_transformers(deepseek, variant, slots):
         single = _run_collecting_logits(engine, PROMPTS[:1], params)
         batch = _run_collecting_logits(engine, PROMPTS, params)
         stats = engine.buffer.stats
-    for (tokens, logits), (ref_tokens, ref_logits) in zip(single + batch, refs[:1] + refs):
-        assert tokens == ref_tokens
-        torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
-    if slots == 2:  # 8 experts, top-2, 2 slots: experts are evicted and copied in
-        assert stats.demand_bytes > 0 and stats.hit_rate < 0.5
-    else:
-        assert stats.hit_rate == 1.0 and stats.demand_bytes == 0
+    assert_matches(single + batch, refs[:1] + refs)
+    check_buffer_stats(stats, slots)
 
 
 @pytest.mark.parametrize("variant", list(DEEPSEEK_VARIANTS))
@@ -298,11 +299,5 @@ def test_mixed_steps_and_chunked_prefill(deepseek):
     params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
     runtime = RuntimeConfig(buffer_slots=3, max_num_batched_tokens=3, **RUNTIME)
     with LLMEngine.from_pretrained(path, runtime) as engine:
-        engine.add_request("a", PROMPTS[0], params)
-        finals, step = {}, 0
-        while engine.has_unfinished():
-            if step == 5:
-                engine.add_request("b", PROMPTS[1], params)
-            finals.update({o.request_id: o.output_token_ids for o in engine.step() if o.finished})
-            step += 1
+        finals = join_mid_decode(engine, PROMPTS[0], PROMPTS[1], params)
     assert finals == {"a": refs[0][0], "b": refs[1][0]}

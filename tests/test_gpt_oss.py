@@ -22,7 +22,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_experts import _logits
-from test_runtime_oracle import _run_collecting_logits, greedy_references
+from test_runtime_oracle import (
+    _run_collecting_logits,
+    assert_matches,
+    check_buffer_stats,
+    greedy_references,
+    join_mid_decode,
+)
 from tiny_models import make_gpt_oss_checkpoint
 
 from moe_runtime.config import RuntimeConfig
@@ -59,24 +65,9 @@ def test_greedy_tokens_and_logits_match_transformers(gpt_oss, slots):
         batch = _run_collecting_logits(engine, PROMPTS, GREEDY)
         stats = engine.buffer.stats
         lookahead = engine.model.lookahead
-    for (tokens, logits), (ref_tokens, ref_logits) in zip(single + batch, refs[:1] + refs):
-        assert tokens == ref_tokens
-        torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
-    if slots == 2:  # 18 experts, top-2, 2 slots: experts are evicted and copied in
-        assert stats.demand_bytes > 0 and stats.hit_rate < 0.5
-        assert lookahead is not None  # the default eam prefetch ran the router lookahead
-    else:
-        assert stats.hit_rate == 1.0 and stats.demand_bytes == 0
-
-
-def test_prefill_logits_match_forward(gpt_oss):
-    path, model, refs = gpt_oss
-    seq = PROMPTS[2] + refs[2][0]
-    with torch.no_grad():
-        want = model(torch.tensor([seq])).logits[0]
-    with LLMEngine.from_pretrained(path, RuntimeConfig(buffer_slots=2, **RUNTIME)) as engine:
-        got = engine.prefill_logits(seq)
-    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    assert_matches(single + batch, refs[:1] + refs)
+    check_buffer_stats(stats, slots)
+    assert (lookahead is not None) == (slots == 2)  # the eam prefetch (offloading only) ran it
 
 
 def test_chunked_prefill_and_mixed_steps(gpt_oss):
@@ -85,13 +76,7 @@ def test_chunked_prefill_and_mixed_steps(gpt_oss):
     path, _, refs = gpt_oss
     runtime = RuntimeConfig(buffer_slots=3, max_num_batched_tokens=3, **RUNTIME)
     with LLMEngine.from_pretrained(path, runtime) as engine:
-        engine.add_request("a", PROMPTS[2], GREEDY)
-        finals, step = {}, 0
-        while engine.has_unfinished():
-            if step == 5:
-                engine.add_request("b", PROMPTS[0], GREEDY)
-            finals.update({o.request_id: o.output_token_ids for o in engine.step()})
-            step += 1
+        finals = join_mid_decode(engine, PROMPTS[2], PROMPTS[0], GREEDY)
     assert finals == {"a": refs[2][0], "b": refs[0][0]}
 
 
@@ -106,9 +91,7 @@ def test_padded_prefill_of_two_prompts(gpt_oss):
     ):
         results = _run_collecting_logits(engine, [PROMPTS[0], PROMPTS[2]], params)
     assert padded.call_count == engine.config.num_layers  # the one prefill step, every layer
-    for (tokens, logits), (ref_tokens, ref_logits) in zip(results, [refs[0], refs[2]]):
-        assert tokens == ref_tokens[:8]
-        torch.testing.assert_close(logits, ref_logits[:8], atol=ATOL, rtol=0)
+    assert_matches(results, [(tokens[:8], logits[:8]) for tokens, logits in (refs[0], refs[2])])
 
 
 def test_expert_paths_bit_identical(gpt_oss):
@@ -142,14 +125,14 @@ def _without(engine, piece: str) -> None:
 
 
 @pytest.mark.parametrize("piece", ["sinks", "window", "expert biases", "clamp", "router bias"])
-def test_each_piece_changes_the_logits(gpt_oss, piece):
-    """Without the piece the prefill logits are far from transformers' (so the tests above, at 1e-4,
-    check it); with it they match."""
+def test_prefill_logits_need_each_piece(gpt_oss, piece):
+    """Prefill logits of a 42-token sequence at a 2-slot buffer equal transformers' forward; without
+    the piece they are far from it (so the tests above, at 1e-4, check it)."""
     path, model, refs = gpt_oss
-    seq = PROMPTS[2] + refs[2][0][:8]
+    seq = PROMPTS[2] + refs[2][0]
     with torch.no_grad():
         want = model(torch.tensor([seq])).logits[0]
-    with LLMEngine.from_pretrained(path, RuntimeConfig(**RUNTIME)) as engine:
+    with LLMEngine.from_pretrained(path, RuntimeConfig(buffer_slots=2, **RUNTIME)) as engine:
         torch.testing.assert_close(engine.prefill_logits(seq), want, atol=ATOL, rtol=0)
         _without(engine, piece)
         assert (engine.prefill_logits(seq) - want).abs().max() > 100 * ATOL
