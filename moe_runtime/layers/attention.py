@@ -20,12 +20,15 @@ gpt-oss adds two options, each a change of the mask only (:func:`_sdpa`):
   the step's boolean masks (a visible prefix per query) keep their last ``window`` keys. The KV
   cache stays full length (memory is not saved, the keys outside the window are masked out);
 * attention sinks (``sinks [Hq]``): a learned logit per head that joins the softmax denominator
-  and carries no value. Each call gets one extra key column with ``k = 0`` and ``v = 0`` (the
-  keys and values are padded, one copy) and a float mask whose value in that column is the
-  head's sink (``q . 0 * scale + sink = sink``), ``-inf`` where a key is hidden and 0 elsewhere:
-  ``softmax`` then equals transformers' ``[logits | sink]`` softmax with the sink column
-  dropped. A float mask rules out the flash backend on CUDA: those calls run the
-  memory-efficient kernel (or math); on CPU any SDPA backend takes it.
+  and carries no value. Each call gets one extra key, always visible, whose logit is the sink:
+  queries, keys and values are padded by :data:`SINK_PAD` head dims (zeros; one copy each), a
+  query holds ``sink_h / scale`` in the first of them, the extra key 1 there and 0 elsewhere,
+  its value 0; real keys hold 0 there, so their logits are unchanged and the extra key's is
+  ``sink_h`` (to rounding). The softmax then equals transformers' ``[logits | sink]`` softmax
+  with the sink dropped; the output's padded dims are dropped. The mask stays boolean and shared
+  by the heads (a per-head float mask would cost ``heads x queries x keys`` elements per call,
+  2 GiB for a 4096-token bf16 prefill of gpt-oss-20b). Any mask rules out the flash backend on
+  CUDA: those calls run the memory-efficient kernel (or math); on CPU any SDPA backend takes it.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ from moe_runtime.layers.kv_cache import KVCache
 
 # SDPA backends allowed on CUDA: none of them re-plans when the KV length changes
 CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# head dims added for attention sinks: one carries the sink, the rest keep the width a multiple of 8
+SINK_PAD = 8
 
 
 def attention(
@@ -115,15 +120,18 @@ def _sdpa(
         visible = visible & (visible.flip(-1).cumsum(-1).flip(-1) <= window)
     if sinks is None:
         return F.scaled_dot_product_attention(q, keys, vals, attn_mask=visible, enable_gqa=True)
-    b, heads, lq, _ = q.shape
-    bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
-    bias = bias.expand(b, heads, lq, -1)  # [B, Hq, Lq, C]
-    sink = sinks.to(q.dtype).view(1, heads, 1, 1).expand(b, heads, lq, 1)
-    # one zero key and value per row: its logit is 0 + sink, its value adds nothing
-    keys, vals = F.pad(keys, (0, 0, 0, 1)), F.pad(vals, (0, 0, 0, 1))
-    return F.scaled_dot_product_attention(
-        q, keys, vals, attn_mask=torch.cat((bias, sink), dim=-1), enable_gqa=True
-    )
+    d, heads = q.shape[-1], q.shape[1]
+    scale = d**-0.5
+    # one extra key per row (1 in dim d, 0 elsewhere; value 0), always visible; each query carries
+    # its head's sink / scale in dim d, where the real keys hold 0: its logit is the sink
+    qs = F.pad(q, (0, SINK_PAD))
+    qs[..., d] = (sinks.float() / scale).to(q.dtype).view(heads, 1)
+    ks = F.pad(keys, (0, SINK_PAD, 0, 1))
+    ks[..., -1, d] = 1
+    vs = F.pad(vals, (0, SINK_PAD, 0, 1))
+    mask = F.pad(visible, (0, 1), value=True)
+    out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[..., :d]
 
 
 def _prefill_padded(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, step, extra=None) -> torch.Tensor:
