@@ -155,6 +155,28 @@ def test_rotary_equals_transformers(gpt_oss):
     assert torch.equal(got_q, want_q[0].transpose(0, 1)) and torch.equal(got_k, want_k[0].transpose(0, 1))
 
 
+@pytest.mark.parametrize("window", [None, 3], ids=["full", "window-3"])
+def test_sink_attention_equals_transformers_eager(window):
+    """One SDPA with sinks (and a window) over 5 new queries after 4 cached keys, GQA 4:2, equals
+    transformers' ``eager_attention_forward`` with the same sinks and its mask rule
+    (``q - window < kv <= q``)."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, n, 16, generator=gen) for h, n in ((4, 5), (2, 9), (2, 9)))
+    sinks = torch.randn(4, generator=gen)
+    pos, kv = torch.arange(4, 9)[:, None], torch.arange(9)[None, :]
+    visible = (kv <= pos) & (kv > pos - window if window else True)
+    module = SimpleNamespace(num_key_value_groups=2, sinks=sinks, training=False)
+    mask = torch.zeros(5, 9).masked_fill(~visible, float("-inf"))[None, None]
+    want, _ = eager_attention_forward(module, q, k, v, mask, scaling=16**-0.5)
+    prefix = torch.ones(5, 9, dtype=torch.bool).tril(diagonal=4)  # the step's causal mask
+    got = attention._sdpa(q, k, v, prefix, (sinks, window))
+    torch.testing.assert_close(got.transpose(1, 2), want, atol=1e-6, rtol=0)
+
+
 def test_router_and_lookahead_match_transformers(gpt_oss):
     """route() picks transformers' experts with its weights on 256 tokens; the router lookahead's
     logits for layer 1 equal layer 1's biased router on the normed residual."""
