@@ -34,7 +34,7 @@ from tiny_models import make_gpt_oss_checkpoint
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine.engine import LLMEngine
 from moe_runtime.engine.request import SamplingParams
-from moe_runtime.errors import ConfigError
+from moe_runtime.errors import CheckpointError, ConfigError
 from moe_runtime.layers import attention
 from moe_runtime.layers.norm import rms_norm
 from moe_runtime.layers.rotary import Rotary
@@ -238,6 +238,31 @@ def test_bad_config_fields_are_named(gpt_oss, tmp_path, change, field):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match=field):
         read_model_config(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("name", "change", "message"),
+    [
+        ("model.layers.1.mlp.experts.gate_up_proj", "transpose", "gate_up_proj: expected shape"),
+        ("model.layers.0.self_attn.sinks", "drop", "missing tensor model.layers.0.self_attn.sinks"),
+        ("model.layers.2.mlp.experts.down_proj_bias", "drop", "missing tensor .*down_proj_bias"),
+    ],
+)
+def test_bad_tensors_are_named(gpt_oss, tmp_path, name, change, message):
+    """A fused expert tensor in the wrong orientation or a missing sink / expert-bias tensor is
+    refused, naming the checkpoint tensor."""
+    from safetensors.torch import load_file, save_file
+
+    src = gpt_oss[0]
+    tensors = load_file(str(src / "model.safetensors"))
+    if change == "drop":
+        del tensors[name]
+    else:
+        tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    shutil.copy(src / "config.json", tmp_path / "config.json")
+    with pytest.raises(CheckpointError, match=message):
+        LLMEngine.from_pretrained(tmp_path, RuntimeConfig(**RUNTIME))
 
 
 GPT_OSS_20B = {  # gpt-oss-20b's config.json (the fields we read), without its quantization_config
