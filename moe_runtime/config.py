@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from moe_runtime.layers.mla import MLAShape
     from moe_runtime.layers.rotary import LongRoPE
     from moe_runtime.layers.routing import Routing
+    from moe_runtime.layers.yarn import YarnScaling
+    from moe_runtime.models.gpt_oss import ClampedSwiGLU
 
 DTYPES = {
     "fp32": torch.float32,
@@ -89,14 +91,27 @@ class ModelConfig:
         rotary_dim: leading dims of each head RoPE turns (``partial_rotary_factor * head_dim``,
             GLM-4.5: half); None = the whole head.
         longrope: LongRoPE scaling (Phi-3.5-MoE), a :class:`moe_runtime.layers.rotary.LongRoPE`.
-        o_bias: the attention output projection carries a bias (Phi-3.5-MoE).
+        o_bias: the attention output projection carries a bias (Phi-3.5-MoE, gpt-oss;
+            ``attention_bias`` covers q/k/v).
         lm_head_bias: the LM head carries a bias (Phi-3.5-MoE's ``lm_head_bias``).
+        yarn: YaRN scaling of the GQA RoPE (gpt-oss), a :class:`moe_runtime.layers.yarn.YarnScaling`;
+            None = plain RoPE (MLA keeps its own in ``mla``).
+        attention_sinks: each attention head has a learned sink logit ``sinks [heads]`` that joins
+            the softmax denominator and carries no value (gpt-oss).
+        sliding_window / sliding_layers: the decoder layers in ``sliding_layers`` let a query see
+            only the last ``sliding_window`` positions (itself included); the others attend fully.
+        router_logit_bias: the router is a linear layer with a bias ``[E]`` (gpt-oss).
+        expert_bias: each routed expert's projections carry biases, kept resident per MoE layer
+            as ``[E, 2I]`` (``[gate | up]``) and ``[E, H]`` (gpt-oss).
+        expert_act: the experts' activation of ``(gate, up)``: None = ``silu(gate) * up``, or a
+            :class:`moe_runtime.models.gpt_oss.ClampedSwiGLU` (gpt-oss).
 
     Raises:
         ConfigError: an integer size outside :data:`MODEL_LIMITS`, an odd ``head_dim``, heads not
             a multiple of KV heads, top-k above the expert count, no MoE layer or one out of range,
             dense layers without a dense width, a non-finite or non-positive ``rope_theta``,
-            ``rms_norm_eps`` or ``clip_qkv``, an ``attention_kind`` that does not match ``mla``.
+            ``rms_norm_eps`` or ``clip_qkv``, an ``attention_kind`` that does not match ``mla``,
+            sliding layers out of range or without a ``sliding_window >= 1``.
             Messages name the field; the loader prefixes the
             ``config.json`` path.
     """
@@ -135,6 +150,13 @@ class ModelConfig:
     longrope: LongRoPE | None = None
     o_bias: bool = False
     lm_head_bias: bool = False
+    yarn: YarnScaling | None = None
+    attention_sinks: bool = False
+    sliding_window: int | None = None
+    sliding_layers: list[int] = field(default_factory=list)
+    router_logit_bias: bool = False
+    expert_bias: bool = False
+    expert_act: ClampedSwiGLU | None = None
 
     def __post_init__(self) -> None:
         for name, (lo, hi) in MODEL_LIMITS.items():
@@ -182,6 +204,10 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")
         if self.clip_qkv is not None and not (math.isfinite(self.clip_qkv) and self.clip_qkv > 0):
             raise ConfigError(f"clip_qkv must be null or a finite number > 0, got {self.clip_qkv!r}")
+        if any(not 0 <= i < self.num_layers for i in self.sliding_layers):
+            raise ConfigError(f"sliding layers {self.sliding_layers} are not all in [0, {self.num_layers})")
+        if self.sliding_layers and (self.sliding_window is None or self.sliding_window < 1):
+            raise ConfigError(f"sliding_window must be an integer >= 1, got {self.sliding_window!r}")
 
     @property
     def num_moe_layers(self) -> int:

@@ -244,7 +244,7 @@ def load_checkpoint(
                 src = f"{f.name}: tensor {name}"
                 check_weight_dtype(tensor, src)
                 if isinstance(kind, ExpertTensor):
-                    _store_expert(store, kind, moe_index, tensor, src)
+                    _store_expert(store, family, kind, moe_index, tensor, src)
                 else:
                     if kind not in want:
                         raise CheckpointError(f"{src} is not expected for this config")
@@ -252,6 +252,7 @@ def load_checkpoint(
                         raise CheckpointError(
                             f"{src}: expected shape {list(want[kind])}, found {list(tensor.shape)}"
                         )
+                    tensor = family.dense_tensor(kind, tensor)
                     try:
                         dense[kind] = tensor.to(device=device, dtype=family.dense_dtype(kind, dtype))
                     except torch.OutOfMemoryError:  # taken by another process since the plan was checked
@@ -265,12 +266,7 @@ def load_checkpoint(
     for name in want:
         if name not in dense:
             raise CheckpointError(f"{path}: missing tensor {family.hf_name(name)}")
-    parts = dict((v, k) for k, v in family.expert_parts)
-    store.check_complete(
-        lambda li, e, part: (
-            f"model.layers.{cfg.moe_layers[li]}.{family.moe_prefix}.experts.{e}.{parts[part]}.weight"
-        )
-    )
+    store.check_complete(lambda li, e, part: family.expert_name(cfg.moe_layers[li], e, part))
     root = model_root(path)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         if (path / name).exists():
@@ -282,7 +278,12 @@ def load_checkpoint(
 
 
 def _store_expert(
-    store: HostExpertStore, kind: ExpertTensor, moe_index: dict[int, int], tensor: torch.Tensor, src: str
+    store: HostExpertStore,
+    family: Family,
+    kind: ExpertTensor,
+    moe_index: dict[int, int],
+    tensor: torch.Tensor,
+    src: str,
 ) -> None:
     if kind.layer not in moe_index:
         raise CheckpointError(f"{src}: layer {kind.layer} is not an MoE layer in config.json")
@@ -290,14 +291,13 @@ def _store_expert(
     if kind.expert is not None:
         check_finite(store.write(layer, kind.expert, kind.part, tensor, src), tensor, src)
         return
-    # Fused [E, 2I, H] gate_up / [E, H, I] down tensors (transformers>=5 in-memory layout).
+    # Fused [E, ...] gate_up / down tensors, in the family's layout (Family.fused_experts).
     if tensor.dim() != 3 or tensor.shape[0] != store.num_experts:
         raise CheckpointError(
             f"{src}: expected {store.num_experts} stacked experts, found shape {list(tensor.shape)}"
         )
-    i = store.intermediate_size
-    pieces = {"gate": (slice(None, i),), "up": (slice(i, None),)} if kind.part == "gate_up" else {"down": ()}
+    stacks = family.fused_experts(kind.part, tensor, store.intermediate_size)
     for e in range(store.num_experts):
-        for part, rows in pieces.items():
-            stored = tensor[(e, *rows)]
+        for part, stack in stacks.items():
+            stored = stack[e]
             check_finite(store.write(layer, e, part, stored, src), stored, src)

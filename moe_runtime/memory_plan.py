@@ -8,9 +8,10 @@ The plan counts the large, long-lived allocations:
 
 - **host**: the expert store, ``L * E * 3 * I * H`` elements in the runtime dtype;
 - **compute device**: the dense weights (embeddings, attention, norms, routers, shared experts, LM
-  head), the expert buffer's slots (none when one CPU device holds every expert: the slots are
-  the store itself) and the static KV cache, ``layers * max_batch_size * max_model_len *
-  kv_elements_per_token`` elements (``2 * kv_heads * head_dim``, or for MLA the latent width
+  head; gpt-oss's attention sinks, o/router biases and resident expert biases), the expert
+  buffer's slots (none when one CPU device holds every expert: the slots are the store itself) and
+  the static KV cache, ``layers * max_batch_size * max_model_len * kv_elements_per_token``
+  elements (``2 * kv_heads * head_dim``, or for MLA the latent width
   ``kv_lora_rank + qk_rope_head_dim``).
 
 On CPU the device bytes come out of host memory too. Activations, the router lookahead's folded

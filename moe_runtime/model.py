@@ -2,9 +2,10 @@
 
 ``forward(input_ids [T], step) -> logits [N, V]`` for the N tokens that sample. Per decoder layer:
 RMSNorm (LayerNorm for Phi-3.5-MoE) -> q/k/v projections (+bias) -> q/k norm (per head or full) ->
-RoPE (partial, LongRoPE) -> attention with the KV cache -> o projection (+bias) -> residual -> RMSNorm
--> MoE block (or dense MLP) -> residual. DeepSeek
-families attend with multi-head latent attention instead (``moe_runtime.layers.mla``).
+RoPE (partial, LongRoPE, YaRN) -> attention with the KV cache -> o projection (+bias) -> residual ->
+RMSNorm -> MoE block (or dense MLP) -> residual. DeepSeek families attend with multi-head latent
+attention instead (``moe_runtime.layers.mla``); gpt-oss adds attention sinks, sliding-window layers
+and biased experts with its own activation (``moe_runtime.models.gpt_oss``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from moe_runtime.buffer import ExpertBuffer
 from moe_runtime.config import ModelConfig
 from moe_runtime.engine.context import StepContext
 from moe_runtime.layers.attention import attention
-from moe_runtime.layers.experts import select_expert_path
+from moe_runtime.layers.experts import ExpertFFN, select_expert_path
 from moe_runtime.layers.kv_cache import KVCache
 from moe_runtime.layers.mla import MLAttention
 from moe_runtime.layers.moe import moe_block
@@ -49,11 +50,27 @@ class MoEModel:
         self.kv = kv_cache
         emb = dense["embed"]
         self.rotary = Rotary(
-            cfg.head_dim, cfg.rope_theta, max_len, emb.dtype, emb.device, cfg.rotary_dim, cfg.longrope
+            cfg.head_dim,
+            cfg.rope_theta,
+            max_len,
+            emb.dtype,
+            emb.device,
+            cfg.rotary_dim,
+            cfg.longrope,
+            cfg.yarn,
         )
         self.mla = MLAttention(cfg, max_len, emb.dtype, emb.device) if cfg.attention_kind == "mla" else None
         self.lm_head = dense["embed"] if cfg.tie_word_embeddings else dense["lm_head"]
         self.moe_index = {layer: i for i, layer in enumerate(cfg.moe_layers)}
+        self.windows = {layer: cfg.sliding_window for layer in cfg.sliding_layers}  # sliding layers
+        # per MoE layer: the experts' biases and activation when not the plain SwiGLU (gpt-oss)
+        self.ffn: dict[int, ExpertFFN] = {}
+        if cfg.expert_bias or cfg.expert_act is not None:
+            for layer in cfg.moe_layers:
+                p = f"layers.{layer}."
+                self.ffn[layer] = ExpertFFN(
+                    dense.get(p + "expert_gate_up_bias"), dense.get(p + "expert_down_bias"), cfg.expert_act
+                )
         self.recorder: Any | None = None
         self.prefetcher: Any | None = None
         self.lookahead: RouterLookahead | None = None  # set when the prefetch policy uses it
@@ -87,6 +104,7 @@ class MoEModel:
                     self.prefetcher,
                     ahead,
                     self.expert_path,
+                    self.ffn.get(layer),
                 )
             else:
                 h = F.linear(
@@ -116,5 +134,5 @@ class MoEModel:
             q = rms_norm(q, w[p + "q_norm"], cfg.rms_norm_eps)
             k = rms_norm(k, w[p + "k_norm"], cfg.rms_norm_eps)
         q, k = self.rotary.apply(q, k, step.positions)
-        out = attention(q, k, v, layer, self.kv, step)  # [T, Hq * D]
-        return F.linear(out, w[p + "o"], w.get(p + "o_bias"))
+        out = attention(q, k, v, layer, self.kv, step, w.get(p + "sinks"), self.windows.get(layer))
+        return F.linear(out, w[p + "o"], w.get(p + "o_bias"))  # [T, H]

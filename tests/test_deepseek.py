@@ -17,7 +17,12 @@ import shutil
 
 import pytest
 import torch
-from test_runtime_oracle import check_greedy_matches, check_prefill_matches, greedy_references
+from test_runtime_oracle import (
+    check_greedy_matches,
+    check_prefill_matches,
+    greedy_references,
+    join_mid_decode,
+)
 from tiny_models import DEEPSEEK_VARIANTS, make_deepseek_checkpoint
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ref
 
@@ -281,11 +286,5 @@ def test_mixed_steps_and_chunked_prefill(deepseek):
     params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
     runtime = RuntimeConfig(buffer_slots=3, max_num_batched_tokens=3, **RUNTIME)
     with LLMEngine.from_pretrained(path, runtime) as engine:
-        engine.add_request("a", PROMPTS[0], params)
-        finals, step = {}, 0
-        while engine.has_unfinished():
-            if step == 5:
-                engine.add_request("b", PROMPTS[1], params)
-            finals.update({o.request_id: o.output_token_ids for o in engine.step() if o.finished})
-            step += 1
+        finals = join_mid_decode(engine, PROMPTS[0], PROMPTS[1], params)
     assert finals == {"a": refs[0][0], "b": refs[1][0]}

@@ -76,11 +76,12 @@ PUBLISHED_EXTRA = {
         dict(lm_head_bias=True, router_jitter_noise=0.01, sliding_window=131072),
     ),
 }
-SERVED = {  # made shape -> (our family, MoE layers of a 4-layer checkpoint); gpt-oss: transformers only
+SERVED = {  # made shape -> (our family, MoE layers of a 4-layer checkpoint)
     "deepseek-v2-lite": ("deepseek_v2", [1, 2, 3]),
     "deepseek-v3": ("deepseek_v3", [3]),
     "glm-4.5-air": ("glm4_moe", [1, 2, 3]),
     "phi-3.5-moe": ("phimoe", [0, 1, 2, 3]),
+    "gpt-oss-20b": ("gpt_oss", [0, 1, 2, 3]),
 }
 PROMPT = "The quick brown fox jumps over"
 
@@ -185,8 +186,7 @@ def _greedy(engine, prompt, n):
     "name", [*PUBLISHED, "deepseek-v2-lite", "glm-4.5-air", "phi-3.5-moe", "gpt-oss-20b"]
 )
 def test_made_checkpoint_loads_in_both_and_agrees(capsys, tmp_path, name):
-    """Written at --shrink 16; gpt-oss is checked in transformers only (its family is served
-    elsewhere)."""
+    """Written at --shrink 16: transformers loads it, and our greedy tokens equal its own."""
     out = tmp_path / "ckpt"
     rc = main(
         [
@@ -224,7 +224,6 @@ def test_made_checkpoint_loads_in_both_and_agrees(capsys, tmp_path, name):
             "sliding_attention",
             "full_attention",
         ]
-        return
     with LLMEngine.from_pretrained(
         out, RuntimeConfig(buffer_slots=2, max_model_len=64, max_batch_size=1)
     ) as eng:

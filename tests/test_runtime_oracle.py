@@ -106,6 +106,35 @@ def _run_collecting_logits(engine, prompts, params):
     return [(tokens[r], torch.stack(logits[r])) for r in ids]
 
 
+def assert_matches(results, refs, atol: float = ATOL) -> None:
+    """Each ``(tokens, step logits)`` equals its reference's tokens, logits within ``atol``."""
+    assert len(results) == len(refs)
+    for (tokens, logits), (ref_tokens, ref_logits) in zip(results, refs):
+        assert tokens == ref_tokens
+        torch.testing.assert_close(logits, ref_logits, atol=atol, rtol=0)
+
+
+def check_buffer_stats(stats, slots: int | None) -> None:
+    """At a 2-slot buffer experts were evicted and copied in; all resident, every lookup hit."""
+    if slots == 2:
+        assert stats.demand_bytes > 0 and stats.hit_rate < 0.5
+    else:
+        assert stats.hit_rate == 1.0 and stats.demand_bytes == 0
+
+
+def join_mid_decode(engine, first, second, params, at_step: int = 5) -> dict[str, list[int]]:
+    """Run request ``a`` (prompt ``first``), add ``b`` (``second``) before step ``at_step`` (a
+    step mixing its prefill with ``a``'s decode); each request's output tokens."""
+    engine.add_request("a", first, params)
+    finals, step = {}, 0
+    while engine.has_unfinished():
+        if step == at_step:
+            engine.add_request("b", second, params)
+        finals.update({o.request_id: o.output_token_ids for o in engine.step() if o.finished})
+        step += 1
+    return finals
+
+
 @pytest.mark.parametrize("slots", [None, 2], ids=["all-resident", "2-slots"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_single_prompt_matches_transformers(tiny_checkpoints, references, family, slots):

@@ -251,3 +251,44 @@ def make_phimoe_checkpoint(path: Path, seed: int = 0, **overrides) -> Path:
     return _make_with_random_vectors(
         "Phimoe", {**PHIMOE, "rope_parameters": phimoe_rope(seed=seed), **overrides}, path, seed
     )
+
+
+def make_gpt_oss_checkpoint(path: Path, seed: int = 0, sliding_window: int = 4) -> Path:
+    """A tiny gpt-oss checkpoint with non-default settings: 3 layers alternating sliding (window
+    ``sliding_window``, shorter than the test prompts) and full attention, 6 experts, top-2, GQA
+    (4 heads, 2 KV heads, head_dim 16), YaRN RoPE without truncation, random attention sinks,
+    router and expert biases (transformers initialises the biases to zero), a tight SwiGLU clamp."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.GptOssConfig(
+        num_hidden_layers=3,
+        num_local_experts=6,
+        num_experts_per_tok=2,
+        intermediate_size=48,
+        head_dim=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=sliding_window,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        swiglu_limit=1.0,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 8.0,
+            "beta_fast": 16.0,
+            "beta_slow": 2.0,
+            "truncate": False,
+            "original_max_position_embeddings": 32,
+        },
+        **COMMON,
+    )
+    model = transformers.GptOssForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+            elif name.endswith(("sinks", "bias")):  # sinks [heads], router and expert biases
+                p.normal_(0, 0.5 if name.endswith("sinks") else 0.1)
+    model.save_pretrained(path)
+    return path

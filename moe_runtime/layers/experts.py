@@ -18,11 +18,17 @@ ranks sorted by expert id; the final sum adds rank 0, 1, ... in that order, as t
 ascending ``index_add_`` loop does, whatever batches the experts ran in. Each expert's rows are
 computed as ``F.linear`` would (checked at load by :func:`select_expert_path`), so outputs do not
 depend on the path, the buffer size or the policy.
+
+gpt-oss's experts (:class:`ExpertFFN`) add a bias per expert to each projection and use another
+activation; the biases are small resident tensors of the MoE layer (``[E, 2I]``, ``[E, H]``), not
+part of the slots, gathered per row by expert id (one more index in the grouped path's upload).
+Without an :class:`ExpertFFN` every path runs exactly the ops it ran before.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -46,6 +52,46 @@ MAX_GAP = {"cuda": MAX_GROUPS, "cpu": 8}
 # rows. CUDA: 0, the grouped call's two launches beat two matmuls' launches per expert.
 FEW_TOKENS = {"cpu": 3, "cuda": 0}
 Segment = tuple[int, int, int]  # (first slot, slot count, first row) of one grouped call
+RowBias = tuple[torch.Tensor | None, torch.Tensor | None]  # per-row gate_up [n, 2I] / down [n, H] biases
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertFFN:
+    """What one MoE layer's experts compute beyond ``down(silu(gate) * up)`` (gpt-oss).
+
+    Attributes:
+        gate_up_bias: ``[E, 2I]`` bias of the fused gate/up projection, ``[gate | up]`` order as the
+            slots' rows, or None. down_bias: ``[E, H]`` bias of the down projection, or None.
+        act: ``gate_up [n, 2I]`` (``[gate | up]``, a fresh tensor it may overwrite) -> ``[n, I]``;
+            None = ``silu(gate) * up``. It must give each row the same bits whatever rows are
+            beside it (the paths batch rows differently): see ``ClampedSwiGLU``.
+    """
+
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    act: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def rows(self, experts: torch.Tensor, device: torch.device) -> RowBias:
+        """Both biases of the rows whose experts are ``experts [n]`` (int64), on ``device``."""
+        return tuple(  # type: ignore[return-value]
+            None if b is None else b.index_select(0, experts).to(device)
+            for b in (self.gate_up_bias, self.down_bias)
+        )
+
+
+def _hidden(gate_up: torch.Tensor, ffn: ExpertFFN | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """The activation of ``gate_up [n, 2I]`` (plus its bias rows) -> ``[n, I]``."""
+    if bias is not None:
+        gate_up = gate_up + bias
+    if ffn is not None and ffn.act is not None:
+        return ffn.act(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _biased(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``y`` plus the down projection's bias rows, if any."""
+    return y if bias is None else y + bias
 
 
 def select_expert_path(
@@ -159,6 +205,7 @@ def run_experts(
     run: Any,
     num_experts: int,
     path: str,
+    ffn: ExpertFFN | None = None,
 ) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
     """The routed experts' output for ``x [T, H]``.
 
@@ -167,13 +214,14 @@ def run_experts(
         run: the layer run (:meth:`ExpertBuffer.start_layer`); its ``batches()`` are consumed.
         path: ``grouped`` or ``loop`` (:func:`select_expert_path`), or ``few`` (each expert on its
             own rows, no grouped index work; :func:`step_path` picks it for steps of few tokens).
+        ffn: per-expert biases and activation (gpt-oss), or None.
 
     Returns:
         (``out [T, H]``, hit ``[E]`` bool, blocked seconds ``[E]``).
     """
     t, k = ids_host.shape
     if path == "few":
-        return _few_tokens(x, weights, ids_host, run, num_experts)
+        return _few_tokens(x, weights, ids_host, run, num_experts, ffn)
     plan = LayerPlan(ids_host, num_experts, MAX_GAP.get(x.device.type, MAX_GROUPS))
     w_flat = weights.reshape(-1)
     contrib = torch.empty((t * k, x.shape[1]), dtype=x.dtype, device=x.device)  # (token, rank) rows
@@ -184,16 +232,22 @@ def run_experts(
             hit[h.expert], blocked[h.expert] = h.hit, h.blocked_s
         for part, pos, segments, offs in plan.calls(batch):
             n = len(pos)
-            # uploads without a sync: token, weight and row index of each sorted row; the offs
-            host = np.concatenate([pos // k, plan.weight_src[pos], pos])
+            # uploads without a sync: token, weight and row index (and with biases the expert) of
+            # each sorted row; the offs
+            parts = [pos // k, plan.weight_src[pos], pos]
+            biased = ffn is not None and (ffn.gate_up_bias is not None or ffn.down_bias is not None)
+            host = np.concatenate([*parts, plan.expert[pos]] if biased else parts)
             dev = torch.from_numpy(host).to(x.device, non_blocking=True)
             xs = x.index_select(0, dev[:n])  # [n, H] token rows sorted by slot
             if part.device != x.device:
                 xs = xs.to(part.device)
+            bias = ffn.rows(dev[3 * n :], part.device) if biased else (None, None)
             if path == "grouped":
-                y = _grouped(xs, part, segments, torch.from_numpy(offs).to(part.device, non_blocking=True))
+                y = _grouped(
+                    xs, part, segments, torch.from_numpy(offs).to(part.device, non_blocking=True), ffn, bias
+                )
             else:
-                y = _loop(xs, part, segments, offs)
+                y = _loop(xs, part, segments, offs, ffn, bias)
             if part.device != x.device:
                 y = y.to(x.device)
             # scaled by the router weight, then cast, as the reference does
@@ -204,7 +258,12 @@ def run_experts(
 
 
 def _few_tokens(
-    x: torch.Tensor, weights: torch.Tensor, ids_host: np.ndarray, run: Any, num_experts: int
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids_host: np.ndarray,
+    run: Any,
+    num_experts: int,
+    ffn: ExpertFFN | None = None,
 ) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
     """:func:`run_experts` for a step of few tokens (``x [T, H]``, T at most
     :data:`FEW_TOKENS`): each expert as two ``F.linear`` on its slot views over its own rows, in
@@ -238,8 +297,12 @@ def _few_tokens(
             moved = h.device != x.device
             if moved:
                 xs = xs.to(h.device)
-            gate, up = F.linear(xs, h.gate_up).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, h.down)
+            gu_bias = down_bias = None
+            if ffn is not None:  # this expert's bias rows, [2I] and [H] (broadcast over its rows)
+                gu_bias, down_bias = (
+                    None if b is None else b[e].to(h.device) for b in (ffn.gate_up_bias, ffn.down_bias)
+                )
+            y = _biased(F.linear(_hidden(F.linear(xs, h.gate_up), ffn, gu_bias), h.down), down_bias)
             if moved:
                 y = y.to(x.device)
             y = y * w
@@ -263,34 +326,55 @@ def _sum_in_order(ranks: Sequence[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def _grouped(xs: torch.Tensor, part: Any, segments: list[Segment], offs: torch.Tensor) -> torch.Tensor:
+def _grouped(
+    xs: torch.Tensor,
+    part: Any,
+    segments: list[Segment],
+    offs: torch.Tensor,
+    ffn: ExpertFFN | None = None,
+    bias: RowBias = (None, None),
+) -> torch.Tensor:
     """Both projections of each segment's slots as one grouped GEMM each; ``offs`` as
-    :meth:`LayerPlan.calls` (on the device, int32)."""
+    :meth:`LayerPlan.calls` (on the device, int32); ``bias``: the rows' biases (:class:`ExpertFFN`)."""
     outs, o = [], 0
     for i, (first, count, a) in enumerate(segments):
         b = segments[i + 1][2] if i + 1 < len(segments) else xs.shape[0]
-        xseg = xs if len(segments) == 1 else xs[a:b]
-        oseg = offs if len(segments) == 1 else offs[o : o + count]
+        whole = len(segments) == 1
+        xseg = xs if whole else xs[a:b]
+        gu_b, down_b = (t if t is None or whole else t[a:b] for t in bias)
+        oseg = offs if whole else offs[o : o + count]
         o += count
         if count == 1:  # one expert: F.linear (same result, fewer ops than a one-group call)
-            gate, up = F.linear(xseg, part.gate_up[first]).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate) * up, part.down[first]))
+            hidden = _hidden(F.linear(xseg, part.gate_up[first]), ffn, gu_b)
+            outs.append(_biased(F.linear(hidden, part.down[first]), down_b))
             continue
-        gate, up = F.grouped_mm(xseg, part.gate_up_t[first : first + count], offs=oseg).chunk(2, dim=-1)
-        outs.append(F.grouped_mm(F.silu(gate) * up, part.down_t[first : first + count], offs=oseg))
+        hidden = _hidden(F.grouped_mm(xseg, part.gate_up_t[first : first + count], offs=oseg), ffn, gu_b)
+        outs.append(_biased(F.grouped_mm(hidden, part.down_t[first : first + count], offs=oseg), down_b))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def _loop(xs: torch.Tensor, part: Any, segments: list[Segment], offs: np.ndarray) -> torch.Tensor:
+def _loop(
+    xs: torch.Tensor,
+    part: Any,
+    segments: list[Segment],
+    offs: np.ndarray,
+    ffn: ExpertFFN | None = None,
+    bias: RowBias = (None, None),
+) -> torch.Tensor:
     """The same rows, two ``F.linear`` per used slot (the fallback path); ``offs`` on the host."""
     y = torch.empty_like(xs)
     o = 0
+    gu_b, down_b = bias
     for first, count, a in segments:
         ends = offs[o : o + count]
         o += count
         starts = np.concatenate(([0], ends[:-1]))
         for s in np.flatnonzero(ends > starts).tolist():
             lo, hi = a + int(starts[s]), a + int(ends[s])
-            gate, up = F.linear(xs[lo:hi], part.gate_up[first + s]).chunk(2, dim=-1)
-            y[lo:hi] = F.linear(F.silu(gate) * up, part.down[first + s])
+            hidden = _hidden(
+                F.linear(xs[lo:hi], part.gate_up[first + s]), ffn, None if gu_b is None else gu_b[lo:hi]
+            )
+            y[lo:hi] = _biased(
+                F.linear(hidden, part.down[first + s]), None if down_b is None else down_b[lo:hi]
+            )
     return y

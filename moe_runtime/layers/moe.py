@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from moe_runtime.buffer import ExpertBuffer
 from moe_runtime.config import ModelConfig
 from moe_runtime.engine.context import StepContext
-from moe_runtime.layers.experts import run_experts, step_path
+from moe_runtime.layers.experts import ExpertFFN, run_experts, step_path
 from moe_runtime.layers.routing import route
 
 
@@ -38,6 +38,7 @@ def moe_block(
     prefetcher: Any | None,
     ahead: torch.Tensor | None = None,
     expert_path: str = "grouped",
+    ffn: ExpertFFN | None = None,
 ) -> torch.Tensor:
     """Apply MoE layer ``moe_layer`` (decoder layer ``layer``) to ``x [T, H]``; returns ``[T, H]``.
 
@@ -45,9 +46,10 @@ def moe_block(
     uses them (``moe_runtime.layers.router_lookahead``); handed to ``prefetcher.observe_lookahead``.
     ``expert_path``: ``grouped`` or ``loop`` (``moe_runtime.layers.experts.select_expert_path``);
     steps of few tokens run the ``few`` path instead (``moe_runtime.layers.experts.step_path``).
+    ``ffn``: the experts' biases and activation when they are not the plain SwiGLU (gpt-oss).
     """
     p = f"layers.{layer}."
-    weights, ids = route(x, w[p + "router"], cfg, w.get(p + "router_bias"))
+    weights, ids = route(x, w[p + "router"], cfg, w.get(p + "router_bias"), w.get(p + "router_logit_bias"))
     num_experts = cfg.num_experts
     if prefetcher is None:
         ahead = None
@@ -68,7 +70,7 @@ def moe_block(
                 prefetcher.observe_lookahead(moe_layer, ahead_host)
             prefetcher.after_routing(moe_layer, step.request_ids, ids_host)
         path = step_path(expert_path, x.device, x.shape[0])
-        out, hit, blocked = run_experts(x, weights, ids_host, run, num_experts, path)
+        out, hit, blocked = run_experts(x, weights, ids_host, run, num_experts, path, ffn)
     finally:
         run.close()
     _attribute(step, ids_host, needed, hit, blocked, num_experts)

@@ -1,5 +1,6 @@
 """Rotary position embedding (RoPE) with a cos/sin table built once: the default type, partial
-rotary (only the leading ``rotary_dim`` dims of a head turn, GLM-4.5) and LongRoPE (Phi-3.5-MoE).
+rotary (only the leading ``rotary_dim`` dims of a head turn, GLM-4.5), YaRN (gpt-oss) and LongRoPE
+(Phi-3.5-MoE).
 
 LongRoPE as transformers 5's ``PhimoeRotaryEmbedding`` computes it: inverse frequencies divided by
 the ``short_factor`` list, cos/sin multiplied by ``short_mscale`` while a forward call's largest
@@ -18,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from moe_runtime.layers.yarn import YarnScaling, yarn_inv_freq
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +46,8 @@ class Rotary:
     Values match the reference: inverse frequencies and angles in fp32, then cast to ``dtype``.
     ``rotary_dim`` (default ``head_dim``): the leading dims of each head that turn, the rest pass
     through (transformers' ``apply_rotary_pos_emb`` with a partial ``cos``).
+    With ``yarn`` (gpt-oss) the inverse frequencies and the cos/sin factor are YaRN's
+    (:func:`moe_runtime.layers.yarn.yarn_inv_freq`, transformers' ``_compute_yarn_parameters``).
     """
 
     def __init__(
@@ -54,11 +59,15 @@ class Rotary:
         device: torch.device,
         rotary_dim: int | None = None,
         longrope: LongRoPE | None = None,
+        yarn: YarnScaling | None = None,
     ) -> None:
         dim = rotary_dim or head_dim
         self.dim = dim
         exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-        if longrope is None:
+        factor = 1.0
+        if yarn is not None:
+            inv_freq, factor = yarn_inv_freq(dim, theta, yarn)
+        elif longrope is None:
             inv_freq = 1.0 / (theta**exponent)
         else:
             inv_freq = 1.0 / (torch.tensor(longrope.short_factor, dtype=torch.float32) * theta**exponent)
@@ -70,6 +79,8 @@ class Rotary:
             beyond = pos[:, None] + 1 > longrope.original_max_position_embeddings
             scale = torch.where(beyond, longrope.long_mscale, longrope.short_mscale)
             cos, sin = cos * scale, sin * scale
+        if yarn is not None:
+            cos, sin = cos * factor, sin * factor
         self.cos = cos.to(dtype=dtype, device=device)
         self.sin = sin.to(dtype=dtype, device=device)
 

@@ -10,6 +10,10 @@ lookahead``), against 0.21 for EAMC matching (``moeserve trace predict-eval``; b
 docs/results.md). The ``eam`` prefetch policy blends it into its plan for the nearest layers; the
 EAMC still plans the layers further away and drives the cache policy.
 
+gpt-oss's routers carry a bias (added to the logits) and take the softmax over the top-k logits
+only; the guess is the same full softmax of the biased logits, which ranks experts as that router
+does.
+
 Cost per MoE layer: one ``[T, H] x [H, D*E]`` matmul and a softmax over ``[T, D, E]``; the later
 layers' RMSNorm weights are folded into their routers once (``rms_norm(x) @ R.T`` equals
 ``normalise(x) @ (R * g).T``); for a LayerNorm (Phi-3.5-MoE) ``x`` is centred first and the
@@ -54,6 +58,12 @@ class RouterLookahead:
                 offsets.append(router.float() @ dense[p + "mlp_norm_bias"].float())
         self.routers = torch.cat(fused, dim=0)  # [L*E, H] in the model's dtype, norm weights folded in
         self.offsets = torch.cat(offsets) if offsets else None  # [L*E] fp32, LayerNorm only
+        # routers with a bias (gpt-oss): the bias is added after the matmul, folding leaves it as is
+        self.biases = (
+            torch.cat([dense[f"layers.{layer}.router_logit_bias"] for layer in cfg.moe_layers])
+            if cfg.router_logit_bias
+            else None
+        )  # [L*E] or None
         self.num_layers = len(fused)
 
     def logits(self, x: torch.Tensor, moe_layer: int) -> torch.Tensor | None:
@@ -69,7 +79,8 @@ class RouterLookahead:
             h = h - h.mean(-1, keepdim=True)
         h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(self.routers.dtype)  # [T, H]
         rows = slice(first * self.num_experts, last * self.num_experts)
-        logits = F.linear(h, self.routers[rows]).float()
+        bias = None if self.biases is None else self.biases[rows]
+        logits = F.linear(h, self.routers[rows], bias).float()
         if self.offsets is not None:
             logits = logits + self.offsets[rows]
         return logits.view(x.shape[0], last - first, self.num_experts)

@@ -8,7 +8,9 @@ each token and their gate weights.
   with the highest best score compete);
 * DeepSeek-V3 (``scoring="sigmoid"``, ``noaux_tc``): sigmoid scores; the
   ``e_score_correction_bias`` is added for the choice only (groups ranked by the sum of their top-2
-  biased scores), the gate weights are the unbiased scores of the chosen experts.
+  biased scores), the gate weights are the unbiased scores of the chosen experts;
+* gpt-oss (``topk_softmax``): top-k of the router logits (a linear layer with a bias), then a
+  softmax over those k logits only, in the logits' dtype (transformers' ``GptOssTopKRouter``).
 
 * Phi-3.5-MoE's sparsemixer (``topk_method="sparsemixer"``, top-2 only), as transformers'
   ``sparsemixer`` computes it in eval mode: the top-1 expert is the largest logit, its weight the
@@ -31,17 +33,19 @@ from moe_runtime.config import ModelConfig
 from moe_runtime.errors import ConfigError
 
 SCORINGS = ("softmax", "sigmoid")
-TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc", "sparsemixer")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc", "sparsemixer", "topk_softmax")
 
 
 @dataclass(frozen=True, slots=True)
 class Routing:
-    """A DeepSeek-style router (also GLM-4.5's ``noaux_tc``) or Phi-3.5-MoE's sparsemixer.
+    """A DeepSeek-style router (also GLM-4.5's ``noaux_tc``), Phi-3.5-MoE's sparsemixer, or gpt-oss's
+    ``topk_softmax``.
 
     Attributes:
-        scoring: ``softmax`` (V2) or ``sigmoid`` (V3).
-        topk_method: ``greedy``, ``group_limited_greedy`` (V2) or ``noaux_tc`` (V3: biased choice,
-            groups ranked by their top-2 sum).
+        scoring: ``softmax`` (V2, gpt-oss) or ``sigmoid`` (V3).
+        topk_method: ``greedy``, ``group_limited_greedy`` (V2), ``noaux_tc`` (V3: biased choice,
+            groups ranked by their top-2 sum) or ``topk_softmax`` (gpt-oss: softmax over the
+            top-k logits).
         n_group / topk_group: expert groups, and how many of them a token may use.
         routed_scaling_factor: multiplies the routed experts' gate weights (> 0).
         score_bias: the router carries ``e_score_correction_bias [E]`` (``noaux_tc`` only).
@@ -79,7 +83,9 @@ class Routing:
                     f"{self.jitter_eps}"
                 )
             return
-        if self.topk_method == "greedy":
+        if self.topk_method == "topk_softmax" and self.scoring != "softmax":
+            raise ConfigError(f"topk_method 'topk_softmax' does not go with {self.scoring} scores")
+        if self.topk_method in ("greedy", "topk_softmax"):
             return
         if num_experts % self.n_group:
             raise ConfigError(f"n_group={self.n_group} does not divide n_routed_experts={num_experts}")
@@ -98,16 +104,24 @@ class Routing:
 
 
 def route(
-    x: torch.Tensor, router: torch.Tensor, cfg: ModelConfig, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    router: torch.Tensor,
+    cfg: ModelConfig,
+    bias: torch.Tensor | None = None,
+    logit_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Route ``x [T, H]`` with ``router [E, H]`` -> (gate weights ``[T, k]``, expert ids ``[T, k]``).
 
     ``bias [E]``: the ``e_score_correction_bias`` when ``cfg.routing.score_bias``.
+    ``logit_bias [E]``: the router's linear bias when ``cfg.router_logit_bias`` (gpt-oss).
     """
     if cfg.routing is None:
         return _softmax_topk(x, router, cfg)
     if cfg.routing.topk_method == "sparsemixer":
         return _sparsemixer(F.linear(x, router), cfg.routing.jitter_eps)
+    if cfg.routing.topk_method == "topk_softmax":
+        top, ids = torch.topk(F.linear(x, router, logit_bias), cfg.top_k, dim=-1)  # [T, k] logits
+        return F.softmax(top, dim=-1, dtype=top.dtype), ids
     return _grouped_topk(x, router, cfg, cfg.routing, bias)
 
 

@@ -1,10 +1,11 @@
-"""YaRN rope scaling (Peng et al. 2023, arXiv:2309.00071) as DeepSeek-V2/V3 use it.
+"""YaRN rope scaling (Peng et al. 2023, arXiv:2309.00071) as DeepSeek-V2/V3 and gpt-oss use it.
 
 Inverse frequencies blend interpolated (``/ factor``) and original ones with a linear ramp over the
 rotary dimensions between the correction dims of ``beta_fast`` and ``beta_slow`` rotations; the
 cos/sin tables are multiplied by an attention factor, and DeepSeek also multiplies the softmax
 scale by ``mscale(factor, mscale_all_dim)**2``. Formulas equal transformers'
-``_compute_yarn_parameters`` and ``yarn_apply_mscale`` (DeepSeek modeling files).
+``_compute_yarn_parameters`` and ``yarn_apply_mscale`` (DeepSeek modeling files); gpt-oss sets
+``truncate: false`` and no mscale.
 """
 
 from __future__ import annotations

@@ -9,14 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 from moe_runtime.errors import ConfigError
-from moe_runtime.models import deepseek, glm4_moe, mixtral, olmoe, phimoe, qwen2_moe, qwen3_moe
+from moe_runtime.models import deepseek, glm4_moe, gpt_oss, mixtral, olmoe, phimoe, qwen2_moe, qwen3_moe
 from moe_runtime.models.base import ExpertTensor, Family
 from moe_runtime.models.fields import ConfigFields, show
 
 FAMILIES: dict[str, Family] = {
     fam.name: fam
     for fam in (
-        *(m.FAMILY for m in (mixtral, qwen2_moe, qwen3_moe, olmoe, glm4_moe, phimoe)),
+        *(m.FAMILY for m in (mixtral, qwen2_moe, qwen3_moe, olmoe, glm4_moe, phimoe, gpt_oss)),
         deepseek.DEEPSEEK_V2,
         deepseek.DEEPSEEK_V3,
     )

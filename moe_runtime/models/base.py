@@ -9,7 +9,8 @@ latent-attention and shared-expert names in ``deepseek.py``; their shapes are :f
 Canonical names: ``embed``, ``final_norm`` (+ ``final_norm_bias``), ``lm_head`` (+ ``lm_head_bias``)
 and, per decoder layer ``i``, ``layers.{i}.{attn_norm,mlp_norm,q,k,v,o,q_bias,k_bias,v_bias,o_bias,
 q_norm,k_norm,router,router_bias,shared_gate_proj,shared_up,shared_down,shared_gate,mlp_gate,mlp_up,
-mlp_down}`` (LayerNorm families add ``attn_norm_bias``, ``mlp_norm_bias``). A family's own names
+mlp_down}`` (LayerNorm families add ``attn_norm_bias``, ``mlp_norm_bias``; gpt-oss adds ``sinks``,
+``router_logit_bias``, ``expert_gate_up_bias``, ``expert_down_bias``). A family's own names
 beyond these are its :attr:`Family.layer_names`.
 Experts are addressed as ``(layer, expert, part)`` with part in ``gate``, ``up``, ``down``.
 """
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from moe_runtime.config import ModelConfig
+from moe_runtime.layers.yarn import YarnScaling
 from moe_runtime.models.fields import ConfigFields
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")  # fullmatch: "...weight\n" is not a weight
@@ -121,6 +123,25 @@ class Family:
         m = _LAYER_INDEX.match(name) if self.skips_layers_past_end else None
         return m is not None and int(m.group(1)) >= cfg.num_layers
 
+    def fused_experts(self, part: str, tensor: torch.Tensor, intermediate: int) -> dict[str, torch.Tensor]:
+        """A fused ``[E, ...]`` expert tensor (:meth:`classify` gave ``expert=None``) as stacks
+        ``[E, out, in]`` per part: ``gate``/``up`` ``[E, I, H]``, ``down`` ``[E, H, I]`` (views).
+        Default: transformers>=5's layout, ``gate_up [E, 2I, H]`` (gate rows first) and
+        ``down [E, H, I]``; a wrong shape is caught when each expert is stored."""
+        if part == "gate_up":
+            return {"gate": tensor[:, :intermediate], "up": tensor[:, intermediate:]}
+        return {"down": tensor}
+
+    def dense_tensor(self, canonical: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A dense tensor as served, from the checkpoint's (shape-checked) tensor: unchanged by
+        default (gpt-oss reorders its interleaved expert biases)."""
+        return tensor
+
+    def expert_name(self, layer: int, expert: int, part: str) -> str:
+        """Checkpoint name of an expert matrix, for "missing tensor" messages."""
+        hf = dict((v, k) for k, v in self.expert_parts)[part]
+        return f"model.layers.{layer}.{self.moe_prefix}.experts.{expert}.{hf}.weight"
+
     def hf_name(self, canonical: str) -> str:
         """Checkpoint name of a canonical dense tensor (the inverse of :meth:`classify`)."""
         top = {v: k for k, v in _TOP_NAMES.items()}
@@ -195,6 +216,43 @@ def rope_theta_of(f: ConfigFields) -> float:
         for key in keys:
             source.choice(key, ("default",), "default")
     return params.number("rope_theta", default=None) or f.number("rope_theta", default=10000.0)
+
+
+def yarn_of(
+    f: ConfigFields, max_positions: int, default_theta: float = 10000.0
+) -> tuple[float, YarnScaling | None]:
+    """``(rope_theta, YaRN scaling or None)`` from ``rope_parameters`` (transformers>=5) or
+    ``rope_scaling`` + ``rope_theta`` (the checkpoints' own format), as DeepSeek and gpt-oss
+    write them; ``default_theta`` when neither gives ``rope_theta``.
+
+    Raises:
+        ConfigError: a rope type other than default/yarn, or a YaRN field mistyped/out of range.
+    """
+    params = f.mapping("rope_parameters")
+    if params:
+        source = ConfigFields(params, "rope_parameters.")
+    else:
+        source = ConfigFields(f.mapping("rope_scaling"), "rope_scaling.")
+    theta = source.number("rope_theta", default=None) or f.number("rope_theta", default=default_theta)
+    kinds = ("default", "yarn")
+    kind = source.choice("rope_type", kinds, "") or source.choice("type", kinds, "default")
+    if kind == "default":
+        return theta, None
+    original = source.integer("original_max_position_embeddings", lo=1, hi=1 << 24, default=max_positions)
+    return theta, YarnScaling(
+        factor=source.number("factor", default=max_positions / original),
+        original_max_position_embeddings=original,
+        beta_fast=source.number("beta_fast", default=32.0),
+        beta_slow=source.number("beta_slow", default=1.0),
+        mscale=source.number("mscale", default=0.0, positive=False),
+        mscale_all_dim=source.number("mscale_all_dim", default=0.0, positive=False),
+        attention_factor=source.number("attention_factor", default=None),
+        truncate=source.boolean("truncate", True),
+    )
+
+
+#: config keys :func:`yarn_of` reads (a family using it hides them from :func:`common_fields`)
+ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta")
 
 
 def eos_ids_of(f: ConfigFields, vocab_size: int) -> list[int]:
@@ -279,10 +337,19 @@ def expected_dense_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes.update({p + "q_norm": (d,), p + "k_norm": (d,)})
         elif cfg.qk_norm == "full":
             shapes.update({p + "q_norm": (q_out,), p + "k_norm": (kv_out,)})
+        if cfg.o_bias and cfg.mla is None:
+            shapes[p + "o_bias"] = (h,)
+        if cfg.attention_sinks:
+            shapes[p + "sinks"] = (cfg.num_heads,)
         if i in moe:
             shapes[p + "router"] = (cfg.num_experts, h)
             if cfg.routing is not None and cfg.routing.score_bias:
                 shapes[p + "router_bias"] = (cfg.num_experts,)
+            if cfg.router_logit_bias:
+                shapes[p + "router_logit_bias"] = (cfg.num_experts,)
+            if cfg.expert_bias:
+                shapes[p + "expert_gate_up_bias"] = (cfg.num_experts, 2 * cfg.moe_intermediate_size)
+                shapes[p + "expert_down_bias"] = (cfg.num_experts, h)
             si = cfg.shared_expert_intermediate_size
             if si:
                 shapes.update(

@@ -16,8 +16,7 @@ from moe_runtime.config import ModelConfig
 from moe_runtime.errors import ConfigError
 from moe_runtime.layers.mla import MLAShape
 from moe_runtime.layers.routing import Routing
-from moe_runtime.layers.yarn import YarnScaling
-from moe_runtime.models.base import SHARED_EXPERTS_NAMES, Family, common_fields
+from moe_runtime.models.base import ROPE_KEYS, SHARED_EXPERTS_NAMES, Family, common_fields, yarn_of
 from moe_runtime.models.fields import ConfigFields
 
 #: checkpoint name (after ``model.layers.{i}.``) -> canonical short name, beyond the Llama names
@@ -32,37 +31,6 @@ MLA_NAMES = {
     "self_attn.kv_b_proj.weight": "kv_b",
     **SHARED_EXPERTS_NAMES,
 }
-ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta")
-
-
-def yarn_of(f: ConfigFields, max_positions: int) -> tuple[float, YarnScaling | None]:
-    """``(rope_theta, YaRN scaling or None)`` from ``rope_parameters`` (transformers>=5) or
-    ``rope_scaling`` + ``rope_theta`` (the checkpoints' own format).
-
-    Raises:
-        ConfigError: a rope type other than default/yarn, or a YaRN field mistyped/out of range.
-    """
-    params = f.mapping("rope_parameters")
-    if params:
-        source = ConfigFields(params, "rope_parameters.")
-    else:
-        source = ConfigFields(f.mapping("rope_scaling"), "rope_scaling.")
-    theta = source.number("rope_theta", default=None) or f.number("rope_theta", default=10000.0)
-    kinds = ("default", "yarn")
-    kind = source.choice("rope_type", kinds, "") or source.choice("type", kinds, "default")
-    if kind == "default":
-        return theta, None
-    original = source.integer("original_max_position_embeddings", lo=1, hi=1 << 24, default=max_positions)
-    return theta, YarnScaling(
-        factor=source.number("factor", default=max_positions / original),
-        original_max_position_embeddings=original,
-        beta_fast=source.number("beta_fast", default=32.0),
-        beta_slow=source.number("beta_slow", default=1.0),
-        mscale=source.number("mscale", default=0.0, positive=False),
-        mscale_all_dim=source.number("mscale_all_dim", default=0.0, positive=False),
-        attention_factor=source.number("attention_factor", default=None),
-        truncate=source.boolean("truncate", True),
-    )
 
 
 class DeepseekFamily(Family):

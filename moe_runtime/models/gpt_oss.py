@@ -1,0 +1,182 @@
+"""gpt-oss (``GptOssForCausalLM``: gpt-oss-20b, gpt-oss-120b), unquantized (bf16/fp32) checkpoints.
+
+What differs from the Llama-style families, and where it runs:
+
+* attention: q/k/v/o projections with biases; a learned sink logit per head (``self_attn.sinks``)
+  joining the softmax denominator; ``layer_types`` alternating ``sliding_attention`` (a query sees
+  the last ``sliding_window`` positions) and ``full_attention`` layers
+  (``moe_runtime.layers.attention``: both are mask changes); YaRN RoPE in the half-split layout
+  (``moe_runtime.layers.rotary``).
+* router: ``mlp.router`` is a linear layer with a bias; top-k of its logits, then a softmax over
+  those k (``moe_runtime.layers.routing``, ``topk_softmax``).
+* experts: fused checkpoint tensors ``mlp.experts.gate_up_proj [E, H, 2I]`` with gate and up
+  interleaved along the last axis (gate ``[..., 0::2]``, up ``[..., 1::2]``) and
+  ``down_proj [E, I, H]``, both ``in x out``: stored per expert in the host store's
+  ``[gate | up | down]`` (``out x in``) layout. Their biases ``gate_up_proj_bias [E, 2I]``
+  (interleaved, reordered to ``[gate | up]`` at load) and ``down_proj_bias [E, H]`` stay resident
+  per MoE layer and are added by expert id (``moe_runtime.layers.experts.ExpertFFN``). The
+  activation is the clamped SwiGLU :class:`ClampedSwiGLU`.
+
+Quantized (MXFP4) checkpoints carry ``quantization_config`` and ``*_blocks``/``*_scales`` expert
+tensors instead; they are refused at config parsing until a quantized-expert path exists. Their
+names map through :data:`EXPERT_NAMES` (add ``gate_up_proj_blocks``/``_scales`` there, with the
+part names the codec uses, and split them in :meth:`GptOssFamily.fused_experts`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moe_runtime.config import ModelConfig
+from moe_runtime.errors import ConfigError
+from moe_runtime.layers.routing import Routing
+from moe_runtime.models.base import ROPE_KEYS, ExpertTensor, Family, common_fields, yarn_of
+from moe_runtime.models.fields import ConfigFields, show
+
+#: checkpoint name after ``model.layers.{i}.`` -> canonical dense short name
+DENSE_NAMES = {
+    "self_attn.o_proj.bias": "o_bias",
+    "self_attn.sinks": "sinks",
+    "mlp.router.weight": "router",
+    "mlp.router.bias": "router_logit_bias",
+    "mlp.experts.gate_up_proj_bias": "expert_gate_up_bias",
+    "mlp.experts.down_proj_bias": "expert_down_bias",
+}
+#: fused expert tensor after ``model.layers.{i}.mlp.experts.`` -> part (``Family.fused_experts``)
+EXPERT_NAMES = {"gate_up_proj": "gate_up", "down_proj": "down"}
+LAYER_TYPES = ("sliding_attention", "full_attention")
+_SHORT = {v: k for k, v in DENSE_NAMES.items()}
+_EXPERT_HF = {"gate": "gate_up_proj", "up": "gate_up_proj", "down": "down_proj"}
+
+
+@dataclass(frozen=True, slots=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation: ``gate`` clamped above at ``limit``, ``up`` to
+    ``[-limit, limit]``, then ``(up + 1) * (gate * sigmoid(gate * alpha))`` (transformers'
+    ``GptOssExperts._apply_gate``, same op order, on our ``[gate | up]`` row layout).
+
+    Attributes:
+        alpha: sigmoid gain (``swiglu_alpha``, 1.702). limit: clamp (``swiglu_limit``, 7.0).
+    """
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gate_up [n, 2I]`` (overwritten) -> ``[n, I]``.
+
+        The sigmoid runs in place on the ``up`` half (a view with row stride ``2I``): CPU kernels
+        round a vectorised body and a scalar tail differently, and over a contiguous ``[n, I]``
+        tensor where a row's elements fall depends on ``n``; over the view each row is its own
+        loop, so the grouped, loop and few expert paths give the same bits (as ``F.silu`` on a
+        ``chunk`` view does for the other families). Clamps, products and sums are exact."""
+        i = gate_up.shape[-1] // 2
+        gate, up = gate_up[..., :i], gate_up[..., i:]
+        gate.clamp_(max=self.limit)
+        up_plus_one = up.clamp_(min=-self.limit, max=self.limit) + 1
+        sig = torch.mul(gate, self.alpha, out=up).sigmoid_()
+        return up_plus_one * (gate * sig)
+
+
+def sliding_layers_of(f: ConfigFields, num_layers: int) -> list[int]:
+    """Indices of the ``sliding_attention`` layers in ``layer_types`` (default: every even layer,
+    as transformers' ``GptOssConfig``).
+
+    Raises:
+        ConfigError: ``layer_types`` not a list of ``num_hidden_layers`` known layer types.
+    """
+    used, types = f.get("layer_types")
+    if types is None:
+        return list(range(0, num_layers, 2))
+    if not isinstance(types, list) or len(types) != num_layers or any(t not in LAYER_TYPES for t in types):
+        raise ConfigError(
+            f"{used} must be a list of {num_layers} entries (num_hidden_layers), each one of "
+            f"{', '.join(LAYER_TYPES)}, got {show(types)}"
+        )
+    return [i for i, t in enumerate(types) if t == "sliding_attention"]
+
+
+class GptOssFamily(Family):
+    def parse_config(self, f: ConfigFields) -> ModelConfig:
+        quant = f.mapping("quantization_config")
+        if quant:
+            method = quant.get("quant_method", "?")
+            raise ConfigError(
+                f"quantization_config (quant_method {show(method)}) is not supported: gpt-oss is served "
+                "from unquantized (bf16/fp32) checkpoints only"
+            )
+        # RoPE is read by yarn_of (common_fields refuses scaling types it does not implement)
+        base = common_fields(ConfigFields({k: v for k, v in f.raw.items() if k not in ROPE_KEYS}))
+        layers = base["num_layers"]
+        theta, yarn = yarn_of(f, base["max_position_embeddings"], default_theta=150000.0)
+        base["rope_theta"] = theta
+        experts = f.size("num_experts", "num_local_experts", "num_experts")
+        top_k = f.size("top_k", "num_experts_per_tok", "experts_per_token")
+        routing = Routing(scoring="softmax", topk_method="topk_softmax")
+        routing.check(experts, top_k)
+        sliding = sliding_layers_of(f, layers)
+        window = f.integer("sliding_window", lo=1, hi=1 << 24, default=128) if sliding else None
+        bias = f.boolean("attention_bias", True)
+        return ModelConfig(
+            family=self.name,
+            **base,
+            num_experts=experts,
+            top_k=top_k,
+            moe_intermediate_size=f.size("moe_intermediate_size", "intermediate_size"),
+            norm_topk_prob=False,
+            router_weights_in_model_dtype=True,
+            attention_bias=bias,
+            o_bias=bias,
+            moe_layers=list(range(layers)),
+            routing=routing,
+            yarn=yarn,
+            attention_sinks=True,
+            sliding_window=window,
+            sliding_layers=sliding,
+            router_logit_bias=True,
+            expert_bias=True,
+            expert_act=ClampedSwiGLU(
+                alpha=f.number("swiglu_alpha", default=1.702), limit=f.number("swiglu_limit", default=7.0)
+            ),
+        )
+
+    def classify(self, name: str) -> str | ExpertTensor | None:
+        if name.startswith("model.layers."):
+            layer, _, rest = name[len("model.layers.") :].partition(".")
+            if layer.isascii() and layer.isdigit():
+                if rest in DENSE_NAMES:
+                    return f"layers.{int(layer)}.{DENSE_NAMES[rest]}"
+                prefix = "mlp.experts."
+                part = EXPERT_NAMES.get(rest[len(prefix) :]) if rest.startswith(prefix) else None
+                if part is not None:
+                    return ExpertTensor(int(layer), None, part)
+                if rest.startswith("mlp."):  # no Llama-style router or shared-expert names here
+                    return None
+        return super().classify(name)
+
+    def fused_experts(self, part: str, tensor: torch.Tensor, intermediate: int) -> dict[str, torch.Tensor]:
+        """``gate_up_proj [E, H, 2I]`` (interleaved) -> gate/up ``[E, I, H]``; ``down_proj
+        [E, I, H]`` -> ``[E, H, I]`` (transposed views)."""
+        if part == "gate_up":
+            return {"gate": tensor[..., 0::2].transpose(1, 2), "up": tensor[..., 1::2].transpose(1, 2)}
+        return {"down": tensor.transpose(1, 2)}
+
+    def dense_tensor(self, canonical: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The interleaved ``gate_up_proj_bias [E, 2I]`` as ``[gate | up]``, the slots' row order."""
+        if canonical.endswith(".expert_gate_up_bias"):
+            return torch.cat((tensor[:, 0::2], tensor[:, 1::2]), dim=1)
+        return tensor
+
+    def expert_name(self, layer: int, expert: int, part: str) -> str:
+        return f"model.layers.{layer}.mlp.experts.{_EXPERT_HF[part]} (expert {expert})"
+
+    def hf_name(self, canonical: str) -> str:
+        parts = canonical.split(".", 2)
+        if len(parts) == 3 and parts[2] in _SHORT:
+            return f"model.layers.{parts[1]}.{_SHORT[parts[2]]}"
+        return super().hf_name(canonical)
+
+
+FAMILY = GptOssFamily(name="gpt_oss", architectures=("GptOssForCausalLM",), model_types=("gpt_oss",))
