@@ -15,7 +15,7 @@ Experts are addressed as ``(layer, expert, part)`` with part in ``gate``, ``up``
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -64,6 +64,11 @@ class Family:
         expert_parts: checkpoint name of each expert matrix -> ``gate``/``up``/``down``.
         fp32_weights: canonical short names of dense tensors kept in fp32 whatever the runtime
             dtype (DeepSeek-V3's ``router_bias``, fp32 in its checkpoints and in transformers).
+        quantized_suffixes: per ``quant_method``, the name suffix of each stored component of a
+            quantized weight, when the family's checkpoints differ from
+            :data:`moe_runtime.quant.checkpoint.DEFAULT_SUFFIXES` (e.g. gpt-oss's MXFP4 experts:
+            ``{"mxfp4": {"blocks": "_blocks", "scales": "_scales"}}``); the name without the
+            suffix is classified like an unquantized weight.
     """
 
     name: str
@@ -76,6 +81,7 @@ class Family:
         ("down_proj", "down"),
     )
     fp32_weights: tuple[str, ...] = ()
+    quantized_suffixes: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def parse_config(self, f: ConfigFields) -> ModelConfig:  # pragma: no cover - abstract
         """The :class:`ModelConfig` of a ``config.json``; raises ConfigError naming the field."""
