@@ -264,7 +264,12 @@ def load_checkpoint(
                     if passthrough and isinstance(kind, ExpertTensor) and kind.expert is not None:
                         _store_quantized(store, kind, moe_index, parts, pairs, src)
                         continue
-                    tensor = pairs.dequantize(parts, src)  # dense layers: dequantized at load
+                    width = (
+                        (store.intermediate_size if kind.part == "down" else store.hidden_size)
+                        if isinstance(kind, ExpertTensor)
+                        else want.get(kind, (None,))[-1]
+                    )
+                    tensor = pairs.dequantize(parts, src, width)  # dense layers: dequantized at load
                 check_weight_dtype(tensor, src)
                 if isinstance(kind, ExpertTensor):
                     _store_expert(store, kind, moe_index, tensor, src)

@@ -64,3 +64,36 @@ def write_round_trip_reference(src: Path, dst: Path, codec: Codec) -> None:
             tensors[name] = codec.dequantize(codec.quantize(t), *t.shape, torch.float32).contiguous()
     _copy_without_weights(src, dst)
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+
+
+def write_mxfp4_checkpoint(src: Path, dst: Path, reference: Path) -> None:
+    """``dst``: a tiny Qwen3-MoE/OLMoE ``src`` whose experts are stored as gpt-oss stores its
+    MXFP4 experts: per layer fused ``mlp.experts.gate_up_proj_blocks`` ``[E, 2I, G, 16]`` /
+    ``_scales`` ``[E, 2I, G]`` (gate rows, then up rows: transformers' fused layout) and
+    ``down_proj_blocks`` / ``_scales``, with ``quantization_config`` ``mxfp4``. ``reference``:
+    ``src`` with the experts dequantized (float32), for transformers."""
+    from moe_runtime.quant.mxfp4 import Mxfp4Codec
+
+    codec = Mxfp4Codec()
+    tensors = load_file(str(src / "model.safetensors"))
+    out, ref, fused = {}, {}, {}
+    for name, t in tensors.items():
+        m = re.search(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$", name)
+        if m is None:
+            out[name] = ref[name] = t
+            continue
+        parts = codec.quantize(t)
+        ref[name] = codec.dequantize(parts, *t.shape, torch.float32).contiguous()
+        fused.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = parts
+    for prefix, experts in fused.items():
+        order = sorted(experts)
+        for fused_name, pieces in (("gate_up_proj", ("gate", "up")), ("down_proj", ("down",))):
+            for comp in ("blocks", "scales"):
+                per_expert = [torch.cat([experts[e][p][comp] for p in pieces]) for e in order]
+                out[f"{prefix}.{fused_name}_{comp}"] = torch.stack(per_expert)
+    for folder, weights in ((dst, out), (reference, ref)):
+        _copy_without_weights(src, folder)
+        save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    (dst / "config.json").write_text(json.dumps(cfg))

@@ -90,8 +90,13 @@ class QuantPairs:
             lead = tuple(t.shape[:-n])
         return out, inn
 
-    def dequantize(self, parts: dict[str, torch.Tensor], source: str) -> torch.Tensor:
+    def dequantize(
+        self, parts: dict[str, torch.Tensor], source: str, width: int | None = None
+    ) -> torch.Tensor:
         """A complete matrix as float32 ``[..., out, in]`` (dense weights and formats the experts
-        are not kept in), its components checked first."""
+        are not kept in), its components checked first. ``width``: the ``in`` the config implies,
+        when the format pads it (MXFP4 stores whole groups of 32): the padding is cropped."""
         out, inn = self.check_stored(parts, source)
-        return self.codec.dequantize(parts, out, inn, torch.float32)
+        if width is not None and inn - 32 < width < inn:
+            inn = width
+        return self.codec.dequantize(parts, out, inn, torch.float32).contiguous()
