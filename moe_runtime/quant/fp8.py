@@ -56,7 +56,12 @@ class Fp8BlockCodec(Codec):
         self, parts: dict[str, torch.Tensor], out: int, inn: int, dtype: torch.dtype
     ) -> torch.Tensor:
         r, c = self.block
-        w = parts["weight"].to(torch.float32) * expand_blocks(parts["weight_scale_inv"], r, c, out, inn)
+        q, scale = parts["weight"], parts["weight_scale_inv"]
+        if out % r == 0 and inn % c == 0:  # whole blocks: broadcast the scales, no expanded copy
+            blocks = q.to(torch.float32).unflatten(-1, (inn // c, c)).unflatten(-3, (out // r, r))
+            w = (blocks * scale.unsqueeze(-1).unsqueeze(-3)).flatten(-2).flatten(-3, -2)
+        else:
+            w = q.to(torch.float32) * expand_blocks(scale, r, c, out, inn)
         return w.to(dtype)
 
     def describe(self) -> str:
