@@ -105,6 +105,9 @@ class ModelConfig:
             as ``[E, 2I]`` (``[gate | up]``) and ``[E, H]`` (gpt-oss).
         expert_act: the experts' activation of ``(gate, up)``: None = ``silu(gate) * up``, or a
             :class:`moe_runtime.models.gpt_oss.ClampedSwiGLU` (gpt-oss).
+        quant_method: the checkpoint's ``quantization_config.quant_method`` (``fp8``, ``mxfp4``;
+            None: unquantized); weight_block_size: fp8's ``[rows, cols]`` scale block. Set by the
+            loader (:func:`moe_runtime.quant.parse_quantization`).
 
     Raises:
         ConfigError: an integer size outside :data:`MODEL_LIMITS`, an odd ``head_dim``, heads not
@@ -157,6 +160,8 @@ class ModelConfig:
     router_logit_bias: bool = False
     expert_bias: bool = False
     expert_act: ClampedSwiGLU | None = None
+    quant_method: str | None = None
+    weight_block_size: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         for name, (lo, hi) in MODEL_LIMITS.items():
@@ -281,6 +286,11 @@ class RuntimeConfig:
             EAMC-only policy). See ``moe_runtime.layers.router_lookahead``.
         eamc_capacity: entries of the EAM collection the ``eam`` policies match against.
         pin_memory: pin the host expert store (default: when CUDA is available).
+        expert_dtype: the format experts are kept in (host store, link, slots): ``auto`` = the
+            checkpoint's (fp8 block-scaled experts stay fp8; unquantized ones are in ``dtype``),
+            ``bf16``/``fp16``/``fp32``, ``fp8`` (e4m3, one scale per block), ``int8`` (one scale
+            per output channel) or ``mxfp4``; quantized experts are dequantized to ``dtype`` where
+            they run (:mod:`moe_runtime.quant`).
         cpu_threads: intra-op threads for CPU compute (``torch.set_num_threads``, process-wide);
             None leaves torch's default. The CLI defaults to 1: on small experts thread fan-out
             costs more than it gains, and the I/O threads and HTTP server need the other cores.
@@ -303,10 +313,17 @@ class RuntimeConfig:
     eamc_capacity: int = 1000
     pin_memory: bool | None = None
     cpu_threads: int | None = None
+    expert_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of bf16, fp16, fp32, got {self.dtype!r}")
+        from moe_runtime.quant.select import EXPERT_DTYPES
+
+        if self.expert_dtype not in EXPERT_DTYPES:
+            raise ConfigError(
+                f"--expert-dtype must be one of {', '.join(EXPERT_DTYPES)}, got {self.expert_dtype!r}"
+            )
         if self.buffer_slots is not None and self.buffer_slots < 1:
             raise ConfigError(f"--buffer-slots must be >= 1, got {self.buffer_slots}")
         if not 0 < self.buffer_fraction <= 1:

@@ -26,6 +26,9 @@ from moe_runtime.errors import CheckpointError, ConfigError, InsufficientMemoryE
 from moe_runtime.memory_plan import check_memory, human_bytes, plan_memory
 from moe_runtime.models import ConfigFields, ExpertTensor, Family, family_for
 from moe_runtime.models.base import expected_dense_shapes
+from moe_runtime.quant import expert_layout, parse_quantization
+from moe_runtime.quant.checkpoint import DEFAULT_SUFFIXES, QuantPairs
+from moe_runtime.quant.select import checkpoint_codec
 from moe_runtime.store import HostExpertStore
 from moe_runtime.tensor_checks import check_finite, check_weight_dtype
 from moe_runtime.tokenizer import Tokenizer
@@ -124,7 +127,9 @@ def read_model_config(model_dir: str | Path) -> tuple[Family, ModelConfig, dict[
     raw = _read_json(cfg_path)
     try:
         family = family_for(raw)
-        return family, family.parse_config(ConfigFields(raw)), raw
+        cfg = family.parse_config(ConfigFields(raw))
+        cfg.quant_method, cfg.weight_block_size = parse_quantization(raw)
+        return family, cfg, raw
     except ConfigError as exc:
         raise ConfigError(f"{cfg_path}: {exc}") from None
 
@@ -212,8 +217,16 @@ def load_checkpoint(
     pin = runtime.pin_memory if runtime.pin_memory is not None else torch.cuda.is_available()
     moe_index = {layer: i for i, layer in enumerate(cfg.moe_layers)}
     shape = (cfg.num_moe_layers, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+    layout = expert_layout(cfg, runtime)
+    codec = checkpoint_codec(cfg.quant_method, cfg.weight_block_size)
+    pairs = None
+    if codec is not None:
+        suffixes = family.quantized_suffixes.get(cfg.quant_method) or DEFAULT_SUFFIXES[cfg.quant_method]
+        pairs = QuantPairs(codec, suffixes)
+    # experts already in the format they are kept in are copied as stored, not dequantized
+    passthrough = codec is not None and layout is not None and layout.describe() == codec.describe()
     try:
-        store = HostExpertStore(*shape, dtype, pin_memory=pin)
+        store = HostExpertStore(*shape, dtype, pin_memory=pin, layout=layout)
     except (RuntimeError, MemoryError) as exc:  # memory taken by others since the plan was checked
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise InsufficientMemoryError(
@@ -234,7 +247,8 @@ def load_checkpoint(
     try:
         for f, handle in handles:
             for name in handle.keys():
-                kind = family.classify(name)
+                piece = pairs.component(name, _stored_dtype(handle, name)) if pairs is not None else None
+                kind = family.classify(piece[0] if piece else name)
                 if kind is None or family.ignores(name, cfg):
                     continue
                 try:
@@ -242,6 +256,20 @@ def load_checkpoint(
                 except Exception as exc:
                     raise CheckpointError(f"{f}: tensor {name} cannot be read ({exc})") from None
                 src = f"{f.name}: tensor {name}"
+                if piece is not None:  # a quantized weight or its scales: wait for the rest
+                    parts = pairs.add(*piece, tensor)
+                    if parts is None:
+                        continue
+                    src = f"{f.name}: tensor {piece[0]}"
+                    if passthrough and isinstance(kind, ExpertTensor) and kind.expert is not None:
+                        _store_quantized(store, kind, moe_index, parts, pairs, src)
+                        continue
+                    width = (
+                        (store.intermediate_size if kind.part == "down" else store.hidden_size)
+                        if isinstance(kind, ExpertTensor)
+                        else want.get(kind, (None,))[-1]
+                    )
+                    tensor = pairs.dequantize(parts, src, width)  # dense layers: dequantized at load
                 check_weight_dtype(tensor, src)
                 if isinstance(kind, ExpertTensor):
                     _store_expert(store, family, kind, moe_index, tensor, src)
@@ -263,6 +291,8 @@ def load_checkpoint(
     finally:
         if bar is not None:
             bar.stop()
+    if pairs is not None:
+        pairs.check_complete()  # a weight without its scales (or scales without their weight)
     for name in want:
         if name not in dense:
             raise CheckpointError(f"{path}: missing tensor {family.hf_name(name)}")
@@ -275,6 +305,35 @@ def load_checkpoint(
     gen_path = path / "generation_config.json"
     gen = _read_json(gen_path) if gen_path.exists() else {}
     return LoadedModel(path, family, cfg, dense, store, tokenizer, gen, time.perf_counter() - t0)
+
+
+def _stored_dtype(handle: Any, name: str) -> torch.dtype | None:
+    """The dtype of a tensor in an open safetensors file, without reading it (None if unknown)."""
+    from safetensors.torch import _getdtype
+
+    try:
+        return _getdtype(handle.get_slice(name).get_dtype())
+    except Exception:  # an unknown dtype string: the read below reports the tensor
+        return None
+
+
+def _store_quantized(
+    store: HostExpertStore,
+    kind: ExpertTensor,
+    moe_index: dict[int, int],
+    parts: dict[str, torch.Tensor],
+    pairs: QuantPairs,
+    src: str,
+) -> None:
+    """An expert matrix already in the store's format: copied as stored, then checked finite as
+    it will be served (dequantized)."""
+    if kind.layer not in moe_index:
+        raise CheckpointError(f"{src}: layer {kind.layer} is not an MoE layer in config.json")
+    pairs.check_stored(parts, src)
+    layer = moe_index[kind.layer]
+    store.write_stored(layer, kind.expert, kind.part, parts, src)
+    served = store.dequant(layer, kind.expert, kind.part)
+    check_finite(served, served, src)
 
 
 def _store_expert(

@@ -6,7 +6,8 @@ being killed by the OOM killer half-way through loading).
 
 The plan counts the large, long-lived allocations:
 
-- **host**: the expert store, ``L * E * 3 * I * H`` elements in the runtime dtype;
+- **host**: the expert store, ``L * E * 3 * I * H`` elements in the runtime dtype, or ``L * E``
+  packed quantized experts (``--expert-dtype``, :mod:`moe_runtime.quant`: their data and scales);
 - **compute device**: the dense weights (embeddings, attention, norms, routers, shared experts, LM
   head; gpt-oss's attention sinks, o/router biases and resident expert biases), the expert
   buffer's slots (none when one CPU device holds every expert: the slots are the store itself) and
@@ -34,6 +35,7 @@ from moe_runtime.buffer.placement import home_devices
 from moe_runtime.config import ModelConfig, RuntimeConfig
 from moe_runtime.errors import InsufficientMemoryError
 from moe_runtime.models.base import expected_dense_shapes
+from moe_runtime.quant import expert_layout
 
 CGROUP_V2 = Path("/sys/fs/cgroup")
 CGROUP_V1 = Path("/sys/fs/cgroup/memory")
@@ -69,7 +71,8 @@ class MemoryPlan:
         dense: dense weights, on the compute device.
         kv_cache: static KV cache, on the compute device.
         buffer_slots: expert slots per buffer partition (device), in partition order.
-        slot_bytes: bytes of one slot (= one packed expert); 0 when the slots alias the store.
+        slot_bytes: bytes of one slot (= one packed expert, quantized or not); 0 when the slots
+            alias the store.
         devices: device of each partition; ``compute`` is the device of dense weights and KV cache.
     """
 
@@ -125,7 +128,8 @@ def plan_memory(cfg: ModelConfig, runtime: RuntimeConfig) -> MemoryPlan:
     """The :class:`MemoryPlan` of ``cfg`` under ``runtime`` (arithmetic only, allocates nothing)."""
     itemsize = torch.empty((), dtype=runtime.torch_dtype).element_size()
     total = cfg.num_moe_layers * cfg.num_experts
-    expert_bytes = cfg.expert_numel * itemsize
+    layout = expert_layout(cfg, runtime)
+    expert_bytes = layout.nbytes if layout else cfg.expert_numel * itemsize
     devices = engine_devices(runtime)
     parts = partition_slots(runtime, cfg.num_moe_layers, cfg.num_experts)
     alias = len(devices) == 1 and devices[0].type == "cpu" and parts[0] >= total and runtime.link_gbps is None

@@ -1,8 +1,12 @@
 """Checks on each weight tensor as it is read: a float dtype, and finite values.
 
-A weight stored as ``int8``/``bool``/``fp8`` is quantized or corrupt: casting it to the runtime
-dtype would serve garbage, so it is refused. A NaN or Inf weight would load and then poison the
-logits of the first request that reaches it, so it is refused at load time, naming the tensor.
+A weight stored as ``int8``/``bool``/``fp8`` outside a quantized checkpoint is quantized without
+its scales or corrupt: casting it to the runtime dtype would serve garbage, so it is refused. The
+quantized weights of an fp8 block-scaled (or a family's MXFP4) checkpoint never reach this check:
+:class:`~moe_runtime.quant.checkpoint.QuantPairs` checks their dtype and shape with their scales,
+and their finiteness is checked on the dequantized weight, as served. A NaN or Inf weight would
+load and then poison the logits of the first request that reaches it, so it is refused at load
+time, naming the tensor.
 
 The finiteness scan is one ``torch.aminmax`` reduction of the tensor as stored for serving (after
 the cast to the runtime dtype): NaN propagates to both results, an Inf shows as the min or max, and
@@ -32,8 +36,8 @@ def check_weight_dtype(tensor: torch.Tensor, source: str) -> None:
     if tensor.dtype not in FLOAT_WEIGHT_DTYPES:
         dtype = str(tensor.dtype).removeprefix("torch.")
         raise CheckpointError(
-            f"{source} has dtype {dtype}; weights must be float32, bfloat16, float16 or float64 "
-            "(quantized checkpoints are not supported)"
+            f"{source} has dtype {dtype}; weights must be float32, bfloat16, float16 or float64, or "
+            "quantized with their scales under a quantization_config (fp8 block-scaled, mxfp4)"
         )
 
 

@@ -104,3 +104,22 @@ def test_hbm_table_reuses_sim_profiles_and_names_devices():
     gbps, source = hbm_gbps(torch.device("cpu"))
     assert gbps > 0 and "measured" in source
     assert h2d_gbps(torch.device("cpu"), 1 << 16) > 0
+
+
+def test_expert_dtypes_rows_side_by_side(tiny_qwen3, capsys):
+    """``--expert-dtypes bf16,fp8,int8``: one set of rows per format, each with its expert bytes;
+    fp8 and int8 experts are about half bf16's."""
+    args = ["bench", "decode", "--model", str(tiny_qwen3), "--fractions", "0.25", "--batches", "1"]
+    args += ["--prompt-len", "6", "--new-tokens", "4", "--prefill-len", "0", "--link-gbps", "0"]
+    args += ["--repeats", "3", "--no-transformers", "--expert-dtypes", "bf16,fp8,int8", "--json"]
+    assert main(args) == 0
+    bench = json.loads(capsys.readouterr().out)
+    rows = {r["expert_dtype"]: r for r in bench["results"]}
+    assert set(rows) == {"bf16", "fp8", "int8"}
+    assert bench["settings"]["expert_dtypes"] == {k: r["expert_bytes"] for k, r in rows.items()}
+    for fmt in ("fp8", "int8"):
+        ratio = rows[fmt]["expert_bytes"] / rows["bf16"]["expert_bytes"]
+        assert 0.5 < ratio < 0.55, (fmt, ratio)  # plus the scales
+        assert rows[fmt]["bytes_per_token"] > 0  # a 25% buffer moves experts every step
+    text = render_decode(bench)
+    assert "KiB/expert" in text and "fp8" in text

@@ -23,7 +23,9 @@ by ``--max-num-batched-tokens``), at every buffer size, with the same bounds ove
 steps (weights and experts read, KV written; bytes moved) and ``transformers``' forward pass on
 the same prompt when every expert is resident.
 
-Hit rate, blocking and bytes per token count decode steps only.
+Hit rate, blocking and bytes per token count decode steps only. With ``--expert-dtypes`` each
+expert format (``--expert-dtype``: bf16, fp8, int8 ...) gets its own rows, its own expert bytes in
+the bounds and in the bytes moved per token.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ class DecodeResult:
     transformers_tpot_ms_min: float | None = None
     transformers_tpot_ms_max: float | None = None
     cpu_ms: float | None = None  # process CPU time per decode step (all threads), median over runs
+    expert_dtype: str = "auto"  # --expert-dtype of the row
+    expert_bytes: int = 0  # bytes of one expert as stored and moved in that format
 
     @property
     def ratio(self) -> float | None:
@@ -86,6 +90,7 @@ class PrefillResult:
     hbm_bound_ms: float
     link_bound_ms: float
     transformers_prefill_ms: float | None = None
+    expert_dtype: str = "auto"
 
     @property
     def ratio(self) -> float | None:
@@ -119,6 +124,12 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=4096, help="prefill chunk (tokens per step)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per row, >= 3 (default: 3)")
     p.add_argument("--dtype", default="fp32", choices=["bf16", "fp16", "fp32"])
+    p.add_argument(
+        "--expert-dtypes",
+        default="auto",
+        help="comma-separated --expert-dtype values, one set of rows each (e.g. bf16,fp8,int8: "
+        "bytes moved per token side by side); the transformers baseline runs beside auto only",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--cpu-threads", type=int, default=1)
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
@@ -273,10 +284,10 @@ def dense_read_bytes(dense: dict[str, torch.Tensor]) -> int:
 def run(args: argparse.Namespace) -> int:
     from moe_runtime.bench.hardware import h2d_gbps, hbm_gbps
     from moe_runtime.config import RuntimeConfig
-    from moe_runtime.engine.engine import LLMEngine
     from moe_runtime.errors import ConfigError
     from moe_runtime.loader import load_checkpoint
     from moe_runtime.paths import shown_path
+    from moe_runtime.quant import EXPERT_DTYPES
     from moeserve.commands.common import resolve_model
 
     if args.repeats < 3:
@@ -292,6 +303,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--batches {args.batches!r} / --fractions {args.fractions!r}: not numbers"
         ) from None
+    expert_dtypes = args.expert_dtypes.split(",")
+    for name in expert_dtypes:
+        if name not in EXPERT_DTYPES:
+            raise ConfigError(f"--expert-dtypes {name!r}: choose from {', '.join(EXPERT_DTYPES)}")
     base = RuntimeConfig(
         device=args.device,
         dtype=args.dtype,
@@ -301,18 +316,7 @@ def run(args: argparse.Namespace) -> int:
         cpu_threads=args.cpu_threads,
     )
     device = base.torch_device
-    loaded = load_checkpoint(model_dir, base)
-    cfg = loaded.config
-    expert_bytes = loaded.store.expert_nbytes
     hbm, hbm_source = hbm_gbps(device, args.hbm_gbps)
-    b = Bounds(
-        hbm,
-        h2d_gbps(device, expert_bytes),
-        expert_bytes,
-        dense_read_bytes(loaded.dense),
-        cfg.num_layers * cfg.kv_elements_per_token * base.torch_dtype.itemsize,
-        args.link_latency_us,
-    )
     load_avg = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     hf_model = None
     if not args.no_transformers:
@@ -323,6 +327,73 @@ def run(args: argparse.Namespace) -> int:
 
     results: list[DecodeResult] = []
     prefill: list[PrefillResult] = []
+    all_bytes: dict[str, int] = {}
+    for expert_dtype in expert_dtypes:
+        base.expert_dtype = expert_dtype
+        loaded = load_checkpoint(model_dir, base)
+        cfg = loaded.config
+        expert_bytes = all_bytes[expert_dtype] = loaded.store.expert_nbytes
+        b = Bounds(
+            hbm,
+            h2d_gbps(device, expert_bytes),
+            expert_bytes,
+            dense_read_bytes(loaded.dense),
+            cfg.num_layers * cfg.kv_elements_per_token * base.torch_dtype.itemsize,
+            args.link_latency_us,
+        )
+        baseline = hf_model if expert_dtype == "auto" else None
+        _run_rows(args, base, loaded, b, baseline, device, fractions, batches, results, prefill)
+        del loaded
+    expert_bytes = all_bytes[expert_dtypes[0]]
+    settings = {
+        "model": shown_path(model_dir),
+        "architecture": cfg.architecture,
+        "device": args.device,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": args.dtype,
+        "layers": cfg.num_layers,
+        "hidden": cfg.hidden_size,
+        "top_k": cfg.top_k,
+        "cpu_threads": args.cpu_threads,
+        "experts": cfg.num_moe_layers * cfg.num_experts,
+        "expert_bytes": expert_bytes,
+        "expert_dtypes": all_bytes,
+        "dense_read_bytes": b.dense_read_bytes,
+        "kv_bytes_per_token": b.kv_bytes_per_token,
+        "hbm_gbps": round(hbm, 1),
+        "hbm_source": hbm_source,
+        "h2d_gbps_measured": round(b.h2d_gbps, 2),
+        "link_gbps": args.link_gbps or None,
+        "link_latency_us": args.link_latency_us,
+        "prefetch_policy": base.prefetch_policy,
+        "cache_policy": base.cache_policy,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "prefill_len": args.prefill_len,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "repeats": args.repeats,
+        "warmup": f"1 run of {args.new_tokens} tokens per row (decode), 1 prompt (prefill)",
+        "load_avg_1min": round(load_avg, 2) if load_avg is not None else None,
+        "torch": torch.__version__,
+        "transformers": _transformers_version(),
+    }
+    rows = [{**asdict(r), "ratio_vs_transformers": r.ratio} for r in results]
+    pre_rows = [{**asdict(r), "ratio_vs_transformers": r.ratio} for r in prefill]
+    if args.json:
+        print(json.dumps({"settings": settings, "results": rows, "prefill": pre_rows}, indent=2))
+    else:
+        from moe_runtime.bench.render import render_decode
+
+        print(render_decode({"settings": settings, "results": rows, "prefill": pre_rows}))
+    return 0
+
+
+def _run_rows(args, base, loaded, b: Bounds, hf_model, device, fractions, batches, results, prefill) -> None:
+    """The decode (and prefill) rows of one expert format: every buffer fraction, link and batch."""
+    from moe_runtime.config import RuntimeConfig
+    from moe_runtime.engine.engine import LLMEngine
+
+    cfg, expert_bytes = loaded.config, b.expert_bytes
     links = [None] + ([args.link_gbps] if args.link_gbps else [])
     for fraction in fractions:
         for link in links:
@@ -364,6 +435,8 @@ def run(args: argparse.Namespace) -> int:
                         b.hbm_ms(weight + kv),
                         b.link_ms(moved / steps, link),
                         cpu_ms=statistics.median(1e3 * r.cpu_s for r in runs),
+                        expert_dtype=base.expert_dtype,
+                        expert_bytes=expert_bytes,
                     )
                     if hf_model is not None and fraction == 1.0 and link is None:
                         hf = [
@@ -375,49 +448,12 @@ def run(args: argparse.Namespace) -> int:
                         res.transformers_tpot_ms = statistics.median(hf)
                         res.transformers_tpot_ms_min, res.transformers_tpot_ms_max = min(hf), max(hf)
                     results.append(res)
-                    _progress(f"fraction={fraction} link={link} batch={batch}: tpot={res.tpot_ms:.2f} ms")
+                    _progress(
+                        f"experts={base.expert_dtype} fraction={fraction} link={link} batch={batch}: "
+                        f"tpot={res.tpot_ms:.2f} ms"
+                    )
                 if args.prefill_len and link is None:
                     prefill.append(_prefill_row(args, engine, hf_model, device, b))
-    settings = {
-        "model": shown_path(model_dir),
-        "architecture": cfg.architecture,
-        "device": args.device,
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "dtype": args.dtype,
-        "layers": cfg.num_layers,
-        "hidden": cfg.hidden_size,
-        "top_k": cfg.top_k,
-        "cpu_threads": args.cpu_threads,
-        "experts": cfg.num_moe_layers * cfg.num_experts,
-        "expert_bytes": expert_bytes,
-        "dense_read_bytes": b.dense_read_bytes,
-        "kv_bytes_per_token": b.kv_bytes_per_token,
-        "hbm_gbps": round(hbm, 1),
-        "hbm_source": hbm_source,
-        "h2d_gbps_measured": round(b.h2d_gbps, 2),
-        "link_gbps": args.link_gbps or None,
-        "link_latency_us": args.link_latency_us,
-        "prefetch_policy": base.prefetch_policy,
-        "cache_policy": base.cache_policy,
-        "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens,
-        "prefill_len": args.prefill_len,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "repeats": args.repeats,
-        "warmup": f"1 run of {args.new_tokens} tokens per row (decode), 1 prompt (prefill)",
-        "load_avg_1min": round(load_avg, 2) if load_avg is not None else None,
-        "torch": torch.__version__,
-        "transformers": _transformers_version(),
-    }
-    rows = [{**asdict(r), "ratio_vs_transformers": r.ratio} for r in results]
-    pre_rows = [{**asdict(r), "ratio_vs_transformers": r.ratio} for r in prefill]
-    if args.json:
-        print(json.dumps({"settings": settings, "results": rows, "prefill": pre_rows}, indent=2))
-    else:
-        from moe_runtime.bench.render import render_decode
-
-        print(render_decode({"settings": settings, "results": rows, "prefill": pre_rows}))
-    return 0
 
 
 def _transformers_version() -> str | None:
@@ -455,6 +491,7 @@ def _prefill_row(args, engine, hf_model, device, b: Bounds) -> PrefillResult:
         moved,
         b.hbm_ms(weight + kv),
         b.link_ms(moved, None),
+        expert_dtype=engine.runtime.expert_dtype,
     )
     if hf_model is not None and res.buffer_fraction == 1.0:
         res.transformers_prefill_ms = 1e3 * _transformers_prefill(hf_model, prompt, args.repeats, device)

@@ -62,6 +62,13 @@ def render_decode(data: dict) -> str:
         ]
         for r in data["results"]
     ]
+    formats = {r.get("expert_dtype", "auto") for r in data["results"]}
+    if formats != {"auto"}:  # several expert formats (bench decode --expert-dtypes): name each row's
+        decode_header = ["experts", "KiB/expert", *decode_header]
+        rows = [
+            [r.get("expert_dtype", "auto"), f"{r.get('expert_bytes', 0) / 1024:.1f}", *row]
+            for r, row in zip(data["results"], rows)
+        ]
     out = _table(decode_header, rows)
     if data.get("prefill"):
         prefill_header = ["buffer", "slots", "prompt tokens", "prefill ms", "spread ms",

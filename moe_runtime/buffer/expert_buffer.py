@@ -39,17 +39,25 @@ from moe_runtime.store import HostExpertStore
 
 @dataclass(slots=True)
 class ExpertHandle:
-    """A resident expert ready to run: ``gate_up [2I, H]`` and ``down [H, I]`` device views, and
-    where they sit (``slot`` of ``part``, for the grouped kernels that read the slots at once)."""
+    """A resident expert ready to run: where it sits (``slot`` of ``part``, for the grouped
+    kernels that read the slots at once) and its weights ``gate_up [2I, H]`` and ``down [H, I]``
+    (device views; read from the slot when asked, so quantized slots dequantize only experts
+    that run)."""
 
     expert: int
     device: torch.device
-    gate_up: torch.Tensor
-    down: torch.Tensor
     hit: bool
     blocked_s: float
-    slot: int = -1
-    part: Partition | None = None
+    slot: int
+    part: Partition
+
+    @property
+    def gate_up(self) -> torch.Tensor:
+        return self.part.gate_up[self.slot]
+
+    @property
+    def down(self) -> torch.Tensor:
+        return self.part.down[self.slot]
 
 
 class ExpertBuffer:
@@ -112,6 +120,8 @@ class ExpertBuffer:
                 store.intermediate_size,
                 LinkModel(*link) if link else None,
                 self.held,
+                store.layout,
+                store.compute_dtype,
             )
             self.parts.append(part)
             if n >= len(homed):  # every expert homed here fits: load all once, up front

@@ -27,7 +27,7 @@ def handle(e: int, part: Partition, s: int, hit: bool, blocked_s: float) -> Expe
     """The :class:`ExpertHandle` of expert ``e`` in slot ``s`` of ``part``."""
     from moe_runtime.buffer.expert_buffer import ExpertHandle
 
-    return ExpertHandle(e, part.device, part.gate_up[s], part.down[s], hit, blocked_s, s, part)
+    return ExpertHandle(e, part.device, hit, blocked_s, s, part)
 
 
 class LayerRun:

@@ -31,6 +31,7 @@ from moe_runtime.buffer.cache_policy import CachePolicy
 from moe_runtime.io.copy_engine import CopyEngine
 from moe_runtime.io.link import LinkModel
 from moe_runtime.io.transfer_queue import Transfer, TransferQueue
+from moe_runtime.quant.layout import DequantSlots, ExpertLayout
 from moe_runtime.stats import ExpertStats
 
 FREE, LOADING, READY = 0, 1, 2
@@ -44,6 +45,9 @@ class Partition:
     Attributes:
         slots: ``[S, 3 * I * H]`` device tensor (or, when every expert fits on a single CPU device
             without link emulation, the host store itself: nothing is copied); None in simulation.
+            Quantized experts (``layout``): ``[S, nbytes]`` uint8, and the views below are
+            :class:`~moe_runtime.quant.layout.DequantSlots` that dequantize what they are indexed
+            with to ``compute_dtype``.
         gate_up_all / down_all: ``[S, 2I, H]`` / ``[S, H, I]`` strided views of ``slots``;
             ``gate_up_t`` / ``down_t`` the same transposed (``[S, H, 2I]`` / ``[S, I, H]``), the
             right operand of the grouped expert GEMMs; ``gate_up`` / ``down`` per-slot lists.
@@ -73,13 +77,23 @@ class Partition:
         intermediate: int = 0,
         link: LinkModel | None = None,
         held: np.ndarray | None = None,
+        layout: ExpertLayout | None = None,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         self.index = index
         self.device = device
         self.num_experts = num_experts
         self.expert_nbytes = expert_nbytes
         self.slots = slots
-        if slots is not None:
+        if slots is not None and layout is not None:
+            # quantized slots (uint8 rows): the same interface, each access dequantizes the
+            # slots it names to ``compute_dtype`` (moe_runtime.quant.layout.DequantSlots)
+            dt = compute_dtype or torch.float32
+            self.gate_up = DequantSlots(layout, slots, "gate_up", dt)
+            self.down = DequantSlots(layout, slots, "down", dt)
+            self.gate_up_t = DequantSlots(layout, slots, "gate_up", dt, transposed=True)
+            self.down_t = DequantSlots(layout, slots, "down", dt, transposed=True)
+        elif slots is not None:
             # 3-D strided views of the flat slots (an expert stays one contiguous row, one copy);
             # the grouped expert kernels read them transposed, as column-major ``mat_b``.
             gu = 2 * intermediate * hidden

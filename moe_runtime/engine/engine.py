@@ -34,7 +34,7 @@ from moe_runtime.layers.kv_cache import KVCache
 from moe_runtime.layers.mla_cache import MLACache
 from moe_runtime.layers.router_lookahead import RouterLookahead
 from moe_runtime.loader import LoadedModel, load_checkpoint
-from moe_runtime.memory_plan import buffer_slot_count, engine_devices, kv_cache_len
+from moe_runtime.memory_plan import buffer_slot_count, engine_devices, human_bytes, kv_cache_len
 from moe_runtime.model import MoEModel
 from moe_runtime.prefetch import make_prefetch_policy
 from moe_runtime.stats import EngineStats
@@ -477,7 +477,18 @@ class LLMEngine:
             f"{buf.num_slots * st.expert_nbytes / MiB:.1f} MiB "
             f"({100 * min(buf.num_slots, total) / total:.0f}% "
             f"of experts) on {len(buf.parts)} device(s), KV cache {self.kv.nbytes / MiB:.1f} MiB, "
-            f"experts run {self.model.expert_path}"
+            f"{self._expert_format()}, experts run {self.model.expert_path}"
+        )
+
+    def _expert_format(self) -> str:
+        """``experts fp8 e4m3 block [64, 64], 24.0 KiB per expert (96.0 KiB unquantized)``: the
+        bytes each copy moves, before and after quantizing (the same without quantization)."""
+        st = self.loaded.store
+        name = st.layout.describe() if st.layout else str(st.compute_dtype).removeprefix("torch.")
+        plain = str(st.compute_dtype).removeprefix("torch.")
+        return (
+            f"experts {name}, {human_bytes(st.expert_nbytes)} per expert "
+            f"({human_bytes(st.plain_nbytes)} in {plain})"
         )
 
     def close(self) -> None:

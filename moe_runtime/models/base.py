@@ -18,7 +18,7 @@ Experts are addressed as ``(layer, expert, part)`` with part in ``gate``, ``up``
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -93,6 +93,11 @@ class Family:
             ``model.layers.{i}.`` -> canonical short name (DeepSeek's latent attention).
         skips_layers_past_end: tensors of layers ``>= num_hidden_layers`` are known and not served
             (DeepSeek-V3's and GLM-4.5's multi-token-prediction layers, skipped by transformers too).
+        quantized_suffixes: per ``quant_method``, the name suffix of each stored component of a
+            quantized weight, when the family's checkpoints differ from
+            :data:`moe_runtime.quant.checkpoint.DEFAULT_SUFFIXES` (e.g. gpt-oss's MXFP4 experts:
+            ``{"mxfp4": {"blocks": "_blocks", "scales": "_scales"}}``); the name without the
+            suffix is classified like an unquantized weight.
     """
 
     name: str
@@ -107,6 +112,7 @@ class Family:
     fp32_weights: tuple[str, ...] = ()
     layer_names: tuple[tuple[str, str], ...] = ()
     skips_layers_past_end: bool = False
+    quantized_suffixes: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def parse_config(self, f: ConfigFields) -> ModelConfig:  # pragma: no cover - abstract
         """The :class:`ModelConfig` of a ``config.json``; raises ConfigError naming the field."""

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from moe_runtime.config import DEFAULT_CACHE_POLICY, RuntimeConfig, cache_policy_names, prefetch_policy_names
 from moe_runtime.errors import CheckpointError
+from moe_runtime.quant.select import EXPERT_DTYPES
 
 
 def add_model_arg(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +38,15 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
         choices=[BY_DEVICE, "auto", "bf16", "fp16", "fp32"],
         help=f"weights and activations: {BY_DEVICE} = bf16 on CUDA, fp32 on CPU; auto = bf16 on CUDA, "
         "else the checkpoint's torch_dtype",
+    )
+    g.add_argument(
+        "--expert-dtype",
+        default="auto",
+        choices=list(EXPERT_DTYPES),
+        help="format routed experts are kept and moved in (host store, link, slots): auto = the "
+        "checkpoint's (fp8 block-scaled stays fp8; unquantized experts in --dtype); fp8 = e4m3 with "
+        "one scale per 128x128 block (smaller for narrow experts); int8 = one scale per output "
+        "channel; mxfp4; bf16/fp16/fp32. Quantized experts are dequantized to --dtype where they run",
     )
     size = g.add_mutually_exclusive_group()
     size.add_argument(
@@ -119,6 +129,7 @@ def runtime_from_args(args: argparse.Namespace) -> RuntimeConfig:
         prefetch_depth=args.prefetch_depth,
         router_lookahead=args.router_lookahead,
         eamc_capacity=args.eamc_capacity,
+        expert_dtype=args.expert_dtype,
     )
 
 

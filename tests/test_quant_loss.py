@@ -1,0 +1,30 @@
+"""Held-out loss per expert format (moe_runtime/train/quant_loss.py, tools/quant_loss.py): the
+model evaluated carries exactly the runtime's stored experts."""
+
+from __future__ import annotations
+
+import torch
+from safetensors.torch import load_file
+
+from moe_runtime.quant.fp8 import Fp8BlockCodec
+from moe_runtime.train.quant_loss import measure, model_with_served_experts, render
+from moe_runtime.train.trainer import evaluate
+
+
+def test_served_experts_are_the_codec_round_trip(tiny_qwen3):
+    model, name, nbytes = model_with_served_experts(tiny_qwen3, "fp8")
+    assert name == "fp8 e4m3 block [32, 32]" and nbytes == 3 * (48 * 64 + 16)
+    codec = Fp8BlockCodec((32, 32))
+    w = load_file(str(tiny_qwen3 / "model.safetensors"))["model.layers.1.mlp.experts.3.down_proj.weight"]
+    want = codec.dequantize(codec.quantize(w), *w.shape, torch.float32)
+    assert torch.equal(model.model.layers[1].mlp.experts.down_proj[3], want)
+
+
+def test_measure_rows_and_rise(tiny_qwen3):
+    windows = {"a": torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(0))}
+    result = measure(tiny_qwen3, windows, ("auto", "int8"))
+    auto, int8 = result["rows"]
+    plain, _, _ = model_with_served_experts(tiny_qwen3, "auto")
+    assert auto["loss"] == evaluate(plain, windows) and auto["rise_percent"] == 0.0
+    assert int8["rise_percent"] == 100 * (int8["mean"] - auto["mean"]) / auto["mean"] != 0.0
+    assert "| int8 | int8 per output channel |" in render(result)
