@@ -32,9 +32,13 @@ class Component:
 
 
 class Codec:
-    """A weight format. ``name``: the ``--expert-dtype`` value that selects it."""
+    """A weight format. ``name``: the ``--expert-dtype`` value that selects it. ``row_scaled``:
+    every output row has its own scales (or none), so any subset of a matrix's rows, taken from
+    each component, is that sub-matrix in the same format (fused experts split without
+    dequantizing); block scales spanning rows (fp8) do not allow it."""
 
     name: str = ""
+    row_scaled: bool = False
 
     def components(self, out: int, inn: int) -> tuple[Component, ...]:  # pragma: no cover - abstract
         """The stored tensors of an ``[out, in]`` matrix, in packing order."""

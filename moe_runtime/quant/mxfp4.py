@@ -36,6 +36,7 @@ def unpack(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> to
 
 class Mxfp4Codec(Codec):
     name = "mxfp4"
+    row_scaled = True
 
     def components(self, out: int, inn: int) -> tuple[Component, ...]:
         g = groups(inn)
