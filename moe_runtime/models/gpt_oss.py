@@ -111,7 +111,7 @@ class GptOssFamily(Family):
         quant = f.mapping("quantization_config")
         if quant and quant.get("quant_method") != "mxfp4":
             raise ConfigError(
-                f"quantization_config.quant_method {show(quant.get('quant_method'))} is not supported "
+                f"quantization_config.quant_method {quant.get('quant_method')!r} is not supported "
                 "for gpt-oss (supported: mxfp4, or an unquantized checkpoint)"
             )
         # RoPE is read by yarn_of (common_fields refuses scaling types it does not implement)

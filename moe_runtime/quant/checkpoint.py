@@ -64,9 +64,7 @@ class QuantPairs:
                 f"{len(self._pending)} quantized weights incomplete)"
             )
 
-    def check_stored(
-        self, parts: dict[str, torch.Tensor], source: str
-    ) -> tuple[int, int, tuple[int, ...]]:
+    def check_stored(self, parts: dict[str, torch.Tensor], source: str) -> tuple[int, int, tuple[int, ...]]:
         """``(out, in, leading dims)`` of a complete matrix after checking each component's dtype
         and shape (any equal leading dims, e.g. ``(E,)`` for stacked experts).
 
