@@ -331,7 +331,8 @@ def _store_quantized(
     """A quantized expert matrix (its components by name), one expert's or fused ``[E, out, ...]``
     (split per part on the stored rows, :meth:`Family.fused_quantized_experts`). ``passthrough``
     (the store keeps the checkpoint's format): copied as stored; otherwise dequantized (padding
-    cropped) and written in the store's format. Either way checked finite as it will be served."""
+    cropped) and written in the store's format. Either way checked finite as it will be served
+    (for MXFP4 from the scales alone when they bound every value, :meth:`Codec.surely_finite`)."""
     if kind.layer not in moe_index:
         raise CheckpointError(f"{src}: layer {kind.layer} is not an MoE layer in config.json")
     _, _, lead = pairs.check_stored(parts, src)
@@ -350,12 +351,13 @@ def _store_quantized(
     else:
         matrices = [(kind.expert, kind.part, parts)]
     for expert, part, comps in matrices:
+        width = store.intermediate_size if part == "down" else store.hidden_size
         if passthrough:
             store.write_stored(layer, expert, part, comps, src)
-            served = store.dequant(layer, expert, part)
-            check_finite(served, served, src)
+            if not pairs.codec.surely_finite(comps, store.compute_dtype):
+                served = store.dequant(layer, expert, part)
+                check_finite(served, pairs.dequantize(comps, src, width), src)
         else:
-            width = store.intermediate_size if part == "down" else store.hidden_size
             tensor = pairs.dequantize(comps, src, width)
             check_finite(store.write(layer, expert, part, tensor, src), tensor, src)
 

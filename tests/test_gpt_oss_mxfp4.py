@@ -183,3 +183,25 @@ def test_released_mxfp4_config_plans_mxfp4_slots(tmp_path):
     for expert_dtype, nbytes in (("auto", 3 * (matrix // 2 + matrix // 32)), ("bf16", 3 * matrix * 2)):
         plan = plan_memory(cfg, RuntimeConfig(dtype="bf16", buffer_slots=8, expert_dtype=expert_dtype))
         assert plan.slot_bytes == nbytes and plan.expert_store == 24 * 32 * nbytes
+
+
+@pytest.mark.parametrize(
+    ("scale", "dtype", "ok"), [(127 + 125, "fp32", True), (255, "fp32", False), (127 + 14, "fp16", False)]
+)
+def test_overflowing_scale_named(capsys, mxfp4, tmp_path, scale, dtype, ok):
+    """The load's finite check, taken from the scales when they bound every value: 6 x 2^125
+    fits fp32; a group of 6.0s at scale 2^128 (the e8m0 NaN code, which transformers'
+    ``ldexp`` turns into Inf) or at 2^14 in fp16 (98304) does not, and the tensor is named."""
+    path = _copy(mxfp4[0], tmp_path)
+    stem = "model.layers.2.mlp.experts.down_proj"
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors[f"{stem}_blocks"][3, 7, 1] = 0x77  # 16 bytes = 32 values of 6.0
+    tensors[f"{stem}_scales"][3, 7, 1] = scale
+    save_file(tensors, str(path / "model.safetensors"))
+    rc, err = run_cli(
+        capsys, "generate", "--model", str(path), "--dtype", dtype, "--prompt", "x", "--max-tokens", "1"
+    )
+    if ok:
+        assert rc == 0, err
+    else:
+        assert_one_line(rc, err, f"tensor {stem}", "Inf" if dtype == "fp32" else "overflow")

@@ -60,6 +60,11 @@ class Codec:
         first = parts[self.components(1, 1)[0].name]
         return int(first.shape[-2]), int(first.shape[-1])
 
+    def surely_finite(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> bool:
+        """True when the stored components cannot dequantize to a NaN or Inf in ``dtype``, known
+        without dequantizing (the load check then skips that); False: dequantize and look."""
+        return False
+
     def describe(self) -> str:
         """Short text for summaries (``fp8 e4m3 block [128, 128]``)."""
         return self.name
