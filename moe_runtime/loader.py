@@ -221,7 +221,7 @@ def load_checkpoint(
     codec = checkpoint_codec(cfg.quant_method, cfg.weight_block_size)
     pairs = None
     if codec is not None:
-        suffixes = family.quantized_suffixes.get(cfg.quant_method) or DEFAULT_SUFFIXES[cfg.quant_method]
+        suffixes = family.suffixes_for(cfg.quant_method) or DEFAULT_SUFFIXES[cfg.quant_method]
         pairs = QuantPairs(codec, suffixes)
     # experts already in the format they are kept in are copied as stored, not dequantized
     passthrough = codec is not None and layout is not None and layout.describe() == codec.describe()
@@ -261,15 +261,16 @@ def load_checkpoint(
                     if parts is None:
                         continue
                     src = f"{f.name}: tensor {piece[0]}"
-                    if passthrough and isinstance(kind, ExpertTensor) and kind.expert is not None:
-                        _store_quantized(store, kind, moe_index, parts, pairs, src)
+                    if isinstance(kind, ExpertTensor) and (kind.expert is not None or codec.row_scaled):
+                        _store_quantized(store, family, kind, moe_index, parts, pairs, src, passthrough)
                         continue
                     width = (
                         (store.intermediate_size if kind.part == "down" else store.hidden_size)
                         if isinstance(kind, ExpertTensor)
                         else want.get(kind, (None,))[-1]
                     )
-                    tensor = pairs.dequantize(parts, src, width)  # dense layers: dequantized at load
+                    # dense layers (and fused block-scaled experts): dequantized at load
+                    tensor = pairs.dequantize(parts, src, width)
                 check_weight_dtype(tensor, src)
                 if isinstance(kind, ExpertTensor):
                     _store_expert(store, family, kind, moe_index, tensor, src)
@@ -319,21 +320,46 @@ def _stored_dtype(handle: Any, name: str) -> torch.dtype | None:
 
 def _store_quantized(
     store: HostExpertStore,
+    family: Family,
     kind: ExpertTensor,
     moe_index: dict[int, int],
     parts: dict[str, torch.Tensor],
     pairs: QuantPairs,
     src: str,
+    passthrough: bool,
 ) -> None:
-    """An expert matrix already in the store's format: copied as stored, then checked finite as
-    it will be served (dequantized)."""
+    """A quantized expert matrix (its components by name), one expert's or fused ``[E, out, ...]``
+    (split per part on the stored rows, :meth:`Family.fused_quantized_experts`). ``passthrough``
+    (the store keeps the checkpoint's format): copied as stored; otherwise dequantized (padding
+    cropped) and written in the store's format. Either way checked finite as it will be served
+    (for MXFP4 from the scales alone when they bound every value, :meth:`Codec.surely_finite`)."""
     if kind.layer not in moe_index:
         raise CheckpointError(f"{src}: layer {kind.layer} is not an MoE layer in config.json")
-    pairs.check_stored(parts, src)
+    _, _, lead = pairs.check_stored(parts, src)
     layer = moe_index[kind.layer]
-    store.write_stored(layer, kind.expert, kind.part, parts, src)
-    served = store.dequant(layer, kind.expert, kind.part)
-    check_finite(served, served, src)
+    if kind.expert is None:
+        if lead != (store.num_experts,):
+            raise CheckpointError(
+                f"{src}: expected {store.num_experts} stacked experts, found leading dims {list(lead)}"
+            )
+        stacks = family.fused_quantized_experts(kind.part, parts, store.intermediate_size)
+        matrices = [
+            (e, part, {c: t[e] for c, t in comps.items()})
+            for e in range(store.num_experts)
+            for part, comps in stacks.items()
+        ]
+    else:
+        matrices = [(kind.expert, kind.part, parts)]
+    for expert, part, comps in matrices:
+        width = store.intermediate_size if part == "down" else store.hidden_size
+        if passthrough:
+            store.write_stored(layer, expert, part, comps, src)
+            if not pairs.codec.surely_finite(comps, store.compute_dtype):
+                served = store.dequant(layer, expert, part)
+                check_finite(served, pairs.dequantize(comps, src, width), src)
+        else:
+            tensor = pairs.dequantize(comps, src, width)
+            check_finite(store.write(layer, expert, part, tensor, src), tensor, src)
 
 
 def _store_expert(

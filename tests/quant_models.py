@@ -97,3 +97,43 @@ def write_mxfp4_checkpoint(src: Path, dst: Path, reference: Path) -> None:
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "mxfp4"}
     (dst / "config.json").write_text(json.dumps(cfg))
+
+
+#: gpt-oss's fused expert tensors, stored ``[E, in, out]`` unquantized
+GPT_OSS_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
+#: gpt-oss-20b's ``quantization_config`` (the modules left unquantized)
+GPT_OSS_MXFP4 = {
+    "quant_method": "mxfp4",
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+}
+
+
+def write_gpt_oss_mxfp4_checkpoint(src: Path, dst: Path) -> dict[str, torch.Tensor]:
+    """``dst``: a tiny gpt-oss ``src`` stored as the Hub's gpt-oss checkpoints are: each
+    ``mlp.experts.{gate_up,down}_proj [E, in, out]`` becomes ``*_blocks`` uint8 ``[E, out, in/32,
+    16]`` and ``*_scales`` uint8 ``[E, out, in/32]`` (the repo's MXFP4 codec per expert, on the
+    transposed ``[out, in]`` matrix, so gate_up's rows stay interleaved: gate even, up odd), every
+    other tensor as it was, and ``quantization_config`` :data:`GPT_OSS_MXFP4`. ``in`` must be a
+    multiple of 32 (transformers does not crop padding). Returns the written tensors."""
+    from moe_runtime.quant.mxfp4 import Mxfp4Codec
+
+    codec = Mxfp4Codec()
+    out = {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if GPT_OSS_EXPERTS.search(name) is None:
+            out[name] = t
+            continue
+        parts = [codec.quantize(w.T) for w in t]
+        for comp in ("blocks", "scales"):
+            out[f"{name}_{comp}"] = torch.stack([p[comp] for p in parts])
+    _copy_without_weights(src, dst)
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = GPT_OSS_MXFP4
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return out

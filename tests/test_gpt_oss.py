@@ -227,7 +227,7 @@ def test_bf16_runs(gpt_oss):
         ({"sliding_window": 0}, "sliding_window"),
         ({"swiglu_limit": -1.0}, "swiglu_limit"),
         ({"num_experts_per_tok": 7}, "num_experts_per_tok"),
-        ({"quantization_config": {"quant_method": "mxfp4"}}, "quantization_config"),
+        ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "quant_method"),
         ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1.0}}, "rope_parameters.rope_type"),
     ],
 )

@@ -134,8 +134,9 @@ def test_quantized_paths_and_buffers_identical(tiny_checkpoints, expert_dtype):
 
 def test_mxfp4_checkpoint_through_the_generic_hook(tiny_checkpoints, tmp_path):
     """An MXFP4 checkpoint in gpt-oss's on-disk form (fused ``*_blocks`` / ``*_scales`` experts):
-    paired by suffix, the base name classified as the fused expert tensor, dequantized at load and
-    kept as mxfp4 without loss; decodes as transformers on the dequantized weights."""
+    paired by suffix, the base name classified as the fused expert tensor, its packed rows split
+    into gate and up (transformers' order: gate rows first) and kept as stored; decodes as
+    transformers on the dequantized weights."""
     from quant_models import write_mxfp4_checkpoint
 
     write_mxfp4_checkpoint(tiny_checkpoints["qwen3_moe"], tmp_path / "mx", tmp_path / "ref")

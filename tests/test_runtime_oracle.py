@@ -31,9 +31,10 @@ def references(tiny_checkpoints):
     return out
 
 
-def greedy_references(path, prompts: list[list[int]], new: int):
-    """(fp32 transformers model, [(tokens, step logits [new, V])] per prompt) from greedy generate."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+def greedy_references(path, prompts: list[list[int]], new: int, **load_kwargs):
+    """(fp32 transformers model, [(tokens, step logits [new, V])] per prompt) from greedy generate;
+    ``load_kwargs`` go to ``from_pretrained`` (e.g. a ``quantization_config``)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **load_kwargs)
     model.eval()
     model.generation_config.eos_token_id = None  # generate exactly ``new`` tokens, like ignore_eos
     gen = transformers.GenerationConfig(

@@ -253,7 +253,9 @@ def make_phimoe_checkpoint(path: Path, seed: int = 0, **overrides) -> Path:
     )
 
 
-def make_gpt_oss_checkpoint(path: Path, seed: int = 0, sliding_window: int = 4) -> Path:
+def make_gpt_oss_checkpoint(
+    path: Path, seed: int = 0, sliding_window: int = 4, intermediate_size: int = 48
+) -> Path:
     """A tiny gpt-oss checkpoint with non-default settings: 3 layers alternating sliding (window
     ``sliding_window``, shorter than the test prompts) and full attention, 6 experts, top-2, GQA
     (4 heads, 2 KV heads, head_dim 16), YaRN RoPE without truncation, random attention sinks,
@@ -265,7 +267,7 @@ def make_gpt_oss_checkpoint(path: Path, seed: int = 0, sliding_window: int = 4) 
         num_hidden_layers=3,
         num_local_experts=6,
         num_experts_per_tok=2,
-        intermediate_size=48,
+        intermediate_size=intermediate_size,
         head_dim=16,
         num_attention_heads=4,
         num_key_value_heads=2,

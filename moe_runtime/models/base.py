@@ -18,7 +18,7 @@ Experts are addressed as ``(layer, expert, part)`` with part in ``gate``, ``up``
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -94,10 +94,11 @@ class Family:
         skips_layers_past_end: tensors of layers ``>= num_hidden_layers`` are known and not served
             (DeepSeek-V3's and GLM-4.5's multi-token-prediction layers, skipped by transformers too).
         quantized_suffixes: per ``quant_method``, the name suffix of each stored component of a
-            quantized weight, when the family's checkpoints differ from
-            :data:`moe_runtime.quant.checkpoint.DEFAULT_SUFFIXES` (e.g. gpt-oss's MXFP4 experts:
-            ``{"mxfp4": {"blocks": "_blocks", "scales": "_scales"}}``); the name without the
-            suffix is classified like an unquantized weight.
+            quantized weight, as ``(method, ((component, suffix), ...))`` pairs (tuples keep the
+            frozen family hashable), when the family's checkpoints differ from
+            :data:`moe_runtime.quant.checkpoint.DEFAULT_SUFFIXES` (e.g.
+            ``(("mxfp4", (("blocks", "_blocks"), ("scales", "_scales"))),)``); the name without
+            the suffix is classified like an unquantized weight.
     """
 
     name: str
@@ -112,7 +113,7 @@ class Family:
     fp32_weights: tuple[str, ...] = ()
     layer_names: tuple[tuple[str, str], ...] = ()
     skips_layers_past_end: bool = False
-    quantized_suffixes: dict[str, dict[str, str]] = field(default_factory=dict)
+    quantized_suffixes: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
 
     def parse_config(self, f: ConfigFields) -> ModelConfig:  # pragma: no cover - abstract
         """The :class:`ModelConfig` of a ``config.json``; raises ConfigError naming the field."""
@@ -137,6 +138,27 @@ class Family:
         if part == "gate_up":
             return {"gate": tensor[:, :intermediate], "up": tensor[:, intermediate:]}
         return {"down": tensor}
+
+    def suffixes_for(self, method: str) -> dict[str, str] | None:
+        """Component -> name suffix of ``method``'s quantized weights in this family's
+        checkpoints (:attr:`quantized_suffixes`), None for the defaults."""
+        own = dict(self.quantized_suffixes).get(method)
+        return dict(own) if own is not None else None
+
+    def fused_quantized_experts(
+        self, part: str, parts: dict[str, torch.Tensor], intermediate: int
+    ) -> dict[str, dict[str, torch.Tensor]]:
+        """A fused quantized expert tensor's components (``[E, out, ...]`` each, every output row
+        with its own scales: MXFP4, int8) split per part along ``out`` into ``{part: {component:
+        [E, out', ...]}}`` (views): rows are whole, so splitting them is exact and the experts stay
+        quantized. Default: transformers>=5's row order, gate rows then up rows; a wrong shape is
+        caught when each expert is stored."""
+        if part == "gate_up":
+            return {
+                "gate": {c: t[:, :intermediate] for c, t in parts.items()},
+                "up": {c: t[:, intermediate:] for c, t in parts.items()},
+            }
+        return {"down": parts}
 
     def dense_tensor(self, canonical: str, tensor: torch.Tensor) -> torch.Tensor:
         """A dense tensor as served, from the checkpoint's (shape-checked) tensor: unchanged by

@@ -1,4 +1,5 @@
-"""gpt-oss (``GptOssForCausalLM``: gpt-oss-20b, gpt-oss-120b), unquantized (bf16/fp32) checkpoints.
+"""gpt-oss (``GptOssForCausalLM``: gpt-oss-20b, gpt-oss-120b): MXFP4 checkpoints as they ship, and
+unquantized (bf16/fp32) ones.
 
 What differs from the Llama-style families, and where it runs:
 
@@ -17,10 +18,17 @@ What differs from the Llama-style families, and where it runs:
   per MoE layer and are added by expert id (``moe_runtime.layers.experts.ExpertFFN``). The
   activation is the clamped SwiGLU :class:`ClampedSwiGLU`.
 
-Quantized (MXFP4) checkpoints carry ``quantization_config`` and ``*_blocks``/``*_scales`` expert
-tensors instead; they are refused at config parsing until a quantized-expert path exists. Their
-names map through :data:`EXPERT_NAMES` (add ``gate_up_proj_blocks``/``_scales`` there, with the
-part names the codec uses, and split them in :meth:`GptOssFamily.fused_experts`).
+MXFP4 checkpoints (``quantization_config.quant_method: mxfp4``, as on the Hub) store the experts
+as ``gate_up_proj_blocks [E, 2I, H/32, 16]`` / ``gate_up_proj_scales [E, 2I, H/32]`` and
+``down_proj_blocks [E, H, I/32, 16]`` / ``down_proj_scales [E, H, I/32]`` (uint8; ``out x in``,
+the transpose of the unquantized tensors; transformers' ``integrations.mxfp4`` dequantizes them to
+those) with gate and up interleaved along the ``2I`` rows; biases, attention, router, embeddings
+and LM head unquantized (``modules_to_not_convert``). The loader pairs ``*_blocks`` with
+``*_scales`` (:mod:`moe_runtime.quant.checkpoint`), the base names map through
+:data:`EXPERT_NAMES`, and :meth:`GptOssFamily.fused_quantized_experts` takes the even and odd rows
+of the packed bytes: the experts stay MXFP4 in host store, link and slots (``--expert-dtype
+auto``), or are dequantized at load for another ``--expert-dtype``. Other quantization methods
+are refused when the config is parsed.
 """
 
 from __future__ import annotations
@@ -101,11 +109,10 @@ def sliding_layers_of(f: ConfigFields, num_layers: int) -> list[int]:
 class GptOssFamily(Family):
     def parse_config(self, f: ConfigFields) -> ModelConfig:
         quant = f.mapping("quantization_config")
-        if quant:
-            method = quant.get("quant_method", "?")
+        if quant and quant.get("quant_method") != "mxfp4":
             raise ConfigError(
-                f"quantization_config (quant_method {show(method)}) is not supported: gpt-oss is served "
-                "from unquantized (bf16/fp32) checkpoints only"
+                f"quantization_config.quant_method {quant.get('quant_method')!r} is not supported "
+                "for gpt-oss (supported: mxfp4, or an unquantized checkpoint)"
             )
         # RoPE is read by yarn_of (common_fields refuses scaling types it does not implement)
         base = common_fields(ConfigFields({k: v for k, v in f.raw.items() if k not in ROPE_KEYS}))
@@ -162,6 +169,19 @@ class GptOssFamily(Family):
         if part == "gate_up":
             return {"gate": tensor[..., 0::2].transpose(1, 2), "up": tensor[..., 1::2].transpose(1, 2)}
         return {"down": tensor.transpose(1, 2)}
+
+    def fused_quantized_experts(
+        self, part: str, parts: dict[str, torch.Tensor], intermediate: int
+    ) -> dict[str, dict[str, torch.Tensor]]:
+        """MXFP4 ``gate_up_proj_blocks [E, 2I, G, 16]`` / ``_scales [E, 2I, G]`` (gate even rows,
+        up odd rows) -> gate/up ``[E, I, ...]`` per component, the packed bytes of whole rows
+        (exact, nothing dequantized); ``down_proj_*`` ``[E, H, ...]`` as stored."""
+        if part == "gate_up":
+            return {
+                "gate": {c: t[:, 0::2] for c, t in parts.items()},
+                "up": {c: t[:, 1::2] for c, t in parts.items()},
+            }
+        return {"down": parts}
 
     def dense_tensor(self, canonical: str, tensor: torch.Tensor) -> torch.Tensor:
         """The interleaved ``gate_up_proj_bias [E, 2I]`` as ``[gate | up]``, the slots' row order."""

@@ -11,6 +11,8 @@ from moe_runtime.quant.codec import Codec, Component
 class CastCodec(Codec):
     """Args: dtype: the stored float dtype; name: its ``--expert-dtype`` name."""
 
+    row_scaled = True
+
     def __init__(self, dtype: torch.dtype, name: str) -> None:
         self.dtype, self.name = dtype, name
 

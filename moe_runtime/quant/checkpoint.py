@@ -3,8 +3,8 @@ order, any shard); :class:`QuantPairs` collects them until a matrix is complete.
 
 Names: fp8 block-scaled (DeepSeek-V3, Qwen3-*-FP8) stores ``<name>.weight`` (float8_e4m3fn) next to
 ``<name>.weight_scale_inv`` (float32); a family may declare other suffixes per method
-(``Family.quantized_suffixes``, e.g. gpt-oss's MXFP4 ``<name>_blocks`` / ``<name>_scales``, whose
-base name is then classified like an unquantized weight).
+(``Family.quantized_suffixes``); MXFP4's ``<name>_blocks`` / ``<name>_scales`` (gpt-oss) are the
+defaults. The base name is then classified like an unquantized weight.
 """
 
 from __future__ import annotations
@@ -64,9 +64,9 @@ class QuantPairs:
                 f"{len(self._pending)} quantized weights incomplete)"
             )
 
-    def check_stored(self, parts: dict[str, torch.Tensor], source: str) -> tuple[int, int]:
-        """``(out, in)`` of a complete matrix after checking each component's dtype and shape
-        (any equal leading dims, e.g. stacked experts).
+    def check_stored(self, parts: dict[str, torch.Tensor], source: str) -> tuple[int, int, tuple[int, ...]]:
+        """``(out, in, leading dims)`` of a complete matrix after checking each component's dtype
+        and shape (any equal leading dims, e.g. ``(E,)`` for stacked experts).
 
         Raises:
             CheckpointError: ``"<source>: <component> has dtype ..."`` or ``"... expected shape"``.
@@ -88,7 +88,7 @@ class QuantPairs:
                     f"{source}: {comp.name} expected shape {want_shape}, found {list(t.shape)}"
                 )
             lead = tuple(t.shape[:-n])
-        return out, inn
+        return out, inn, lead or ()
 
     def dequantize(
         self, parts: dict[str, torch.Tensor], source: str, width: int | None = None
@@ -96,7 +96,7 @@ class QuantPairs:
         """A complete matrix as float32 ``[..., out, in]`` (dense weights and formats the experts
         are not kept in), its components checked first. ``width``: the ``in`` the config implies,
         when the format pads it (MXFP4 stores whole groups of 32): the padding is cropped."""
-        out, inn = self.check_stored(parts, source)
+        out, inn, _ = self.check_stored(parts, source)
         if width is not None and inn - 32 < width < inn:
             inn = width
         return self.codec.dequantize(parts, out, inn, torch.float32).contiguous()

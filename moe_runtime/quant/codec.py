@@ -32,9 +32,13 @@ class Component:
 
 
 class Codec:
-    """A weight format. ``name``: the ``--expert-dtype`` value that selects it."""
+    """A weight format. ``name``: the ``--expert-dtype`` value that selects it. ``row_scaled``:
+    every output row has its own scales (or none), so any subset of a matrix's rows, taken from
+    each component, is that sub-matrix in the same format (fused experts split without
+    dequantizing); block scales spanning rows (fp8) do not allow it."""
 
     name: str = ""
+    row_scaled: bool = False
 
     def components(self, out: int, inn: int) -> tuple[Component, ...]:  # pragma: no cover - abstract
         """The stored tensors of an ``[out, in]`` matrix, in packing order."""
@@ -55,6 +59,11 @@ class Codec:
         dims; formats that pack several values per element override it."""
         first = parts[self.components(1, 1)[0].name]
         return int(first.shape[-2]), int(first.shape[-1])
+
+    def surely_finite(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> bool:
+        """True when the stored components cannot dequantize to a NaN or Inf in ``dtype``, known
+        without dequantizing (the load check then skips that); False: dequantize and look."""
+        return False
 
     def describe(self) -> str:
         """Short text for summaries (``fp8 e4m3 block [128, 128]``)."""

@@ -11,6 +11,7 @@ from moe_runtime.quant.codec import Codec, Component
 
 class Int8ChannelCodec(Codec):
     name = "int8"
+    row_scaled = True
 
     def components(self, out: int, inn: int) -> tuple[Component, ...]:
         return (
