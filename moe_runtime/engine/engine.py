@@ -110,6 +110,7 @@ class LLMEngine:
                 cfg.head_dim,
                 runtime.torch_dtype,
                 device,
+                cfg.layer_windows,
             )
         self.model = MoEModel(cfg, loaded.dense, self.buffer, self.kv, self.max_model_len)
         self.prefetcher = make_prefetch_policy(
