@@ -5,7 +5,11 @@ than the prompts, layers alternating sliding and full attention, 6 experts top-2
 sinks and router/expert biases, YaRN RoPE without truncation, a SwiGLU clamp that bites): greedy
 tokens equal and fp32 logits within 1e-4 at every step for 32 new tokens, for one prompt and a
 batch of four prompts of different lengths, every expert resident and at a 2-slot buffer; chunked
-prefill and a request joining mid-decode; the grouped, loop and few expert paths bit-identical.
+prefill and a request joining mid-decode; prompts 4-5x the window (whole, in chunks shorter and
+longer than the window); the grouped, loop and few expert paths bit-identical. Kernel level:
+sinks by SDPA's log-sum-exp and by a padded key, and sliding layers over their KV ring (chunks,
+decodes, a mixed step of different lengths) equal transformers' eager attention; the ring plan
+and float masks are built once per step, not per layer; a sliding layer's KV rows hold the window.
 Also: removing any gpt-oss piece (sinks, window, biases, clamp) moves the logits far beyond the
 tolerance, so the comparisons above depend on each; the RoPE tables and the router equal
 transformers'; the memory plan counts the new dense tensors; bad config fields are refused by name.
@@ -104,8 +108,9 @@ def test_prompts_several_windows_long(gpt_oss, long_refs, chunk):
         results = _run_collecting_logits(
             engine, LONG, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
         )
-        kv, cfg = engine.kv, engine.config
+        kv, cfg, summary = engine.kv, engine.config, engine.summary()
     assert_matches(results, long_refs)
+    assert "(2 sliding layers hold 4 positions)" in summary
     assert [kv.k[i].shape[2] for i in range(cfg.num_layers)] == [4, 64, 4]  # window, max_model_len, window
 
 

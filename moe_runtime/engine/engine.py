@@ -467,7 +467,8 @@ class LLMEngine:
 
     def summary(self) -> str:
         """One line: dense bytes on device, expert bytes in host memory, slots and their bytes, the
-        expert path (``grouped`` GEMMs or a per-expert ``loop``)."""
+        KV cache (and the sliding layers' ring length), the expert path (``grouped`` GEMMs or a
+        per-expert ``loop``)."""
         st, buf = self.loaded.store, self.buffer
         total = st.num_layers * st.num_experts
         return (
@@ -477,9 +478,18 @@ class LLMEngine:
             f"buffer {buf.num_slots} slots x {st.expert_nbytes / MiB:.2f} MiB = "
             f"{buf.num_slots * st.expert_nbytes / MiB:.1f} MiB "
             f"({100 * min(buf.num_slots, total) / total:.0f}% "
-            f"of experts) on {len(buf.parts)} device(s), KV cache {self.kv.nbytes / MiB:.1f} MiB, "
+            f"of experts) on {len(buf.parts)} device(s), "
+            f"KV cache {self.kv.nbytes / MiB:.1f} MiB{self._ring_note()}, "
             f"experts run {self.model.expert_path}"
         )
+
+    def _ring_note(self) -> str:
+        """`` (N sliding layers hold W positions)`` where sliding-window layers keep KV rings."""
+        ring = getattr(self.kv, "ring", {})
+        if not ring:
+            return ""
+        windows = "/".join(str(w) for w in sorted(set(ring.values())))
+        return f" ({len(ring)} sliding layers hold {windows} positions)"
 
     def close(self) -> None:
         self.buffer.close()

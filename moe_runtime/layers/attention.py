@@ -14,21 +14,36 @@ On CUDA the SDPA backends are limited to flash, memory-efficient and math
 (``torch.nn.attention.sdpa_kernel``): the cuDNN backend builds a new plan whenever the KV length
 changes, i.e. at every decode step (issue 14: 7.3 ms of host time per call on an H100).
 
-gpt-oss adds two options, each a change of the mask only (:func:`_sdpa`):
+gpt-oss adds two options:
 
-* a sliding window (``window``): a query at position ``p`` sees keys ``p - window + 1 .. p``;
-  the step's boolean masks (a visible prefix per query) keep their last ``window`` keys. The KV
-  cache stays full length (memory is not saved, the keys outside the window are masked out);
+* a sliding window: a query at position ``p`` sees keys ``p - window + 1 .. p``. A layer whose
+  window is shorter than the cache keeps a ring of ``window`` KV positions per row (position ``p``
+  at index ``p % window``, ``moe_runtime.layers.kv_cache``), so its KV memory does not grow with
+  the context. Such a layer attends per group of sequences (the decodes; the prefill chunks in one
+  padded call, as above, or one each) over ``[ring | new tokens]``: the ring as the step found it
+  (``min(window, past)`` positions) and the group's new keys, under a mask that keeps each query's
+  window (causal within the chunk); then each sequence's last ``window`` new keys and values are
+  written. A chunk longer than the window thus still sees its own early keys. The
+  :class:`RingPlan` (indices, masks) is built once per step and window and shared by the layers
+  (``StepContext.cached``);
 * attention sinks (``sinks [Hq]``): a learned logit per head that joins the softmax denominator
-  and carries no value. Each call gets one extra key, always visible, whose logit is the sink:
+  and carries no value: ``out_sink = out * S / (S + exp(sink)) = out * sigmoid(lse - sink)``,
+  ``lse`` being the log-sum-exp of the query's visible logits. On CPU the flash kernel
+  (``aten._scaled_dot_product_flash_attention_for_cpu``, GQA native) returns ``out`` and ``lse``
+  in one call under an additive mask (built once per step and dtype): no copies of q, k or v.
+  Elsewhere (CUDA, not yet run on a GPU: ``aten._scaled_dot_product_efficient_attention`` with
+  ``compute_log_sumexp`` returns ``lse`` but takes no GQA and wants an additive bias aligned to 16
+  keys; not wired untested) the sink is one extra key whose logit is the sink:
   queries, keys and values are padded by :data:`SINK_PAD` head dims (zeros; one copy each), a
-  query holds ``sink_h / scale`` in the first of them, the extra key 1 there and 0 elsewhere,
-  its value 0; real keys hold 0 there, so their logits are unchanged and the extra key's is
-  ``sink_h`` (to rounding). The softmax then equals transformers' ``[logits | sink]`` softmax
-  with the sink dropped; the output's padded dims are dropped. The mask stays boolean and shared
-  by the heads (a per-head float mask would cost ``heads x queries x keys`` elements per call,
-  2 GiB for a 4096-token bf16 prefill of gpt-oss-20b). Any mask rules out the flash backend on
-  CUDA: those calls run the memory-efficient kernel (or math); on CPU any SDPA backend takes it.
+  query holds ``sink_h / scale`` in the first of them, the extra key 1 there and 0 elsewhere, its
+  value 0; real keys hold 0 there, so their logits are unchanged and the extra key's is ``sink_h``
+  (to rounding). Either way the mask stays shared by the heads (a per-head float mask would cost
+  ``heads x queries x keys`` elements per call, 2 GiB for a 4096-token bf16 prefill of
+  gpt-oss-20b). Any mask rules out the flash backend on CUDA: those calls run the
+  memory-efficient kernel (or math).
+
+The masks of the other paths are built once per step too (the decodes' length mask and the padded
+prefill mask by ``StepContext.build``, a lone chunk's causal mask on first use).
 """
 
 from __future__ import annotations
@@ -196,6 +211,7 @@ class RingGroup:
         pad: ``[n]`` each token's index in the padded ``[S * max_new]`` queries.
         max_new: the longest chunk. ring_len: ring indices read (``min(window, longest past)``).
         mask: ``[S, 1, max_new, ring_len + max_new]`` bool, keys = ring then the new tokens.
+        start: the first token of the group's only chunk (its tokens are then a slice), or None.
     """
 
     rows: torch.Tensor
@@ -204,6 +220,7 @@ class RingGroup:
     max_new: int
     ring_len: int
     mask: torch.Tensor
+    start: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,12 +275,15 @@ def _ring_group(step, seqs: list[int], window: int, device: torch.device) -> Rin
     )
     dev = host.to(device)
     s, n = len(seqs), len(within)
-    return RingGroup(dev[:s], dev[s : s + n], dev[s + n :], max_new, ring_len, mask.to(device))
+    start = step.starts[seqs[0]] if s == 1 else None
+    return RingGroup(dev[:s], dev[s : s + n], dev[s + n :], max_new, ring_len, mask.to(device), start)
 
 
 def _padded(x: torch.Tensor, g: RingGroup) -> torch.Tensor:
     """The group's rows of ``x [T, H, D]`` as ``[S, H, max_new, D]`` (zeros where a chunk is short)."""
     s = g.rows.shape[0]
+    if g.start is not None:  # one chunk: a view
+        return x[g.start : g.start + g.max_new].transpose(0, 1).unsqueeze(0)
     if g.max_new == 1:
         return x.index_select(0, g.tokens).unsqueeze(2)
     buf = x.new_zeros((s * g.max_new, x.shape[1], x.shape[2]))
@@ -285,7 +305,10 @@ def _ring_attention(q, k, v, kc, vc, step, sinks, window: int) -> torch.Tensor:
         o = _sdpa(_padded(q, g), keys, vals, g.mask, sinks, step, ("ring", window, gi))
         s, heads, d = g.rows.shape[0], q.shape[1], q.shape[2]
         o = o.transpose(1, 2).reshape(s * g.max_new, heads, d)
-        out.index_copy_(0, g.tokens, o if g.max_new == 1 else o.index_select(0, g.pad))
+        if g.start is not None:
+            out[g.start : g.start + g.max_new] = o
+        else:
+            out.index_copy_(0, g.tokens, o if g.max_new == 1 else o.index_select(0, g.pad))
     kc[plan.rows, :, plan.slots] = k.index_select(0, plan.tokens)
     vc[plan.rows, :, plan.slots] = v.index_select(0, plan.tokens)
     return out
