@@ -485,7 +485,7 @@ class LLMEngine:
 
     def _ring_note(self) -> str:
         """`` (N sliding layers hold W positions)`` where sliding-window layers keep KV rings."""
-        ring = getattr(self.kv, "ring", {})
+        ring = self.kv.ring
         if not ring:
             return ""
         windows = "/".join(str(w) for w in sorted(set(ring.values())))
