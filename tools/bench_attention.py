@@ -108,7 +108,7 @@ def render(base: str, head: str, old: list[dict], new: list[dict]) -> str:
         f"window {WINDOW}), bf16, 1 thread, CPU; fastest of {CALLS} calls per worker, median over "
         f"{len(old)} alternating worker pairs. Base `{base}`, this tree `{head}`. Regenerate with:",
         "",
-        "```",
+        "```bash",
         f"python tools/bench_attention.py --base {base} --out docs/bench-attention.md",
         "```",
         "",
