@@ -220,6 +220,11 @@ class ModelConfig:
         return len(self.moe_layers)
 
     @property
+    def layer_windows(self) -> dict[int, int]:
+        """Sliding-window layer -> its window in positions (empty when every layer attends fully)."""
+        return {layer: self.sliding_window for layer in self.sliding_layers}
+
+    @property
     def kv_elements_per_token(self) -> int:
         """KV-cache elements one token takes in one layer: K and V of every KV head, or for MLA the
         latent (``kv_lora_rank``) and the shared rotary key (``qk_rope_head_dim``)."""

@@ -11,9 +11,10 @@ The plan counts the large, long-lived allocations:
 - **compute device**: the dense weights (embeddings, attention, norms, routers, shared experts, LM
   head; gpt-oss's attention sinks, o/router biases and resident expert biases), the expert
   buffer's slots (none when one CPU device holds every expert: the slots are the store itself) and
-  the static KV cache, ``layers * max_batch_size * max_model_len * kv_elements_per_token``
+  the static KV cache, ``max_batch_size * kv_elements_per_token * sum(length over layers)``
   elements (``2 * kv_heads * head_dim``, or for MLA the latent width
-  ``kv_lora_rank + qk_rope_head_dim``).
+  ``kv_lora_rank + qk_rope_head_dim``; ``length`` is ``max_model_len``, or a sliding-window
+  layer's window where shorter: gpt-oss's ring, ``moe_runtime.layers.kv_cache.kv_lengths``).
 
 On CPU the device bytes come out of host memory too. Activations, the router lookahead's folded
 router copies and allocator overhead are not counted (small next to the above). Available memory:
@@ -34,6 +35,7 @@ import torch
 from moe_runtime.buffer.placement import home_devices
 from moe_runtime.config import ModelConfig, RuntimeConfig
 from moe_runtime.errors import InsufficientMemoryError
+from moe_runtime.layers.kv_cache import kv_lengths
 from moe_runtime.models.base import expected_dense_shapes
 from moe_runtime.quant import expert_layout
 
@@ -134,7 +136,8 @@ def plan_memory(cfg: ModelConfig, runtime: RuntimeConfig) -> MemoryPlan:
     parts = partition_slots(runtime, cfg.num_moe_layers, cfg.num_experts)
     alias = len(devices) == 1 and devices[0].type == "cpu" and parts[0] >= total and runtime.link_gbps is None
     dense = sum(math.prod(s) for s in expected_dense_shapes(cfg).values()) * itemsize
-    kv = cfg.num_layers * runtime.max_batch_size * kv_cache_len(cfg, runtime) * cfg.kv_elements_per_token
+    rows = sum(kv_lengths(cfg.num_layers, kv_cache_len(cfg, runtime), cfg.layer_windows))  # per sequence
+    kv = runtime.max_batch_size * rows * cfg.kv_elements_per_token
     return MemoryPlan(
         expert_store=total * expert_bytes,
         dense=dense,

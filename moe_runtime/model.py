@@ -62,7 +62,6 @@ class MoEModel:
         self.mla = MLAttention(cfg, max_len, emb.dtype, emb.device) if cfg.attention_kind == "mla" else None
         self.lm_head = dense["embed"] if cfg.tie_word_embeddings else dense["lm_head"]
         self.moe_index = {layer: i for i, layer in enumerate(cfg.moe_layers)}
-        self.windows = {layer: cfg.sliding_window for layer in cfg.sliding_layers}  # sliding layers
         # per MoE layer: the experts' biases and activation when not the plain SwiGLU (gpt-oss)
         self.ffn: dict[int, ExpertFFN] = {}
         if cfg.expert_bias or cfg.expert_act is not None:
@@ -139,5 +138,5 @@ class MoEModel:
             q = rms_norm(q, w[p + "q_norm"], cfg.rms_norm_eps)
             k = rms_norm(k, w[p + "k_norm"], cfg.rms_norm_eps)
         q, k = self.rotary.apply(q, k, step.positions)
-        out = attention(q, k, v, layer, self.kv, step, w.get(p + "sinks"), self.windows.get(layer))
+        out = attention(q, k, v, layer, self.kv, step, w.get(p + "sinks"))  # windows: the KV rings
         return F.linear(out, w[p + "o"], w.get(p + "o_bias"))  # [T, H]

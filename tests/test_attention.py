@@ -31,8 +31,8 @@ def test_mixed_step_matches_per_sequence_attention():
     rows, past, new = [2, 0, 3, 1], [9, 5, 0, 3], [1, 4, 6, 1]
     history = {r: (torch.randn(p, HKV, D), torch.randn(p, HKV, D)) for r, p in zip(rows, past)}
     for r, (k, v) in history.items():
-        cache.k[0, r, :, : k.shape[0]] = k.transpose(0, 1)
-        cache.v[0, r, :, : v.shape[0]] = v.transpose(0, 1)
+        cache.k[0][r, :, : k.shape[0]] = k.transpose(0, 1)
+        cache.v[0][r, :, : v.shape[0]] = v.transpose(0, 1)
     step = StepContext.build(["a", "b", "c", "d"], rows, past, new, [True] * 4, torch.device("cpu"))
     assert not step.all_decode and step.prefill_seqs == [1, 2]
     assert step.prefill_mask is not None  # both prefill chunks in one padded call

@@ -45,10 +45,20 @@ class StepContext:
     seq_lookups: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     seq_hits: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     seq_blocking_s: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float64))
+    # what the layers share within the step, built by the first layer that needs it: masks per
+    # sliding window, float masks per dtype (``moe_runtime.layers.attention``)
+    memo: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
         return len(self.rows)
+
+    def cached(self, key, build, *args):
+        """``build(*args)`` the first time ``key`` is asked for in this step, the same object after
+        (the step's masks, built once and shared by every layer)."""
+        if key not in self.memo:
+            self.memo[key] = build(*args)
+        return self.memo[key]
 
     @classmethod
     def build(

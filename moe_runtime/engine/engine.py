@@ -110,6 +110,7 @@ class LLMEngine:
                 cfg.head_dim,
                 runtime.torch_dtype,
                 device,
+                cfg.layer_windows,
             )
         self.model = MoEModel(cfg, loaded.dense, self.buffer, self.kv, self.max_model_len)
         self.prefetcher = make_prefetch_policy(
@@ -466,7 +467,8 @@ class LLMEngine:
 
     def summary(self) -> str:
         """One line: dense bytes on device, expert bytes in host memory, slots and their bytes, the
-        expert path (``grouped`` GEMMs or a per-expert ``loop``)."""
+        KV cache (and the sliding layers' ring length), the expert path (``grouped`` GEMMs or a
+        per-expert ``loop``)."""
         st, buf = self.loaded.store, self.buffer
         total = st.num_layers * st.num_experts
         return (
@@ -476,7 +478,8 @@ class LLMEngine:
             f"buffer {buf.num_slots} slots x {st.expert_nbytes / MiB:.2f} MiB = "
             f"{buf.num_slots * st.expert_nbytes / MiB:.1f} MiB "
             f"({100 * min(buf.num_slots, total) / total:.0f}% "
-            f"of experts) on {len(buf.parts)} device(s), KV cache {self.kv.nbytes / MiB:.1f} MiB, "
+            f"of experts) on {len(buf.parts)} device(s), "
+            f"KV cache {self.kv.nbytes / MiB:.1f} MiB{self._ring_note()}, "
             f"{self._expert_format()}, experts run {self.model.expert_path}"
         )
 
@@ -490,6 +493,14 @@ class LLMEngine:
             f"experts {name}, {human_bytes(st.expert_nbytes)} per expert "
             f"({human_bytes(st.plain_nbytes)} in {plain})"
         )
+
+    def _ring_note(self) -> str:
+        """`` (N sliding layers hold W positions)`` where sliding-window layers keep KV rings."""
+        ring = self.kv.ring
+        if not ring:
+            return ""
+        windows = "/".join(str(w) for w in sorted(set(ring.values())))
+        return f" ({len(ring)} sliding layers hold {windows} positions)"
 
     def close(self) -> None:
         self.buffer.close()

@@ -22,6 +22,7 @@ class MLACache:
     ) -> None:
         self.latent = torch.zeros((num_layers, rows, 1, max_len, width), dtype=dtype, device=device)
         self.k = self.v = self.latent  # one KV head: the cached row is both key and value
+        self.ring: dict[int, int] = {}  # no sliding-window layers (``KVCache.ring``)
         self.max_len = max_len
         self.rows = rows
 

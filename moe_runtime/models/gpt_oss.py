@@ -6,7 +6,9 @@ What differs from the Llama-style families, and where it runs:
 * attention: q/k/v/o projections with biases; a learned sink logit per head (``self_attn.sinks``)
   joining the softmax denominator; ``layer_types`` alternating ``sliding_attention`` (a query sees
   the last ``sliding_window`` positions) and ``full_attention`` layers
-  (``moe_runtime.layers.attention``: both are mask changes); YaRN RoPE in the half-split layout
+  (``moe_runtime.layers.attention``: sinks rescale SDPA's output by its log-sum-exp; a sliding
+  layer's KV rows are a ring of ``sliding_window`` positions, ``moe_runtime.layers.kv_cache``);
+  YaRN RoPE in the half-split layout
   (``moe_runtime.layers.rotary``).
 * router: ``mlp.router`` is a linear layer with a bias; top-k of its logits, then a softmax over
   those k (``moe_runtime.layers.routing``, ``topk_softmax``).
