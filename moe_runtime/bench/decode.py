@@ -12,8 +12,11 @@ Each row carries two lower bounds on a decode step (milliseconds):
 - **HBM bound**: bytes a step must read from device memory, at the device's memory bandwidth
   (:func:`moe_runtime.bench.hardware.hbm_gbps`: a data-sheet table by CUDA device name, a measured
   copy bandwidth on the CPU, or ``--hbm-gbps``). Bytes read = resident dense weights (the
-  embedding table counts only as the LM head when tied) + every distinct expert the step used
-  (measured lookups) + the KV cache of every sequence at its mean context length over the run.
+  embedding table counts only as the LM head when tied; latent attention, shared experts and
+  dense-first layers are dense weights) + every distinct expert the step used (measured lookups;
+  gpt-oss' resident per-expert biases count with their expert, not as dense weights) + the KV cache
+  of every sequence at its mean context length over the run (sliding-window layers at most their
+  window; DeepSeek's latent cache row per layer).
 - **Link bound**: bytes moved host->device per decode step (measured: demand + prefetch copies) at
   the link's bandwidth: measured in this run for copies of one expert (pinned, CUDA events; the
   fastest of 5) when no link is emulated, else the emulated ``link_gbps`` plus ``link_latency_us`` per copy.
@@ -247,6 +250,22 @@ class Bounds:
     dense_read_bytes: int
     kv_bytes_per_token: int
     link_latency_us: float
+    expert_read_bytes: int = 0  # an expert's weights plus its resident biases; 0 = expert_bytes
+    sliding_layers: int = 0  # layers whose KV reads stop at ``sliding_window`` tokens
+    sliding_window: int = 0
+    num_layers: int = 1
+
+    @property
+    def expert_hbm_bytes(self) -> int:
+        """Bytes a step reads for one expert it uses (weights and resident biases)."""
+        return self.expert_read_bytes or self.expert_bytes
+
+    def kv_read_bytes(self, context: float) -> float:
+        """KV bytes one sequence at ``context`` tokens reads in a decode step, all layers: a
+        sliding-window layer reads at most ``sliding_window`` tokens."""
+        per_layer = self.kv_bytes_per_token / self.num_layers
+        full = self.num_layers - self.sliding_layers
+        return per_layer * (full * context + self.sliding_layers * min(context, self.sliding_window))
 
     def hbm_ms(self, nbytes: float) -> float:
         """Milliseconds to read ``nbytes`` from device memory."""
@@ -260,14 +279,32 @@ class Bounds:
         return 1e3 * moved / (link_gbps * 1e9) + (moved / self.expert_bytes) * self.link_latency_us * 1e-3
 
 
+#: resident per-expert tensors (gpt-oss' expert biases): a step reads only the rows of the experts it uses
+EXPERT_RESIDENT = ("expert_gate_up_bias", "expert_down_bias")
+
+
+def _is_expert_resident(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in EXPERT_RESIDENT
+
+
 def dense_read_bytes(dense: dict[str, torch.Tensor]) -> int:
-    """Dense bytes a forward pass reads: all resident weights but the embedding table, which is
-    read as the LM head only when tied (no separate ``lm_head``)."""
-    total = sum(t.numel() * t.element_size() for t in dense.values())
+    """Dense bytes a forward pass reads: all resident weights (attention, latent attention, norms,
+    routers and their biases, shared experts, dense-first MLPs, LM head) but the embedding table,
+    which is read as the LM head only when tied (no separate ``lm_head``), and the per-expert
+    biases (:func:`expert_read_bytes` counts them with their expert)."""
+    total = sum(t.numel() * t.element_size() for n, t in dense.items() if not _is_expert_resident(n))
     embed, head = dense.get("embed"), dense.get("lm_head")
     if embed is not None and head is not None and head.data_ptr() != embed.data_ptr():
         total -= embed.numel() * embed.element_size()
     return total
+
+
+def expert_read_bytes(loaded) -> int:
+    """Bytes a step reads for one routed expert it uses: its packed weights
+    (``store.expert_nbytes``) plus its rows of the resident per-expert biases (gpt-oss: ``2I + H``)."""
+    cfg = loaded.config
+    bias = sum(t.numel() * t.element_size() for n, t in loaded.dense.items() if _is_expert_resident(n))
+    return loaded.store.expert_nbytes + bias // (cfg.num_moe_layers * cfg.num_experts)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -312,6 +349,10 @@ def run(args: argparse.Namespace) -> int:
         dense_read_bytes(loaded.dense),
         cfg.num_layers * cfg.kv_elements_per_token * base.torch_dtype.itemsize,
         args.link_latency_us,
+        expert_read_bytes(loaded),
+        len(cfg.sliding_layers),
+        cfg.sliding_window or 0,
+        cfg.num_layers,
     )
     load_avg = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     hf_model = None
@@ -344,8 +385,8 @@ def run(args: argparse.Namespace) -> int:
                     lookups = sum(r.lookups for r in runs)
                     moved = sum(r.moved for r in runs)
                     mean_context = args.prompt_len + args.new_tokens / 2  # decode step j reads prompt + j
-                    weight = b.dense_read_bytes + lookups / steps * expert_bytes
-                    kv = batch * mean_context * b.kv_bytes_per_token
+                    weight = b.dense_read_bytes + lookups / steps * b.expert_hbm_bytes
+                    kv = batch * b.kv_read_bytes(mean_context)
                     tpots = [1e3 * r.tpot_s for r in runs]
                     res = DecodeResult(
                         fraction,
@@ -390,6 +431,10 @@ def run(args: argparse.Namespace) -> int:
         "cpu_threads": args.cpu_threads,
         "experts": cfg.num_moe_layers * cfg.num_experts,
         "expert_bytes": expert_bytes,
+        "moe_layers": cfg.num_moe_layers,
+        "expert_read_bytes": b.expert_hbm_bytes,
+        # what one token's routed experts weigh: top-k experts in each MoE layer
+        "expert_bytes_per_token": cfg.top_k * cfg.num_moe_layers * b.expert_hbm_bytes,
         "dense_read_bytes": b.dense_read_bytes,
         "kv_bytes_per_token": b.kv_bytes_per_token,
         "hbm_gbps": round(hbm, 1),
@@ -439,7 +484,7 @@ def _prefill_row(args, engine, hf_model, device, b: Bounds) -> PrefillResult:
     runs = [_engine_prefill(engine, prompt) for _ in range(args.repeats)]
     secs = [r[0] for r in runs]
     steps, lookups, moved = (statistics.median(r[i] for r in runs) for i in (1, 2, 3))
-    weight = steps * b.dense_read_bytes + lookups * b.expert_bytes
+    weight = steps * b.dense_read_bytes + lookups * b.expert_hbm_bytes
     kv = args.prefill_len * b.kv_bytes_per_token
     med = statistics.median(secs)
     res = PrefillResult(
