@@ -74,3 +74,17 @@ def test_bench_decode_runs_on_shape(tmp_path, capsys, name):
         assert (r["link_bound_ms"] > 0) == (r["h2d_bytes_per_step"] > 0)
     assert rows[0]["h2d_bytes_per_step"] == 0 and rows[0]["hit_rate"] == 1.0  # all resident
     assert data["prefill"][0]["hbm_bound_ms"] > 0
+
+
+def test_sliding_layers_read_at_most_their_window():
+    """gpt-oss' sliding layers read at most ``sliding_window`` cached tokens; full layers all of them."""
+    from moe_runtime.bench.decode import Bounds
+
+    per_layer = 64  # KV bytes per token and layer
+    b = Bounds(100.0, 10.0, 1000, 0, 4 * per_layer, 0.0, sliding_layers=2, sliding_window=10, num_layers=4)
+    assert b.kv_read_bytes(50) == per_layer * (2 * 50 + 2 * 10)
+    assert b.kv_read_bytes(6) == 4 * per_layer * 6  # inside the window: every layer reads all
+    assert (
+        Bounds(100.0, 10.0, 1000, 0, 4 * per_layer, 0.0, num_layers=4).kv_read_bytes(50) == 4 * per_layer * 50
+    )
+    assert b.expert_hbm_bytes == 1000  # no resident per-expert tensors: the expert's own bytes
