@@ -65,6 +65,10 @@ def summary(data: dict) -> str:
     return "; ".join(out)
 
 
+def layers_text(n: int, kind: str = "") -> str:
+    return f"{n} {kind}layer{'s' if n != 1 else ''}"
+
+
 def other_runs(pattern: str, none: str) -> str:
     """A section per ``runs/bench/<pattern>`` file: title, summary, rendered tables."""
     parts = []
@@ -76,12 +80,12 @@ def other_runs(pattern: str, none: str) -> str:
         moe = f" ({st['moe_layers']} MoE)" if "moe_layers" in st else ""
         per_token = (
             f" One token's routed experts: {st['expert_bytes_per_token'] / 1e6:.1f} MB (top-{st['top_k']} x "
-            f"{st['moe_layers']} MoE layers x {st['expert_read_bytes'] / 2**20:.2f} MiB)."
+            f"{layers_text(st['moe_layers'], 'MoE ')} x {st['expert_read_bytes'] / 2**20:.2f} MiB)."
             if "expert_bytes_per_token" in st
             else ""
         )
         parts.append(
-            f"### {device}: {st['architecture']}, {st['layers']} layers{moe}, hidden {st['hidden']}, "
+            f"### {device}: {st['architecture']}, {layers_text(st['layers'])}{moe}, hidden {st['hidden']}, "
             f"{st['experts']} experts of {st['expert_bytes'] / 2**20:.2f} MiB, {st['dtype']} (`{rel.name}`)\n\n"
             f"{summary(data)}.{per_token}\n\n{render(str(rel))}\n"
         )
@@ -98,7 +102,7 @@ def cpu_commands() -> str:
             "real widths" if shrink == 1 else f"widths / {shrink}, expert {s.expert_bytes(2) / 2**20:.0f} MiB"
         )
         lines += [
-            f"# {name}: {layers} layers, {widths}, {s.checkpoint_bytes(layers, 2) / 1e9:.1f} GB in bf16",
+            f"# {name}: {layers_text(layers)}, {widths}, {s.checkpoint_bytes(layers, 2) / 1e9:.1f} GB in bf16",
             f"moeserve make-checkpoint --shape {name} --layers {layers} --out runs/ckpt/{tag}"
             + (f" --shrink {shrink}" if shrink > 1 else ""),
             f"moeserve bench decode --model runs/ckpt/{tag} {CPU_BENCH}{'' if hf else ' --no-transformers'} "
