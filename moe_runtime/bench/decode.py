@@ -242,7 +242,10 @@ def _transformers_prefill(model, prompt: list[int], repeats: int, device) -> flo
 @dataclass(frozen=True)
 class Bounds:
     """What the bounds divide by. ``hbm_gbps``: device memory bandwidth; ``h2d_gbps``: measured
-    host->device copies of one expert; ``link_latency_us``: emulated per-copy latency."""
+    host->device copies of one expert; ``link_latency_us``: emulated per-copy latency. Bytes:
+    ``expert_bytes`` one expert as copied, ``expert_read_bytes`` as read (with its resident biases),
+    ``kv_bytes_per_token`` one token's KV over all ``num_layers`` layers, ``sliding_layers`` of
+    which read at most ``sliding_window`` tokens."""
 
     hbm_gbps: float
     h2d_gbps: float
