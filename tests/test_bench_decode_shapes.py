@@ -60,11 +60,11 @@ def test_bench_decode_runs_on_shape(tmp_path, capsys, name):
     data = json.loads(buf.getvalue())
     st, rows = data["settings"], data["results"]
     dense, expert_per_token, kv_per_token = _expected_bytes(json.loads((out / "config.json").read_text()))
-    assert st["expert_bytes_per_token"] == expert_per_token
     assert st["dense_read_bytes"] == dense and st["kv_bytes_per_token"] == kv_per_token
     assert [r["buffer_fraction"] for r in rows] == [1.0, 0.25]
     for r in rows:
         assert math.isfinite(r["tpot_ms"]) and r["tpot_ms"] > 0
+        assert r["expert_bytes_per_token"] == expert_per_token
         # batch 1: the step reads the dense weights and its token's top-k experts per MoE layer
         assert r["weight_bytes_per_step"] == pytest.approx(dense + expert_per_token)
         assert r["kv_bytes_per_step"] == (PROMPT + NEW / 2) * kv_per_token
@@ -78,13 +78,13 @@ def test_bench_decode_runs_on_shape(tmp_path, capsys, name):
 
 def test_sliding_layers_read_at_most_their_window():
     """gpt-oss' sliding layers read at most ``sliding_window`` cached tokens; full layers all of them."""
-    from moe_runtime.bench.decode import Bounds
+    from types import SimpleNamespace
+
+    from moe_runtime.bench.decode import kv_read_bytes
 
     per_layer = 64  # KV bytes per token and layer
-    b = Bounds(100.0, 10.0, 1000, 0, 4 * per_layer, 0.0, sliding_layers=2, sliding_window=10, num_layers=4)
-    assert b.kv_read_bytes(50) == per_layer * (2 * 50 + 2 * 10)
-    assert b.kv_read_bytes(6) == 4 * per_layer * 6  # inside the window: every layer reads all
-    assert (
-        Bounds(100.0, 10.0, 1000, 0, 4 * per_layer, 0.0, num_layers=4).kv_read_bytes(50) == 4 * per_layer * 50
-    )
-    assert b.expert_hbm_bytes == 1000  # no resident per-expert tensors: the expert's own bytes
+    cfg = SimpleNamespace(num_layers=4, sliding_layers=[0, 2], sliding_window=10)
+    assert kv_read_bytes(cfg, 50, 4 * per_layer) == per_layer * (2 * 50 + 2 * 10)
+    assert kv_read_bytes(cfg, 6, 4 * per_layer) == 4 * per_layer * 6  # inside the window: all of it
+    full = SimpleNamespace(num_layers=4, sliding_layers=[], sliding_window=None)
+    assert kv_read_bytes(full, 50, 4 * per_layer) == 4 * per_layer * 50

@@ -65,8 +65,8 @@ def summary(data: dict) -> str:
     return "; ".join(out)
 
 
-def layers_text(n: int, kind: str = "") -> str:
-    return f"{n} {kind}layer{'s' if n != 1 else ''}"
+def layers_text(n: int) -> str:
+    return f"{n} layer{'s' if n != 1 else ''}"
 
 
 def other_runs(pattern: str, none: str) -> str:
@@ -77,15 +77,15 @@ def other_runs(pattern: str, none: str) -> str:
         st = data["settings"]
         rel = path.relative_to(root)
         device = "CPU (this machine)" if st["device_name"] == "cpu" else st["device_name"]
-        moe = f" ({st['moe_layers']} MoE)" if "moe_layers" in st else ""
+        per_token = data["results"][0].get("expert_bytes_per_token")
         per_token = (
-            f" One token's routed experts: {st['expert_bytes_per_token'] / 1e6:.1f} MB (top-{st['top_k']} x "
-            f"{layers_text(st['moe_layers'], 'MoE ')} x {st['expert_read_bytes'] / 2**20:.2f} MiB)."
-            if "expert_bytes_per_token" in st
+            f" One token's routed experts (top-{st['top_k']} in each MoE layer, with their biases): "
+            f"{per_token / 1e6:.1f} MB."
+            if per_token
             else ""
         )
         parts.append(
-            f"### {device}: {st['architecture']}, {layers_text(st['layers'])}{moe}, hidden {st['hidden']}, "
+            f"### {device}: {st['architecture']}, {layers_text(st['layers'])}, hidden {st['hidden']}, "
             f"{st['experts']} experts of {st['expert_bytes'] / 2**20:.2f} MiB, {st['dtype']} (`{rel.name}`)\n\n"
             f"{summary(data)}.{per_token}\n\n{render(str(rel))}\n"
         )
@@ -171,9 +171,9 @@ Two lower bounds stand beside TPOT (milliseconds per decode step):
 - **HBM bound**: bytes a step reads from device memory (resident dense weights: attention or
   DeepSeek's latent attention, norms, routers and their biases, shared experts, dense-first
   layers' MLPs, the LM head, the embedding table only as a tied LM head; every distinct expert
-  the step used, from the buffer's lookups, with its rows of gpt-oss' resident expert biases
-  (`expert_read_bytes`); the KV cache at the run's mean context, at most the window in gpt-oss'
-  sliding layers, the latent row per layer for DeepSeek) / the device's memory bandwidth: `hbm_gbps` in the
+  the step used, from the buffer's lookups, with its rows of gpt-oss' resident expert biases;
+  the KV cache at the run's mean context, at most the window in gpt-oss' sliding layers, the
+  latent row per layer for DeepSeek) / the device's memory bandwidth: `hbm_gbps` in the
   settings, from the data-sheet table of `moe_runtime/bench/hardware.py` on CUDA (it reuses the
   simulator's GPU profiles), a measured host-memory copy on the CPU (`hbm_source`), or `--hbm-gbps`.
 - **Link bound**: bytes moved host->device per decode step / the link's bandwidth: with no
@@ -205,9 +205,9 @@ Reading the table:
   the two trees' workers interleaved: `docs/bench-regression.md`, written by
   `python tools/bench_regression.py --base COMMIT --out docs/bench-regression.md`.
 
-`expert_bytes_per_token` in the settings is what one token's routed experts weigh: top-k experts
-in each MoE layer x MoE layers x `expert_read_bytes` (at batch 1 a step reads exactly that beside
-the dense weights).
+`expert_bytes_per_token` in each JSON row is what one token's routed experts weigh: top-k experts
+in each MoE layer x MoE layers x one expert with its resident biases (at batch 1 a step reads
+exactly that beside the dense weights).
 
 ## Real-width layers of the new families on this CPU
 

@@ -62,6 +62,7 @@ class DecodeResult:
     h2d_bytes_per_step: float
     hbm_bound_ms: float
     link_bound_ms: float
+    expert_bytes_per_token: float = 0.0  # one token's routed experts: top-k x MoE layers x expert read
     transformers_tpot_ms: float | None = None
     transformers_tpot_ms_min: float | None = None
     transformers_tpot_ms_max: float | None = None
@@ -242,10 +243,7 @@ def _transformers_prefill(model, prompt: list[int], repeats: int, device) -> flo
 @dataclass(frozen=True)
 class Bounds:
     """What the bounds divide by. ``hbm_gbps``: device memory bandwidth; ``h2d_gbps``: measured
-    host->device copies of one expert; ``link_latency_us``: emulated per-copy latency. Bytes:
-    ``expert_bytes`` one expert as copied, ``expert_read_bytes`` as read (with its resident biases),
-    ``kv_bytes_per_token`` one token's KV over all ``num_layers`` layers, ``sliding_layers`` of
-    which read at most ``sliding_window`` tokens."""
+    host->device copies of one expert; ``link_latency_us``: emulated per-copy latency."""
 
     hbm_gbps: float
     h2d_gbps: float
@@ -253,22 +251,6 @@ class Bounds:
     dense_read_bytes: int
     kv_bytes_per_token: int
     link_latency_us: float
-    expert_read_bytes: int = 0  # an expert's weights plus its resident biases; 0 = expert_bytes
-    sliding_layers: int = 0  # layers whose KV reads stop at ``sliding_window`` tokens
-    sliding_window: int = 0
-    num_layers: int = 1
-
-    @property
-    def expert_hbm_bytes(self) -> int:
-        """Bytes a step reads for one expert it uses (weights and resident biases)."""
-        return self.expert_read_bytes or self.expert_bytes
-
-    def kv_read_bytes(self, context: float) -> float:
-        """KV bytes one sequence at ``context`` tokens reads in a decode step, all layers: a
-        sliding-window layer reads at most ``sliding_window`` tokens."""
-        per_layer = self.kv_bytes_per_token / self.num_layers
-        full = self.num_layers - self.sliding_layers
-        return per_layer * (full * context + self.sliding_layers * min(context, self.sliding_window))
 
     def hbm_ms(self, nbytes: float) -> float:
         """Milliseconds to read ``nbytes`` from device memory."""
@@ -308,6 +290,15 @@ def expert_read_bytes(loaded) -> int:
     cfg = loaded.config
     bias = sum(t.numel() * t.element_size() for n, t in loaded.dense.items() if _is_expert_resident(n))
     return loaded.store.expert_nbytes + bias // (cfg.num_moe_layers * cfg.num_experts)
+
+
+def kv_read_bytes(cfg, context: float, kv_bytes_per_token: int) -> float:
+    """KV bytes one sequence at ``context`` tokens reads in a decode step over all layers, from
+    ``kv_bytes_per_token`` (one token, all layers): a sliding-window layer of ``cfg`` (gpt-oss)
+    reads at most ``cfg.sliding_window`` tokens."""
+    sliding = len(cfg.sliding_layers)
+    window = min(context, cfg.sliding_window) if sliding else 0
+    return kv_bytes_per_token / cfg.num_layers * ((cfg.num_layers - sliding) * context + sliding * window)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -352,10 +343,6 @@ def run(args: argparse.Namespace) -> int:
         dense_read_bytes(loaded.dense),
         cfg.num_layers * cfg.kv_elements_per_token * base.torch_dtype.itemsize,
         args.link_latency_us,
-        expert_read_bytes(loaded),
-        len(cfg.sliding_layers),
-        cfg.sliding_window or 0,
-        cfg.num_layers,
     )
     load_avg = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     hf_model = None
@@ -388,8 +375,8 @@ def run(args: argparse.Namespace) -> int:
                     lookups = sum(r.lookups for r in runs)
                     moved = sum(r.moved for r in runs)
                     mean_context = args.prompt_len + args.new_tokens / 2  # decode step j reads prompt + j
-                    weight = b.dense_read_bytes + lookups / steps * b.expert_hbm_bytes
-                    kv = batch * b.kv_read_bytes(mean_context)
+                    weight = b.dense_read_bytes + lookups / steps * expert_read_bytes(loaded)
+                    kv = batch * kv_read_bytes(cfg, mean_context, b.kv_bytes_per_token)
                     tpots = [1e3 * r.tpot_s for r in runs]
                     res = DecodeResult(
                         fraction,
@@ -409,6 +396,7 @@ def run(args: argparse.Namespace) -> int:
                         b.link_ms(moved / steps, link),
                         cpu_ms=statistics.median(1e3 * r.cpu_s for r in runs),
                     )
+                    res.expert_bytes_per_token = cfg.top_k * cfg.num_moe_layers * expert_read_bytes(loaded)
                     if hf_model is not None and fraction == 1.0 and link is None:
                         hf = [
                             1e3 * s
@@ -434,10 +422,6 @@ def run(args: argparse.Namespace) -> int:
         "cpu_threads": args.cpu_threads,
         "experts": cfg.num_moe_layers * cfg.num_experts,
         "expert_bytes": expert_bytes,
-        "moe_layers": cfg.num_moe_layers,
-        "expert_read_bytes": b.expert_hbm_bytes,
-        # what one token's routed experts weigh: top-k experts in each MoE layer
-        "expert_bytes_per_token": cfg.top_k * cfg.num_moe_layers * b.expert_hbm_bytes,
         "dense_read_bytes": b.dense_read_bytes,
         "kv_bytes_per_token": b.kv_bytes_per_token,
         "hbm_gbps": round(hbm, 1),
@@ -487,7 +471,7 @@ def _prefill_row(args, engine, hf_model, device, b: Bounds) -> PrefillResult:
     runs = [_engine_prefill(engine, prompt) for _ in range(args.repeats)]
     secs = [r[0] for r in runs]
     steps, lookups, moved = (statistics.median(r[i] for r in runs) for i in (1, 2, 3))
-    weight = steps * b.dense_read_bytes + lookups * b.expert_hbm_bytes
+    weight = steps * b.dense_read_bytes + lookups * expert_read_bytes(engine.loaded)
     kv = args.prefill_len * b.kv_bytes_per_token
     med = statistics.median(secs)
     res = PrefillResult(
