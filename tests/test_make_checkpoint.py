@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from moe_runtime.checkpoints.shapes import SHAPES, hf_config
+from moe_runtime.checkpoints.shapes import SHAPES, hf_config, shrunk
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine.engine import LLMEngine
 from moe_runtime.engine.request import SamplingParams
@@ -165,12 +165,31 @@ def test_real_shape_builds_in_transformers(name):
         model = transformers.AutoModelForCausalLM.from_config(hf_config(s, 2, "bfloat16"))
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     assert experts == 2 * s.experts * s.expert_params
-    assert 2 * sum(p.numel() for p in model.parameters()) == s.checkpoint_bytes(2, 2)
     assert model.lm_head.weight.shape == (s.vocab, s.hidden)
     attn = model.model.layers[0].self_attn
     assert attn.q_proj.weight.shape == (s.heads * s.head_dim, s.hidden)
     assert attn.k_proj.weight.shape == (s.kv_heads * s.head_dim, s.hidden)
     assert (attn.q_proj.bias is not None) == s.attention_bias
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_layer_params_count_the_meta_model(name):
+    """Per-layer counts and checkpoint bytes equal what transformers' model of the shape holds (its
+    ``state_dict``, as written), at real widths on the meta device: dense-first layers, latent
+    attention, shared experts, sinks, router and expert biases included."""
+    s = SHAPES[name]
+    layers = s.first_dense + 2  # the dense-first layers and two MoE layers
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config(s, layers, "bfloat16"))
+    sd = model.state_dict()
+    per_layer = [sum(t.numel() for k, t in sd.items() if f".layers.{i}." in k) for i in range(layers)]
+    assert per_layer == [s.layer_params(i) for i in range(layers)]
+    assert 2 * sum(t.numel() for t in sd.values()) == s.checkpoint_bytes(layers, 2)
+    assert s.layer_params(layers - 1) > s.experts * s.expert_params  # the MoE layer holds more
+    with pytest.raises(ValueError, match=f"layer {s.num_layers} "):
+        s.layer_params(s.num_layers)
+    with pytest.raises(ValueError, match="0 layers"):
+        s.checkpoint_bytes(0, 2)
 
 
 def _greedy(engine, prompt, n):
@@ -206,6 +225,8 @@ def test_made_checkpoint_loads_in_both_and_agrees(capsys, tmp_path, name):
     assert rc == 0
     summary = capsys.readouterr().out
     assert "distinct top-" in summary
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == shrunk(SHAPES[name], 16).checkpoint_bytes(2, 4)
     vocab = SHAPES[name].vocab // 16
     tok = transformers.AutoTokenizer.from_pretrained(out)
     assert len(tok) == vocab
@@ -232,7 +253,6 @@ def test_made_checkpoint_loads_in_both_and_agrees(capsys, tmp_path, name):
 
 
 def test_routing_is_input_dependent(tmp_path):
-    from moe_runtime.checkpoints.shapes import shrunk
     from moe_runtime.checkpoints.writer import write_checkpoint
 
     rep = write_checkpoint(shrunk(SHAPES["qwen3-30b-a3b"], 16), 1, tmp_path / "q")

@@ -1,7 +1,8 @@
 """Regenerate docs/benchmarks.md and the policies section of docs/results.md from bench JSON.
 
-Run after ``moeserve bench decode --json > runs/bench/decode.json`` (this machine's CPU run; any
-``runs/bench/decode-*.json``, e.g. the GPU session routine's, get a section each) and, for
+Run after ``moeserve bench decode --json > runs/bench/decode.json`` (this machine's CPU run; every
+``runs/bench/decode-cpu-*.json`` of the real-width commands in :data:`CPU_RUNS` and every
+``runs/bench/decode-cuda-*.json`` of the GPU session routine get a section each) and, for
 docs/results.md, ``moeserve bench policies --json > runs/bench/policies.json`` (skipped when that
 file is absent; ``tools/update_results_docs.py`` writes that section alone, without decode.json). The tables come from ``moeserve bench render``; the summaries and comparisons are
 computed from the same files.
@@ -15,7 +16,22 @@ from pathlib import Path
 
 root = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(root))
-from moe_runtime.checkpoints.shapes import SHAPES  # noqa: E402
+from moe_runtime.checkpoints.shapes import SHAPES, shrunk  # noqa: E402
+
+#: CPU decode benches at real per-layer widths: (shape, layers kept, width divisor, transformers
+#: baseline). deepseek-v3's MoE layer is 23 GB in bf16, more than this 24 GiB machine holds twice
+#: (written, then loaded), so its widths are halved; glm-4.5-air skips transformers' second copy.
+CPU_RUNS = [
+    ("deepseek-v2-lite", 3, 1, True),
+    ("deepseek-v3", 4, 2, False),
+    ("glm-4.5-air", 2, 1, False),
+    ("gpt-oss-20b", 2, 1, True),
+    ("phi-3.5-moe", 1, 1, True),
+]
+CPU_BENCH = (
+    "--dtype bf16 --fractions 1.0,0.25 --batches 1,4 --link-gbps 0 --prompt-len 16 --new-tokens 8 "
+    "--prefill-len 64"
+)
 
 dec = json.loads((root / "runs/bench/decode.json").read_text())
 render = lambda f: subprocess.run(
@@ -49,20 +65,50 @@ def summary(data: dict) -> str:
     return "; ".join(out)
 
 
-def other_runs() -> str:
+def layers_text(n: int) -> str:
+    return f"{n} layer{'s' if n != 1 else ''}"
+
+
+def other_runs(pattern: str, none: str) -> str:
+    """A section per ``runs/bench/<pattern>`` file: title, summary, rendered tables."""
     parts = []
-    for path in sorted((root / "runs/bench").glob("decode-*.json")):
+    for path in sorted((root / "runs/bench").glob(pattern)):
         data = json.loads(path.read_text())
         st = data["settings"]
         rel = path.relative_to(root)
-        parts.append(
-            f"### {st['device_name']}: {st['architecture']}, {st['layers']} layers, hidden {st['hidden']}, "
-            f"{st['experts']} experts of {st['expert_bytes'] / 2**20:.2f} MiB, {st['dtype']} (`{rel.name}`)\n\n"
-            f"{summary(data)}.\n\n{render(str(rel))}\n"
+        device = "CPU (this machine)" if st["device_name"] == "cpu" else st["device_name"]
+        per_token = data["results"][0].get("expert_bytes_per_token")
+        per_token = (
+            f" One token's routed experts (top-{st['top_k']} in each MoE layer, with their biases): "
+            f"{per_token / 1e6:.1f} MB."
+            if per_token
+            else ""
         )
-    return "\n".join(parts) or (
-        "None recorded yet: a session with a lent GPU records them with the routine below.\n"
-    )
+        parts.append(
+            f"### {device}: {st['architecture']}, {layers_text(st['layers'])}, hidden {st['hidden']}, "
+            f"{st['experts']} experts of {st['expert_bytes'] / 2**20:.2f} MiB, {st['dtype']} (`{rel.name}`)\n\n"
+            f"{summary(data)}.{per_token}\n\n{render(str(rel))}\n"
+        )
+    return "\n".join(parts) or f"{none}\n"
+
+
+def cpu_commands() -> str:
+    """The make-checkpoint and bench commands of :data:`CPU_RUNS`, each with its checkpoint size."""
+    lines = ["mkdir -p runs/bench"]
+    for name, layers, shrink, hf in CPU_RUNS:
+        s = shrunk(SHAPES[name], shrink)
+        tag = f"{name}{'-half' if shrink == 2 else ''}-{layers}l"
+        widths = (
+            "real widths" if shrink == 1 else f"widths / {shrink}, expert {s.expert_bytes(2) / 2**20:.0f} MiB"
+        )
+        lines += [
+            f"# {name}: {layers_text(layers)}, {widths}, {s.checkpoint_bytes(layers, 2) / 1e9:.1f} GB in bf16",
+            f"moeserve make-checkpoint --shape {name} --layers {layers} --out runs/ckpt/{tag}"
+            + (f" --shrink {shrink}" if shrink > 1 else ""),
+            f"moeserve bench decode --model runs/ckpt/{tag} {CPU_BENCH}{'' if hf else ' --no-transformers'} "
+            f"--json > runs/bench/decode-cpu-{tag}.json",
+        ]
+    return "\n".join(lines)
 
 
 def extras(s) -> str:
@@ -87,7 +133,8 @@ def extras(s) -> str:
 shape_rows = "\n".join(
     f"| `{s.name}` | {s.num_layers} | {s.hidden} | {s.heads} / {s.kv_heads} x {s.head_dim} | {s.experts} | "
     f"{s.top_k} | {s.moe_intermediate} | {s.expert_bytes(2) / 2**20:.2f} | "
-    f"{s.experts * s.expert_bytes(2) / 1e9:.2f} | {s.vocab} | {extras(s)} | {s.source} |"
+    f"{s.experts * s.expert_bytes(2) / 1e9:.2f} | {2 * s.layer_params(s.num_layers - 1) / 1e9:.2f} | "
+    f"{s.checkpoint_bytes(s.num_layers, 2) / 1e9:.1f} | {s.vocab} | {extras(s)} | {s.source} |"
     for s in SHAPES.values()
 )
 mix, qwen3 = SHAPES["mixtral-8x7b"], SHAPES["qwen3-30b-a3b"]
@@ -121,9 +168,12 @@ the process's CPU time per decode step (compute and I/O threads, median over run
 a shared machine inflates it far less than TPOT, so compare it across runs.
 
 Two lower bounds stand beside TPOT (milliseconds per decode step):
-- **HBM bound**: bytes a step reads from device memory (resident dense weights, the embedding
-  table only as a tied LM head; every distinct expert the step used, from the buffer's lookups;
-  the KV cache at the run's mean context) / the device's memory bandwidth: `hbm_gbps` in the
+- **HBM bound**: bytes a step reads from device memory (resident dense weights: attention or
+  DeepSeek's latent attention, norms, routers and their biases, shared experts, dense-first
+  layers' MLPs, the LM head, the embedding table only as a tied LM head; every distinct expert
+  the step used, from the buffer's lookups, with its rows of gpt-oss' resident expert biases;
+  the KV cache at the run's mean context, at most the window in gpt-oss' sliding layers, the
+  latent row per layer for DeepSeek) / the device's memory bandwidth: `hbm_gbps` in the
   settings, from the data-sheet table of `moe_runtime/bench/hardware.py` on CUDA (it reuses the
   simulator's GPU profiles), a measured host-memory copy on the CPU (`hbm_source`), or `--hbm-gbps`.
 - **Link bound**: bytes moved host->device per decode step / the link's bandwidth: with no
@@ -155,20 +205,45 @@ Reading the table:
   the two trees' workers interleaved: `docs/bench-regression.md`, written by
   `python tools/bench_regression.py --base COMMIT --out docs/bench-regression.md`.
 
-## Other devices and checkpoints
+`expert_bytes_per_token` in each JSON row is what one token's routed experts weigh: top-k experts
+in each MoE layer x MoE layers x one expert with its resident biases (at batch 1 a step reads
+exactly that beside the dense weights).
 
-Every `runs/bench/decode-*.json` (the GPU session routine below writes them), rendered the same way.
+## Real-width layers of the new families on this CPU
 
-{other_runs()}
+`moeserve bench decode` on checkpoints made with the real per-layer shapes of DeepSeek-V2-Lite,
+DeepSeek-V3, GLM-4.5-Air, gpt-oss-20b and Phi-3.5-MoE (section below), keeping a few layers:
+each family's dense-first layers and at least one MoE layer. CPU results only (this project's
+2-core machine, shared with other work, so the times are noisy; no GPU), bf16, every expert
+resident and a 25% buffer, batches 1 and 4. Each pair of commands writes the checkpoint size
+shown and takes minutes; the bench holds the checkpoint in memory (twice with the transformers
+baseline), so it needs that much free RAM. DeepSeek-V3's MoE layer alone is
+{2 * SHAPES["deepseek-v3"].layer_params(3) / 1e9:.1f} GB in bf16, more than this 24 GiB machine can write and load,
+so its run halves every width (the hidden `--shrink 2` of `make-checkpoint`: a quarter of the
+expert bytes); GLM-4.5-Air runs without the transformers baseline for the same reason.
+
+```bash
+{cpu_commands()}
+python tools/update_bench_docs.py   # renders each JSON below
+```
+
+{other_runs("decode-cpu-*.json", "None recorded yet: run the commands above.")}
+## Other devices
+
+Every `runs/bench/decode-cuda-*.json` (the GPU session routine below writes them), rendered the same way.
+
+{other_runs("decode-cuda-*.json", "None recorded yet: a session with a lent GPU records them with the routine below.")}
 ## Real-shape checkpoints (`moeserve make-checkpoint`)
 
 `moeserve make-checkpoint --shape NAME --layers N --out DIR [--dtype bf16|fp16|fp32] [--seed S]`
 writes a random-weight Hugging Face checkpoint with the real per-layer shapes of a published MoE
 model, keeping its first `N` decoder layers. Both `transformers` (`from_pretrained`) and moeserve
-(`--model DIR`) load it. The shapes (`moe_runtime/checkpoints/shapes.py`; expert sizes in bf16):
+(`--model DIR`) load it. The shapes (`moe_runtime/checkpoints/shapes.py`; sizes in bf16; "MoE
+layer GB": one MoE decoder layer with its attention and norms, "model GB": the whole model,
+`RealShape.checkpoint_bytes`, which counts what transformers' model of the shape holds):
 
-| shape | layers | hidden | heads / KV heads x head dim | experts | top-k | expert width | expert MiB | experts GB per layer | vocab | extras | source |
-|---|---|---|---|---|---|---|---|---|---|---|---|
+| shape | layers | hidden | heads / KV heads x head dim | experts | top-k | expert width | expert MiB | experts GB per layer | MoE layer GB | model GB | vocab | extras | source |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
 {shape_rows}
 
 - It is written one decoder layer at a time, one safetensors shard per layer plus one for the
@@ -184,8 +259,8 @@ model, keeping its first `N` decoder layers. Both `transformers` (`from_pretrain
   layers, GLM-4.5's partial RoPE, gpt-oss' alternating sliding window, Phi-3.5-MoE's LongRoPE)
   come from the same config files. `--layers` must keep at least one MoE layer
   (`deepseek-v3`: 4 or more). `phi-3.5-moe` uses LongRoPE factors of 1.0, not the published
-  lists (equal sizes and cost, different positions' angles). moeserve serves all but
-  `gpt-oss-20b` today; transformers loads every one.
+  lists (equal sizes and cost, different positions' angles). moeserve and transformers load
+  every one.
 - The tokenizer is the bundled model's byte-level BPE, padded to the model's `vocab_size` with
   `<|reserved_N|>` entries that no merge produces. Every id a model emits decodes. EOS and padding
   are `<|endoftext|>` = 0, not the real models' ids.

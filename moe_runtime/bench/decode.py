@@ -12,8 +12,11 @@ Each row carries two lower bounds on a decode step (milliseconds):
 - **HBM bound**: bytes a step must read from device memory, at the device's memory bandwidth
   (:func:`moe_runtime.bench.hardware.hbm_gbps`: a data-sheet table by CUDA device name, a measured
   copy bandwidth on the CPU, or ``--hbm-gbps``). Bytes read = resident dense weights (the
-  embedding table counts only as the LM head when tied) + every distinct expert the step used
-  (measured lookups) + the KV cache of every sequence at its mean context length over the run.
+  embedding table counts only as the LM head when tied; latent attention, shared experts and
+  dense-first layers are dense weights) + every distinct expert the step used (measured lookups;
+  gpt-oss' resident per-expert biases count with their expert, not as dense weights) + the KV cache
+  of every sequence at its mean context length over the run (sliding-window layers at most their
+  window; DeepSeek's latent cache row per layer).
 - **Link bound**: bytes moved host->device per decode step (measured: demand + prefetch copies) at
   the link's bandwidth: measured in this run for copies of one expert (pinned, CUDA events; the
   fastest of 5) when no link is emulated, else the emulated ``link_gbps`` plus ``link_latency_us`` per copy.
@@ -61,6 +64,7 @@ class DecodeResult:
     h2d_bytes_per_step: float
     hbm_bound_ms: float
     link_bound_ms: float
+    expert_bytes_per_token: float = 0.0  # one token's routed experts: top-k x MoE layers x expert read
     transformers_tpot_ms: float | None = None
     transformers_tpot_ms_min: float | None = None
     transformers_tpot_ms_max: float | None = None
@@ -271,14 +275,41 @@ class Bounds:
         return 1e3 * moved / (link_gbps * 1e9) + (moved / self.expert_bytes) * self.link_latency_us * 1e-3
 
 
+#: resident per-expert tensors (gpt-oss' expert biases): a step reads only the rows of the experts it uses
+EXPERT_RESIDENT = ("expert_gate_up_bias", "expert_down_bias")
+
+
+def _is_expert_resident(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in EXPERT_RESIDENT
+
+
 def dense_read_bytes(dense: dict[str, torch.Tensor]) -> int:
-    """Dense bytes a forward pass reads: all resident weights but the embedding table, which is
-    read as the LM head only when tied (no separate ``lm_head``)."""
-    total = sum(t.numel() * t.element_size() for t in dense.values())
+    """Dense bytes a forward pass reads: all resident weights (attention, latent attention, norms,
+    routers and their biases, shared experts, dense-first MLPs, LM head) but the embedding table,
+    which is read as the LM head only when tied (no separate ``lm_head``), and the per-expert
+    biases (:func:`expert_read_bytes` counts them with their expert)."""
+    total = sum(t.numel() * t.element_size() for n, t in dense.items() if not _is_expert_resident(n))
     embed, head = dense.get("embed"), dense.get("lm_head")
     if embed is not None and head is not None and head.data_ptr() != embed.data_ptr():
         total -= embed.numel() * embed.element_size()
     return total
+
+
+def expert_read_bytes(loaded) -> int:
+    """Bytes a step reads for one routed expert it uses: its packed weights
+    (``store.expert_nbytes``) plus its rows of the resident per-expert biases (gpt-oss: ``2I + H``)."""
+    cfg = loaded.config
+    bias = sum(t.numel() * t.element_size() for n, t in loaded.dense.items() if _is_expert_resident(n))
+    return loaded.store.expert_nbytes + bias // (cfg.num_moe_layers * cfg.num_experts)
+
+
+def kv_read_bytes(cfg, context: float, kv_bytes_per_token: int) -> float:
+    """KV bytes one sequence at ``context`` tokens reads in a decode step over all layers, from
+    ``kv_bytes_per_token`` (one token, all layers): a sliding-window layer of ``cfg`` (gpt-oss)
+    reads at most ``cfg.sliding_window`` tokens."""
+    sliding = len(cfg.sliding_layers)
+    window = min(context, cfg.sliding_window) if sliding else 0
+    return kv_bytes_per_token / cfg.num_layers * ((cfg.num_layers - sliding) * context + sliding * window)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -415,8 +446,8 @@ def _run_rows(args, base, loaded, b: Bounds, hf_model, device, fractions, batche
                     lookups = sum(r.lookups for r in runs)
                     moved = sum(r.moved for r in runs)
                     mean_context = args.prompt_len + args.new_tokens / 2  # decode step j reads prompt + j
-                    weight = b.dense_read_bytes + lookups / steps * expert_bytes
-                    kv = batch * mean_context * b.kv_bytes_per_token
+                    weight = b.dense_read_bytes + lookups / steps * expert_read_bytes(loaded)
+                    kv = batch * kv_read_bytes(cfg, mean_context, b.kv_bytes_per_token)
                     tpots = [1e3 * r.tpot_s for r in runs]
                     res = DecodeResult(
                         fraction,
@@ -438,6 +469,7 @@ def _run_rows(args, base, loaded, b: Bounds, hf_model, device, fractions, batche
                         expert_dtype=base.expert_dtype,
                         expert_bytes=expert_bytes,
                     )
+                    res.expert_bytes_per_token = cfg.top_k * cfg.num_moe_layers * expert_read_bytes(loaded)
                     if hf_model is not None and fraction == 1.0 and link is None:
                         hf = [
                             1e3 * s
@@ -475,7 +507,7 @@ def _prefill_row(args, engine, hf_model, device, b: Bounds) -> PrefillResult:
     runs = [_engine_prefill(engine, prompt) for _ in range(args.repeats)]
     secs = [r[0] for r in runs]
     steps, lookups, moved = (statistics.median(r[i] for r in runs) for i in (1, 2, 3))
-    weight = steps * b.dense_read_bytes + lookups * b.expert_bytes
+    weight = steps * b.dense_read_bytes + lookups * expert_read_bytes(engine.loaded)
     kv = args.prefill_len * b.kv_bytes_per_token
     med = statistics.median(secs)
     res = PrefillResult(

@@ -22,8 +22,6 @@ from moe_runtime.errors import ConfigError
 
 EOS_ID = 0  # <|endoftext|> of the bundled tokenizer (moe_runtime/train/tokenizer.py)
 INITIALIZER_RANGE = 0.02  # std of every weight matrix except the routers (all the configs)
-#: families whose layers are all Llama-style attention + MoE, the layout :meth:`RealShape.layer_params` counts
-LLAMA_LAYOUT = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
 #: ``extra`` widths that ``shrunk`` divides along with the shape's own widths
 EXTRA_WIDTHS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
@@ -88,27 +86,68 @@ class RealShape:
         return self.expert_params * dtype_bytes
 
     @property
-    def layer_params(self) -> int:
-        """Parameters of one decoder layer: attention (+ bias, qk-norm), two norms, router,
-        routed experts, shared expert and its gate.
+    def attention_params(self) -> int:
+        """Parameters of one decoder layer's attention: GQA projections (+ q/k/v bias, an output
+        bias for gpt-oss and Phi-3.5-MoE, qk-norm, gpt-oss' sinks [heads]) or DeepSeek's latent
+        attention (``q_a``/``q_a_norm``/``q_b`` or ``q``, ``kv_a``, ``kv_a_norm``, ``kv_b``, ``o``)."""
+        h, x = self.hidden, self.extra
+        if "kv_lora_rank" in x:  # multi-head latent attention (DeepSeek-V2/V3)
+            qk = self.heads * (x["qk_nope_head_dim"] + x["qk_rope_head_dim"])
+            qr, kvr, v = x["q_lora_rank"], x["kv_lora_rank"], self.heads * x["v_head_dim"]
+            q = qr * (h + 1 + qk) if qr else h * qk  # q_a, q_a_norm, q_b, or one q
+            kv_b = kvr * self.heads * x["qk_nope_head_dim"] + kvr * v
+            return q + h * (kvr + x["qk_rope_head_dim"]) + kvr + kv_b + v * h  # ... kv_a, norm, kv_b, o
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        attn = h * (2 * q + 2 * kv) + (q + 2 * kv if self.attention_bias else 0)
+        attn += h if self.attention_bias and self.model_type in ("gpt_oss", "phimoe") else 0  # o bias
+        attn += self.heads if self.model_type == "gpt_oss" else 0  # sinks
+        return attn + {"none": 0, "head": 2 * self.head_dim, "full": q + kv}[self.qk_norm]
+
+    @property
+    def norm_params(self) -> int:
+        """Parameters of one ``hidden``-wide norm: RMSNorm weight, or LayerNorm weight and bias (Phi)."""
+        return 2 * self.hidden if self.model_type == "phimoe" else self.hidden
+
+    @property
+    def moe_params(self) -> int:
+        """Parameters of one MoE block: router (+ gpt-oss' logit bias or the ``noaux_tc`` score
+        bias, ``[E]``), routed experts (+ gpt-oss' expert biases ``[E, 2I + H]``), shared
+        expert(s) (+ Qwen2-MoE's shared-expert gate)."""
+        h, e = self.hidden, self.experts
+        router = e * h + (e if self.model_type in ("gpt_oss", "deepseek_v3", "glm4_moe") else 0)
+        experts = e * self.expert_params
+        experts += e * (2 * self.moe_intermediate + h) if self.model_type == "gpt_oss" else 0
+        shared = 3 * h * self.shared_intermediate if self.shared_intermediate else 0
+        shared += h if self.shared_intermediate and self.model_type == "qwen2_moe" else 0  # its gate
+        return router + experts + shared
+
+    def layer_params(self, layer: int) -> int:
+        """Parameters of decoder layer ``layer`` (0-based): attention, its two norms and the MLP,
+        a dense ``3 * H * dense_intermediate`` MLP in the first :attr:`first_dense` layers, else
+        :attr:`moe_params`. As in the checkpoint's ``state_dict``, DeepSeek-V3's and GLM-4.5's
+        score-correction bias (a buffer) included.
 
         Raises:
-            ValueError: a family outside :data:`LLAMA_LAYOUT` (latent attention, dense-first
-                layers, sinks and expert biases: count its meta model's parameters instead).
+            ValueError: ``layer`` outside ``0..num_layers - 1``.
         """
-        if self.model_type not in LLAMA_LAYOUT:
-            raise ValueError(
-                f"layer_params counts the {', '.join(LLAMA_LAYOUT)} layout, not {self.model_type}"
-            )
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        attn = self.hidden * (2 * q + 2 * kv) + (q + 2 * kv if self.attention_bias else 0)
-        attn += {"none": 0, "head": 2 * self.head_dim, "full": q + kv}[self.qk_norm]
-        shared = 3 * self.hidden * self.shared_intermediate + self.hidden if self.shared_intermediate else 0
-        return attn + 2 * self.hidden + self.experts * (self.hidden + self.expert_params) + shared
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} is outside 0..{self.num_layers - 1} of {self.name}")
+        mlp = 3 * self.hidden * self.dense_intermediate if layer < self.first_dense else self.moe_params
+        return self.attention_params + 2 * self.norm_params + mlp
 
     def checkpoint_bytes(self, layers: int, dtype_bytes: int) -> int:
-        """Bytes of a checkpoint of ``layers`` layers: layers, untied embeddings and LM head, norm."""
-        return dtype_bytes * (layers * self.layer_params + 2 * self.vocab * self.hidden + self.hidden)
+        """Bytes of a checkpoint of the first ``layers`` decoder layers at ``dtype_bytes`` per
+        element: those layers (dense-first ones dense), untied embeddings and LM head (+ Phi's LM
+        head bias), final norm.
+
+        Raises:
+            ValueError: ``layers`` outside ``1..num_layers``.
+        """
+        if not 1 <= layers <= self.num_layers:
+            raise ValueError(f"{layers} layers: {self.name} has 1..{self.num_layers}")
+        head_bias = self.vocab if self.extra.get("lm_head_bias") else 0
+        outer = 2 * self.vocab * self.hidden + head_bias + self.norm_params
+        return dtype_bytes * (sum(self.layer_params(i) for i in range(layers)) + outer)
 
 
 SHAPES: dict[str, RealShape] = {
