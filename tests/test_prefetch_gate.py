@@ -147,7 +147,9 @@ def _decode(path, prefetch: str, trial_on: bool | None) -> tuple[list[list[int]]
         pf, computed = engine.prefetcher, [0]
         if trial_on is not None:
             pf.trial.on = trial_on
+            pf._lean(not trial_on)
             pf.trial.end_step = lambda now, decode_only: False  # keep the mode
+            assert all(part.policy.lru == (not trial_on) for part in engine.buffer.parts)
         la = engine.model.lookahead
         if la is not None:
             logits = la.logits
@@ -169,3 +171,21 @@ def test_with_prefetching_off_the_compute_thread_neither_plans_nor_looks_ahead(t
     assert tokens == _decode(tiny_qwen3, "on-demand", None)[0]
     tokens_on, computed_on, plans_on, _ = _decode(tiny_qwen3, "eam", trial_on=True)
     assert tokens_on == tokens and computed_on > 0 and plans_on > 0  # the same run, prefetching on
+
+
+def test_a_lean_eam_reuse_cache_is_lru() -> None:
+    from moe_runtime.buffer.policies import EAMReuseCachePolicy
+    from tests.test_policies import FakeRecorder
+
+    eam = np.zeros((2, 4))
+    eam[1, 3] = 5.0  # the batch keeps using expert 3 of layer 1
+    policy = EAMReuseCachePolicy(3, 4, num_layers=2, recorder=FakeRecorder(eam))
+    for slot, key in enumerate((7, 1, 2)):  # layer 1 expert 3, layer 0 experts 1 and 2
+        policy.on_fill(slot, key, prefetch=False)
+    policy.after_routing(0, ["a"], np.array([[0]]))
+    assert policy.victim(np.array([0, 1, 2])) != 0  # loop-aware: keeps the expert in use
+    policy.lru = True
+    policy.after_routing(0, ["a"], np.array([[0]]))
+    assert policy.victim(np.array([0, 1, 2])) == 0  # LRU: the least recently filled
+    policy.on_use(0, 7)
+    assert policy.victim(np.array([0, 1, 2])) == 1

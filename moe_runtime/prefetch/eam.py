@@ -385,6 +385,21 @@ class EAMPrefetch(PrefetchPolicy):
         out[free + max(m, 0) :] = 1.0  # nothing left to evict: it cannot be placed anyway
         return out
 
+    def _lean(self, lean: bool) -> None:
+        """Run as on-demand + LRU (``lean``) or as the full policy again: with ``lean`` what the
+        plans queued is cancelled and an ``eam-reuse`` cache evicts LRU
+        (``EAMReuseCachePolicy.lru``), so neither planning, the router lookahead nor the cache's
+        counts are paid for. The tracer keeps recording: the EAMC still fills as requests
+        finish."""
+        buf = self.buffer
+        with buf.cond:
+            if lean and self._queued:
+                buf.prefetch(np.zeros(0, dtype=np.int64), np.zeros(0), replace=True)
+            self._queued = not lean  # prefetching again: the next layer plans
+            for part in buf.parts:
+                if hasattr(part.policy, "lru"):
+                    part.policy.lru = lean
+
     def _transfer_s(self) -> float:
         """One expert copy's link time: the simulator's, else the emulated link's, else the
         measured blocking per miss (a copy on an unemulated link is timed only there)."""
@@ -404,9 +419,7 @@ class EAMPrefetch(PrefetchPolicy):
             gate.update_link(self.buffer.stats, now, self._transfer_s())
             gate.new_step()
             if self.trial is not None and self.trial.end_step(now, self._decode_only):
-                if not self.trial.on and self._queued:  # on-demand now: drop what plans queued
-                    self.buffer.prefetch(np.zeros(0, dtype=np.int64), np.zeros(0), replace=True)
-                self._queued = self.trial.on  # prefetching again: the next layer plans
+                self._lean(not self.trial.on)
             self._decode_only = True
 
 

@@ -199,7 +199,8 @@ class ModeTrial:
     whose load drifts compares like with like. The first windows alternate; then the cheaper
     mode runs, and every ``explore_every``-th window the other one (two more pairs), so the
     choice follows the load. With prefetching off the ``eam`` policy is on-demand (no planning,
-    no router lookahead).
+    no router lookahead) and an ``eam-reuse`` cache evicts LRU: on-demand + LRU, the baseline,
+    but for the tracer, which keeps recording so the EAMC still fills.
 
     Args:
         window: measured decode steps per window, >= 1.
