@@ -100,14 +100,13 @@ def test_a_plan_must_win_back_its_host_time_and_a_fast_link_closes_the_gate() ->
 
 
 def _drive(trial: ModeTrial, cost: dict[bool, float], steps: int, prefill_every: int = 0) -> list[bool]:
-    """Run ``steps`` steps whose wall time is ``cost[mode]`` (a prefill step every
-    ``prefill_every`` steps costs 10x and must not count); returns the mode of every step."""
-    now, modes = 0.0, []
+    """Run ``steps`` steps that cost ``cost[mode]`` (a prefill step every ``prefill_every`` steps
+    costs 10x and must not count); returns the mode of every step."""
+    modes = []
     for i in range(steps):
         prefill = prefill_every > 0 and i % prefill_every == 0
         modes.append(trial.on)
-        now += cost[trial.on] * (10 if prefill else 1)
-        trial.end_step(now, decode_only=not prefill)
+        trial.end_step(cost[trial.on] * (10 if prefill else 1), decode_only=not prefill)
     return modes
 
 
@@ -148,7 +147,7 @@ def _decode(path, prefetch: str, trial_on: bool | None) -> tuple[list[list[int]]
         if trial_on is not None:
             pf.trial.on = trial_on
             pf._lean(not trial_on)
-            pf.trial.end_step = lambda now, decode_only: False  # keep the mode
+            pf.trial.end_step = lambda cost_s, decode_only: False  # keep the mode
             assert all(part.policy.lru == (not trial_on) for part in engine.buffer.parts)
         la = engine.model.lookahead
         if la is not None:

@@ -120,6 +120,8 @@ class EAMPrefetch(PrefetchPolicy):
         # the simulator and without the gate
         self.trial = ModeTrial() if cost_aware and self._timed and trial else None
         self._decode_only = True  # no prefill token in the step so far (for the trial)
+        self._step_host_s = 0.0  # host time of the step's plans and router lookahead
+        self._step_blocking_s = 0.0  # the buffer's blocking counter at the step's start
         self._p_use: tuple[np.ndarray, int, np.ndarray] | None = None  # (own term, T, [L * E] p)
 
     def predict(self, layer: int, request_ids: list[str]) -> np.ndarray | None:
@@ -294,7 +296,9 @@ class EAMPrefetch(PrefetchPolicy):
             if self._timed:  # the runtime: the plan's host time is a cost the gate weighs
                 t0 = time.perf_counter()
                 self._plan(layer, request_ids, topk_ids)
-                gate.note_host_time(time.perf_counter() - t0 + self._lookahead_s)
+                host = time.perf_counter() - t0 + self._lookahead_s
+                gate.note_host_time(host)
+                self._step_host_s += host
                 self._lookahead_s = 0.0
                 return
         self._plan(layer, request_ids, topk_ids)
@@ -418,8 +422,12 @@ class EAMPrefetch(PrefetchPolicy):
             now = clock(self.buffer)
             gate.update_link(self.buffer.stats, now, self._transfer_s())
             gate.new_step()
-            if self.trial is not None and self.trial.end_step(now, self._decode_only):
-                self._lean(not self.trial.on)
+            if self.trial is not None:
+                blocking = self.buffer.stats.total_blocking_s
+                cost = blocking - self._step_blocking_s + self._step_host_s
+                self._step_blocking_s, self._step_host_s = blocking, 0.0
+                if self.trial.end_step(cost, self._decode_only):
+                    self._lean(not self.trial.on)
             self._decode_only = True
 
 

@@ -191,10 +191,15 @@ class ModeTrial:
     is ``1 - q``), which can be far off on a given host: on the bundled model at a 50% buffer the
     plans promised several times the blocking they saved, while planning and the router
     lookahead cost the compute thread more than that. So the runtime also measures what the two
-    modes really cost. Decode steps (no prefill token) run in windows of ``window`` steps, with
+    modes really cost the compute thread per decode step: its blocking on expert copies plus the
+    host time of planning and the router lookahead (the part of a step the modes change; the
+    rest, attention and expert compute, is the same in both and only adds the shared host's
+    noise). Decode steps (no prefill token) run in windows of ``window`` steps, with
     prefetching on or off for a whole window; a window's first step, which still sees the other
-    mode's prefetches or lacks its own, is not counted. Two adjacent windows of different modes
-    form a pair, and their relative difference in wall seconds per decode step, ``(on - off) /
+    mode's prefetches or lacks its own, is not counted, and a step with prefill tokens (new
+    requests, whose experts are not cached yet) drops the open window and the step after it.
+    Two adjacent windows of different modes
+    form a pair, and their relative difference in that cost per decode step, ``(on - off) /
     mean``, is kept as a running mean (``decay`` per pair): pairs, not long-run means, so a host
     whose load drifts compares like with like. The first windows alternate; then the cheaper
     mode runs, and every ``explore_every``-th window the other one (two more pairs), so the
@@ -228,19 +233,22 @@ class ModeTrial:
         self.windows = 0  # windows completed
         self._sum, self._n = 0.0, 0
         self._skip = 1  # steps of the current window not counted yet
-        self._last: float | None = None  # clock at the previous step's end
         self._prev: tuple[bool, float] | None = None  # (mode, s per step) of the last window
 
-    def end_step(self, now_s: float, decode_only: bool) -> bool:
-        """A step ended at ``now_s`` (wall seconds); ``decode_only``: it had no prefill token.
-        Returns True when the mode changed (the caller then drops what the old mode queued)."""
-        last, self._last = self._last, now_s
-        if last is None or not decode_only:
+    def end_step(self, cost_s: float, decode_only: bool) -> bool:
+        """A step ended that cost the compute thread ``cost_s`` seconds of blocking and planning
+        host time; ``decode_only``: it had no prefill token. Returns True when the mode changed
+        (the caller then switches the policy's mode)."""
+        if not decode_only:
+            # New requests change what a step costs (their experts are not cached yet): the
+            # open window is dropped and no pair spans the change.
+            self._sum, self._n, self._prev = 0.0, 0, None
+            self._skip = max(self._skip, 1)
             return False
         if self._skip:
             self._skip -= 1
             return False
-        self._sum += now_s - last
+        self._sum += cost_s
         self._n += 1
         if self._n < self.window:
             return False
