@@ -70,7 +70,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     register_workload_args(p)
     p.add_argument("--fractions", default="0.1,0.25,0.5", help="buffer sizes as shares of all experts")
     p.add_argument("--policies", default=",".join(c[0] for c in COMBOS))
-    p.add_argument("--link-gbps", type=float, default=0.5, help="emulated link, GB/s (default: 0.5)")
+    p.add_argument("--link-gbps", type=float, default=0.5, help="emulated link, GB/s (default: 0.5; 0 = off)")
     p.add_argument("--link-latency-us", type=float, default=10.0)
     p.add_argument(
         "--prefetch-depth", type=int, default=None, help="later layers a plan covers (default: all)"
@@ -197,7 +197,7 @@ def measure(
         dtype=args.dtype,
         max_batch_size=args.batch,
         cpu_threads=args.cpu_threads,
-        link_gbps=args.link_gbps,
+        link_gbps=args.link_gbps or None,  # 0: no emulated link
         link_latency_us=args.link_latency_us,
         max_model_len=args.max_prompt_tokens + args.new_tokens + 8,
         prefetch_depth=args.prefetch_depth,
@@ -234,7 +234,7 @@ def measure(
         "dtype": args.dtype,
         "device": "cpu",
         "cpu_threads": args.cpu_threads,
-        "link_gbps": args.link_gbps,
+        "link_gbps": args.link_gbps or None,  # None: no emulated link
         "link_latency_us": args.link_latency_us,
         "tasks": tasks,
         "warm_prompts": len(warm),

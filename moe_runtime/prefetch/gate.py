@@ -191,21 +191,23 @@ class ModeTrial:
     is ``1 - q``), which can be far off on a given host: on the bundled model at a 50% buffer the
     plans promised several times the blocking they saved, while planning and the router
     lookahead cost the compute thread more than that. So the runtime also measures what the two
-    modes really cost the compute thread per decode step: its blocking on expert copies plus the
-    host time of planning and the router lookahead (the part of a step the modes change; the
-    rest, attention and expert compute, is the same in both and only adds the shared host's
-    noise). Decode steps (no prefill token) run in windows of ``window`` steps, with
-    prefetching on or off for a whole window; a window's first step, which still sees the other
-    mode's prefetches or lacks its own, is not counted, and a step with prefill tokens (new
-    requests, whose experts are not cached yet) drops the open window and the step after it.
-    Two adjacent windows of different modes
-    form a pair, and their relative difference in that cost per decode step, ``(on - off) /
-    mean``, is kept as a running mean (``decay`` per pair): pairs, not long-run means, so a host
-    whose load drifts compares like with like. The first windows alternate; then the cheaper
-    mode runs, and every ``explore_every``-th window the other one (two more pairs), so the
-    choice follows the load. With prefetching off the ``eam`` policy is on-demand (no planning,
-    no router lookahead) and an ``eam-reuse`` cache evicts LRU: on-demand + LRU, the baseline,
-    but for the tracer, which keeps recording so the EAMC still fills.
+    modes really cost the compute thread per decode step: its time off the CPU (wall time less
+    its thread CPU time: blocking on expert copies, waits for the GIL and the buffer lock that
+    the I/O thread's extra copies cause) plus the host time of planning and the router
+    lookahead. That is the part of a step the modes change; the rest, attention and expert
+    compute, is the same in both and would only add the shared host's noise.
+
+    Decode steps (no prefill token) run in windows of ``window`` steps, with prefetching on or
+    off for a whole window; a window's first step, which still sees the other mode's prefetches
+    or lacks its own, is not counted, and a step with prefill tokens (new requests, whose experts
+    are not cached yet) drops the open window and the step after it. Two adjacent windows of
+    different modes form a pair, and their relative difference in that cost per decode step,
+    ``(on - off) / mean``, is kept as a running mean (``decay`` per pair): pairs, not long-run
+    means, so a host whose load drifts compares like with like. The first windows alternate;
+    then the cheaper mode runs, and every ``explore_every``-th window the other one (two more
+    pairs), so the choice follows the load. With prefetching off the ``eam`` policy is on-demand
+    (no planning, no router lookahead) and an ``eam-reuse`` cache evicts LRU: on-demand + LRU,
+    the baseline, but for the tracer, which keeps recording so the EAMC still fills.
 
     Args:
         window: measured decode steps per window, >= 1.
@@ -236,8 +238,8 @@ class ModeTrial:
         self._prev: tuple[bool, float] | None = None  # (mode, s per step) of the last window
 
     def end_step(self, cost_s: float, decode_only: bool) -> bool:
-        """A step ended that cost the compute thread ``cost_s`` seconds of blocking and planning
-        host time; ``decode_only``: it had no prefill token. Returns True when the mode changed
+        """A step ended that cost the compute thread ``cost_s`` seconds (off the CPU, and
+        planning); ``decode_only``: it had no prefill token. Returns True when the mode changed
         (the caller then switches the policy's mode)."""
         if not decode_only:
             # New requests change what a step costs (their experts are not cached yet): the
