@@ -121,7 +121,7 @@ class EAMPrefetch(PrefetchPolicy):
         self.trial = ModeTrial() if cost_aware and self._timed and trial else None
         self._decode_only = True  # no prefill token in the step so far (for the trial)
         self._step_host_s = 0.0  # host time of the step's plans and router lookahead
-        self._step_clock: tuple[float, float] | None = None  # (wall, thread CPU) at the last step end
+        self._step_blocking_s = 0.0  # the buffer's blocking counter at the last step's end
         self._p_use: tuple[np.ndarray, int, np.ndarray] | None = None  # (own term, T, [L * E] p)
 
     def predict(self, layer: int, request_ids: list[str]) -> np.ndarray | None:
@@ -423,15 +423,13 @@ class EAMPrefetch(PrefetchPolicy):
             gate.update_link(self.buffer.stats, now, self._transfer_s())
             gate.new_step()
             if self.trial is not None:
-                # the step's time off the CPU (blocking on copies, waits for the GIL and the
-                # buffer lock) plus the planning host time: what the modes change
-                cpu = time.thread_time()
-                last, self._step_clock = self._step_clock, (now, cpu)
-                if last is not None:
-                    off_cpu = max(0.0, (now - last[0]) - (cpu - last[1]))
-                    if self.trial.end_step(off_cpu + self._step_host_s, self._decode_only):
-                        self._lean(not self.trial.on)
-                self._step_host_s = 0.0
+                # the step's blocking on expert copies plus its planning host time: what the
+                # modes change (see gate.ModeTrial)
+                blocking = self.buffer.stats.total_blocking_s
+                cost = blocking - self._step_blocking_s + self._step_host_s
+                self._step_blocking_s, self._step_host_s = blocking, 0.0
+                if self.trial.end_step(cost, self._decode_only):
+                    self._lean(not self.trial.on)
             self._decode_only = True
 
 

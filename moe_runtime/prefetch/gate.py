@@ -191,11 +191,12 @@ class ModeTrial:
     is ``1 - q``), which can be far off on a given host: on the bundled model at a 50% buffer the
     plans promised several times the blocking they saved, while planning and the router
     lookahead cost the compute thread more than that. So the runtime also measures what the two
-    modes really cost the compute thread per decode step: its time off the CPU (wall time less
-    its thread CPU time: blocking on expert copies, waits for the GIL and the buffer lock that
-    the I/O thread's extra copies cause) plus the host time of planning and the router
-    lookahead. That is the part of a step the modes change; the rest, attention and expert
-    compute, is the same in both and would only add the shared host's noise.
+    modes really cost the compute thread per decode step: its blocking on expert copies plus the
+    host time of planning and the router lookahead. That is the part of a step the modes change;
+    the rest, attention and expert compute, is the same in both and would only add the shared
+    host's noise. (Wall time less the thread's CPU time, which also catches GIL and lock waits,
+    was tried: on this shared 2-core host its preemption noise swamped the blocking saved at a
+    25% buffer, where prefetching pays, and the trial turned prefetching off there.)
 
     Decode steps (no prefill token) run in windows of ``window`` steps, with prefetching on or
     off for a whole window; a window's first step, which still sees the other mode's prefetches
@@ -238,7 +239,7 @@ class ModeTrial:
         self._prev: tuple[bool, float] | None = None  # (mode, s per step) of the last window
 
     def end_step(self, cost_s: float, decode_only: bool) -> bool:
-        """A step ended that cost the compute thread ``cost_s`` seconds (off the CPU, and
+        """A step ended that cost the compute thread ``cost_s`` seconds (blocking and
         planning); ``decode_only``: it had no prefill token. Returns True when the mode changed
         (the caller then switches the policy's mode)."""
         if not decode_only:
