@@ -36,7 +36,7 @@ class RouterLookahead:
         depth: later MoE layers scored, >= 1.
         policy: the prefetch policy the scores are for, or None. When given, :meth:`scores` asks
             its ``wants_lookahead(moe_layer)`` first (None, no work, while the policy is
-            on-demand) and reports its own host time to ``note_lookahead_time(seconds)``, a cost
+            on-demand) and reports its own host CPU time to ``note_lookahead_time(seconds)``, a cost
             the policy's gate weighs.
 
     Raises:
@@ -84,8 +84,8 @@ class RouterLookahead:
             return None if logits is None else F.softmax(logits, dim=-1).sum(dim=0)
         if not policy.wants_lookahead(moe_layer):
             return None
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         logits = self.logits(x, moe_layer)
         out = None if logits is None else F.softmax(logits, dim=-1).sum(dim=0)
-        policy.note_lookahead_time(time.perf_counter() - t0)
+        policy.note_lookahead_time(time.thread_time() - t0)
         return out

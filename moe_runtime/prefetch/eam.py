@@ -112,7 +112,8 @@ class EAMPrefetch(PrefetchPolicy):
             raise ConfigError(f"eam probe_every must be >= 1, got {probe_every}")
         self.probe_every = probe_every
         self.plans = 0  # layers planned (predicted and tested), for the overhead figures
-        # The runtime (wall clock = compute clock) times each planning layer for the gate; the
+        # The runtime (wall clock = compute clock) times each planning layer (thread CPU time)
+        # for the gate; the
         # simulator, whose clock is not the host's, does not (its results stay deterministic).
         self._timed = getattr(self.buffer, "now", None) is None
         self._lookahead_s = 0.0  # the router lookahead's host time of the layer about to route
@@ -294,9 +295,9 @@ class EAMPrefetch(PrefetchPolicy):
                         self._unmatched.append(layer)
                 return
             if self._timed:  # the runtime: the plan's host time is a cost the gate weighs
-                t0 = time.perf_counter()
+                t0 = time.thread_time()
                 self._plan(layer, request_ids, topk_ids)
-                host = time.perf_counter() - t0 + self._lookahead_s
+                host = time.thread_time() - t0 + self._lookahead_s
                 gate.note_host_time(host)
                 self._step_host_s += host
                 self._lookahead_s = 0.0

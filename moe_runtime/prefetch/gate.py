@@ -18,8 +18,9 @@ NOTE: the terms (issue #15), all measured online, none typed in:
   from the running requests' request EAMs, as the ``eam-reuse`` cache scores slots: ``p = 1 - (1 -
   share)^T``, the victims taken lowest first.
 
-* The plan's own host time (runtime only): the compute thread's seconds that planning a layer
-  and computing its router lookahead take, measured by the ``eam`` policy (a running mean over
+* The plan's own host time (runtime only): the compute thread's CPU seconds that planning a
+  layer and computing its router lookahead take (thread CPU time, so other processes preempting
+  it on a shared host do not inflate it), measured by the ``eam`` policy (a running mean over
   the layers that plan). A plan whose kept candidates' summed ``gain - cost`` does not beat it
   keeps nothing: on a fast link, or where a prefetch saves less blocking than its planning costs,
   the policy is on-demand. The simulator's clock is not the host's: there it is 0, so its
