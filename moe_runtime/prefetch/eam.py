@@ -113,8 +113,8 @@ class EAMPrefetch(PrefetchPolicy):
         self.probe_every = probe_every
         self.plans = 0  # layers planned (predicted and tested), for the overhead figures
         # The runtime (wall clock = compute clock) times each planning layer (thread CPU time)
-        # for the gate; the
-        # simulator, whose clock is not the host's, does not (its results stay deterministic).
+        # for the gate; the simulator, whose clock is not the host's, does not (its results
+        # stay deterministic).
         self._timed = getattr(self.buffer, "now", None) is None
         self._lookahead_s = 0.0  # the router lookahead's host time of the layer about to route
         # the runtime's measured A/B of prefetching against on-demand (gate.ModeTrial); None in
