@@ -60,6 +60,9 @@ class PolicyResult:
     prefetch_landed: int  # prefetches that completed a copy into a slot
     prefetch_used: int
     tokens: int
+    # eval decode steps the runtime's eam trial (moe_runtime.prefetch.gate.ModeTrial) ran with
+    # prefetching on, as a share; None for the other policies
+    prefetch_on_share: float | None = None
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
@@ -254,6 +257,14 @@ def measure(
     return settings, rounds
 
 
+def _on_share(trial, before: tuple[int, int] | None) -> float | None:
+    """Share of the decode steps since ``before`` (``(steps, steps on)``) that ``trial`` ran
+    with prefetching on; None without a trial or steps."""
+    if trial is None or before is None or trial.decode_steps == before[0]:
+        return None
+    return (trial.decode_steps_on - before[1]) / (trial.decode_steps - before[0])
+
+
 def _load_average() -> list[float] | None:
     """The host's 1, 5 and 15 minute load averages (None where the OS has none)."""
     return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
@@ -288,6 +299,8 @@ class _Runs:
             if prefetch == "on-demand":
                 engine.buffer.access_log = []
             st0 = engine.buffer.stats.snapshot()
+            trial = getattr(engine.prefetcher, "trial", None)
+            steps0 = (trial.decode_steps, trial.decode_steps_on) if trial is not None else None
             tpots, outputs = _run_batches(engine, self.evals, batch, new_tokens)
             st1 = engine.buffer.stats
             access_log = engine.buffer.access_log if prefetch == "on-demand" else None
@@ -310,6 +323,7 @@ class _Runs:
                 (st1.prefetch_bytes - st0.prefetch_bytes) // self.loaded.store.expert_nbytes,
                 st1.prefetch_used - st0.prefetch_used,
                 tokens,
+                _on_share(trial, steps0),
             )
         return res, access_log
 

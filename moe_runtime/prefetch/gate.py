@@ -235,6 +235,8 @@ class ModeTrial:
         self.diff = 0.0  # running (on - off) / mean of paired windows; < 0: prefetching is cheaper
         self.pairs = 0  # pairs measured
         self.windows = 0  # windows completed
+        self.decode_steps = 0  # decode-only steps seen, and those run with prefetching on
+        self.decode_steps_on = 0
         self._sum, self._n = 0.0, 0
         self._skip = 1  # steps of the current window not counted yet
         self._prev: tuple[bool, float] | None = None  # (mode, s per step) of the last window
@@ -243,7 +245,10 @@ class ModeTrial:
         """A step ended that cost the compute thread ``cost_s`` seconds (blocking and
         planning); ``decode_only``: it had no prefill token. Returns True when the mode changed
         (the caller then switches the policy's mode)."""
-        if not decode_only:
+        if decode_only:
+            self.decode_steps += 1
+            self.decode_steps_on += self.on
+        else:
             # New requests change what a step costs (their experts are not cached yet): the
             # open window is dropped and no pair spans the change.
             self._sum, self._n, self._prev = 0.0, 0, None
