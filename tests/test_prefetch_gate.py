@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from moe_runtime.prefetch.eam import _ranked
-from moe_runtime.prefetch.gate import ModeTrial, PrefetchGate
+from moe_runtime.prefetch.gate import CLEAR_DIFF, ModeTrial, PrefetchGate
 from moe_runtime.stats import ExpertStats
 from tests.test_sim_engine import random_requests, sim_for
 
@@ -188,3 +188,11 @@ def test_a_lean_eam_reuse_cache_is_lru() -> None:
     assert policy.victim(np.array([0, 1, 2])) == 0  # LRU: the least recently filled
     policy.on_use(0, 7)
     assert policy.victim(np.array([0, 1, 2])) == 1
+
+
+def test_a_clear_difference_is_explored_less_often() -> None:
+    close, clear = ModeTrial(window=1, explore_every=4), ModeTrial(window=1, explore_every=4)
+    on_close = sum(_drive(close, {True: 0.011, False: 0.010}, 400)[100:])
+    on_clear = sum(_drive(clear, {True: 0.030, False: 0.010}, 400)[100:])  # diff 1.0 > CLEAR_DIFF
+    assert clear.diff > CLEAR_DIFF > close.diff > 0
+    assert 0 < on_clear < on_close / 2  # both still explore; the clear case 4x less often

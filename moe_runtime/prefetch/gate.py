@@ -185,6 +185,10 @@ def clock(buffer: Any) -> float:
     return time.perf_counter() if now is None else float(now)
 
 
+# A relative cost difference beyond which ModeTrial explores the worse mode 4x less often.
+CLEAR_DIFF = 0.5
+
+
 class ModeTrial:
     """A measured A/B of prefetching against on-demand on the runtime's own clock.
 
@@ -207,7 +211,9 @@ class ModeTrial:
     ``(on - off) / mean``, is kept as a running mean (``decay`` per pair): pairs, not long-run
     means, so a host whose load drifts compares like with like. The first windows alternate;
     then the cheaper mode runs, and every ``explore_every``-th window the other one (two more
-    pairs), so the choice follows the load. With prefetching off the ``eam`` policy is on-demand
+    pairs; every ``4 * explore_every``-th while the modes differ by more than ``CLEAR_DIFF``, as
+    on-demand does on a fast link, where each exploring window costs a lot), so the choice
+    follows the load. With prefetching off the ``eam`` policy is on-demand
     (no planning, no router lookahead) and an ``eam-reuse`` cache evicts LRU: on-demand + LRU,
     the baseline, but for the tracer, which keeps recording so the EAMC still fills.
 
@@ -275,7 +281,9 @@ class ModeTrial:
             self.on = not self.on  # alternate until the first pairs are in
         else:
             best = self.diff <= 0
-            self.on = (not best) if self.windows % self.explore_every == 0 else best
+            # a clear difference is re-checked 4x less often: exploring it costs more
+            every = self.explore_every * (4 if abs(self.diff) > CLEAR_DIFF else 1)
+            self.on = (not best) if self.windows % every == 0 else best
         if self.on != was:
             self._skip = 1
         return self.on != was
