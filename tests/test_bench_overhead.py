@@ -1,4 +1,5 @@
-"""``moeserve bench overhead``: figures per hook with their settings; bad values exit 2."""
+"""``moeserve bench overhead``: figures per hook with their settings, over all layers, the layers
+that plan and with the gate forced open; bad values exit 2."""
 
 from __future__ import annotations
 
@@ -19,12 +20,19 @@ def test_json_reports_every_hook_with_spread_and_settings(capsys: pytest.Capture
     assert [r["batch"] for r in doc["results"]] == [1, 2]
     for row in doc["results"]:
         assert row["layers_timed"] == 2 * 32  # (3 tokens - 1 warm-up step) x 32 layers
-        for name in ("total", "record", "cache", "lookahead", "plan"):
-            lo, hi = row[f"{name}_p50_spread_us"]
-            assert 0 <= lo <= row[f"{name}_p50_us"] <= hi
-            assert row[f"{name}_p50_us"] <= row[f"{name}_p90_us"]
+        for prefix in ("", "open_"):  # the gate as it decides, and forced open
+            for name in ("total", "record", "cache", "lookahead", "plan"):
+                lo, hi = row[f"{prefix}{name}_p50_spread_us"]
+                assert 0 <= lo <= row[f"{prefix}{name}_p50_us"] <= hi
+                assert row[f"{prefix}{name}_p50_us"] <= row[f"{prefix}{name}_p90_us"]
         assert 0 < row["planned_share"] <= 1
-        assert row["meets_budget"] == (row["total_p50_us"] <= 50.0)
+        # forced open, every layer plans: its median layer costs what a planning layer costs,
+        # more than the median layer of a gate that is mostly closed
+        assert row["open_plan_p50_us"] > row["plan_p50_us"] or row["planned_share"] == 1
+        assert row["planned_total_p50_us"] > 0
+        within = {k: row[f"{k}_p50_us"] <= 50.0 for k in ("total", "planned_total", "open_total")}
+        assert all(row[f"{k}_within_budget"] == v for k, v in within.items())
+        assert row["meets_budget"] == all(within.values())
 
 
 @pytest.mark.parametrize("bad", [["--repeats", "0"], ["--buffer", "1.5"], ["--batch", "0"]])

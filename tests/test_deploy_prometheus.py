@@ -1,7 +1,7 @@
 """The Prometheus rules and the Grafana dashboard against a real Prometheus scraping a real server.
 
 Starts ``moeserve serve`` on a tiny checkpoint (half the experts in the buffer, an emulated slow
-link so lookups miss and block, EAM prefetching with an online EAMC so every panel has data) and
+link so lookups miss and block, prefetching and an online EAMC so every panel has data) and
 Debian's ``prometheus`` binary (1 s scrapes and rule evaluations, ``deploy/prometheus/rules/*.yml``
 loaded), replays a few dozen completions, then checks:
 
@@ -185,7 +185,10 @@ def stack(tiny_qwen3: Path, tmp_path_factory) -> Iterator[Stack]:
     cmd = [sys.executable, "-m", "moeserve", "serve", "--model", str(tiny_qwen3)]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny"]
     cmd += ["--buffer-fraction", "0.5", "--link-gbps", "0.5", "--log-level", "warning"]
-    cmd += ["--prefetch-policy", "eam", "--eamc-path", str(tmp / "eamc")]
+    # next-layer-all always prefetches (the eam policy's gate may rightly find that planning costs
+    # more than it saves on this tiny model); the eam-reuse cache keeps the tracer and its EAMC
+    cmd += ["--prefetch-policy", "next-layer-all", "--cache-policy", "eam-reuse"]
+    cmd += ["--eamc-path", str(tmp / "eamc")]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs: list[Proc] = []
     try:

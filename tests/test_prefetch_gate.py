@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from moe_runtime.prefetch.eam import _ranked
-from moe_runtime.prefetch.gate import PrefetchGate
+from moe_runtime.prefetch.gate import CLEAR_DIFF, ModeTrial, PrefetchGate
 from moe_runtime.stats import ExpertStats
 from tests.test_sim_engine import random_requests, sim_for
 
@@ -81,3 +81,118 @@ def test_eam_with_zero_precision_is_on_demand(monkeypatch: pytest.MonkeyPatch) -
     assert gated.tpot_s == base.tpot_s and gated.stats["hits"] == base.stats["hits"]
     monkeypatch.setattr(PrefetchGate, "precision", lambda self: np.ones_like(self.hits))
     assert sim.run("eam", "lru", reqs[:4], reqs[4:]).stats["prefetch_issued"] > 0  # the same run, gate open
+
+
+def test_a_plan_must_win_back_its_host_time_and_a_fast_link_closes_the_gate() -> None:
+    gate = PrefetchGate(num_layers=2, num_experts=4, depth=1)
+    gate.block_per_miss_s, gate.demand_busy = 1e-3, 0.0  # each sure prefetch saves 1 ms
+    p, reuse = np.ones(2), np.zeros(2)
+    assert gate.pays(p, 1e-3, reuse).all() and gate.host_s == 0.0  # not timed: the simulator
+    for _ in range(50):
+        gate.note_host_time(3e-3)  # planning costs 3 ms, more than the 2 ms the plan saves
+    assert gate.host_s == pytest.approx(3e-3, rel=1e-3)
+    assert not gate.pays(p, 1e-3, reuse).any()
+    assert gate.pays(np.ones(4), 1e-3, np.zeros(4)).all()  # 4 ms saved: worth its 3 ms
+    gate.block_per_miss_s = 1e-6  # a fast link: a miss barely blocks, planning never pays
+    assert not gate.pays(np.ones(64), 1e-6, np.zeros(64)).any()
+    gate.force_open = True  # bench overhead's forced-open gate issues whatever the test says
+    assert gate.pays(np.ones(4), 1e-6, np.ones(4)).all()
+
+
+def _drive(trial: ModeTrial, cost: dict[bool, float], steps: int, prefill_every: int = 0) -> list[bool]:
+    """Run ``steps`` steps that cost ``cost[mode]`` (a prefill step every ``prefill_every`` steps
+    costs 10x and must not count); returns the mode of every step."""
+    modes = []
+    for i in range(steps):
+        prefill = prefill_every > 0 and i % prefill_every == 0
+        modes.append(trial.on)
+        trial.end_step(cost[trial.on] * (10 if prefill else 1), decode_only=not prefill)
+    return modes
+
+
+def test_mode_trial_turns_prefetching_off_when_it_costs_more_and_keeps_exploring() -> None:
+    trial = ModeTrial(window=2, explore_every=4, first_pairs=2)
+    modes = _drive(trial, {True: 0.012, False: 0.010}, 200, prefill_every=25)
+    assert trial.diff == pytest.approx(2 * (0.012 - 0.010) / 0.022)
+    late = modes[100:]
+    assert 0.1 < sum(late) / len(late) < 0.4  # mostly on-demand; every 4th window explores
+    trial = ModeTrial(window=2, explore_every=4, first_pairs=2)
+    modes = _drive(trial, {True: 0.008, False: 0.010}, 200)
+    assert trial.diff < 0 and 0.6 < sum(modes[100:]) / 100 < 0.9  # prefetching pays
+    with pytest.raises(ValueError, match="window"):
+        ModeTrial(window=0)
+
+
+def test_the_trial_runs_only_in_the_runtime_and_follows_the_load() -> None:
+    sim = sim_for(layers=3, experts=6, slots=6, batch=2)
+    state = sim.make_state("eam", "lru")
+    assert state.prefetcher.trial is None and not state.prefetcher._timed  # the simulator's clock
+    trial = ModeTrial(window=1, explore_every=8, first_pairs=1)
+    assert sum(_drive(trial, {True: 0.010, False: 0.020}, 40)[20:]) >= 15  # mostly prefetching
+    modes = _drive(trial, {True: 0.030, False: 0.020}, 80)  # the host changed: prefetching costs more
+    assert sum(modes[40:]) <= 10
+
+
+def _decode(path, prefetch: str, trial_on: bool | None) -> tuple[list[list[int]], int, int, int]:
+    """Greedy tokens of two prompts, with the eam trial pinned to ``trial_on`` (None: as it is);
+    returns (tokens, lookahead computations, plans, prefetches issued)."""
+    from moe_runtime.config import RuntimeConfig
+    from moe_runtime.engine.engine import LLMEngine
+    from moe_runtime.engine.request import SamplingParams
+
+    rt = RuntimeConfig(buffer_slots=3, max_batch_size=2, max_model_len=64, prefetch_policy=prefetch)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    with LLMEngine.from_pretrained(path, rt) as engine:
+        pf, computed = engine.prefetcher, [0]
+        if trial_on is not None:
+            pf.trial.on = trial_on
+            pf._lean(not trial_on)
+            pf.trial.end_step = lambda cost_s, decode_only: False  # keep the mode
+            assert all(part.policy.lru == (not trial_on) for part in engine.buffer.parts)
+        la = engine.model.lookahead
+        if la is not None:
+            logits = la.logits
+            la.logits = lambda *a: (computed.__setitem__(0, computed[0] + 1), logits(*a))[1]
+        for i, prompt in enumerate([[1, 2, 3, 4], [5, 6, 7]]):
+            engine.add_request(f"r{i}", prompt, params)
+        done = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.finished:
+                    done[o.request_id] = o.output_token_ids
+        issued = engine.buffer.stats.prefetch_issued
+        return [done[k] for k in sorted(done)], computed[0], getattr(pf, "plans", 0), issued
+
+
+def test_with_prefetching_off_the_compute_thread_neither_plans_nor_looks_ahead(tiny_qwen3) -> None:
+    tokens, computed, plans, issued = _decode(tiny_qwen3, "eam", trial_on=False)
+    assert computed == 0 and plans == 0 and issued == 0  # on-demand: no host work for plans
+    assert tokens == _decode(tiny_qwen3, "on-demand", None)[0]
+    tokens_on, computed_on, plans_on, _ = _decode(tiny_qwen3, "eam", trial_on=True)
+    assert tokens_on == tokens and computed_on > 0 and plans_on > 0  # the same run, prefetching on
+
+
+def test_a_lean_eam_reuse_cache_is_lru() -> None:
+    from moe_runtime.buffer.policies import EAMReuseCachePolicy
+    from tests.test_policies import FakeRecorder
+
+    eam = np.zeros((2, 4))
+    eam[1, 3] = 5.0  # the batch keeps using expert 3 of layer 1
+    policy = EAMReuseCachePolicy(3, 4, num_layers=2, recorder=FakeRecorder(eam))
+    for slot, key in enumerate((7, 1, 2)):  # layer 1 expert 3, layer 0 experts 1 and 2
+        policy.on_fill(slot, key, prefetch=False)
+    policy.after_routing(0, ["a"], np.array([[0]]))
+    assert policy.victim(np.array([0, 1, 2])) != 0  # loop-aware: keeps the expert in use
+    policy.lru = True
+    policy.after_routing(0, ["a"], np.array([[0]]))
+    assert policy.victim(np.array([0, 1, 2])) == 0  # LRU: the least recently filled
+    policy.on_use(0, 7)
+    assert policy.victim(np.array([0, 1, 2])) == 1
+
+
+def test_a_clear_difference_is_explored_less_often() -> None:
+    close, clear = ModeTrial(window=1, explore_every=4), ModeTrial(window=1, explore_every=4)
+    on_close = sum(_drive(close, {True: 0.011, False: 0.010}, 400)[100:])
+    on_clear = sum(_drive(clear, {True: 0.030, False: 0.010}, 400)[100:])  # diff 1.0 > CLEAR_DIFF
+    assert clear.diff > CLEAR_DIFF > close.diff > 0
+    assert 0 < on_clear < on_close / 2  # both still explore; the clear case 4x less often

@@ -60,6 +60,9 @@ class PolicyResult:
     prefetch_landed: int  # prefetches that completed a copy into a slot
     prefetch_used: int
     tokens: int
+    # eval decode steps the runtime's eam trial (moe_runtime.prefetch.gate.ModeTrial) ran with
+    # prefetching on, as a share; None for the other policies
+    prefetch_on_share: float | None = None
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
@@ -70,7 +73,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     register_workload_args(p)
     p.add_argument("--fractions", default="0.1,0.25,0.5", help="buffer sizes as shares of all experts")
     p.add_argument("--policies", default=",".join(c[0] for c in COMBOS))
-    p.add_argument("--link-gbps", type=float, default=0.5, help="emulated link, GB/s (default: 0.5)")
+    p.add_argument("--link-gbps", type=float, default=0.5, help="emulated link, GB/s (default: 0.5; 0 = off)")
     p.add_argument("--link-latency-us", type=float, default=10.0)
     p.add_argument(
         "--prefetch-depth", type=int, default=None, help="later layers a plan covers (default: all)"
@@ -197,7 +200,7 @@ def measure(
         dtype=args.dtype,
         max_batch_size=args.batch,
         cpu_threads=args.cpu_threads,
-        link_gbps=args.link_gbps,
+        link_gbps=args.link_gbps or None,  # 0: no emulated link
         link_latency_us=args.link_latency_us,
         max_model_len=args.max_prompt_tokens + args.new_tokens + 8,
         prefetch_depth=args.prefetch_depth,
@@ -234,7 +237,7 @@ def measure(
         "dtype": args.dtype,
         "device": "cpu",
         "cpu_threads": args.cpu_threads,
-        "link_gbps": args.link_gbps,
+        "link_gbps": args.link_gbps or None,  # None: no emulated link
         "link_latency_us": args.link_latency_us,
         "tasks": tasks,
         "warm_prompts": len(warm),
@@ -252,6 +255,14 @@ def measure(
         "wall_s": round(time.monotonic() - t_start, 1),
     }
     return settings, rounds
+
+
+def _on_share(trial, before: tuple[int, int] | None) -> float | None:
+    """Share of the decode steps since ``before`` (``(steps, steps on)``) that ``trial`` ran
+    with prefetching on; None without a trial or steps."""
+    if trial is None or before is None or trial.decode_steps == before[0]:
+        return None
+    return (trial.decode_steps_on - before[1]) / (trial.decode_steps - before[0])
 
 
 def _load_average() -> list[float] | None:
@@ -288,6 +299,8 @@ class _Runs:
             if prefetch == "on-demand":
                 engine.buffer.access_log = []
             st0 = engine.buffer.stats.snapshot()
+            trial = getattr(engine.prefetcher, "trial", None)
+            steps0 = (trial.decode_steps, trial.decode_steps_on) if trial is not None else None
             tpots, outputs = _run_batches(engine, self.evals, batch, new_tokens)
             st1 = engine.buffer.stats
             access_log = engine.buffer.access_log if prefetch == "on-demand" else None
@@ -310,6 +323,7 @@ class _Runs:
                 (st1.prefetch_bytes - st0.prefetch_bytes) // self.loaded.store.expert_nbytes,
                 st1.prefetch_used - st0.prefetch_used,
                 tokens,
+                _on_share(trial, steps0),
             )
         return res, access_log
 

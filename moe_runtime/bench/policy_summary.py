@@ -59,10 +59,17 @@ class PolicyRow:
     gap_closed_min: float | None = None  # spread of the per-round gap closed
     gap_closed_max: float | None = None
     bytes_vs_oracle: float | None = None  # median bytes per token / the oracle's
+    # median share of measured decode steps the runtime's eam trial ran with prefetching on
+    prefetch_on_share: float | None = None
 
 
 def _get(r: Any, key: str) -> Any:
     return r[key] if isinstance(r, dict) else getattr(r, key)
+
+
+def _get_optional(r: Any, key: str) -> Any:
+    """``key`` of ``r``, or None where it is absent (results written before it existed)."""
+    return r.get(key) if isinstance(r, dict) else getattr(r, key, None)
 
 
 def _bounds(r: Any, key: str) -> tuple[Any, Any]:
@@ -103,7 +110,19 @@ def summarise(repeats: list[list[Any]]) -> list[PolicyRow]:
         for m in METRICS:
             figures[m], figures[m + "_min"], figures[m + "_max"] = spread(runs[m])
         counts = {c: statistics.median(_get(r, c) for r in per) for c in COUNTS}
-        rows.append(PolicyRow(key[0], _get(first, "buffer_slots"), key[1], **figures, **counts, runs=runs))
+        shares = [v for r in per if (v := _get_optional(r, "prefetch_on_share")) is not None]
+        share = statistics.median(shares) if shares else None
+        rows.append(
+            PolicyRow(
+                key[0],
+                _get(first, "buffer_slots"),
+                key[1],
+                **figures,
+                **counts,
+                runs=runs,
+                prefetch_on_share=share,
+            )  # fmt: skip
+        )
     add_relative(rows, group="buffer_fraction")
     _add_paired(rows)
     return rows

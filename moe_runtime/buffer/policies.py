@@ -88,6 +88,10 @@ class EAMReuseCachePolicy(CachePolicy):
     §4) and ``T`` tokens per step, a step uses it with ``p = 1 - (1 - r)^T``, so its expected
     distance is ``d + L (1 / p - 1)``. LRU evicts the experts of the layers just run, which in this
     loop are needed *last*; this policy keeps the upcoming layers' likely experts instead.
+
+    While :attr:`lru` is True (set by the runtime's ``eam`` prefetch policy while its measured
+    trial runs it as on-demand, ``moe_runtime.prefetch.gate.ModeTrial``) it is plain LRU: no
+    counts are read, and the least recently filled or used candidate is evicted.
     """
 
     name = "eam-reuse"
@@ -110,10 +114,13 @@ class EAMReuseCachePolicy(CachePolicy):
         self._expected = np.zeros(num_slots)
         self._score = np.zeros(num_slots)
         self._stale = True
+        self.lru = False
 
     def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
         self.layer = layer
         self._stale = True
+        if self.lru:
+            return
         if request_ids and topk_ids.size:
             # the batch's counts [L, E] (a snapshot): ``p_use`` is derived when a victim needs it
             self._routed = (self.recorder.query_sum(request_ids, layer), topk_ids.shape)
@@ -151,6 +158,9 @@ class EAMReuseCachePolicy(CachePolicy):
             self._score[slot] = self._expected[slot] - 1e-9 * t
 
     def victim(self, candidates: np.ndarray) -> int:
+        if self.lru:
+            candidates = np.asarray(candidates)
+            return int(candidates[self._recency[candidates].argmin()])
         if self._stale:  # free slots (key -1) get a meaningless score; they are never candidates
             keys, L = self._slot_key, self.num_layers
             dist = (keys // self.num_experts - self.layer - 1) % L + 1

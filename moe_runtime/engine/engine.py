@@ -128,7 +128,9 @@ class LLMEngine:
         self.model.recorder = recorder
         self.model.prefetcher = self.prefetcher
         if getattr(self.prefetcher, "lookahead_depth", 0) > 0:
-            self.model.lookahead = RouterLookahead(cfg, loaded.dense, self.prefetcher.lookahead_depth)
+            self.model.lookahead = RouterLookahead(
+                cfg, loaded.dense, self.prefetcher.lookahead_depth, policy=self.prefetcher
+            )
         self.scheduler = Scheduler(runtime.max_batch_size, runtime.max_num_batched_tokens)
         self.eos_token_ids = loaded.eos_token_ids
         self.stats = EngineStats()

@@ -23,6 +23,9 @@ so it adds no extra device->host synchronisation.
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -36,12 +39,18 @@ class RouterLookahead:
         cfg: model shape (``moe_layers`` maps MoE index -> decoder layer).
         dense: canonical dense weights (``layers.{i}.mlp_norm``, ``layers.{i}.router``).
         depth: later MoE layers scored, >= 1.
+        policy: the prefetch policy the scores are for, or None. When given, :meth:`scores` asks
+            its ``wants_lookahead(moe_layer)`` first (None, no work, while the policy is
+            on-demand) and reports its own host CPU time to ``note_lookahead_time(seconds)``, a cost
+            the policy's gate weighs.
 
     Raises:
         ValueError: ``depth < 1``.
     """
 
-    def __init__(self, cfg: ModelConfig, dense: dict[str, torch.Tensor], depth: int) -> None:
+    def __init__(
+        self, cfg: ModelConfig, dense: dict[str, torch.Tensor], depth: int, policy: Any | None = None
+    ) -> None:
         if depth < 1:
             raise ValueError(f"router lookahead depth must be >= 1, got {depth}")
         self.depth = depth
@@ -65,6 +74,7 @@ class RouterLookahead:
             else None
         )  # [L*E] or None
         self.num_layers = len(fused)
+        self.policy = policy
 
     def logits(self, x: torch.Tensor, moe_layer: int) -> torch.Tensor | None:
         """Per-token router logits ``[T, D, E]`` (fp32) of MoE layers ``moe_layer + 1 ..
@@ -88,6 +98,15 @@ class RouterLookahead:
     def scores(self, x: torch.Tensor, moe_layer: int) -> torch.Tensor | None:
         """Expected routed-token counts ``[D, E]`` (fp32, on ``x``'s device) for the layers of
         :meth:`logits`: the sum over tokens of each later router's softmax. None after the last
-        MoE layer."""
+        MoE layer, or while the policy does not want them (see the class)."""
+        policy = self.policy
+        if policy is None:
+            logits = self.logits(x, moe_layer)
+            return None if logits is None else F.softmax(logits, dim=-1).sum(dim=0)
+        if not policy.wants_lookahead(moe_layer):
+            return None
+        t0 = time.thread_time()
         logits = self.logits(x, moe_layer)
-        return None if logits is None else F.softmax(logits, dim=-1).sum(dim=0)
+        out = None if logits is None else F.softmax(logits, dim=-1).sum(dim=0)
+        policy.note_lookahead_time(time.thread_time() - t0)
+        return out

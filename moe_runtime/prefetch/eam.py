@@ -21,13 +21,14 @@ simulator replays routing only) the policy is the paper's.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
 
 from moe_runtime.errors import ConfigError
 from moe_runtime.prefetch.base import PrefetchPolicy
-from moe_runtime.prefetch.gate import PrefetchGate, clock
+from moe_runtime.prefetch.gate import ModeTrial, PrefetchGate, clock
 from tracer.prefix_match import PrefixMatcher
 
 # Per-layer matching cost (us), full search vs incremental, measured on this 2-core host:
@@ -43,7 +44,9 @@ class EAMPrefetch(PrefetchPolicy):
     (default 1); cost_aware: issue only the candidates whose expected gain beats their expected
     cost (``moe_runtime.prefetch.gate``; default True); probe_every: while the last plan kept
     nothing (on-demand), predict only at every ``probe_every``-th layer (default 4), which keeps
-    the gate's precision current at a quarter of the host work.
+    the gate's precision current at a quarter of the host work; trial: in the runtime (not the
+    simulator), with ``cost_aware``, also run the measured A/B of prefetching against on-demand
+    (:class:`moe_runtime.prefetch.gate.ModeTrial`; default True).
 
     Each later layer keeps at most ``tokens x top_k`` candidates (what this step can route there):
     on the bundled model at a 50% buffer this cut the bytes moved 1.4-6x (emulated link / memcpy)
@@ -64,6 +67,7 @@ class EAMPrefetch(PrefetchPolicy):
         lookahead_weight: float = 2.0,
         cost_aware: bool = True,
         probe_every: int = 4,
+        trial: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -108,6 +112,17 @@ class EAMPrefetch(PrefetchPolicy):
             raise ConfigError(f"eam probe_every must be >= 1, got {probe_every}")
         self.probe_every = probe_every
         self.plans = 0  # layers planned (predicted and tested), for the overhead figures
+        # The runtime (wall clock = compute clock) times each planning layer (thread CPU time)
+        # for the gate; the simulator, whose clock is not the host's, does not (its results
+        # stay deterministic).
+        self._timed = getattr(self.buffer, "now", None) is None
+        self._lookahead_s = 0.0  # the router lookahead's host time of the layer about to route
+        # the runtime's measured A/B of prefetching against on-demand (gate.ModeTrial); None in
+        # the simulator and without the gate
+        self.trial = ModeTrial() if cost_aware and self._timed and trial else None
+        self._decode_only = True  # no prefill token in the step so far (for the trial)
+        self._step_host_s = 0.0  # host time of the step's plans and router lookahead
+        self._step_blocking_s = 0.0  # the buffer's blocking counter at the last step's end
         self._p_use: tuple[np.ndarray, int, np.ndarray] | None = None  # (own term, T, [L * E] p)
 
     def predict(self, layer: int, request_ids: list[str]) -> np.ndarray | None:
@@ -250,19 +265,48 @@ class EAMPrefetch(PrefetchPolicy):
         prob[lo : lo + len(rows)] = rows
         return prob
 
+    def wants_lookahead(self, layer: int) -> bool:
+        """Whether :meth:`after_routing` of ``layer`` will plan, so the model should compute the
+        router lookahead for it (it skips that work while the policy is on-demand)."""
+        if self.trial is not None and not self.trial.on:
+            return False
+        return self.gate is None or self._queued or layer % self.probe_every == 0
+
+    def note_lookahead_time(self, seconds: float) -> None:
+        """The router lookahead of the layer about to route took ``seconds`` of the compute
+        thread (``moe_runtime.layers.router_lookahead``); charged to that layer's plan."""
+        self._lookahead_s += seconds
+
     def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
         gate = self.gate
         if gate is not None:
-            gate.observe(layer, topk_ids)  # score the earlier plans' candidates for this layer
-            if not self._queued and layer % self.probe_every:
+            self._decode_only &= topk_ids.shape[0] == len(request_ids)  # one token per request
+            off = self.trial is not None and not self.trial.on  # the trial's on-demand window
+            if not off:
+                gate.observe(layer, topk_ids)  # score the earlier plans' candidates for this layer
+            if off or (not self._queued and layer % self.probe_every):
                 # On-demand for now (the last plan kept nothing): only every probe_every-th layer
                 # predicts, to keep the precision current and to notice when prefetching pays again.
                 self._ahead = None
+                self._lookahead_s = 0.0
                 if self._match_ids is not None:  # the incremental matcher takes this row later
                     self._begin_layer(layer, request_ids)
                     if self._match_ids is not None:
                         self._unmatched.append(layer)
                 return
+            if self._timed:  # the runtime: the plan's host time is a cost the gate weighs
+                t0 = time.thread_time()
+                self._plan(layer, request_ids, topk_ids)
+                host = time.thread_time() - t0 + self._lookahead_s
+                gate.note_host_time(host)
+                self._step_host_s += host
+                self._lookahead_s = 0.0
+                return
+        self._plan(layer, request_ids, topk_ids)
+
+    def _plan(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
+        """Predict, limit, test and issue the plan of the layers after ``layer``."""
+        gate = self.gate
         self.plans += 1
         base = self._predict_rows(layer, request_ids)
         probs = self._blend_rows(layer, base)  # [D, E] rows of layers lo .. lo + D - 1
@@ -346,6 +390,21 @@ class EAMPrefetch(PrefetchPolicy):
         out[free + max(m, 0) :] = 1.0  # nothing left to evict: it cannot be placed anyway
         return out
 
+    def _lean(self, lean: bool) -> None:
+        """Run as on-demand + LRU (``lean``) or as the full policy again: with ``lean`` what the
+        plans queued is cancelled and an ``eam-reuse`` cache evicts LRU
+        (``EAMReuseCachePolicy.lru``), so neither planning, the router lookahead nor the cache's
+        counts are paid for. The tracer keeps recording: the EAMC still fills as requests
+        finish."""
+        buf = self.buffer
+        with buf.cond:
+            if lean and self._queued:
+                buf.prefetch(np.zeros(0, dtype=np.int64), np.zeros(0), replace=True)
+            self._queued = not lean  # prefetching again: the next layer plans
+            for part in buf.parts:
+                if hasattr(part.policy, "lru"):
+                    part.policy.lru = lean
+
     def _transfer_s(self) -> float:
         """One expert copy's link time: the simulator's, else the emulated link's, else the
         measured blocking per miss (a copy on an unemulated link is timed only there)."""
@@ -361,8 +420,18 @@ class EAMPrefetch(PrefetchPolicy):
     def end_step(self) -> None:
         gate = self.gate
         if gate is not None:
-            gate.update_link(self.buffer.stats, clock(self.buffer), self._transfer_s())
+            now = clock(self.buffer)
+            gate.update_link(self.buffer.stats, now, self._transfer_s())
             gate.new_step()
+            if self.trial is not None:
+                # the step's blocking on expert copies plus its planning host time: what the
+                # modes change (see gate.ModeTrial)
+                blocking = self.buffer.stats.total_blocking_s
+                cost = blocking - self._step_blocking_s + self._step_host_s
+                self._step_blocking_s, self._step_host_s = blocking, 0.0
+                if self.trial.end_step(cost, self._decode_only):
+                    self._lean(not self.trial.on)
+            self._decode_only = True
 
 
 def _ranked(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

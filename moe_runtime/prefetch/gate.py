@@ -18,6 +18,14 @@ NOTE: the terms (issue #15), all measured online, none typed in:
   from the running requests' request EAMs, as the ``eam-reuse`` cache scores slots: ``p = 1 - (1 -
   share)^T``, the victims taken lowest first.
 
+* The plan's own host time (runtime only): the compute thread's CPU seconds that planning a
+  layer and computing its router lookahead take (thread CPU time, so other processes preempting
+  it on a shared host do not inflate it), measured by the ``eam`` policy (a running mean over
+  the layers that plan). A plan whose kept candidates' summed ``gain - cost`` does not beat it
+  keeps nothing: on a fast link, or where a prefetch saves less blocking than its planning costs,
+  the policy is on-demand. The simulator's clock is not the host's: there it is 0, so its
+  results stay deterministic.
+
 So with poor predictions (``P`` low), a link the demand fetches keep busy (``q`` near 1), a fast
 link (``b`` near 0 against a measurable ``q``) or a
 buffer full of experts the batch keeps using (``R`` high), no candidate pays and the policy is
@@ -44,6 +52,8 @@ class PrefetchGate:
         decay: weight of the past per new observation in the running figures, in ``(0, 1]``.
         prior: ``(hits, trials)`` each (distance, rank) cell starts with (precision 0.5 by default,
             worth two observations).
+        force_open: issue every candidate whatever the test says (the test still runs; ``bench
+            overhead`` times a planning layer this way).
 
     Raises:
         ValueError: ``depth < 1`` or ``decay`` outside ``(0, 1]``.
@@ -56,6 +66,7 @@ class PrefetchGate:
         depth: int,
         decay: float = 0.98,
         prior: tuple[float, float] = (1.0, 2.0),
+        force_open: bool = False,
     ) -> None:
         if depth < 1:
             raise ValueError(f"gate depth must be >= 1, got {depth}")
@@ -70,6 +81,8 @@ class PrefetchGate:
         self.block_per_miss_s: float | None = None  # b
         self.demand_busy = 1.0  # q: assume a busy link until measured
         self.checked = 0  # candidates checked against routing so far
+        self.host_s = 0.0  # running host seconds of one planning layer (runtime only; 0 = not timed)
+        self.force_open = force_open
         self._last: tuple[float, float, int, int] | None = None  # (clock, blocking, misses, demand)
 
     # ------------------------------------------------------------------ precision
@@ -153,10 +166,124 @@ class PrefetchGate:
         b = transfer_s if self.block_per_miss_s is None else self.block_per_miss_s
         gain = p_used * b * (1.0 - self.demand_busy)
         cost = (1.0 - p_used) * self.demand_busy * transfer_s + reuse * b
-        return gain > cost
+        keep = gain > cost
+        if self.force_open:
+            keep[:] = True
+        elif self.host_s > 0 and keep.any() and float((gain - cost)[keep].sum()) <= self.host_s:
+            keep[:] = False  # the plan saves less than the host time it costs: on-demand
+        return keep
+
+    def note_host_time(self, seconds: float) -> None:
+        """A planning layer cost the compute thread ``seconds`` (planning and router lookahead;
+        measured by the runtime's policy, never by the simulator): updates :attr:`host_s`."""
+        self.host_s = seconds if self.host_s == 0 else LINK_DECAY * self.host_s + (1 - LINK_DECAY) * seconds
 
 
 def clock(buffer: Any) -> float:
     """The compute side's clock: the simulator's ``now``, else wall time."""
     now = getattr(buffer, "now", None)
     return time.perf_counter() if now is None else float(now)
+
+
+# A relative cost difference beyond which ModeTrial explores the worse mode 4x less often.
+CLEAR_DIFF = 0.5
+
+
+class ModeTrial:
+    """A measured A/B of prefetching against on-demand on the runtime's own clock.
+
+    NOTE: the gain/cost test rests on modelled terms (one avoided miss saves ``b``; idle link time
+    is ``1 - q``), which can be far off on a given host: on the bundled model at a 50% buffer the
+    plans promised several times the blocking they saved, while planning and the router
+    lookahead cost the compute thread more than that. So the runtime also measures what the two
+    modes really cost the compute thread per decode step: its blocking on expert copies plus the
+    host time of planning and the router lookahead. That is the part of a step the modes change;
+    the rest, attention and expert compute, is the same in both and would only add the shared
+    host's noise. (Wall time less the thread's CPU time, which also catches GIL and lock waits,
+    was tried: on this shared 2-core host its preemption noise swamped the blocking saved at a
+    25% buffer, where prefetching pays, and the trial turned prefetching off there.)
+
+    Decode steps (no prefill token) run in windows of ``window`` steps, with prefetching on or
+    off for a whole window; a window's first step, which still sees the other mode's prefetches
+    or lacks its own, is not counted, and a step with prefill tokens (new requests, whose experts
+    are not cached yet) drops the open window and the step after it. Two adjacent windows of
+    different modes form a pair, and their relative difference in that cost per decode step,
+    ``(on - off) / mean``, is kept as a running mean (``decay`` per pair): pairs, not long-run
+    means, so a host whose load drifts compares like with like. The first windows alternate;
+    then the cheaper mode runs, and every ``explore_every``-th window the other one (two more
+    pairs; every ``4 * explore_every``-th while the modes differ by more than ``CLEAR_DIFF``, as
+    on-demand does on a fast link, where each exploring window costs a lot), so the choice
+    follows the load. With prefetching off the ``eam`` policy is on-demand
+    (no planning, no router lookahead) and an ``eam-reuse`` cache evicts LRU: on-demand + LRU,
+    the baseline, but for the tracer, which keeps recording so the EAMC still fills.
+
+    Args:
+        window: measured decode steps per window, >= 1.
+        explore_every: every this many windows the currently worse mode runs once, >= 2.
+        decay: weight of the past pairs in the running difference, in ``[0, 1)``.
+        first_pairs: pairs measured (alternating) before the choice is made, >= 1.
+
+    Raises:
+        ValueError: a value outside those ranges.
+    """
+
+    def __init__(
+        self, window: int = 4, explore_every: int = 8, decay: float = 0.7, first_pairs: int = 3
+    ) -> None:
+        if window < 1 or explore_every < 2 or not 0 <= decay < 1 or first_pairs < 1:
+            raise ValueError(
+                "mode trial: window >= 1, explore_every >= 2, decay in [0, 1), first_pairs >= 1; "
+                f"got {window}, {explore_every}, {decay}, {first_pairs}"
+            )
+        self.window, self.explore_every, self.decay = window, explore_every, decay
+        self.first_pairs = first_pairs
+        self.on = True  # prefetching in the current window
+        self.diff = 0.0  # running (on - off) / mean of paired windows; < 0: prefetching is cheaper
+        self.pairs = 0  # pairs measured
+        self.windows = 0  # windows completed
+        self.decode_steps = 0  # decode-only steps seen, and those run with prefetching on
+        self.decode_steps_on = 0
+        self._sum, self._n = 0.0, 0
+        self._skip = 1  # steps of the current window not counted yet
+        self._prev: tuple[bool, float] | None = None  # (mode, s per step) of the last window
+
+    def end_step(self, cost_s: float, decode_only: bool) -> bool:
+        """A step ended that cost the compute thread ``cost_s`` seconds (blocking and
+        planning); ``decode_only``: it had no prefill token. Returns True when the mode changed
+        (the caller then switches the policy's mode)."""
+        if decode_only:
+            self.decode_steps += 1
+            self.decode_steps_on += self.on
+        else:
+            # New requests change what a step costs (their experts are not cached yet): the
+            # open window is dropped and no pair spans the change.
+            self._sum, self._n, self._prev = 0.0, 0, None
+            self._skip = max(self._skip, 1)
+            return False
+        if self._skip:
+            self._skip -= 1
+            return False
+        self._sum += cost_s
+        self._n += 1
+        if self._n < self.window:
+            return False
+        m = self._sum / self._n
+        self._sum, self._n = 0.0, 0
+        self.windows += 1
+        prev, self._prev = self._prev, (self.on, m)
+        if prev is not None and prev[0] != self.on and m + prev[1] > 0:
+            on_s, off_s = (m, prev[1]) if self.on else (prev[1], m)
+            d = 2 * (on_s - off_s) / (on_s + off_s)
+            self.diff = d if self.pairs == 0 else self.decay * self.diff + (1 - self.decay) * d
+            self.pairs += 1
+        was = self.on
+        if self.pairs < self.first_pairs:
+            self.on = not self.on  # alternate until the first pairs are in
+        else:
+            best = self.diff <= 0
+            # a clear difference is re-checked 4x less often: exploring it costs more
+            every = self.explore_every * (4 if abs(self.diff) > CLEAR_DIFF else 1)
+            self.on = (not best) if self.windows % every == 0 else best
+        if self.on != was:
+            self._skip = 1
+        return self.on != was
