@@ -14,17 +14,20 @@ handed out lowest first, so a batch admitted together holds consecutive ascendin
 indexed with a slice (basic indexing, no gather/scatter); other batches use the slot array.
 
 NOTE: lazy counting. ``record`` only appends the layer's ``[T, k]`` ids (by reference) and its
-index to the pending batch of layers (batch positions are mapped to slots, and each token's
-``(seq * 2 + phase)`` block computed, once per step: the step's ``token_seq`` object is the key).
-The pending layers are counted together, one ``bincount`` on ``((seq * 2 + phase) * L + layer) * E
-+ expert`` over all of them, when something reads the counts: :meth:`~RequestRecorder.query` and
-:meth:`~RequestRecorder.query_sum` add them into ``_step`` (the current step), ``end_step`` straight
-into ``_eam`` (and then adds ``_step`` for the slots touched by such reads), ``finish``/``abort``
-into ``_step`` first. A step that nobody queries mid-way (on-demand, or the ``eam`` policy's lean
-mode) thus costs no numpy call per layer: on the bundled model the per-layer count had cost the
-compute thread 45 us of CPU time per MoE layer (cold caches between expert GEMMs), the whole
-``record`` of a lazy layer about 2 us. The expert ids are checked when counted. No per-token
-Python loop runs unless a trace writer is attached (it needs the per-token choices).
+index to the pending batch of layers; batch positions are mapped to slots, and each token's
+``(seq * 2 + phase)`` block computed, once per batch, which lasts while the ``request_ids`` and the
+steps' ``token_seq`` / ``token_prefill`` contents stay the same (a batch decoding on). The pending
+layers are counted together, one ``bincount`` on ``((seq * 2 + phase) * L + layer) * E + expert``,
+when something reads the counts (``query``, ``query_sum``, ``request_eam``, ``finish``, ``abort``, a
+new batch, or ``MAX_PENDING_LAYERS`` layers of finished steps): finished steps' layers go straight
+into ``_eam`` / ``_sum``, the current step's into ``_step`` / ``_step_sum``, which ``end_step`` adds
+into ``_eam`` for the touched slots. ``end_step`` itself only marks the step's layers finished (and
+moves :attr:`RequestRecorder.epoch`). Decoding that nobody queries (on-demand, or the ``eam``
+policy's lean mode) thus costs no numpy call per layer: on the bundled model the per-layer count
+had cost the compute thread about 45 us of CPU time per MoE layer (cold caches between the expert
+GEMMs), ``record`` now about 5 us and the deferred counting about 1 us per layer
+(``tools/lean_cost.py``). The expert ids are checked when counted. No per-token Python loop runs
+unless a trace writer is attached (it needs the per-token choices).
 
 Counting: each of a token's ``k`` choices counts once, so for every layer the row sum of a
 request EAM equals ``top_k *`` (tokens of the request seen at that layer).
