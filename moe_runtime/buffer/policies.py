@@ -91,11 +91,12 @@ class EAMReuseCachePolicy(CachePolicy):
 
     While :attr:`lru` is True (set by the runtime's ``eam`` prefetch policy while its measured
     trial runs it as on-demand, ``moe_runtime.prefetch.gate.ModeTrial``) it is plain LRU: no
-    counts are read, and the least recently filled or used candidate is evicted.
+    counts are read, and the least recently filled or used candidate is evicted. It is then
+    ``ordered`` (``priority`` is the tick of the last fill or use, as LRU's), so the partition
+    takes the victim from its heap as for the ``lru`` policy, the same slot at LRU's cost.
     """
 
     name = "eam-reuse"
-    ordered = False  # the choice moves with the running layer and the counts (after_routing)
 
     def __init__(
         self, num_slots: int, num_experts: int, num_layers: int = 1, recorder: Any | None = None
@@ -114,12 +115,30 @@ class EAMReuseCachePolicy(CachePolicy):
         self._expected = np.zeros(num_slots)
         self._score = np.zeros(num_slots)
         self._stale = True
-        self.lru = False
+        self._lru = False
+
+    @property
+    def ordered(self) -> bool:  # type: ignore[override]
+        """Lowest ``priority`` first only while :attr:`lru`: else the choice moves with the
+        running layer and the counts (``after_routing``)."""
+        return self._lru
+
+    @property
+    def lru(self) -> bool:
+        """Plain LRU (the ``eam`` prefetch policy's lean mode)."""
+        return self._lru
+
+    @lru.setter
+    def lru(self, value: bool) -> None:
+        changed = bool(value) != self._lru
+        self._lru = bool(value)
+        if changed and self.on_order_change is not None:
+            self.on_order_change()
 
     def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
         self.layer = layer
         self._stale = True
-        if self.lru:
+        if self._lru:
             return
         if request_ids and topk_ids.size:
             # the batch's counts [L, E] (a snapshot): ``p_use`` is derived when a victim needs it
@@ -157,8 +176,12 @@ class EAMReuseCachePolicy(CachePolicy):
         if not self._stale:
             self._score[slot] = self._expected[slot] - 1e-9 * t
 
+    def on_prefetch_unused(self, slot: int, key: int) -> None:
+        if self._lru:  # as LRU: a mis-prefetch (landed before the switch) counts as a use
+            self.on_use(slot, key)
+
     def victim(self, candidates: np.ndarray) -> int:
-        if self.lru:
+        if self._lru:  # a partition takes LRU's victim from its heap instead (``ordered``)
             candidates = np.asarray(candidates)
             return int(candidates[self._recency[candidates].argmin()])
         if self._stale:  # free slots (key -1) get a meaningless score; they are never candidates
