@@ -204,9 +204,13 @@ class ModeTrial:
     25% buffer, where prefetching pays, and the trial turned prefetching off there.)
 
     Decode steps (no prefill token) run in windows of ``window`` steps, with prefetching on or
-    off for a whole window; a window's first step, which still sees the other mode's prefetches
-    or lacks its own, is not counted, and a step with prefill tokens (new requests, whose experts
-    are not cached yet) drops the open window and the step after it. Two adjacent windows of
+    off for a whole window. After a switch the first ``settle`` steps are not counted: the
+    buffer still holds what the other mode chose (the cache policy differs too: ``eam-reuse``
+    against LRU), so the first window after a switch to on-demand inherited the better cache and
+    looked cheaper than on-demand is, and the switch back looked dearer (issue 15: a bias
+    towards on-demand); ``settle`` steps turn over a good part of the buffer. A step with
+    prefill tokens (new requests, whose experts are not cached yet) drops the open window and
+    the step after it. Two adjacent windows of
     different modes form a pair, and their relative difference in that cost per decode step,
     ``(on - off) / mean``, is kept as a running mean (``decay`` per pair): pairs, not long-run
     means, so a host whose load drifts compares like with like. The first windows alternate;
@@ -222,21 +226,27 @@ class ModeTrial:
         explore_every: every this many windows the currently worse mode runs once, >= 2.
         decay: weight of the past pairs in the running difference, in ``[0, 1)``.
         first_pairs: pairs measured (alternating) before the choice is made, >= 1.
+        settle: decode steps not counted after a switch, >= 1.
 
     Raises:
         ValueError: a value outside those ranges.
     """
 
     def __init__(
-        self, window: int = 4, explore_every: int = 8, decay: float = 0.7, first_pairs: int = 3
+        self,
+        window: int = 4,
+        explore_every: int = 8,
+        decay: float = 0.7,
+        first_pairs: int = 3,
+        settle: int = 4,
     ) -> None:
-        if window < 1 or explore_every < 2 or not 0 <= decay < 1 or first_pairs < 1:
+        if window < 1 or explore_every < 2 or not 0 <= decay < 1 or first_pairs < 1 or settle < 1:
             raise ValueError(
-                "mode trial: window >= 1, explore_every >= 2, decay in [0, 1), first_pairs >= 1; "
-                f"got {window}, {explore_every}, {decay}, {first_pairs}"
+                "mode trial: window >= 1, explore_every >= 2, decay in [0, 1), first_pairs >= 1, "
+                f"settle >= 1; got {window}, {explore_every}, {decay}, {first_pairs}, {settle}"
             )
         self.window, self.explore_every, self.decay = window, explore_every, decay
-        self.first_pairs = first_pairs
+        self.first_pairs, self.settle = first_pairs, settle
         self.on = True  # prefetching in the current window
         self.diff = 0.0  # running (on - off) / mean of paired windows; < 0: prefetching is cheaper
         self.pairs = 0  # pairs measured
@@ -285,5 +295,5 @@ class ModeTrial:
             every = self.explore_every * (4 if abs(self.diff) > CLEAR_DIFF else 1)
             self.on = (not best) if self.windows % every == 0 else best
         if self.on != was:
-            self._skip = 1
+            self._skip = self.settle
         return self.on != was
