@@ -217,7 +217,11 @@ class ModeTrial:
     then the cheaper mode runs, and every ``explore_every``-th window the other one (two more
     pairs; every ``4 * explore_every``-th while the modes differ by more than ``CLEAR_DIFF``, as
     on-demand does on a fast link, where each exploring window costs a lot), so the choice
-    follows the load. With prefetching off the ``eam`` policy is on-demand
+    follows the load. Each exploration that leaves the choice as it was doubles the interval to
+    the next one, up to ``2 ** max_backoff`` times (an exploring window is the worse mode's cost
+    plus ``settle`` steps: on the bundled model at a 50% buffer without a link, re-checking
+    every 32 windows kept the lean ``eam`` 3% behind on-demand + LRU); a changed choice resets
+    it. With prefetching off the ``eam`` policy is on-demand
     (no planning, no router lookahead) and an ``eam-reuse`` cache evicts LRU: on-demand + LRU,
     the baseline, but for the tracer, which keeps recording so the EAMC still fills.
 
@@ -227,6 +231,7 @@ class ModeTrial:
         decay: weight of the past pairs in the running difference, in ``[0, 1)``.
         first_pairs: pairs measured (alternating) before the choice is made, >= 1.
         settle: decode steps not counted after a switch, >= 1.
+        max_backoff: the exploration interval doubles at most this many times, >= 0.
 
     Raises:
         ValueError: a value outside those ranges.
@@ -239,14 +244,26 @@ class ModeTrial:
         decay: float = 0.7,
         first_pairs: int = 3,
         settle: int = 4,
+        max_backoff: int = 3,
     ) -> None:
-        if window < 1 or explore_every < 2 or not 0 <= decay < 1 or first_pairs < 1 or settle < 1:
+        if (
+            window < 1
+            or explore_every < 2
+            or not 0 <= decay < 1
+            or first_pairs < 1
+            or settle < 1
+            or max_backoff < 0
+        ):
             raise ValueError(
                 "mode trial: window >= 1, explore_every >= 2, decay in [0, 1), first_pairs >= 1, "
-                f"settle >= 1; got {window}, {explore_every}, {decay}, {first_pairs}, {settle}"
+                f"settle >= 1, max_backoff >= 0; got {window}, {explore_every}, {decay}, "
+                f"{first_pairs}, {settle}, {max_backoff}"
             )
         self.window, self.explore_every, self.decay = window, explore_every, decay
-        self.first_pairs, self.settle = first_pairs, settle
+        self.first_pairs, self.settle, self.max_backoff = first_pairs, settle, max_backoff
+        self._best: bool | None = None  # the mode chosen at the last window
+        self._since = 0  # windows since the last exploration
+        self._streak = 0  # explorations in a row that left the choice as it was
         self.on = True  # prefetching in the current window
         self.diff = 0.0  # running (on - off) / mean of paired windows; < 0: prefetching is cheaper
         self.pairs = 0  # pairs measured
@@ -291,9 +308,20 @@ class ModeTrial:
             self.on = not self.on  # alternate until the first pairs are in
         else:
             best = self.diff <= 0
-            # a clear difference is re-checked 4x less often: exploring it costs more
+            if best != self._best:
+                self._streak = 0  # the choice changed: re-check it at the base rate
+            self._best = best
+            # a clear difference is re-checked 4x less often (exploring it costs more), and each
+            # exploration that confirmed the choice halves the rate
             every = self.explore_every * (4 if abs(self.diff) > CLEAR_DIFF else 1)
-            self.on = (not best) if self.windows % every == 0 else best
+            every <<= min(self._streak, self.max_backoff)
+            self._since += 1
+            if self._since >= every:
+                self._since = 0
+                self._streak += 1
+                self.on = not best
+            else:
+                self.on = best
         if self.on != was:
             self._skip = self.settle
         return self.on != was
