@@ -193,3 +193,43 @@ def test_a_lean_moe_layer_runs_the_aten_ops_of_on_demand(monkeypatch) -> None:
 
     base = ops("on-demand", "lru")
     assert base and ops("eam", "eam-reuse") == base
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_eam_reuse_takes_one_row_per_layer_and_keeps_the_full_recount_victims(seed: int) -> None:
+    """The ``eam-reuse`` cache updating only the routed layer's row from its ids has the use
+    probabilities, hence the victims, of one re-reading every row (``query_sum``) at every layer."""
+    rng = np.random.default_rng(seed)
+    L, E, k, S = 4, 8, 2, 6
+    rec = RequestRecorder(L, E, k)
+
+    class FullOnly:  # the recorder without live_changes: every routing re-reads all rows
+        def query_sum(self, request_ids, layer):
+            return rec.query_sum(request_ids, layer)
+
+    rowwise = make_cache_policy("eam-reuse", S, E, num_layers=L, recorder=rec)
+    full = make_cache_policy("eam-reuse", S, E, num_layers=L, recorder=FullOnly())
+    live, n = [], 0
+    for step in range(30):
+        if step % 7 == 0:  # a request joins (prefill), one leaves
+            rec.begin_request(f"r{n}", 3)
+            live.append(f"r{n}")
+            n += 1
+            if len(live) > 3:
+                rec.finish(live.pop(0))
+        batch = list(live)
+        T = len(batch) * (1 if step % 7 else 2)
+        seq = np.sort(rng.integers(0, len(batch), size=T))
+        seq[: len(batch)] = np.arange(len(batch))
+        seq.sort()
+        for layer in range(L):
+            ids = np.argsort(rng.random((T, E)), axis=1)[:, :k]
+            rec.record(layer, batch, seq, np.zeros(T, bool), ids, None)
+            fills = [(s, int(rng.integers(0, L * E))) for s in range(S) if rng.random() < 0.3]
+            for pol in (rowwise, full):
+                pol.after_routing(layer, batch, ids)
+                for s, key in fills:
+                    pol.on_fill(s, key, prefetch=False)
+            np.testing.assert_array_equal(rowwise.p_use, full.p_use)
+            assert rowwise.victim(np.arange(S)) == full.victim(np.arange(S))
+        rec.end_step()

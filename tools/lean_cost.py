@@ -1,8 +1,9 @@
 """Host cost per MoE layer of on-demand + LRU against the ``eam`` policy held in lean mode.
 
 Runs the bundled model on the runtime (CPU) with an emulated link and decodes a few batches of
-random prompts twice: ``on-demand`` + ``lru`` and ``eam`` + ``eam-reuse`` with its measured trial
-pinned off (``ModeTrial`` lean mode: no planning, no router lookahead, the cache evicting LRU).
+random prompts three times: ``on-demand`` + ``lru``, ``eam`` + ``eam-reuse`` with its measured trial
+pinned off (``ModeTrial`` lean mode: no planning, no router lookahead, the cache evicting LRU) and
+pinned on (prefetching, for scale).
 Per decode MoE layer it reports the compute thread's CPU time (``time.thread_time_ns``) of the
 whole MoE block and of its hooks (the tracer's ``record``, ``buffer.after_routing``, the prefetch
 policy's ``after_routing``), the per-step hooks (``recorder.end_step``, ``prefetcher.end_step``)
@@ -54,7 +55,7 @@ def _wrap(obj, name: str, acc: dict, key: str, clock=time.thread_time_ns) -> Non
     setattr(obj, name, timed)
 
 
-def measure(prefetch: str, cache: str, args, count_ops: bool) -> dict[str, float]:
+def measure(prefetch: str, cache: str, args, count_ops: bool, lean: bool = True) -> dict[str, float]:
     runtime = RuntimeConfig(
         buffer_fraction=args.fraction,
         max_batch_size=args.batch,
@@ -70,9 +71,9 @@ def measure(prefetch: str, cache: str, args, count_ops: bool) -> dict[str, float
     with LLMEngine.from_pretrained(default_model_dir(), runtime) as engine:
         pf = engine.prefetcher
         trial = getattr(pf, "trial", None)
-        if trial is not None:  # lean mode, pinned
-            trial.on = False
-            pf._lean(True)
+        if trial is not None:  # the trial's mode, pinned
+            trial.on = not lean
+            pf._lean(lean)
             trial.end_step = lambda cost_s, decode_only: False
         rec = engine.recorder
         if rec is not None:
@@ -126,12 +127,18 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     torch.set_num_threads(1)
-    rows = {"on-demand+lru": ("on-demand", "lru"), "eam lean": ("eam", "eam-reuse")}
+    rows = {
+        "on-demand+lru": ("on-demand", "lru", True),
+        "eam lean": ("eam", "eam-reuse", True),
+        "eam prefetching": ("eam", "eam-reuse", False),
+    }
     res: dict[str, list[dict[str, float]]] = {k: [] for k in rows}
     for _ in range(args.repeats):
-        for label, (pf, cache) in rows.items():
-            res[label].append(measure(pf, cache, args, count_ops=False))
-    ops = {label: measure(pf, cache, args, count_ops=True)["aten ops"] for label, (pf, cache) in rows.items()}
+        for label, (pf, cache, lean) in rows.items():
+            res[label].append(measure(pf, cache, args, False, lean))
+    ops = {
+        label: measure(pf, cache, args, True, lean)["aten ops"] for label, (pf, cache, lean) in rows.items()
+    }
     keys = sorted({k for runs in res.values() for run in runs for k in run})
     print(f"us of thread CPU time per decode MoE layer (median of {args.repeats} runs)")
     print(f"{'':<26}" + "".join(f"{label:>16}" for label in rows))

@@ -124,6 +124,8 @@ class RequestRecorder:
         self._group: _Pending | None = None  # layers recorded, not counted yet
         # bumped when an EAM of earlier steps or the set of live requests changes (see ``query``)
         self.epoch = 0
+        # bumped only when the set of live requests changes (begin, finish, abort)
+        self.live_changes = 0
 
     # -- requests ---------------------------------------------------------------------------------
     def begin_request(self, request_id: str, prompt_len: int, task: str | None = None) -> None:
@@ -139,6 +141,7 @@ class RequestRecorder:
         self._live[request_id] = _Live(heapq.heappop(self._free), prompt_len, task)
         self._last_ids = self._query_memo = None
         self.epoch += 1
+        self.live_changes += 1
 
     def _grow(self) -> None:
         old = self._eam.shape[0]
@@ -492,6 +495,7 @@ class RequestRecorder:
         heapq.heappush(self._free, live.slot)
         self._last_ids = self._query_memo = None
         self.epoch += 1
+        self.live_changes += 1
 
     def _trace_record(self, request_id: str, live: _Live) -> TraceRecord:
         from tracer.trace_file import TraceRecord
