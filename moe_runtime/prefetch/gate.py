@@ -206,9 +206,11 @@ class ModeTrial:
     Decode steps (no prefill token) run in windows of ``window`` steps, with prefetching on or
     off for a whole window. After a switch the first ``settle`` steps are not counted: the
     buffer still holds what the other mode chose (the cache policy differs too: ``eam-reuse``
-    against LRU), so the first window after a switch to on-demand inherited the better cache and
-    looked cheaper than on-demand is, and the switch back looked dearer (issue 15: a bias
-    towards on-demand); ``settle`` steps turn over a good part of the buffer. A step with
+    against LRU), so the first window after a switch to on-demand inherits the better cache and
+    can look cheaper than on-demand is, and the switch back dearer (issue 15: a bias towards
+    on-demand; the old single skipped step left it in the pairs); ``settle`` steps turn over a
+    good part of the buffer. On the bundled model the choice was the same either way (mostly
+    prefetching at 10-25% buffers and 0.5 GB/s, mostly on-demand at 50% or without a link). A step with
     prefill tokens (new requests, whose experts are not cached yet) drops the open window and
     the step after it. Two adjacent windows of
     different modes form a pair, and their relative difference in that cost per decode step,
@@ -219,11 +221,12 @@ class ModeTrial:
     on-demand does on a fast link, where each exploring window costs a lot), so the choice
     follows the load. Each exploration that leaves the choice as it was doubles the interval to
     the next one, up to ``2 ** max_backoff`` times (an exploring window is the worse mode's cost
-    plus ``settle`` steps: on the bundled model at a 50% buffer without a link, re-checking
-    every 32 windows kept the lean ``eam`` 3% behind on-demand + LRU); a changed choice resets
-    it. With prefetching off the ``eam`` policy is on-demand
-    (no planning, no router lookahead) and an ``eam-reuse`` cache evicts LRU: on-demand + LRU,
-    the baseline, but for the tracer, which keeps recording so the EAMC still fills.
+    plus ``settle`` steps: in ``bench policies``' short runs of the bundled model without a link
+    or at 32 GB/s, one such excursion, 8 of the 69 measured decode steps, was most of what kept
+    ``eam`` 2-6% behind on-demand + LRU at a 50% buffer); a changed choice resets it. With
+    prefetching off the ``eam`` policy is on-demand (no planning, no router lookahead) and an
+    ``eam-reuse`` cache evicts LRU: on-demand + LRU, the baseline, but for the tracer, which
+    keeps recording so the EAMC still fills.
 
     Args:
         window: measured decode steps per window, >= 1.
