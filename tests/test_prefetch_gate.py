@@ -111,12 +111,12 @@ def _drive(trial: ModeTrial, cost: dict[bool, float], steps: int, prefill_every:
 
 
 def test_mode_trial_turns_prefetching_off_when_it_costs_more_and_keeps_exploring() -> None:
-    trial = ModeTrial(window=2, explore_every=4, first_pairs=2)
+    trial = ModeTrial(window=2, explore_every=4, first_pairs=2, max_backoff=0)
     modes = _drive(trial, {True: 0.012, False: 0.010}, 200, prefill_every=25)
     assert trial.diff == pytest.approx(2 * (0.012 - 0.010) / 0.022)
     late = modes[100:]
     assert 0.1 < sum(late) / len(late) < 0.4  # mostly on-demand; every 4th window explores
-    trial = ModeTrial(window=2, explore_every=4, first_pairs=2)
+    trial = ModeTrial(window=2, explore_every=4, first_pairs=2, max_backoff=0)
     modes = _drive(trial, {True: 0.008, False: 0.010}, 200)
     assert trial.diff < 0 and 0.6 < sum(modes[100:]) / 100 < 0.9  # prefetching pays
     with pytest.raises(ValueError, match="window"):
@@ -127,7 +127,7 @@ def test_the_trial_runs_only_in_the_runtime_and_follows_the_load() -> None:
     sim = sim_for(layers=3, experts=6, slots=6, batch=2)
     state = sim.make_state("eam", "lru")
     assert state.prefetcher.trial is None and not state.prefetcher._timed  # the simulator's clock
-    trial = ModeTrial(window=1, explore_every=8, first_pairs=1)
+    trial = ModeTrial(window=1, explore_every=8, first_pairs=1, settle=1, max_backoff=0)
     assert sum(_drive(trial, {True: 0.010, False: 0.020}, 40)[20:]) >= 15  # mostly prefetching
     modes = _drive(trial, {True: 0.030, False: 0.020}, 80)  # the host changed: prefetching costs more
     assert sum(modes[40:]) <= 10
@@ -191,8 +191,46 @@ def test_a_lean_eam_reuse_cache_is_lru() -> None:
 
 
 def test_a_clear_difference_is_explored_less_often() -> None:
-    close, clear = ModeTrial(window=1, explore_every=4), ModeTrial(window=1, explore_every=4)
+    close, clear = (ModeTrial(window=1, explore_every=4, settle=1, max_backoff=0) for _ in range(2))
     on_close = sum(_drive(close, {True: 0.011, False: 0.010}, 400)[100:])
     on_clear = sum(_drive(clear, {True: 0.030, False: 0.010}, 400)[100:])  # diff 1.0 > CLEAR_DIFF
     assert clear.diff > CLEAR_DIFF > close.diff > 0
     assert 0 < on_clear < on_close / 2  # both still explore; the clear case 4x less often
+
+
+def test_steps_after_a_switch_do_not_count_so_the_cache_carried_over_biases_nothing() -> None:
+    """For ``carry`` steps after a switch a step still costs what the other mode's buffer makes
+    it cost (here on-demand inherits prefetching's cheap steps): counted, they bias the trial
+    towards on-demand; with ``settle >= carry`` the measured difference is the steady one."""
+
+    def run(settle: int, carry: int = 3) -> ModeTrial:
+        trial = ModeTrial(window=2, explore_every=4, first_pairs=2, settle=settle)
+        cost, since = {True: 0.009, False: 0.010}, 10**6  # no switch before the first step
+        for _ in range(400):
+            mode = trial.on
+            since = since + 1
+            c = cost[not mode] if since <= carry else cost[mode]
+            if trial.end_step(c, decode_only=True):
+                since = 0
+        return trial
+
+    steady = 2 * (0.009 - 0.010) / 0.019
+    assert run(settle=3).diff == pytest.approx(steady)
+    assert run(settle=1).diff > steady / 2  # the carried-over steps hid most of the difference
+    with pytest.raises(ValueError, match="settle"):
+        ModeTrial(settle=0)
+
+
+def test_confirmed_explorations_back_off_and_a_change_is_still_followed() -> None:
+    def on_steps(max_backoff: int) -> tuple[int, ModeTrial]:
+        trial = ModeTrial(window=1, explore_every=4, first_pairs=1, settle=1, max_backoff=max_backoff)
+        return sum(_drive(trial, {True: 0.011, False: 0.010}, 600)[100:]), trial
+
+    base, _ = on_steps(0)
+    backed, trial = on_steps(3)
+    assert 0 < backed < base / 3  # explorations confirming on-demand grow 2x rarer each, up to 8x
+    # the host changes: prefetching pays now; found within 8 x 4 windows, then chosen
+    modes = _drive(trial, {True: 0.008, False: 0.010}, 200)
+    assert sum(modes[100:]) > 80
+    with pytest.raises(ValueError, match="max_backoff"):
+        ModeTrial(max_backoff=-1)

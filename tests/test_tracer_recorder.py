@@ -176,10 +176,15 @@ def test_bad_calls_rejected() -> None:
         rec.record(0, ["zz"], np.array([0]), np.array([True]), np.array([[0, 1]]), one)
     with pytest.raises(ValueError, match="moe_layer"):
         rec.record(L, ["a"], np.array([0]), np.array([True]), np.array([[0, 1]]), one)
+    # expert ids are checked when the layers are counted, at the next read
+    rec.record(0, ["a"], np.array([0]), np.array([True]), np.array([[0, E]]), one)
+    rec.end_step()
+    with pytest.raises(ValueError, match=r"expert ids .* layer\(s\) \[0\]"):
+        rec.query(["a"], -1)
+    rec.record(1, ["a"], np.array([0]), np.array([True]), np.array([[-1, 1]]), one)
     with pytest.raises(ValueError, match="expert ids"):
-        rec.record(0, ["a"], np.array([0]), np.array([True]), np.array([[0, E]]), one)
-    with pytest.raises(ValueError, match="expert ids"):
-        rec.record(0, ["a"], np.array([0]), np.array([True]), np.array([[-1, 1]]), one)
+        rec.request_eam("a")
+    assert rec.query(["a"], 1).sum() == 0  # the bad layers were dropped, not counted
     with pytest.raises(ValueError, match="must be"):
         rec.record(0, ["a"], np.array([0, 0]), np.array([True]), np.array([[0, 1]]), one)
     with pytest.raises(KeyError):

@@ -9,15 +9,25 @@ routing), :meth:`~RequestRecorder.query` when a prefetch/cache policy wants the 
 NOTE: storage. Every live request owns a slot in two preallocated tables of shape
 ``(slots, 2, L, E)`` int64 (phase 0 = prefill, 1 = decode): ``_eam`` holds the request EAMs of
 finished steps, ``_step`` the current step's iteration EAMs; float32 copies summed over the phase
-(``_sum``, ``_step_sum``) make :meth:`RequestRecorder.query` one copy and one add. ``record`` maps
-batch positions to slots once per distinct ``request_ids`` list, counts the layer's (token, choice)
-pairs with one ``bincount`` on ``(seq * 2 + phase) * E + expert`` and adds the ``(B, 2, E)`` result
-into ``_step[slots, :, layer]`` (and its phase sum into ``_step_sum``); ``end_step`` adds ``_step``
-into ``_eam`` for the touched slots. Free slots are handed out lowest first, so a batch admitted
-together holds consecutive ascending slots and is indexed with a slice (basic indexing: no
-gather/scatter per layer, which was most of ``record``'s cost at batch 1); other batches use the
-slot array. No per-token Python loop runs unless a trace writer is attached (it needs the per-token
-choices).
+(``_sum``, ``_step_sum``) make :meth:`RequestRecorder.query` one copy and one add. Free slots are
+handed out lowest first, so a batch admitted together holds consecutive ascending slots and is
+indexed with a slice (basic indexing, no gather/scatter); other batches use the slot array.
+
+NOTE: lazy counting. ``record`` only appends the layer's ``[T, k]`` ids (by reference) and its
+index to the pending batch of layers; batch positions are mapped to slots, and each token's
+``(seq * 2 + phase)`` block computed, once per batch, which lasts while the ``request_ids`` and the
+steps' ``token_seq`` / ``token_prefill`` contents stay the same (a batch decoding on). The pending
+layers are counted together, one ``bincount`` on ``((seq * 2 + phase) * L + layer) * E + expert``,
+when something reads the counts (``query``, ``query_sum``, ``request_eam``, ``finish``, ``abort``, a
+new batch, or ``MAX_PENDING_LAYERS`` layers of finished steps): finished steps' layers go straight
+into ``_eam`` / ``_sum``, the current step's into ``_step`` / ``_step_sum``, which ``end_step`` adds
+into ``_eam`` for the touched slots. ``end_step`` itself only marks the step's layers finished (and
+moves :attr:`RequestRecorder.epoch`). Decoding that nobody queries (on-demand, or the ``eam``
+policy's lean mode) thus costs no numpy call per layer: on the bundled model the per-layer count
+had cost the compute thread about 45 us of CPU time per MoE layer (cold caches between the expert
+GEMMs), ``record`` now about 5 us and the deferred counting about 1 us per layer
+(``tools/lean_cost.py``). The expert ids are checked when counted. No per-token Python loop runs
+unless a trace writer is attached (it needs the per-token choices).
 
 Counting: each of a token's ``k`` choices counts once, so for every layer the row sum of a
 request EAM equals ``top_k *`` (tokens of the request seen at that layer).
@@ -39,6 +49,8 @@ if TYPE_CHECKING:
     from tracer.trace_file import TraceRecord, TraceWriter
 
 _PREFILL, _DECODE = 0, 1
+# pending layers of finished steps beyond which end_step counts them (bounds the memory kept)
+MAX_PENDING_LAYERS = 1024
 
 
 class _Live:
@@ -52,6 +64,24 @@ class _Live:
         self.weights: list[np.ndarray] = []  # per step: (n, L, k) float32
         self.prefill_tokens = 0
         self.pending: dict[int, tuple[np.ndarray, np.ndarray, bool]] = {}  # layer -> this step's rows
+
+
+class _Pending:
+    """The layers of one batch recorded and not counted yet: their ``[T, k]`` ids (the caller's
+    arrays, by reference) and layer indices, the first ``done`` of them from finished steps, and
+    the batch's per-token terms."""
+
+    __slots__ = ("request_ids", "token_seq", "token_prefill", "seq", "prefill", "rows", "base")
+    __slots__ += ("seq_bytes", "prefill_bytes", "ids", "layers", "done", "shape")
+
+    def __init__(self, request_ids, token_seq, token_prefill, seq, prefill, rows, base) -> None:
+        self.request_ids, self.token_seq, self.token_prefill = request_ids, token_seq, token_prefill
+        self.seq, self.prefill, self.rows, self.base = seq, prefill, rows, base
+        self.seq_bytes, self.prefill_bytes = seq.tobytes(), prefill.tobytes()
+        self.ids: list[np.ndarray] = []
+        self.layers: list[int] = []
+        self.done = 0
+        self.shape: tuple[int, ...] | None = None  # (T, k) of the ids
 
 
 class RequestRecorder:
@@ -91,8 +121,11 @@ class RequestRecorder:
         self._total_step = np.zeros((num_layers, num_experts), dtype=np.float32)
         self._total_upto = -1
         self.committed = 0
+        self._group: _Pending | None = None  # layers recorded, not counted yet
         # bumped when an EAM of earlier steps or the set of live requests changes (see ``query``)
         self.epoch = 0
+        # bumped only when the set of live requests changes (begin, finish, abort)
+        self.live_changes = 0
 
     # -- requests ---------------------------------------------------------------------------------
     def begin_request(self, request_id: str, prompt_len: int, task: str | None = None) -> None:
@@ -108,6 +141,7 @@ class RequestRecorder:
         self._live[request_id] = _Live(heapq.heappop(self._free), prompt_len, task)
         self._last_ids = self._query_memo = None
         self.epoch += 1
+        self.live_changes += 1
 
     def _grow(self) -> None:
         old = self._eam.shape[0]
@@ -148,9 +182,16 @@ class RequestRecorder:
         token_seq: np.ndarray,
         token_prefill: np.ndarray,
         topk_ids: np.ndarray,
-        topk_weights: np.ndarray,
+        topk_weights: np.ndarray | None,
     ) -> None:
         """Count one MoE layer's routing of a batch into the requests' iteration EAMs.
+
+        The counts are taken lazily (see the module note): a layer's ids are kept and counted
+        together with the step's other layers when something reads them (:meth:`query`,
+        :meth:`query_sum`, :meth:`end_step`, :meth:`finish`, :meth:`abort`), so a step that
+        nobody queries costs a list append per layer. Pass the same ``token_seq`` and
+        ``token_prefill`` objects for every layer of a step (the engine does): a new object
+        starts a new batch of layers (correct, but counted apart).
 
         Args:
             moe_layer: index among MoE layers, ``0..L-1`` (not the decoder-layer index).
@@ -158,45 +199,123 @@ class RequestRecorder:
             token_seq: ``(T,)`` int64 batch position of each token; a request's tokens are
                 contiguous and in order.
             token_prefill: ``(T,)`` bool, True for prompt tokens.
-            topk_ids: ``(T, k)`` int64 expert ids.
-            topk_weights: ``(T, k)`` float32 gate weights (kept only for trace files).
+            topk_ids: ``(T, k)`` int64 expert ids, kept by reference until counted: do not
+                change them in place before the next read or :meth:`end_step`.
+            topk_weights: ``(T, k)`` float32 gate weights, kept only for trace files (None
+                without a trace writer, see :attr:`needs_weights`).
 
         Raises:
             KeyError: a request id was not begun.
-            ValueError: shapes disagree, or a layer/expert id is out of range.
+            ValueError: shapes disagree or the layer is out of range; an expert id out of range
+                raises at the next read or :meth:`end_step` (the ids are checked when counted,
+                all layers of the batch in one reduction), naming the layer.
         """
-        num_experts = self.num_experts
         if not 0 <= moe_layer < self.num_layers:
             raise ValueError(f"moe_layer {moe_layer} outside [0, {self.num_layers})")
-        topk_ids = np.asarray(topk_ids, dtype=np.int64)
-        token_seq = np.asarray(token_seq, dtype=np.int64)
-        token_prefill = np.asarray(token_prefill, dtype=bool)
-        if (
-            topk_ids.ndim != 2
-            or token_seq.shape != (topk_ids.shape[0],)
-            or token_prefill.shape != token_seq.shape
-        ):
-            raise ValueError(
-                f"token_seq {token_seq.shape}, token_prefill {token_prefill.shape} and topk_ids "
-                f"{topk_ids.shape} must be (T,), (T,) and (T, k)"
-            )
-        # one reduction checks both bounds: seen as uint64, a negative id is >= 2**63
-        if topk_ids.size and topk_ids.view(np.uint64).max() >= num_experts:
-            raise ValueError(
-                f"expert ids must lie in [0, {num_experts}), got [{topk_ids.min()}, {topk_ids.max()}]"
-            )
-        rows = self._rows(request_ids)
-        base = token_seq * (2 * num_experts) + (~token_prefill) * num_experts  # [T] (seq * 2 + phase) * E
-        counts = np.bincount((base[:, None] + topk_ids).ravel(), minlength=len(request_ids) * 2 * num_experts)
-        counts = counts.reshape(len(request_ids), 2, num_experts)
-        self._step[rows, :, moe_layer, :] += counts
-        self._step_sum[rows, moe_layer, :] += counts[:, _PREFILL] + counts[:, _DECODE]
-        self._touched[rows] = True
+        if not isinstance(topk_ids, np.ndarray):
+            topk_ids = np.asarray(topk_ids)
+        g = self._group
+        if g is None or (request_ids is not g.request_ids and request_ids != g.request_ids):
+            g = self._new_group(request_ids, token_seq, token_prefill)
+        elif token_seq is not g.token_seq or token_prefill is not g.token_prefill:
+            g = self._same_tokens(g, request_ids, token_seq, token_prefill)
+        if topk_ids.shape != g.shape:
+            if g.shape is not None or len(topk_ids.shape) != 2 or topk_ids.shape[0] != len(g.seq):
+                raise ValueError(
+                    f"topk_ids {topk_ids.shape} must be (T, k) with T = {len(g.seq)} (token_seq), "
+                    f"k the same for every layer of a step"
+                )
+            g.shape = topk_ids.shape
+        g.ids.append(topk_ids)
+        g.layers.append(moe_layer)
         self._query_memo = None
         if moe_layer <= self._total_upto:  # a layer query_sum already summed changed again
             self._total_key = None
         if self.trace_writer is not None:
-            self._keep_choices(moe_layer, request_ids, token_seq, token_prefill, topk_ids, topk_weights)
+            self._keep_choices(
+                moe_layer,
+                request_ids,
+                g.seq,
+                g.prefill,
+                np.asarray(topk_ids, np.int64),
+                np.asarray(topk_weights, np.float32),
+            )
+
+    @property
+    def needs_weights(self) -> bool:
+        """Whether :meth:`record` uses the router weights (only a trace file keeps them): without
+        it the caller may pass None and skip copying them to the host."""
+        return self.trace_writer is not None
+
+    def _same_tokens(
+        self, g: _Pending, request_ids: list[str], token_seq: np.ndarray, token_prefill: np.ndarray
+    ) -> _Pending:
+        """``g`` again when a new step's ``token_seq`` and ``token_prefill`` equal its own (a
+        batch decoding on: its layers keep piling up), else a new batch of layers."""
+        if (
+            isinstance(token_seq, np.ndarray)
+            and isinstance(token_prefill, np.ndarray)
+            and token_seq.tobytes() == g.seq_bytes
+            and token_prefill.tobytes() == g.prefill_bytes
+        ):
+            g.token_seq, g.token_prefill = token_seq, token_prefill
+            return g
+        return self._new_group(request_ids, token_seq, token_prefill)
+
+    def _new_group(
+        self, request_ids: list[str], token_seq: np.ndarray, token_prefill: np.ndarray
+    ) -> _Pending:
+        """Count what is pending and start a new batch of layers for ``request_ids``; checks the
+        shapes and the request ids (KeyError, ValueError as :meth:`record`)."""
+        self._flush()
+        seq = np.asarray(token_seq, dtype=np.int64)
+        prefill = np.asarray(token_prefill, dtype=bool)
+        if seq.ndim != 1 or prefill.shape != seq.shape:
+            raise ValueError(f"token_seq {seq.shape} and token_prefill {prefill.shape} must be (T,) each")
+        rows = self._rows(request_ids)
+        L, E = self.num_layers, self.num_experts
+        # flat index into a (B, 2, L, E) table of each token's (sequence, phase) block
+        base = seq * (2 * L * E) + (~prefill) * (L * E)
+        self._group = _Pending(request_ids, token_seq, token_prefill, seq, prefill, rows, base)
+        return self._group
+
+    def _flush(self) -> None:
+        """Count the pending layers' ids: those of finished steps into the request EAMs, the
+        current step's into ``_step`` (one ``bincount`` per part).
+
+        Raises:
+            ValueError: a pending layer holds an expert id outside ``[0, E)``; the pending layers
+                are dropped.
+        """
+        g = self._group
+        if g is None or not g.ids:
+            return
+        ids, layers, done = g.ids, g.layers, g.done
+        g.ids, g.layers, g.done = [], [], 0
+        E = self.num_experts
+        ids = np.asarray(ids[0] if len(ids) == 1 else np.stack(ids), dtype=np.int64)  # [n, T, k]
+        # one reduction checks both bounds: seen as uint64, a negative id is >= 2**63
+        if ids.size and ids.view(np.uint64).max() >= E:
+            bad = sorted({lay for lay, x in zip(layers, ids) if ((x < 0) | (x >= E)).any()})
+            raise ValueError(
+                f"expert ids must lie in [0, {E}), got [{ids.min()}, {ids.max()}] at MoE layer(s) {bad}"
+            )
+        offs = np.asarray(layers, dtype=np.int64) * E  # [n]
+        keys = ids + (g.base[None, :, None] + offs[:, None, None])  # [n, T, k]
+        if done:
+            self._add(g, keys[:done], self._eam, self._sum)
+        if done < len(layers):
+            self._add(g, keys[done:], self._step, self._step_sum)
+            self._touched[g.rows] = True
+        self._query_memo = None
+
+    def _add(self, g: _Pending, keys: np.ndarray, table: np.ndarray, summed: np.ndarray) -> None:
+        """Count flat ``keys`` into ``g``'s rows of ``table [slots, 2, L, E]`` and ``summed``."""
+        B, L, E = len(g.request_ids), self.num_layers, self.num_experts
+        counts = np.bincount(keys.ravel(), minlength=B * 2 * L * E).reshape(B, 2, L, E)
+        rows = g.rows
+        table[rows] += counts
+        summed[rows] += counts[:, _PREFILL] + counts[:, _DECODE]
 
     def _keep_choices(
         self,
@@ -236,6 +355,13 @@ class RequestRecorder:
     # -- per step ---------------------------------------------------------------------------------
     def end_step(self) -> None:
         """Close the iteration: add every touched request's iteration EAM into its request EAM."""
+        g = self._group
+        if g is not None and g.done < len(g.ids):  # the step recorded layers: they are earlier now
+            g.done = len(g.ids)
+            self.epoch += 1
+            self._query_memo = None
+            if g.done >= MAX_PENDING_LAYERS:
+                self._flush()
         touched = np.flatnonzero(self._touched)
         if touched.size:
             rows = _as_index(touched)
@@ -270,6 +396,7 @@ class RequestRecorder:
         Raises:
             KeyError: a request id is not live.
         """
+        self._flush()
         memo = self._query_memo
         if memo is not None and memo[0] == upto_layer and (memo[1] is request_ids or memo[1] == request_ids):
             return memo[2]  # the cache and prefetch policies ask the same question per layer
@@ -293,6 +420,7 @@ class RequestRecorder:
         Raises:
             KeyError: a request id is not live.
         """
+        self._flush()
         rows = self._rows(request_ids)
         key = self._total_key
         if key is None or key[0] != self.epoch or key[1] != request_ids or upto_layer < self._total_upto:
@@ -313,6 +441,7 @@ class RequestRecorder:
             KeyError: the request is not live.
         """
         slot = self._get(request_id).slot
+        self._flush()
         return self._eam[slot, _PREFILL].copy(), self._eam[slot, _DECODE].copy()
 
     def _get(self, request_id: str) -> _Live:
@@ -333,6 +462,7 @@ class RequestRecorder:
         """
         live = self._get(request_id)
         slot = live.slot
+        self._flush()
         if self._touched[slot]:
             self._eam[slot] += self._step[slot]
             self._step[slot] = 0
@@ -353,16 +483,19 @@ class RequestRecorder:
             KeyError: the request is not live.
         """
         self._get(request_id)
+        self._flush()
         self._release(request_id)
 
     def _release(self, request_id: str) -> None:
         live = self._live.pop(request_id)
+        self._group = None  # flushed by the caller; its slot index may name this request
         for table in (self._eam, self._step, self._sum, self._step_sum):
             table[live.slot] = 0
         self._touched[live.slot] = False
         heapq.heappush(self._free, live.slot)
         self._last_ids = self._query_memo = None
         self.epoch += 1
+        self.live_changes += 1
 
     def _trace_record(self, request_id: str, live: _Live) -> TraceRecord:
         from tracer.trace_file import TraceRecord

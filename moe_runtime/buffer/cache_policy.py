@@ -9,10 +9,15 @@ A policy with ``ordered = True`` promises that its victim is the candidate with 
 ``priority`` (ties: the lowest slot) and that priorities change only inside the slot hooks
 (``on_fill``, ``on_use``, ``on_evict``, ``on_prefetch_unused``); the partition then keeps its
 evictable slots in a heap and never calls :meth:`CachePolicy.victim`. A policy whose choice moves
-with state outside those hooks (``after_routing`` counts, an oracle's cursor) sets it False.
+with state outside those hooks (``after_routing`` counts, an oracle's cursor) sets it False. A
+policy may change ``ordered`` while in use (``eam-reuse`` is LRU while the ``eam`` prefetch runs
+lean): it then calls :attr:`CachePolicy.on_order_change`, which the partition sets, under the
+buffer lock.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
@@ -27,6 +32,8 @@ class CachePolicy:
         self.priority: list[float] = [0.0] * num_slots
         self.num_experts = num_experts
         self._tick = 0.0
+        # called (no arguments) when ``ordered`` changes; set by the partition that owns the policy
+        self.on_order_change: Callable[[], None] | None = None
 
     def tick(self) -> float:
         self._tick += 1.0

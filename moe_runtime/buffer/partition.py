@@ -129,6 +129,7 @@ class Partition:
         self._heap_limit = 4 * num_slots + 64  # stale entries beyond this: rebuild the heaps
         self._mask_demand = np.zeros(num_slots, dtype=bool)  # non-ordered policies: evictable masks
         self._mask_prefetch = np.zeros(num_slots, dtype=bool)
+        policy.on_order_change = self._reorder
 
     @property
     def num_slots(self) -> int:
@@ -202,6 +203,20 @@ class Partition:
         heapq.heapify(live)
         heapq.heapify(pre)
         self._heap_demand, self._heap_prefetch = live, pre
+
+    def _reorder(self) -> None:
+        """The policy's ``ordered`` changed (caller holds the buffer lock): rebuild the victim
+        heaps, or the evictable masks, which are not kept up to date meanwhile."""
+        ordered = bool(self.policy.ordered)
+        if ordered == self._ordered:
+            return
+        self._ordered = ordered
+        if ordered:
+            self._compact()
+        else:
+            ev = np.asarray(self._ev)
+            self._mask_demand[:] = ev != _NO
+            self._mask_prefetch[:] = ev == _ANY
 
     def _victim(self, for_demand: bool) -> int | None:
         """The cache policy's victim among the evictable slots, or None when there is none."""

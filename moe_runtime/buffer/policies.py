@@ -91,11 +91,12 @@ class EAMReuseCachePolicy(CachePolicy):
 
     While :attr:`lru` is True (set by the runtime's ``eam`` prefetch policy while its measured
     trial runs it as on-demand, ``moe_runtime.prefetch.gate.ModeTrial``) it is plain LRU: no
-    counts are read, and the least recently filled or used candidate is evicted.
+    counts are read, and the least recently filled or used candidate is evicted. It is then
+    ``ordered`` (``priority`` is the tick of the last fill or use, as LRU's), so the partition
+    takes the victim from its heap as for the ``lru`` policy, the same slot at LRU's cost.
     """
 
     name = "eam-reuse"
-    ordered = False  # the choice moves with the running layer and the counts (after_routing)
 
     def __init__(
         self, num_slots: int, num_experts: int, num_layers: int = 1, recorder: Any | None = None
@@ -105,7 +106,10 @@ class EAMReuseCachePolicy(CachePolicy):
         self.num_layers = num_layers
         self.layer = 0
         self._p_use = np.zeros(num_layers * num_experts)
-        self._routed: tuple[np.ndarray, tuple[int, ...]] | None = None  # for ``p_use``, not used yet
+        # for ``p_use``, not used yet: (layer or None for all rows, counts, ids' shape) per routing
+        self._routed: list[tuple[int | None, np.ndarray, tuple[int, ...]]] = []
+        self._seen: tuple | None = None  # ((live_changes, ids' shape), layer, batch) of the last routing
+        self._counts = np.zeros((num_layers, num_experts))  # the batch's counts so far, [L, E]
         self._slot_key = np.full(num_slots, -1)
         self._recency = np.zeros(num_slots)  # tick of the last fill/use, for ties (LRU-wise)
         # Speed: the victim score ``expected - 1e-9 * recency`` per slot (``_score [S]``, with
@@ -114,28 +118,74 @@ class EAMReuseCachePolicy(CachePolicy):
         self._expected = np.zeros(num_slots)
         self._score = np.zeros(num_slots)
         self._stale = True
-        self.lru = False
+        self._lru = False
+
+    @property
+    def ordered(self) -> bool:  # type: ignore[override]
+        """Lowest ``priority`` first only while :attr:`lru`: else the choice moves with the
+        running layer and the counts (``after_routing``)."""
+        return self._lru
+
+    @property
+    def lru(self) -> bool:
+        """Plain LRU (the ``eam`` prefetch policy's lean mode)."""
+        return self._lru
+
+    @lru.setter
+    def lru(self, value: bool) -> None:
+        changed = bool(value) != self._lru
+        self._lru = bool(value)
+        if changed and self.on_order_change is not None:
+            self.on_order_change()
 
     def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
         self.layer = layer
         self._stale = True
-        if self.lru:
+        if self._lru:
             return
         if request_ids and topk_ids.size:
-            # the batch's counts [L, E] (a snapshot): ``p_use`` is derived when a victim needs it
-            self._routed = (self.recorder.query_sum(request_ids, layer), topk_ids.shape)
+            # the batch's counts (a snapshot): ``p_use`` is derived when a victim needs it. When
+            # the batch, its tokens per step and the live requests are those of the previous
+            # layer's routing and the layers follow in loop order, only row ``layer`` changed
+            # since, by this step's choices there (the rows after it still hold the finished
+            # steps' counts, as the recorder's do): one bincount of the ids updates it, and only
+            # that row is handed on; else the recorder's counts are read whole (``query_sum``).
+            rec, seen = self.recorder, self._seen
+            live = getattr(rec, "live_changes", None)
+            key = (live, topk_ids.shape)
+            if (
+                live is not None
+                and seen is not None
+                and seen[0] == key
+                and layer == (seen[1] + 1) % self.num_layers
+                and (seen[2] is request_ids or seen[2] == request_ids)
+            ):
+                row = self._counts[layer]
+                row += np.bincount(topk_ids.reshape(-1), minlength=self.num_experts)
+                self._routed.append((layer, row.copy(), topk_ids.shape))
+            else:
+                summed = rec.query_sum(request_ids, layer)  # [L, E]
+                self._counts = summed.astype(np.float64)
+                self._routed = [(None, summed, topk_ids.shape)]
+            self._seen = (key, layer, list(request_ids))
 
     @property
     def p_use(self) -> np.ndarray:
-        """``[L * E]`` per-step use probability of each key, from the latest routed layer's counts."""
-        if self._routed is not None:
-            summed, (T, k) = self._routed
-            self._routed = None
-            counts = summed.astype(np.float64)  # [L, E]
-            tokens = counts.sum(axis=1, keepdims=True)
-            share = counts / np.where(tokens > 0, tokens, 1.0)  # counts >= 0: a 0-token row is all 0
-            share *= k  # share of tokens choosing the expert (each token picks k)
-            self._p_use = 1.0 - (1.0 - np.minimum(share, 1.0)).reshape(-1) ** T
+        """``[L * E]`` per-step use probability of each key, from the latest routed layer's counts
+        (rows of the layers routed since the last call, or all rows)."""
+        if self._routed:
+            routed, self._routed = self._routed, []
+            E = self.num_experts
+            for layer, summed, (T, k) in routed:
+                counts = summed.astype(np.float64)  # [L, E] or [E] (row ``layer``)
+                tokens = counts.sum(axis=-1, keepdims=True)
+                share = counts / np.where(tokens > 0, tokens, 1.0)  # counts >= 0: a 0-token row is 0
+                share *= k  # share of tokens choosing the expert (each token picks k)
+                p = 1.0 - (1.0 - np.minimum(share, 1.0)).reshape(-1) ** T
+                if layer is None:
+                    self._p_use = p
+                else:  # the same T as the other rows': the routings' shapes matched
+                    self._p_use[layer * E : (layer + 1) * E] = p
         return self._p_use
 
     def _expected_of(self, key: int) -> float:
@@ -157,8 +207,12 @@ class EAMReuseCachePolicy(CachePolicy):
         if not self._stale:
             self._score[slot] = self._expected[slot] - 1e-9 * t
 
+    def on_prefetch_unused(self, slot: int, key: int) -> None:
+        if self._lru:  # as LRU: a mis-prefetch (landed before the switch) counts as a use
+            self.on_use(slot, key)
+
     def victim(self, candidates: np.ndarray) -> int:
-        if self.lru:
+        if self._lru:  # a partition takes LRU's victim from its heap instead (``ordered``)
             candidates = np.asarray(candidates)
             return int(candidates[self._recency[candidates].argmin()])
         if self._stale:  # free slots (key -1) get a meaningless score; they are never candidates

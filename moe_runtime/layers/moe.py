@@ -53,7 +53,9 @@ def moe_block(
     num_experts = cfg.num_experts
     if prefetcher is None:
         ahead = None
-    ids_host, weights_host, ahead_host = _to_host(ids, weights if recorder is not None else None, ahead)
+    # the router weights go to the host only for a recorder that keeps them (trace files)
+    keep_weights = recorder is not None and getattr(recorder, "needs_weights", True)
+    ids_host, weights_host, ahead_host = _to_host(ids, weights if keep_weights else None, ahead)
     if recorder is not None:
         recorder.record(
             moe_layer, step.request_ids, step.token_seq, step.token_prefill, ids_host, weights_host

@@ -204,39 +204,69 @@ class ModeTrial:
     25% buffer, where prefetching pays, and the trial turned prefetching off there.)
 
     Decode steps (no prefill token) run in windows of ``window`` steps, with prefetching on or
-    off for a whole window; a window's first step, which still sees the other mode's prefetches
-    or lacks its own, is not counted, and a step with prefill tokens (new requests, whose experts
-    are not cached yet) drops the open window and the step after it. Two adjacent windows of
+    off for a whole window. After a switch the first ``settle`` steps are not counted: the
+    buffer still holds what the other mode chose (the cache policy differs too: ``eam-reuse``
+    against LRU), so the first window after a switch to on-demand inherits the better cache and
+    can look cheaper than on-demand is, and the switch back dearer (issue 15: a bias towards
+    on-demand; the old single skipped step left it in the pairs); ``settle`` steps turn over a
+    good part of the buffer. On the bundled model the choice was the same either way (mostly
+    prefetching at 10-25% buffers and 0.5 GB/s, mostly on-demand at 50% or without a link). A step with
+    prefill tokens (new requests, whose experts are not cached yet) drops the open window and
+    the step after it. Two adjacent windows of
     different modes form a pair, and their relative difference in that cost per decode step,
     ``(on - off) / mean``, is kept as a running mean (``decay`` per pair): pairs, not long-run
     means, so a host whose load drifts compares like with like. The first windows alternate;
     then the cheaper mode runs, and every ``explore_every``-th window the other one (two more
     pairs; every ``4 * explore_every``-th while the modes differ by more than ``CLEAR_DIFF``, as
     on-demand does on a fast link, where each exploring window costs a lot), so the choice
-    follows the load. With prefetching off the ``eam`` policy is on-demand
-    (no planning, no router lookahead) and an ``eam-reuse`` cache evicts LRU: on-demand + LRU,
-    the baseline, but for the tracer, which keeps recording so the EAMC still fills.
+    follows the load. Each exploration that leaves the choice as it was doubles the interval to
+    the next one, up to ``2 ** max_backoff`` times (an exploring window is the worse mode's cost
+    plus ``settle`` steps: in ``bench policies``' short runs of the bundled model without a link
+    or at 32 GB/s, one such excursion, 8 of the 69 measured decode steps, was most of what kept
+    ``eam`` 2-6% behind on-demand + LRU at a 50% buffer); a changed choice resets it. With
+    prefetching off the ``eam`` policy is on-demand (no planning, no router lookahead) and an
+    ``eam-reuse`` cache evicts LRU: on-demand + LRU, the baseline, but for the tracer, which
+    keeps recording so the EAMC still fills.
 
     Args:
         window: measured decode steps per window, >= 1.
         explore_every: every this many windows the currently worse mode runs once, >= 2.
         decay: weight of the past pairs in the running difference, in ``[0, 1)``.
         first_pairs: pairs measured (alternating) before the choice is made, >= 1.
+        settle: decode steps not counted after a switch, >= 1.
+        max_backoff: the exploration interval doubles at most this many times, >= 0.
 
     Raises:
         ValueError: a value outside those ranges.
     """
 
     def __init__(
-        self, window: int = 4, explore_every: int = 8, decay: float = 0.7, first_pairs: int = 3
+        self,
+        window: int = 4,
+        explore_every: int = 8,
+        decay: float = 0.7,
+        first_pairs: int = 3,
+        settle: int = 4,
+        max_backoff: int = 3,
     ) -> None:
-        if window < 1 or explore_every < 2 or not 0 <= decay < 1 or first_pairs < 1:
+        if (
+            window < 1
+            or explore_every < 2
+            or not 0 <= decay < 1
+            or first_pairs < 1
+            or settle < 1
+            or max_backoff < 0
+        ):
             raise ValueError(
-                "mode trial: window >= 1, explore_every >= 2, decay in [0, 1), first_pairs >= 1; "
-                f"got {window}, {explore_every}, {decay}, {first_pairs}"
+                "mode trial: window >= 1, explore_every >= 2, decay in [0, 1), first_pairs >= 1, "
+                f"settle >= 1, max_backoff >= 0; got {window}, {explore_every}, {decay}, "
+                f"{first_pairs}, {settle}, {max_backoff}"
             )
         self.window, self.explore_every, self.decay = window, explore_every, decay
-        self.first_pairs = first_pairs
+        self.first_pairs, self.settle, self.max_backoff = first_pairs, settle, max_backoff
+        self._best: bool | None = None  # the mode chosen at the last window
+        self._since = 0  # windows since the last exploration
+        self._streak = 0  # explorations in a row that left the choice as it was
         self.on = True  # prefetching in the current window
         self.diff = 0.0  # running (on - off) / mean of paired windows; < 0: prefetching is cheaper
         self.pairs = 0  # pairs measured
@@ -281,9 +311,20 @@ class ModeTrial:
             self.on = not self.on  # alternate until the first pairs are in
         else:
             best = self.diff <= 0
-            # a clear difference is re-checked 4x less often: exploring it costs more
+            if best != self._best:
+                self._streak = 0  # the choice changed: re-check it at the base rate
+            self._best = best
+            # a clear difference is re-checked 4x less often (exploring it costs more), and each
+            # exploration that confirmed the choice halves the rate
             every = self.explore_every * (4 if abs(self.diff) > CLEAR_DIFF else 1)
-            self.on = (not best) if self.windows % every == 0 else best
+            every <<= min(self._streak, self.max_backoff)
+            self._since += 1
+            if self._since >= every:
+                self._since = 0
+                self._streak += 1
+                self.on = not best
+            else:
+                self.on = best
         if self.on != was:
-            self._skip = 1
+            self._skip = self.settle
         return self.on != was
