@@ -37,8 +37,8 @@ def test_json_reports_every_hook_with_spread_and_settings(capsys: pytest.Capture
 
 def test_sections_split_a_planning_layers_plan(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["bench", "overhead", "--model-profile", "mixtral-8x7b", "--batch", "2", "--tokens", "3"]
-    code = main([*args, "--warm-requests", "2", "--warmup-steps", "1", "--repeats", "1", "--sections", "--json"])
-    assert code == 0
+    args += ["--warm-requests", "2", "--warmup-steps", "1", "--repeats", "1"]
+    assert main([*args, "--sections", "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)["results"]
     parts = [row[f"open_section_{name}_p50_us"] for name in ("predict", "blend", "gate", "queue")]
     assert all(p >= 0 for p in parts) and parts[0] > 0 and parts[3] > 0  # every plan predicts and queues

@@ -103,3 +103,52 @@ def test_gate_keep_equals_the_numpy_gate(seed: int) -> None:
     np.testing.assert_array_equal(got, want)
     forced = kernels.gate_keep(r, c, rank, scores, 1, prec, b, q, t, 0.0, True, held, p_use, layer, E, slots)
     assert forced.all()
+
+
+@pytest.mark.parametrize("width", [1, 5, 8, 9, 64, 128, 129, 200, 384])
+def test_row_probs_sum_in_numpys_order(width: int) -> None:
+    rng = np.random.default_rng(width)
+    for _ in range(50):
+        x = ((rng.random((3, width)) ** 3) * rng.integers(1, 1000)).astype(np.float32)
+        x[rng.random(x.shape) < 0.3] = 0
+        x[0] = 0 if width % 2 else x[0]  # a zero row stays zero
+        totals = x.sum(axis=1, keepdims=True, dtype=np.float32)
+        totals[totals == 0] = 1.0
+        np.testing.assert_array_equal(kernels.row_probs(x), x / totals)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_weighted_row_probs_equals_einsum_then_row_probs(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    m, D, E = int(rng.integers(1, 20)), int(rng.integers(1, 3)), 128
+    block = rng.random((m, D, E)).astype(np.float32)
+    block[rng.random(block.shape) < 0.4] = 0
+    times = rng.integers(1, 17, m)
+    summed = np.einsum("m,mf->f", times.astype(np.float32), block.reshape(m, -1)).reshape(D, E)
+    np.testing.assert_array_equal(kernels.weighted_row_probs(block, times), kernels.row_probs(summed))
+    totals = summed.sum(axis=1, keepdims=True, dtype=np.float32)
+    np.testing.assert_array_equal(kernels.row_probs(summed), summed / totals)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_blend_and_gate_plan_equal_their_numpy_forms(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n, d, E = 3, int(rng.integers(1, 4)), 16
+    rows = _ties(rng, (n, E))
+    ahead = (rng.random((d, E)) * 4).astype(np.float32)
+    spec = kernels.row_probs(ahead) * 2.0
+    want = rows.copy()
+    want[:d] = kernels.row_probs(want[:d] + spec)
+    np.testing.assert_array_equal(kernels.blend(rows, ahead, 2.0), want)
+    # gate_plan: ranked_free, then gate_keep, then the paying scores
+    held = rng.random(6 * E) < 0.3
+    prec, scores = rng.random((n, E)), (rows * 0.9).astype(np.float32)
+    args = (0.5, 0.2, 0.3, 0.0, False, held, rng.random(6 * E), 1, E, 40)
+    r, c, rank, out, kept = kernels.gate_plan(rows, scores, held[2 * E : 5 * E].reshape(n, E), 1, prec, *args)
+    want_r, want_c, want_rank = kernels.ranked_free(rows, held[2 * E : 5 * E].reshape(n, E))
+    np.testing.assert_array_equal(np.stack([r, c, rank]), np.stack([want_r, want_c, want_rank]))
+    keep = kernels.gate_keep(r, c, rank, scores, 1, prec, *args) if r.size else np.zeros(0, bool)
+    paying = np.zeros_like(scores)
+    paying[r[keep], c[keep]] = scores[r[keep], c[keep]]
+    np.testing.assert_array_equal(out, paying)
+    assert kept == keep.sum()

@@ -175,10 +175,9 @@ class EAMPrefetch(PrefetchPolicy):
                 times = np.bincount(idx[idx >= 0], minlength=n)  # [n] times matched
             key = (self.eamc.version, times.tobytes())
             if key != self._eamc_key or not covered:
-                matched = np.flatnonzero(times)
-                block = self.eamc.entries()[matched, lo:hi].reshape(len(matched), -1)  # [m, D * E]
-                summed = np.einsum("m,mf->f", times[matched].astype(np.float32), block)
-                self._eamc_block = _row_probs(summed.reshape(hi - lo, -1)) if len(matched) else None
+                matched = times.nonzero()[0]
+                block = self.eamc.entries()[matched, lo:hi]  # [m, D, E], a copy
+                self._eamc_block = kernels.weighted_row_probs(block, times[matched]) if len(matched) else None
                 self._eamc_key, covered = key, False
         if not covered:
             own = self._own[lo:hi]
@@ -253,10 +252,9 @@ class EAMPrefetch(PrefetchPolicy):
         d = min(self.lookahead_depth, n, len(ahead[1]))
         if d <= 0:
             return rows
-        spec = _row_probs(ahead[1][:d].astype(np.float32)) * self.lookahead_weight  # [d, E]
-        out = np.zeros((n, self.num_experts), np.float32) if rows is None else rows.copy()
-        out[:d] = _row_probs(out[:d] + spec)
-        return out
+        base = np.zeros((n, self.num_experts), np.float32) if rows is None else rows
+        spec = np.ascontiguousarray(ahead[1][:d], dtype=np.float32)
+        return kernels.blend(base, spec, self.lookahead_weight)  # [n, E]
 
     @property
     def last_probs(self) -> np.ndarray | None:
@@ -345,26 +343,21 @@ class EAMPrefetch(PrefetchPolicy):
         E = self.num_experts
         buf = self.buffer
         held = buf.held[lo * E : lo * E + rows.size].reshape(rows.shape)
-        # the predictor's candidates a prefetch would copy, ranked within their row
-        r, c, rank = kernels.ranked_free(rows, held)
+        b = gate.block_per_miss_s
+        t = self._transfer_s()
+        # the predictor's candidates a prefetch would copy, ranked within their row, and those of
+        # them that pay
+        r, c, rank, out, kept = kernels.gate_plan(
+            rows, scores, held, lo - layer, gate.precision(), t if b is None else b, gate.demand_busy,
+            t, gate.host_s, gate.force_open, buf.held, self._victim_use(tokens), layer, E, buf.num_slots,
+        )  # fmt: skip
         gate.note(lo - layer, lo, r, c, rank)
-        if r.size:
-            b = gate.block_per_miss_s
-            t = self._transfer_s()
-            keep = kernels.gate_keep(
-                r, c, rank, scores, lo - layer, gate.precision(), t if b is None else b,
-                gate.demand_busy, t, gate.host_s, gate.force_open, buf.held,
-                self._victim_use(tokens), layer, E, buf.num_slots,
-            )  # fmt: skip
-            r, c = r[keep], c[keep]
-        if not r.size:
+        if not kept:
             if not self._queued:
                 return None
             self._queued = False
-            return np.zeros_like(scores)
-        self._queued = True
-        out = np.zeros_like(scores)
-        out[r, c] = scores[r, c]
+        else:
+            self._queued = True
         return out
 
     def _victim_use(self, tokens: int) -> np.ndarray:
@@ -439,7 +432,6 @@ def _limit(rows: np.ndarray, cap: int, min_prob: float) -> np.ndarray:
 
 
 def _row_probs(x: np.ndarray) -> np.ndarray:
-    """Each row of ``x [L, E]`` (non-negative) scaled to sum to 1, as float32; zero rows stay zero."""
-    totals = x.sum(axis=1, keepdims=True, dtype=np.float32)
-    totals[totals == 0] = 1.0  # a zero row divided by 1 stays zero
-    return (x / totals).astype(np.float32, copy=False)
+    """Each row of ``x [L, E]`` (non-negative) scaled to sum to 1, as float32; zero rows stay zero
+    (``kernels.row_probs``)."""
+    return kernels.row_probs(np.ascontiguousarray(x, dtype=np.float32))

@@ -19,6 +19,98 @@ from numba import njit
 
 
 @njit(cache=True)
+def _block_sum(a: np.ndarray, lo: int, n: int) -> np.float32:
+    """float32 sum of ``a[lo : lo + n]``, ``n <= 128``, in numpy's order (below 8 one running
+    sum, else 8 running sums combined pairwise, then the remainder)."""
+    if n < 8:
+        res = np.float32(0.0)
+        for i in range(n):
+            res = np.float32(res + a[lo + i])
+        return res
+    r0, r1, r2, r3 = a[lo], a[lo + 1], a[lo + 2], a[lo + 3]
+    r4, r5, r6, r7 = a[lo + 4], a[lo + 5], a[lo + 6], a[lo + 7]
+    i = 8
+    end = n - n % 8
+    while i < end:
+        j = lo + i
+        r0, r1 = np.float32(r0 + a[j]), np.float32(r1 + a[j + 1])
+        r2, r3 = np.float32(r2 + a[j + 2]), np.float32(r3 + a[j + 3])
+        r4, r5 = np.float32(r4 + a[j + 4]), np.float32(r5 + a[j + 5])
+        r6, r7 = np.float32(r6 + a[j + 6]), np.float32(r7 + a[j + 7])
+        i += 8
+    left = np.float32(np.float32(r0 + r1) + np.float32(r2 + r3))
+    res = np.float32(left + np.float32(np.float32(r4 + r5) + np.float32(r6 + r7)))
+    while i < n:
+        res = np.float32(res + a[lo + i])
+        i += 1
+    return res
+
+
+@njit(cache=True)
+def _pairwise_sum(a: np.ndarray, n: int) -> np.float32:
+    """float32 sum of ``a[:n]`` in numpy's pairwise order, so it equals ``a.sum(dtype=np.float32)``:
+    blocks of up to 128 (:func:`_block_sum`), longer spans halved on a multiple of 8, left + right.
+    Iterative (an explicit stack): numba's on-disk cache crashes on recursive functions."""
+    if n <= 128:
+        return _block_sum(a, 0, n)
+    los = np.empty(64, dtype=np.int64)
+    ns = np.empty(64, dtype=np.int64)
+    step = np.zeros(64, dtype=np.int64)  # 0: left next, 1: right next, 2: combine
+    vals = np.empty(64, dtype=np.float32)
+    sp, vp = 0, 0
+    los[0], ns[0] = 0, n
+    while sp >= 0:
+        lo, m = los[sp], ns[sp]
+        if m <= 128:
+            vals[vp] = _block_sum(a, lo, m)
+            vp += 1
+            sp -= 1
+            continue
+        half = m // 2
+        half -= half % 8
+        if step[sp] == 2:
+            vals[vp - 2] = np.float32(vals[vp - 2] + vals[vp - 1])
+            vp -= 1
+            sp -= 1
+            continue
+        child_lo, child_n = (lo, half) if step[sp] == 0 else (lo + half, m - half)
+        step[sp] += 1
+        sp += 1
+        los[sp], ns[sp], step[sp] = child_lo, child_n, 0
+    return vals[0]
+
+
+@njit(cache=True)
+def row_probs(x: np.ndarray) -> np.ndarray:
+    """Each row of ``x [D, E]`` (float32, non-negative) divided by its sum, as
+    ``x / x.sum(axis=1, keepdims=True, dtype=np.float32)`` computes it; zero rows stay zero."""
+    D, E = x.shape
+    out = np.empty_like(x)
+    for d in range(D):
+        total = _pairwise_sum(x[d], E)
+        if total == 0:
+            total = np.float32(1.0)
+        for e in range(E):
+            out[d, e] = x[d, e] / total
+    return out
+
+
+@njit(cache=True)
+def weighted_row_probs(block: np.ndarray, times: np.ndarray) -> np.ndarray:
+    """:func:`row_probs` of ``sum_m times[m] * block[m]`` (``block [m, D, E]`` float32, ``times
+    [m]`` int64), each product rounded to float32 and added in ``m`` order as
+    ``np.einsum("m,mf->f", times.astype(np.float32), block)`` does."""
+    m, D, E = block.shape
+    summed = np.zeros((D, E), dtype=np.float32)
+    for i in range(m):
+        t = np.float32(times[i])
+        for d in range(D):
+            for e in range(E):
+                summed[d, e] = np.float32(summed[d, e] + np.float32(t * block[i, d, e]))
+    return row_probs(summed)
+
+
+@njit(cache=True)
 def best_free(flat: np.ndarray, held: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray]:
     """The best ``limit`` positive entries of ``flat [n]`` (float32) not ``held [n]``, best first.
 
@@ -199,6 +291,61 @@ def gate_keep(
     return pays(p_used, block_s, busy, transfer_s, reuse, host_s, force_open)
 
 
+@njit(cache=True)
+def gate_plan(
+    rows: np.ndarray,
+    scores: np.ndarray,
+    held_rows: np.ndarray,
+    distance0: int,
+    precision: np.ndarray,
+    block_s: float,
+    busy: float,
+    transfer_s: float,
+    host_s: float,
+    force_open: bool,
+    held: np.ndarray,
+    p_use: np.ndarray,
+    layer: int,
+    num_experts: int,
+    num_slots: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """The gate over a plan in one call: the candidates of ``rows [D, E]`` a prefetch would copy
+    (not ``held_rows [D, E]``) ranked as :func:`ranked_free` ranks them, tested as
+    :func:`gate_keep` tests them. Returns ``(r, c, rank, paying [D, E], kept)``: the candidates
+    (for ``PrefetchGate.note``), ``scores`` with the candidates that do not pay zeroed (and every
+    non-candidate), and how many pay."""
+    r, c, rank = ranked_free(rows, held_rows)
+    out = np.zeros_like(scores)
+    if r.size == 0:
+        return r, c, rank, out, 0
+    keep = gate_keep(
+        r, c, rank, scores, distance0, precision, block_s, busy, transfer_s, host_s, force_open,
+        held, p_use, layer, num_experts, num_slots,
+    )  # fmt: skip
+    kept = 0
+    for i in range(r.size):
+        if keep[i]:
+            out[r[i], c[i]] = scores[r[i], c[i]]
+            kept += 1
+    return r, c, rank, out, kept
+
+
+@njit(cache=True)
+def blend(rows: np.ndarray, ahead: np.ndarray, weight: float) -> np.ndarray:
+    """``rows [n, E]`` (float32) with the router lookahead ``ahead [d, E]`` (``d <= n``) blended
+    into its first ``d`` rows: ``row_probs(rows[:d] + row_probs(ahead) * weight)``; a new array."""
+    out = rows.copy()
+    d = ahead.shape[0]
+    spec = row_probs(ahead)
+    w = np.float32(weight)
+    mixed = np.empty_like(spec)
+    for i in range(d):
+        for e in range(spec.shape[1]):
+            mixed[i, e] = np.float32(out[i, e] + np.float32(spec[i, e] * w))
+    out[:d] = row_probs(mixed)
+    return out
+
+
 _warm = False
 
 
@@ -218,4 +365,9 @@ def warm() -> None:
     r, c, rank = ranked_free(rows, held.reshape(1, 2))
     gate_keep(r, c, rank, rows, 1, one.reshape(1, 1), 1.0, 0.0, 1.0, 0.0, False, held, np.zeros(0), 0, 2, 1)
     pays(one, 1.0, 0.0, 1.0, one, 0.0, False)
+    weighted_row_probs(rows.reshape(1, 1, 2), np.ones(1, dtype=np.int64))
+    for p_use in (np.zeros(0), np.zeros(2, dtype=np.float32)):
+        args = (1.0, 0.0, 1.0, 0.0, False, held, p_use, 0, 2, 1)
+        gate_plan(rows, rows, held.reshape(1, 2), 1, one.reshape(1, 1), *args)
+    blend(rows, rows, 2.0)
     _warm = True
