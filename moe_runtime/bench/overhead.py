@@ -53,20 +53,9 @@ class _Timer:
         self.section_rows: list[list[int]] = []  # per routed layer: ns per SECTIONS entry
         self._sections = [0] * len(SECTIONS)
 
-    def wrap(self, index: int, fn: Any) -> Any:
-        cur, clock = self._cur, time.perf_counter_ns
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = clock()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                cur[index] += clock() - t0
-
-        return timed
-
-    def wrap_section(self, index: int, fn: Any) -> Any:
-        cur, clock = self._sections, time.perf_counter_ns
+    def wrap(self, index: int, fn: Any, section: bool = False) -> Any:
+        """``fn`` timed into hook ``index`` (or, with ``section``, into ``SECTIONS`` entry ``index``)."""
+        cur, clock = (self._sections if section else self._cur), time.perf_counter_ns
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             t0 = clock()
@@ -134,7 +123,7 @@ def measure(
             pf.gate.force_open = True
         if sections:
             for i, method in enumerate(SECTIONS.values()):
-                setattr(pf, method, timer.wrap_section(i, getattr(pf, method)))
+                setattr(pf, method, timer.wrap(i, getattr(pf, method), section=True))
         rec.record = timer.wrap(0, rec.record)
         for part in buf.parts:  # the cache policy itself: the simulator's clock replay is not host work
             part.policy.after_routing = timer.wrap(1, part.policy.after_routing)

@@ -347,12 +347,12 @@ class EAMPrefetch(PrefetchPolicy):
         t = self._transfer_s()
         # the predictor's candidates a prefetch would copy, ranked within their row, and those of
         # them that pay
-        r, c, rank, out, kept = kernels.gate_plan(
+        r, c, rank, keep, out = kernels.gate_plan(
             rows, scores, held, lo - layer, gate.precision(), t if b is None else b, gate.demand_busy,
             t, gate.host_s, gate.force_open, buf.held, self._victim_use(tokens), layer, E, buf.num_slots,
         )  # fmt: skip
         gate.note(lo - layer, lo, r, c, rank)
-        if not kept:
+        if not keep.any():
             if not self._queued:
                 return None
             self._queued = False

@@ -224,74 +224,6 @@ def pays(
 
 
 @njit(cache=True)
-def gate_keep(
-    r: np.ndarray,
-    c: np.ndarray,
-    rank: np.ndarray,
-    scores: np.ndarray,
-    distance0: int,
-    precision: np.ndarray,
-    block_s: float,
-    busy: float,
-    transfer_s: float,
-    host_s: float,
-    force_open: bool,
-    held: np.ndarray,
-    p_use: np.ndarray,
-    layer: int,
-    num_experts: int,
-    num_slots: int,
-) -> np.ndarray:
-    """``[n]`` bool: which candidates ``(r, c, rank)`` of ``scores [D, E]`` pass the gain/cost test
-    (:meth:`moe_runtime.prefetch.gate.PrefetchGate.pays`, same arithmetic).
-
-    ``distance0``: layers from the routed one to row 0; ``precision [Dg, E]``: the gate's
-    running precision by distance and rank; ``block_s``, ``busy``, ``transfer_s``,
-    ``host_s``: ``b``, ``q``, ``t`` and the plan's host seconds; ``held [L * E]``, ``p_use [L * E]``
-    (empty: no reuse term): the victims' next-step use, as ``EAMPrefetch._victim_reuse`` defines
-    it (the i-th prefetch in plan order, best score first, evicts the i-th least used held expert
-    not of ``layer`` once ``num_slots`` are full).
-    """
-    n = r.size
-    depth = precision.shape[0]
-    p_used = np.empty(n)
-    for i in range(n):
-        d = min(distance0 + r[i], depth) - 1
-        p_used[i] = precision[d, rank[i]]
-    reuse = np.zeros(n)
-    keep = pays(p_used, block_s, busy, transfer_s, reuse, host_s, force_open)
-    if not keep.any():
-        return keep
-    # the victims: free slots first (no reuse), then the held experts least used next step
-    n_held = 0
-    for i in range(held.size):
-        n_held += held[i]
-    free = max(0, num_slots - n_held)
-    if n <= free or p_use.size == 0:
-        return pays(p_used, block_s, busy, transfer_s, reuse, host_s, force_open)
-    lo, hi = layer * num_experts, (layer + 1) * num_experts
-    vals = np.empty(n_held)
-    m_avail = 0
-    for i in range(held.size):
-        if held[i] and not lo <= i < hi:  # the running layer's experts are pinned
-            vals[m_avail] = p_use[i]
-            m_avail += 1
-    victims = np.zeros(n)
-    m = min(n - free, m_avail)
-    if m > 0:
-        least = np.sort(np.partition(vals[:m_avail], m - 1)[:m])
-        victims[free : free + m] = least
-    victims[free + max(m, 0) :] = 1.0  # nothing left to evict: it cannot be placed anyway
-    neg = np.empty(n, dtype=scores.dtype)
-    for i in range(n):
-        neg[i] = -scores[r[i], c[i]]
-    order = np.argsort(neg, kind="mergesort")  # the plan's order: best first
-    for j in range(n):
-        reuse[order[j]] = victims[j]
-    return pays(p_used, block_s, busy, transfer_s, reuse, host_s, force_open)
-
-
-@njit(cache=True)
 def gate_plan(
     rows: np.ndarray,
     scores: np.ndarray,
@@ -308,26 +240,59 @@ def gate_plan(
     layer: int,
     num_experts: int,
     num_slots: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
-    """The gate over a plan in one call: the candidates of ``rows [D, E]`` a prefetch would copy
-    (not ``held_rows [D, E]``) ranked as :func:`ranked_free` ranks them, tested as
-    :func:`gate_keep` tests them. Returns ``(r, c, rank, paying [D, E], kept)``: the candidates
-    (for ``PrefetchGate.note``), ``scores`` with the candidates that do not pay zeroed (and every
-    non-candidate), and how many pay."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The gate over a plan in one call (``EAMPrefetch._paying``): the candidates of ``rows
+    [D, E]`` a prefetch would copy (not ``held_rows [D, E]``), ranked as :func:`ranked_free` ranks
+    them, and which of them pass the gain/cost test (:func:`pays`).
+
+    ``scores [D, E]``: the plan's scores (their order is the plan's order); ``distance0``: layers
+    from the routed one to row 0; ``precision [Dg, E]``: the gate's running precision by distance
+    and rank; ``block_s``, ``busy``, ``transfer_s``, ``host_s``: ``b``, ``q``, ``t`` and the plan's
+    host seconds; ``held [L * E]``, ``p_use [L * E]`` (empty: no reuse term): the victims'
+    next-step use (the i-th prefetch in plan order, best score first, evicts the i-th least used
+    held expert not of ``layer`` once ``num_slots`` are full).
+
+    Returns ``(r, c, rank, keep, paying)``: the candidates (for ``PrefetchGate.note``), ``[n]``
+    bool which pay, and ``scores`` with every entry but the paying candidates zeroed.
+    """
     r, c, rank = ranked_free(rows, held_rows)
-    out = np.zeros_like(scores)
-    if r.size == 0:
-        return r, c, rank, out, 0
-    keep = gate_keep(
-        r, c, rank, scores, distance0, precision, block_s, busy, transfer_s, host_s, force_open,
-        held, p_use, layer, num_experts, num_slots,
-    )  # fmt: skip
-    kept = 0
-    for i in range(r.size):
+    n = r.size
+    depth = precision.shape[0]
+    p_used = np.empty(n)
+    for i in range(n):
+        d = min(distance0 + r[i], depth) - 1
+        p_used[i] = precision[d, rank[i]]
+    reuse = np.zeros(n)
+    keep = pays(p_used, block_s, busy, transfer_s, reuse, host_s, force_open)
+    n_held = 0
+    for i in range(held.size):
+        n_held += held[i]
+    free = max(0, num_slots - n_held)
+    if keep.any() and n > free and p_use.size:  # an eviction only adds cost: check it then
+        lo, hi = layer * num_experts, (layer + 1) * num_experts
+        vals = np.empty(n_held)
+        m_avail = 0
+        for i in range(held.size):
+            if held[i] and not lo <= i < hi:  # the running layer's experts are pinned
+                vals[m_avail] = p_use[i]
+                m_avail += 1
+        victims = np.zeros(n)  # free slots first (no reuse), then the least used held experts
+        m = min(n - free, m_avail)
+        if m > 0:
+            victims[free : free + m] = np.sort(np.partition(vals[:m_avail], m - 1)[:m])
+        victims[free + max(m, 0) :] = 1.0  # nothing left to evict: it cannot be placed anyway
+        neg = np.empty(n, dtype=scores.dtype)
+        for i in range(n):
+            neg[i] = -scores[r[i], c[i]]
+        order = np.argsort(neg, kind="mergesort")  # the plan's order: best first
+        for j in range(n):
+            reuse[order[j]] = victims[j]
+        keep = pays(p_used, block_s, busy, transfer_s, reuse, host_s, force_open)
+    paying = np.zeros_like(scores)
+    for i in range(n):
         if keep[i]:
-            out[r[i], c[i]] = scores[r[i], c[i]]
-            kept += 1
-    return r, c, rank, out, kept
+            paying[r[i], c[i]] = scores[r[i], c[i]]
+    return r, c, rank, keep, paying
 
 
 @njit(cache=True)
@@ -362,8 +327,7 @@ def warm() -> None:
     best_free(rows.reshape(-1), held, 1)
     best_free(one, held[:1], 1)  # float64 scores (baselines)
     limit_scores(rows, 1, 0.0, one)
-    r, c, rank = ranked_free(rows, held.reshape(1, 2))
-    gate_keep(r, c, rank, rows, 1, one.reshape(1, 1), 1.0, 0.0, 1.0, 0.0, False, held, np.zeros(0), 0, 2, 1)
+    ranked_free(rows, held.reshape(1, 2))
     pays(one, 1.0, 0.0, 1.0, one, 0.0, False)
     weighted_row_probs(rows.reshape(1, 1, 2), np.ones(1, dtype=np.int64))
     for p_use in (np.zeros(0), np.zeros(2, dtype=np.float32)):
