@@ -145,3 +145,46 @@ def test_blend_equals_its_numpy_form(seed: int) -> None:
     want = rows.copy()
     want[:d] = kernels.row_probs(want[:d] + spec)
     np.testing.assert_array_equal(kernels.blend(rows, ahead, 2.0), want)
+
+
+def test_the_python_kernels_equal_the_compiled_ones() -> None:
+    """Without numba (``moe_runtime.jit``) the kernels run as written: same results."""
+    rng = np.random.default_rng(7)
+    E = 16
+    rows = _ties(rng, (2, E))
+    scores = (rows * 0.9).astype(np.float32)
+    held = rng.random(6 * E) < 0.3
+    args = (rows, scores, held[2 * E : 4 * E].reshape(2, E), 1, rng.random((2, E)), 0.5, 0.2, 0.3)
+    args += (0.0, False, held, rng.random(6 * E), 1, E, 40)
+    for fn, a in (
+        (kernels.gate_plan, args),
+        (kernels.best_free, (scores.reshape(-1), held[: 2 * E], 5)),
+        (kernels.limit_scores, (rows, 3, 0.0, np.array([0.9, 0.8]))),
+        (kernels.blend, (rows, rows[:1] + 0.5, 2.0)),
+        (kernels.weighted_row_probs, (rows.reshape(2, 1, E), np.array([3, 1]))),
+        (kernels.row_probs, ((rng.random((2, 300)) * 9).astype(np.float32),)),
+    ):
+        compiled, plain = fn(*a), fn.py_func(*a)
+        for x, y in zip(compiled if isinstance(compiled, tuple) else (compiled,),
+                        plain if isinstance(plain, tuple) else (plain,), strict=True):  # fmt: skip
+            np.testing.assert_array_equal(x, y)
+
+
+def test_the_python_replan_equals_the_compiled_one() -> None:
+    from moe_runtime.io.transfer_queue import _replan
+
+    rng = np.random.default_rng(3)
+    state = [rng.random(32) < 0.3, rng.random(32), rng.permutation(32).astype(np.int64), np.zeros(32)]
+    state.append(rng.random(32) < 0.1)
+    keys = rng.choice(32, size=9, replace=False).astype(np.int64)
+    prio = rng.choice([0.25, 0.5, 0.75], size=9)
+    for replace in (False, True):
+        a = [x.copy() for x in state]
+        b = [x.copy() for x in state]
+        n_prefetch = int(state[0].sum())
+        got = _replan(*a, True, keys, prio, replace, 1.0, 100, n_prefetch)
+        want = _replan.py_func(*b, True, keys, prio, replace, 1.0, 100, n_prefetch)
+        assert got[:5] == want[:5]
+        np.testing.assert_array_equal(got[5], want[5])
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_array_equal(x, y)

@@ -7,8 +7,8 @@ re-prioritised in). Not thread-safe: the owning buffer's lock guards it.
 NOTE: layout. A prefetch plan re-prioritises the whole queue after every MoE layer, and with
 hundreds of candidates (128-expert models, many later layers) per-entry Python work dominated the
 simulator. So prefetches live in per-key numpy arrays (queued flag, priority, FIFO sequence number,
-queue time) and :meth:`TransferQueue.replan` applies a plan with a handful of vectorised operations
-and one ``lexsort`` that fixes the pop order (none when the plan, best first, already is it); pops
+queue time) and :meth:`TransferQueue.replan` applies a plan in one compiled (numba) call, with one
+sort that fixes the pop order (none when the plan, best first, already is it); pops
 walk that order, an index array, skipping keys no longer queued (cancel and pop are O(1)). A single
 :meth:`~TransferQueue.push` of a prefetch re-sorts lazily at the next pop. Demands are a FIFO of
 :class:`Transfer` objects with lazy cancellation.
@@ -21,7 +21,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
-from numba import njit
+
+from moe_runtime.jit import njit
 
 
 @dataclass(slots=True, eq=False)

@@ -15,7 +15,8 @@ implementation: the runtime and the simulator both call them through the ``eam``
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from moe_runtime.jit import njit
 
 
 @njit(cache=True)
