@@ -102,7 +102,8 @@ class PrefetchGate:
         """
         if not r.size:
             return
-        bounds = np.flatnonzero(r[1:] != r[:-1]) + 1 if r.size > 1 else ()
+        # one layer (the default plan depth of 1): one group, no search for the row bounds
+        bounds = np.flatnonzero(r[1:] != r[:-1]) + 1 if r[0] != r[-1] else ()
         for lo, hi in zip((0, *bounds), (*bounds, r.size), strict=True):
             d = distance0 + int(r[lo])
             if 1 <= d <= self.depth:
