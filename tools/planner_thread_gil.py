@@ -23,7 +23,7 @@ import torch
 
 
 def plan_work(rng: np.random.Generator) -> None:
-    """About 180 small numpy calls on a [1, 128] row: a planning layer's kind of work."""
+    """About 240 small numpy calls on a [1, 128] row (~220 us here): a planning layer's kind of work."""
     a = rng.random((1, 128)).astype(np.float32)
     for _ in range(60):
         a = np.where(a > 0.5, a, 0.0)
