@@ -35,6 +35,17 @@ def test_json_reports_every_hook_with_spread_and_settings(capsys: pytest.Capture
         assert row["meets_budget"] == all(within.values())
 
 
+def test_sections_split_a_planning_layers_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["bench", "overhead", "--model-profile", "mixtral-8x7b", "--batch", "2", "--tokens", "3"]
+    args += ["--warm-requests", "2", "--warmup-steps", "1", "--repeats", "1"]
+    assert main([*args, "--sections", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["results"]
+    parts = [row[f"open_section_{name}_p50_us"] for name in ("predict", "blend", "gate", "queue")]
+    assert all(p >= 0 for p in parts) and parts[0] > 0 and parts[3] > 0  # every plan predicts and queues
+    # p50s of parts need not add up, but no part of a plan costs more than the whole plan's p90
+    assert max(parts) <= row["open_plan_p90_us"]
+
+
 @pytest.mark.parametrize("bad", [["--repeats", "0"], ["--buffer", "1.5"], ["--batch", "0"]])
 def test_bad_values_exit_2(bad: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "overhead", *bad]) == 2

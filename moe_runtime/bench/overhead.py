@@ -37,6 +37,10 @@ HOOKS_TOTAL = ("total", *HOOKS)
 FIGURES = (*HOOKS_TOTAL, "planned_total")  # planned_total: the layers that predicted a plan
 BUDGET_US = 50.0  # issue #15: p50 host work per MoE layer
 LOOKAHEAD_PRECISION = (0.647, 0.576, 0.493)  # bench lookahead, bundled model, d = 1..3 (timing only)
+# the parts of a planning layer's ``plan`` figure (--sections): EAMC matching and the per-layer
+# probabilities, the router lookahead's blend, the gain/cost test (ranking, victims) and the queue
+# update (best-k selection, TransferQueue.replan)
+SECTIONS = {"predict": "_predict_rows", "blend": "_blend_rows", "gate": "_paying", "queue": "issue"}
 EAM_CACHE = next(cache for label, _, cache, _ in COMBOS if label == "eam")  # the default row's cache
 
 
@@ -46,9 +50,12 @@ class _Timer:
     def __init__(self) -> None:
         self.rows: list[list[int]] = []  # per routed layer: ns per hook, in HOOKS order
         self._cur = [0, 0, 0, 0, 0]  # HOOKS, then the I/O side's work (not counted)
+        self.section_rows: list[list[int]] = []  # per routed layer: ns per SECTIONS entry
+        self._sections = [0] * len(SECTIONS)
 
-    def wrap(self, index: int, fn: Any) -> Any:
-        cur, clock = self._cur, time.perf_counter_ns
+    def wrap(self, index: int, fn: Any, section: bool = False) -> Any:
+        """``fn`` timed into hook ``index`` (or, with ``section``, into ``SECTIONS`` entry ``index``)."""
+        cur, clock = (self._sections if section else self._cur), time.perf_counter_ns
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             t0 = clock()
@@ -63,6 +70,8 @@ class _Timer:
         """End a routed layer; ``planned``: the prefetch policy predicted and tested a plan."""
         self.rows.append([*self._cur[:4], int(planned)])
         self._cur[:] = [0, 0, 0, 0, 0]
+        self.section_rows.append(self._sections[:])
+        self._sections[:] = [0] * len(SECTIONS)
 
 
 def measure(
@@ -77,10 +86,13 @@ def measure(
     seed: int,
     cache: str = "eam-reuse",
     gate_open: bool = False,
+    sections: bool = False,
 ) -> dict[str, Any]:
     """One repeat: p50/p90 per hook and in total (us per routed layer), fresh objects.
     ``gate_open``: the cost-aware gate issues every candidate (``PrefetchGate.force_open``), so
-    every layer plans, tests and issues.
+    every layer plans, tests and issues. ``sections``: also time the parts of a plan
+    (``SECTIONS``; their timers add to the ``plan`` figure) and return their p50 over the layers
+    that planned as ``sections``.
 
     Raises:
         ConfigError: unknown profile or hardware.
@@ -109,6 +121,9 @@ def measure(
         pf, rec, buf = state.prefetcher, state.recorder, state.buffer
         if gate_open and pf.gate is not None:
             pf.gate.force_open = True
+        if sections:
+            for i, method in enumerate(SECTIONS.values()):
+                setattr(pf, method, timer.wrap(i, getattr(pf, method), section=True))
         rec.record = timer.wrap(0, rec.record)
         for part in buf.parts:  # the cache policy itself: the simulator's clock replay is not host work
             part.policy.after_routing = timer.wrap(1, part.policy.after_routing)
@@ -156,6 +171,9 @@ def measure(
     out["planned_total"] = {
         q: float(np.percentile(full, v)) if len(full) else 0.0 for q, v in (("p50", 50), ("p90", 90))
     }
+    if sections and planned.any():
+        parts = np.asarray(timer.section_rows[mark[0] + warmup_steps * L :], dtype=np.float64)[planned] / 1e3
+        out["sections"] = {name: float(np.percentile(col, 50)) for name, col in zip(SECTIONS, parts.T)}
     return out
 
 
@@ -178,6 +196,11 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=3, help="fresh repeats (>= 1; median and spread)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache-policy", default=EAM_CACHE, help=f"cache policy (default: {EAM_CACHE})")
+    p.add_argument(
+        "--sections",
+        action="store_true",
+        help="also time the parts of a planning layer (gate open; the timers add to its figures)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
 
@@ -221,6 +244,7 @@ def run(args: argparse.Namespace) -> int:
                 args.seed + r,
                 args.cache_policy,
                 gate_open,
+                args.sections and gate_open,
             )  # fmt: skip
             for gate_open in (False, True)
             for r in range(args.repeats)
@@ -234,6 +258,11 @@ def run(args: argparse.Namespace) -> int:
                     vals = [r[name][q] for r in runs]
                     row[f"{prefix}{name}_{q}_us"] = round(statistics.median(vals), 1)
                     row[f"{prefix}{name}_{q}_spread_us"] = [round(min(vals), 1), round(max(vals), 1)]
+        if args.sections:  # p50 over the planning layers of the gate-open runs, median over repeats
+            for name in SECTIONS:
+                row[f"open_section_{name}_p50_us"] = round(
+                    statistics.median(r["sections"][name] for r in forced), 1
+                )
         row["budget_us"] = BUDGET_US
         # every layer must fit: the p50 over all layers, over the layers that plan, and with
         # the gate forced open (every layer plans and issues)
@@ -256,6 +285,9 @@ def run(args: argparse.Namespace) -> int:
             if not prefix:
                 parts.append(f"planned {r['planned_share']:.0%} of layers")
             print(" | ".join(parts))
+        if args.sections:
+            parts = [f"{name} p50 {r[f'open_section_{name}_p50_us']:.1f}" for name in SECTIONS]
+            print(f"batch {r['batch']:>3} gate open, plan parts | " + " | ".join(parts))
         verdict = ", ".join(
             f"{key} {'within' if r[f'{key}_within_budget'] else 'over'}"
             for key in ("total", "planned_total", "open_total")

@@ -7,8 +7,8 @@ re-prioritised in). Not thread-safe: the owning buffer's lock guards it.
 NOTE: layout. A prefetch plan re-prioritises the whole queue after every MoE layer, and with
 hundreds of candidates (128-expert models, many later layers) per-entry Python work dominated the
 simulator. So prefetches live in per-key numpy arrays (queued flag, priority, FIFO sequence number,
-queue time) and :meth:`TransferQueue.replan` applies a plan with a handful of vectorised operations
-and one ``lexsort`` that fixes the pop order (none when the plan, best first, already is it); pops
+queue time) and :meth:`TransferQueue.replan` applies a plan in one compiled (numba) call, with one
+sort that fixes the pop order (none when the plan, best first, already is it); pops
 walk that order, an index array, skipping keys no longer queued (cancel and pop are O(1)). A single
 :meth:`~TransferQueue.push` of a prefetch re-sorts lazily at the next pop. Demands are a FIFO of
 :class:`Transfer` objects with lazy cancellation.
@@ -21,6 +21,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from moe_runtime.jit import njit
 
 
 @dataclass(slots=True, eq=False)
@@ -59,6 +61,7 @@ class TransferQueue:
         self._cursor = 0
         self._order_ok = True
         self._head: Transfer | None = None  # the prefetch peek returned, until the queue changes
+        _warm()
 
     def __len__(self) -> int:
         return len(self._demand) + self._n_prefetch
@@ -118,63 +121,29 @@ class TransferQueue:
         behind the equal-priority ones (as if re-pushed, in plan order); a new key is queued
         (``queued_at = now``, default ``time.perf_counter()``). Returns ``(new prefetches,
         cancelled prefetches)``. Equivalent to cancelling what fell out and then pushing each
-        changed entry in plan order, which is what the tests check.
+        changed entry in plan order, which is what the tests check. One compiled call
+        (:func:`_replan`).
         """
         self._head = None
         keys = np.asarray(keys, dtype=np.int64)
         priorities = np.asarray(priorities, dtype=np.float64)
-        try:
-            was = self._queued[keys]
-        except IndexError:  # a key past the key space: grow (rare; sized by the owner)
-            self._fit(int(keys.max()))
-            was = self._queued[keys]
-        if self._demand:
-            demand = self._is_demand[keys]
-            if np.count_nonzero(demand):
-                free = ~demand
-                keys, priorities, was = keys[free], priorities[free], was[free]
-        queued, prio = self._queued, self._prio
-        n_was = int(np.count_nonzero(was))
-        issued = keys.size - n_was
-        cancelled = self._n_prefetch - n_was if replace else 0  # afterwards exactly ``keys`` are queued
-        changed = prio[keys] != priorities
-        if issued:
-            new = ~was
-            changed |= new
-            self._queued_at[keys[new] if n_was else keys] = time.perf_counter() if now is None else now
-        n_changed = int(np.count_nonzero(changed))
-        all_changed = n_changed == keys.size  # then the FIFO numbers below follow the plan order
-        if n_changed:
-            ch, pr = (keys, priorities) if all_changed else (keys[changed], priorities[changed])
-            self._seq[ch] = np.arange(self._next_seq, self._next_seq + n_changed)
-            self._next_seq += n_changed
-            prio[ch] = pr
-        if cancelled:
-            queued.fill(False)
-        if cancelled or issued:
-            queued[keys] = True
-        self._n_prefetch += issued - cancelled
-        if n_changed or cancelled:
-            self._sort((keys, priorities, all_changed) if replace else None)
+        if keys.size:
+            top = int(keys.max())
+            if top >= self._queued.size:  # a key past the key space: grow (rare; sized by the owner)
+                self._fit(top)
+        issued, cancelled, self._next_seq, self._n_prefetch, resorted, order = _replan(
+            self._queued, self._prio, self._seq, self._queued_at, self._is_demand, bool(self._demand),
+            keys, priorities, replace, time.perf_counter() if now is None else now, self._next_seq,
+            self._n_prefetch,
+        )  # fmt: skip
+        if resorted:
+            self._order, self._cursor, self._order_ok = order, 0, True
         return issued, cancelled
 
-    def _sort(self, plan: tuple[np.ndarray, np.ndarray, bool] | None = None) -> None:
-        """Fix the pop order of the queued prefetches: priority descending, then FIFO.
-
-        ``plan = (keys [n], priorities [n], in_fifo_order)`` when exactly the plan's keys are queued,
-        with their current priorities; ``in_fifo_order`` when their FIFO numbers increase along the
-        plan (every entry was just re-pushed). A plan then already by priority descending, as
-        :meth:`PrefetchPolicy.issue` builds them, is the pop order as it stands: no sort.
-        """
-        if plan is None:
-            keys = self._queued.nonzero()[0]
-            priorities, in_fifo_order = self._prio[keys], False
-        else:
-            keys, priorities, in_fifo_order = plan
-        if in_fifo_order and not np.count_nonzero(priorities[1:] > priorities[:-1]):
-            self._order = keys.copy()
-        else:
-            self._order = keys[np.lexsort((self._seq[keys], -priorities))]
+    def _sort(self) -> None:
+        """Fix the pop order of the queued prefetches: priority descending, then FIFO."""
+        keys = self._queued.nonzero()[0]
+        self._order = _pop_order(keys, self._prio[keys], self._seq)
         self._cursor = 0
         self._order_ok = True
 
@@ -232,3 +201,105 @@ class TransferQueue:
     def queued_prefetch_keys(self) -> list[int]:
         """Keys queued as prefetches (ascending)."""
         return np.flatnonzero(self._queued).tolist()
+
+
+@njit(cache=True)
+def _pop_order(keys: np.ndarray, priorities: np.ndarray, seq: np.ndarray) -> np.ndarray:
+    """``keys`` by ``priorities`` descending, then FIFO number ``seq[key]`` ascending."""
+    fifo = np.empty(keys.size, dtype=np.int64)
+    for i in range(keys.size):
+        fifo[i] = seq[keys[i]]
+    by_fifo = np.argsort(fifo, kind="mergesort")
+    neg = np.empty(keys.size)
+    for i in range(keys.size):
+        neg[i] = -priorities[by_fifo[i]]
+    return keys[by_fifo[np.argsort(neg, kind="mergesort")]]
+
+
+@njit(cache=True)
+def _replan(
+    queued: np.ndarray,
+    prio: np.ndarray,
+    seq: np.ndarray,
+    queued_at: np.ndarray,
+    is_demand: np.ndarray,
+    any_demand: bool,
+    keys: np.ndarray,
+    priorities: np.ndarray,
+    replace: bool,
+    now: float,
+    next_seq: int,
+    n_prefetch: int,
+) -> tuple[int, int, int, int, bool, np.ndarray]:
+    """:meth:`TransferQueue.replan` on the queue's per-key arrays (changed in place; every key
+    within them). Returns ``(issued, cancelled, next FIFO number, queued prefetches, resorted,
+    pop order)``; the pop order is valid only when ``resorted``.
+
+    A plan already by priority descending whose every entry is re-pushed (so FIFO numbers rise
+    along it), as :meth:`PrefetchPolicy.issue` builds them, is the pop order as it stands: no sort.
+    """
+    if any_demand:  # a key queued as demand is left alone
+        m = 0
+        kept_keys = np.empty(keys.size, dtype=np.int64)
+        kept_prio = np.empty(keys.size)
+        for i in range(keys.size):
+            if not is_demand[keys[i]]:
+                kept_keys[m], kept_prio[m] = keys[i], priorities[i]
+                m += 1
+        keys, priorities = kept_keys[:m], kept_prio[:m]
+    n = keys.size
+    n_was = 0
+    for i in range(n):
+        n_was += queued[keys[i]]
+    issued = n - n_was
+    cancelled = n_prefetch - n_was if replace else 0  # afterwards exactly ``keys`` are queued
+    n_changed = 0
+    for i in range(n):  # changed entries are re-pushed in plan order
+        k = keys[i]
+        if not queued[k]:
+            queued_at[k] = now
+        elif prio[k] == priorities[i]:
+            continue
+        seq[k] = next_seq
+        next_seq += 1
+        prio[k] = priorities[i]
+        n_changed += 1
+    if cancelled:
+        queued[:] = False
+    if cancelled or issued:
+        for i in range(n):
+            queued[keys[i]] = True
+    n_prefetch += issued - cancelled
+    if not (n_changed or cancelled):
+        return issued, cancelled, next_seq, n_prefetch, False, keys
+    if not replace:  # other prefetches stay queued: sort them all
+        order = np.flatnonzero(queued)
+        queued_prio = np.empty(order.size)
+        for i in range(order.size):
+            queued_prio[i] = prio[order[i]]
+        return issued, cancelled, next_seq, n_prefetch, True, _pop_order(order, queued_prio, seq)
+    if n_changed == n:  # every entry re-pushed: FIFO numbers follow the plan
+        falling = True
+        for i in range(1, n):
+            if priorities[i] > priorities[i - 1]:
+                falling = False
+                break
+        if falling:
+            return issued, cancelled, next_seq, n_prefetch, True, keys.copy()
+    return issued, cancelled, next_seq, n_prefetch, True, _pop_order(keys, priorities, seq)
+
+
+_warm_done = False
+
+
+def _warm() -> None:
+    """Compile (or load from numba's on-disk cache) the replan kernel once per process, at the
+    first queue's creation rather than on the first plan's clock (up to a second)."""
+    global _warm_done
+    if _warm_done:
+        return
+    flags, values = np.zeros(2, dtype=bool), np.zeros(2)
+    for replace in (False, True):
+        _replan(flags, values.copy(), np.zeros(2, dtype=np.int64), values.copy(), flags.copy(), False,
+                np.array([1, 0]), np.array([0.5, 1.0]), replace, 0.0, 0, 0)  # fmt: skip
+    _warm_done = True

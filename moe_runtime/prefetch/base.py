@@ -14,8 +14,7 @@ from typing import Any
 
 import numpy as np
 
-# Candidate sets up to this size are sorted whole: below it a partial selection costs more than it saves.
-_SORT_ALL_BELOW = 256
+from moe_runtime.prefetch import kernels
 
 
 class PrefetchPolicy:
@@ -56,7 +55,9 @@ class PrefetchPolicy:
     # ------------------------------------------------------------------ shared plan builder
     def proximity(self, layer: int) -> np.ndarray:
         """``[L]`` weights ``1 - (i - l) / L`` for layers ``l < i <= l + depth``, 0 elsewhere (§5.1)."""
-        # The weights depend only on (layer, depth, L): cached per policy, returned read-only.
+        # The weights depend only on (layer, depth, L): cached per policy and shared, so callers
+        # must not write to them. (Not flagged read-only: numba's dispatcher types a read-only
+        # array on a slow path, ~50 us per call.)
         cache = self.__dict__.setdefault("_proximity_cache", {})
         key = (layer, self.depth, self.num_layers)
         w = cache.get(key)
@@ -64,7 +65,6 @@ class PrefetchPolicy:
             i = np.arange(self.num_layers)
             w = 1.0 - (i - layer) / self.num_layers
             w[(i <= layer) | (i > layer + self.depth)] = 0.0
-            w.setflags(write=False)
             cache[key] = w
         return w
 
@@ -79,24 +79,16 @@ class PrefetchPolicy:
         queued prefetches not in it are cancelled.
         """
         # The plan is the best ``k`` candidates (score > 0, stably sorted: equal scores in ascending
-        # key order) that are not resident or loading (the buffer's ``held`` mask). A large candidate
-        # set is first cut to the best ``k`` (plus ties) so that only those are sorted. Numpy calls
-        # cost about a microsecond each and this runs once per MoE layer, so method forms
-        # (``nonzero``, ``argsort``) are used: they skip the function wrappers' dispatch.
+        # key order) that are not resident or loading (the buffer's ``held`` mask): one compiled
+        # call (``kernels.best_free``), as this runs once per planning MoE layer.
         flat = scores.reshape(-1)
         base = first_layer * self.num_experts  # flat key of the window's first entry
         buf = self.buffer
         with buf.cond:
             k = buf.prefetch_capacity() if limit is None else limit
             if k > 0:
-                cand = ((flat > 0) & ~buf.held[base : base + flat.size]).nonzero()[0]
-                vals = flat[cand]
-                if len(cand) > max(2 * k, _SORT_ALL_BELOW):
-                    kth = np.partition(vals, len(cand) - k)[len(cand) - k]  # k-th largest score
-                    best = (vals >= kth).nonzero()[0]  # the best k, plus any tied with the k-th
-                    cand, vals = cand[best], vals[best]
-                order = (-vals).argsort(kind="stable")[:k]
-                keys, priorities = cand[order] + base, vals[order]
+                keys, priorities = kernels.best_free(flat, buf.held[base : base + flat.size], k)
+                keys += base
             else:
                 keys, priorities = np.zeros(0, dtype=np.int64), flat[:0]
             buf.prefetch(keys, priorities, replace=True)

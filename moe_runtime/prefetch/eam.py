@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from moe_runtime.errors import ConfigError
+from moe_runtime.prefetch import kernels
 from moe_runtime.prefetch.base import PrefetchPolicy
 from moe_runtime.prefetch.gate import ModeTrial, PrefetchGate, clock
 from tracer.prefix_match import PrefixMatcher
@@ -35,6 +36,7 @@ from tracer.prefix_match import PrefixMatcher
 # B=1 L=32 E=8 n=1000 (256k multiply-adds): 21 vs 33; B=4, same (1.0M): 79 vs 36;
 # B=8 L=48 E=128 n=16 (786k): 66 vs 31; B=1 L=48 E=128 n=16 (98k): 15 vs 16.
 INCREMENTAL_MIN_MACS = 512 * 1024
+_NO_USE = np.zeros(0)  # no victim-use term (EAMPrefetch._victim_use)
 
 
 class EAMPrefetch(PrefetchPolicy):
@@ -77,6 +79,7 @@ class EAMPrefetch(PrefetchPolicy):
                 "(created automatically by the engine)"
             )
         self.eamc = eamc
+        kernels.warm()
         self.matches = matches
         self.min_prob = min_prob
         self.own_weight = own_weight
@@ -172,10 +175,9 @@ class EAMPrefetch(PrefetchPolicy):
                 times = np.bincount(idx[idx >= 0], minlength=n)  # [n] times matched
             key = (self.eamc.version, times.tobytes())
             if key != self._eamc_key or not covered:
-                matched = np.flatnonzero(times)
-                block = self.eamc.entries()[matched, lo:hi].reshape(len(matched), -1)  # [m, D * E]
-                summed = np.einsum("m,mf->f", times[matched].astype(np.float32), block)
-                self._eamc_block = _row_probs(summed.reshape(hi - lo, -1)) if len(matched) else None
+                matched = times.nonzero()[0]
+                block = self.eamc.entries()[matched, lo:hi]  # [m, D, E], a copy
+                self._eamc_block = kernels.weighted_row_probs(block, times[matched]) if len(matched) else None
                 self._eamc_key, covered = key, False
         if not covered:
             own = self._own[lo:hi]
@@ -250,10 +252,9 @@ class EAMPrefetch(PrefetchPolicy):
         d = min(self.lookahead_depth, n, len(ahead[1]))
         if d <= 0:
             return rows
-        spec = _row_probs(ahead[1][:d].astype(np.float32)) * self.lookahead_weight  # [d, E]
-        out = np.zeros((n, self.num_experts), np.float32) if rows is None else rows.copy()
-        out[:d] = _row_probs(out[:d] + spec)
-        return out
+        base = np.zeros((n, self.num_experts), np.float32) if rows is None else rows
+        spec = np.ascontiguousarray(ahead[1][:d], dtype=np.float32)
+        return kernels.blend(base, spec, self.lookahead_weight)  # [n, E]
 
     @property
     def last_probs(self) -> np.ndarray | None:
@@ -317,14 +318,15 @@ class EAMPrefetch(PrefetchPolicy):
         # A later layer will need at most as many experts as this step routes (tokens x top-k):
         # keep only that many of its most likely experts, so the plan does not flood the link.
         cap = min(self.num_experts, topk_ids.size)
+        weights = self.proximity(layer)[lo : lo + len(probs)]
         if probs is base:  # the step's cached rows: limit them once per step
             if self._limited is None or self._limited[0] != cap:
                 self._limited = (cap, _limit(self._final, cap, self.min_prob))
             w0 = self._window[0]
-            rows = self._limited[1][lo - w0 : lo - w0 + len(probs)]
+            cached = self._limited[1][lo - w0 : lo - w0 + len(probs)]
+            rows, scores = kernels.limit_scores(cached, 0, 0.0, weights)  # already limited: weights only
         else:
-            rows = _limit(probs, cap, self.min_prob)
-        scores = (rows * self.proximity(layer)[lo : lo + len(rows), None]).astype(probs.dtype, copy=False)
+            rows, scores = kernels.limit_scores(probs, cap, self.min_prob, weights)
         if gate is not None:
             scores = self._paying(gate, layer, lo, rows, scores, topk_ids.shape[0])
             if scores is None:  # nothing pays and nothing of ours is queued: on-demand
@@ -336,59 +338,41 @@ class EAMPrefetch(PrefetchPolicy):
     ) -> np.ndarray | None:
         """``scores [D, E]`` with the candidates whose expected gain does not beat their expected
         cost zeroed (``moe_runtime.prefetch.gate``); None when none pays and no plan of ours is
-        queued (nothing to hand the buffer)."""
+        queued (nothing to hand the buffer). One compiled call ranks the candidates, tests them
+        and finds their victims (``moe_runtime.prefetch.kernels``)."""
         E = self.num_experts
-        held = self.buffer.held[lo * E : lo * E + rows.size].reshape(rows.shape)
-        r, c, rank = _ranked(rows)  # the predictor's candidates, ranked within their row
-        free = ~held[r, c]
-        r, c, rank = r[free], c[free], rank[free]  # the ones a prefetch would copy
+        buf = self.buffer
+        held = buf.held[lo * E : lo * E + rows.size].reshape(rows.shape)
+        b = gate.block_per_miss_s
+        t = self._transfer_s()
+        # the predictor's candidates a prefetch would copy, ranked within their row, and those of
+        # them that pay
+        r, c, rank, keep, out = kernels.gate_plan(
+            rows, scores, held, lo - layer, gate.precision(), t if b is None else b, gate.demand_busy,
+            t, gate.host_s, gate.force_open, buf.held, self._victim_use(tokens), layer, E, buf.num_slots,
+        )  # fmt: skip
         gate.note(lo - layer, lo, r, c, rank)
-        if r.size:
-            p_used = gate.precision()[np.minimum(lo + r - layer, gate.depth) - 1, rank]
-            t = self._transfer_s()
-            reuse = np.zeros(r.size)
-            if gate.pays(p_used, t, reuse).any():  # an eviction only adds cost: check it then
-                order = (-scores[r, c]).argsort(kind="stable")  # the plan's order: best first
-                reuse[order] = self._victim_reuse(layer, r.size, tokens)
-                keep = gate.pays(p_used, t, reuse)
-                r, c = r[keep], c[keep]
-            else:
-                r = r[:0]
-        if not r.size:
+        if not keep.any():
             if not self._queued:
                 return None
             self._queued = False
-            return np.zeros_like(scores)
-        self._queued = True
-        out = np.zeros_like(scores)
-        out[r, c] = scores[r, c]
+        else:
+            self._queued = True
         return out
 
-    def _victim_reuse(self, layer: int, n: int, tokens: int) -> np.ndarray:
-        """``[n]`` chance that the expert the i-th prefetch of a plan evicts is used in the next
-        step: 0 while free slots last, then the resident experts (not of ``layer``) lowest first,
-        ``p = 1 - (1 - share)^T`` from the batch's own EAM (``share``: its tokens' share routed
-        to the expert so far, ``T`` tokens per step), as the ``eam-reuse`` cache scores slots."""
-        buf, E = self.buffer, self.num_experts
-        held = buf.held
-        n_held = int(held.sum())
-        free = max(0, buf.num_slots - n_held)
-        out = np.zeros(n)
-        if n <= free or self._own is None:
-            return out
+    def _victim_use(self, tokens: int) -> np.ndarray:
+        """``[L * E]`` chance each expert is used in the next step, ``p = 1 - (1 - share)^T`` from
+        the batch's own EAM (``share``: its tokens' share routed to the expert so far, ``T``
+        tokens per step), as the ``eam-reuse`` cache scores slots; computed once per step. Empty
+        before the step's own term exists (no reuse term then)."""
         own = self._own
+        if own is None:
+            return _NO_USE
         if self._p_use is None or self._p_use[0] is not own or self._p_use[1] != tokens:  # once a step
             weight = self.own_weight if self.own_weight > 0 else 1.0
             share = np.minimum(own.reshape(-1) * (self.top_k / weight), 1.0)
             self._p_use = (own, tokens, 1.0 - (1.0 - share) ** tokens)  # [L * E]
-        p = np.where(held, self._p_use[2], np.inf)
-        p[layer * E : (layer + 1) * E] = np.inf  # the running layer's experts are pinned
-        avail = n_held - int(held[layer * E : (layer + 1) * E].sum())
-        m = min(n - free, avail)
-        if m > 0:
-            out[free : free + m] = np.sort(np.partition(p, m - 1)[:m])
-        out[free + max(m, 0) :] = 1.0  # nothing left to evict: it cannot be placed anyway
-        return out
+        return self._p_use[2]
 
     def _lean(self, lean: bool) -> None:
         """Run as on-demand + LRU (``lean``) or as the full policy again: with ``lean`` what the
@@ -437,29 +421,17 @@ class EAMPrefetch(PrefetchPolicy):
 def _ranked(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The positive entries of ``rows [D, E]`` as ``(row [n], column [n], rank [n])``, row-major;
     ``rank`` is the entry's place in its row by falling value (0 = largest; ties: lower column
-    first), as a stable descending sort of the whole row ranks it."""
-    r, c = (rows > 0).nonzero()
-    if r.size <= 1:
-        return r, c, np.zeros(r.size, dtype=np.int64)
-    order = np.lexsort((c, -rows[r, c], r))  # by row, then value falling, then column
-    first = np.searchsorted(r, r[order])  # each sorted entry's row start (r is row-major sorted)
-    rank = np.empty(r.size, dtype=np.int64)
-    rank[order] = np.arange(r.size) - first
-    return r, c, rank
+    first), as a stable descending sort of the whole row ranks it (``kernels.ranked_free``)."""
+    return kernels.ranked_free(np.ascontiguousarray(rows, dtype=np.float32), np.zeros(rows.shape, dtype=bool))
 
 
 def _limit(rows: np.ndarray, cap: int, min_prob: float) -> np.ndarray:
-    """``rows [D, E]`` with entries below ``min_prob`` and outside each row's ``cap`` largest zeroed."""
-    if min_prob > 0:
-        rows = np.where(rows >= min_prob, rows, 0.0)
-    if 0 < cap < rows.shape[1]:
-        kth = -np.partition(-rows, cap - 1, axis=1)[:, cap - 1 : cap]  # [D, 1] cap-th largest
-        rows = np.where(rows >= kth, rows, 0.0)
-    return rows
+    """``rows [D, E]`` (float32) with entries below ``min_prob`` and outside each row's ``cap``
+    largest zeroed (``kernels.limit_scores``)."""
+    return kernels.limit_scores(rows, cap, min_prob, np.ones(len(rows)))[0]
 
 
 def _row_probs(x: np.ndarray) -> np.ndarray:
-    """Each row of ``x [L, E]`` (non-negative) scaled to sum to 1, as float32; zero rows stay zero."""
-    totals = x.sum(axis=1, keepdims=True, dtype=np.float32)
-    totals[totals == 0] = 1.0  # a zero row divided by 1 stays zero
-    return (x / totals).astype(np.float32, copy=False)
+    """Each row of ``x [L, E]`` (non-negative) scaled to sum to 1, as float32; zero rows stay zero
+    (``kernels.row_probs``)."""
+    return kernels.row_probs(np.ascontiguousarray(x, dtype=np.float32))

@@ -39,6 +39,8 @@ from typing import Any
 
 import numpy as np
 
+from moe_runtime.prefetch import kernels
+
 # Weight of the past in the per-step link figures (b, q): they follow the load within a few steps.
 LINK_DECAY = 0.8
 
@@ -100,7 +102,8 @@ class PrefetchGate:
         """
         if not r.size:
             return
-        bounds = np.flatnonzero(r[1:] != r[:-1]) + 1 if r.size > 1 else ()
+        # one layer (the default plan depth of 1): one group, no search for the row bounds
+        bounds = np.flatnonzero(r[1:] != r[:-1]) + 1 if r[0] != r[-1] else ()
         for lo, hi in zip((0, *bounds), (*bounds, r.size), strict=True):
             d = distance0 + int(r[lo])
             if 1 <= d <= self.depth:
@@ -164,14 +167,9 @@ class PrefetchGate:
                 free slot).
         """
         b = transfer_s if self.block_per_miss_s is None else self.block_per_miss_s
-        gain = p_used * b * (1.0 - self.demand_busy)
-        cost = (1.0 - p_used) * self.demand_busy * transfer_s + reuse * b
-        keep = gain > cost
-        if self.force_open:
-            keep[:] = True
-        elif self.host_s > 0 and keep.any() and float((gain - cost)[keep].sum()) <= self.host_s:
-            keep[:] = False  # the plan saves less than the host time it costs: on-demand
-        return keep
+        p_used = np.ascontiguousarray(p_used, dtype=np.float64)
+        reuse = np.ascontiguousarray(reuse, dtype=np.float64)
+        return kernels.pays(p_used, b, self.demand_busy, transfer_s, reuse, self.host_s, self.force_open)
 
     def note_host_time(self, seconds: float) -> None:
         """A planning layer cost the compute thread ``seconds`` (planning and router lookahead;

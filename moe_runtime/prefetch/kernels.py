@@ -1,0 +1,338 @@
+"""Compiled (numba) kernels of the prefetch plan: the per-candidate work of one planning layer.
+
+NOTE: why compiled. A plan at the Qwen3-30B-A3B shape (48 layers, 128 experts, top-8) ranks,
+gates and selects up to a few hundred candidates; written as numpy it was dozens of calls of about
+a microsecond each per planning layer (the plan cost three to six times issue #15's 50 us budget
+for a whole MoE layer). Each kernel here is one call. They compute exactly what the numpy code
+they replaced computed (same float operations in the same order, stable sorts with the same tie
+rules; only the runtime's host-time check sums in another order), so plans, and the
+simulator's outputs, are bit-identical (``tools/sim_fingerprint.py``). They are the only
+implementation: the runtime and the simulator both call them through the ``eam`` policy and
+:meth:`moe_runtime.prefetch.base.PrefetchPolicy.issue`. ``cache=True`` keeps the machine code in
+``__pycache__``, so only the first import on a host compiles (a few seconds).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moe_runtime.jit import njit
+
+
+@njit(cache=True)
+def _block_sum(a: np.ndarray, lo: int, n: int) -> np.float32:
+    """float32 sum of ``a[lo : lo + n]``, ``n <= 128``, in numpy's order (below 8 one running
+    sum, else 8 running sums combined pairwise, then the remainder)."""
+    if n < 8:
+        res = np.float32(0.0)
+        for i in range(n):
+            res = np.float32(res + a[lo + i])
+        return res
+    r0, r1, r2, r3 = a[lo], a[lo + 1], a[lo + 2], a[lo + 3]
+    r4, r5, r6, r7 = a[lo + 4], a[lo + 5], a[lo + 6], a[lo + 7]
+    i = 8
+    end = n - n % 8
+    while i < end:
+        j = lo + i
+        r0, r1 = np.float32(r0 + a[j]), np.float32(r1 + a[j + 1])
+        r2, r3 = np.float32(r2 + a[j + 2]), np.float32(r3 + a[j + 3])
+        r4, r5 = np.float32(r4 + a[j + 4]), np.float32(r5 + a[j + 5])
+        r6, r7 = np.float32(r6 + a[j + 6]), np.float32(r7 + a[j + 7])
+        i += 8
+    left = np.float32(np.float32(r0 + r1) + np.float32(r2 + r3))
+    res = np.float32(left + np.float32(np.float32(r4 + r5) + np.float32(r6 + r7)))
+    while i < n:
+        res = np.float32(res + a[lo + i])
+        i += 1
+    return res
+
+
+@njit(cache=True)
+def _pairwise_sum(a: np.ndarray, n: int) -> np.float32:
+    """float32 sum of ``a[:n]`` in numpy's pairwise order, so it equals ``a.sum(dtype=np.float32)``:
+    blocks of up to 128 (:func:`_block_sum`), longer spans halved on a multiple of 8, left + right.
+    Iterative (an explicit stack): numba's on-disk cache crashes on recursive functions."""
+    if n <= 128:
+        return _block_sum(a, 0, n)
+    los = np.empty(64, dtype=np.int64)
+    ns = np.empty(64, dtype=np.int64)
+    step = np.zeros(64, dtype=np.int64)  # 0: left next, 1: right next, 2: combine
+    vals = np.empty(64, dtype=np.float32)
+    sp, vp = 0, 0
+    los[0], ns[0] = 0, n
+    while sp >= 0:
+        lo, m = los[sp], ns[sp]
+        if m <= 128:
+            vals[vp] = _block_sum(a, lo, m)
+            vp += 1
+            sp -= 1
+            continue
+        half = m // 2
+        half -= half % 8
+        if step[sp] == 2:
+            vals[vp - 2] = np.float32(vals[vp - 2] + vals[vp - 1])
+            vp -= 1
+            sp -= 1
+            continue
+        child_lo, child_n = (lo, half) if step[sp] == 0 else (lo + half, m - half)
+        step[sp] += 1
+        sp += 1
+        los[sp], ns[sp], step[sp] = child_lo, child_n, 0
+    return vals[0]
+
+
+@njit(cache=True)
+def row_probs(x: np.ndarray) -> np.ndarray:
+    """Each row of ``x [D, E]`` (float32, non-negative) divided by its sum, as
+    ``x / x.sum(axis=1, keepdims=True, dtype=np.float32)`` computes it; zero rows stay zero."""
+    D, E = x.shape
+    out = np.empty_like(x)
+    for d in range(D):
+        total = _pairwise_sum(x[d], E)
+        if total == 0:
+            total = np.float32(1.0)
+        for e in range(E):
+            out[d, e] = x[d, e] / total
+    return out
+
+
+@njit(cache=True)
+def weighted_row_probs(block: np.ndarray, times: np.ndarray) -> np.ndarray:
+    """:func:`row_probs` of ``sum_m times[m] * block[m]`` (``block [m, D, E]`` float32, ``times
+    [m]`` int64), each product rounded to float32 and added in ``m`` order as
+    ``np.einsum("m,mf->f", times.astype(np.float32), block)`` does."""
+    m, D, E = block.shape
+    summed = np.zeros((D, E), dtype=np.float32)
+    for i in range(m):
+        t = np.float32(times[i])
+        for d in range(D):
+            for e in range(E):
+                summed[d, e] = np.float32(summed[d, e] + np.float32(t * block[i, d, e]))
+    return row_probs(summed)
+
+
+@njit(cache=True)
+def best_free(flat: np.ndarray, held: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray]:
+    """The best ``limit`` positive entries of ``flat [n]`` (float32) not ``held [n]``, best first.
+
+    Returns ``(positions [m] int64, values [m] float32)``, ``m <= limit``; equal values keep
+    ascending position order (a stable descending sort).
+    """
+    n = flat.size
+    cand = np.empty(n, dtype=np.int64)
+    m = 0
+    for i in range(n):
+        if flat[i] > 0 and not held[i]:
+            cand[m] = i
+            m += 1
+    cand = cand[:m]
+    neg = np.empty(m, dtype=flat.dtype)
+    for j in range(m):
+        neg[j] = -flat[cand[j]]
+    order = np.argsort(neg, kind="mergesort")[:limit]
+    keys = cand[order]
+    vals = np.empty(keys.size, dtype=flat.dtype)
+    for j in range(keys.size):
+        vals[j] = flat[keys[j]]
+    return keys, vals
+
+
+@njit(cache=True)
+def limit_scores(
+    probs: np.ndarray, cap: int, min_prob: float, weights: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each row of ``probs [D, E]`` (float32) with entries below ``min_prob`` and outside its
+    ``cap`` largest (ties with the ``cap``-th kept) zeroed, and those rows times ``weights [D]``
+    (float64, rounded back to float32). Returns ``(rows [D, E], scores [D, E])``, both float32."""
+    D, E = probs.shape
+    rows = np.empty_like(probs)
+    scores = np.empty_like(probs)
+    for d in range(D):
+        row = probs[d].copy()
+        if min_prob > 0:
+            for e in range(E):
+                if not row[e] >= min_prob:
+                    row[e] = 0.0
+        if 0 < cap < E:
+            kth = np.partition(-row, cap - 1)[cap - 1]  # minus the cap-th largest
+            for e in range(E):
+                if not row[e] >= -kth:
+                    row[e] = 0.0
+        w = weights[d]
+        for e in range(E):
+            rows[d, e] = row[e]
+            scores[d, e] = np.float32(np.float64(row[e]) * w)
+    return rows, scores
+
+
+@njit(cache=True)
+def ranked_free(rows: np.ndarray, held: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The positive entries of ``rows [D, E]`` not ``held [D, E]`` as ``(row, column, rank)``,
+    row-major; ``rank`` is the entry's place in its row by falling value over all positive
+    entries (held ones too; 0 = largest, ties: lower column first)."""
+    D, E = rows.shape
+    r = np.empty(D * E, dtype=np.int64)
+    c = np.empty(D * E, dtype=np.int64)
+    rank = np.empty(D * E, dtype=np.int64)
+    inv = np.empty(E, dtype=np.int64)
+    n = 0
+    for d in range(D):
+        order = np.argsort(-rows[d], kind="mergesort")
+        for j in range(E):
+            inv[order[j]] = j
+        for e in range(E):
+            if rows[d, e] > 0 and not held[d, e]:
+                r[n], c[n], rank[n] = d, e, inv[e]
+                n += 1
+    return r[:n], c[:n], rank[:n]
+
+
+@njit(cache=True)
+def pays(
+    p_used: np.ndarray,
+    block_s: float,
+    busy: float,
+    transfer_s: float,
+    reuse: np.ndarray,
+    host_s: float,
+    force_open: bool,
+) -> np.ndarray:
+    """``[n]`` bool: gain ``p * b * (1 - q)`` beats cost ``(1 - p) * q * t + reuse * b`` for each
+    candidate (``PrefetchGate.pays`` documents the terms); all True with ``force_open``; all False
+    when the kept candidates' summed ``gain - cost`` does not beat ``host_s`` (> 0)."""
+    n = p_used.size
+    keep = np.empty(n, dtype=np.bool_)
+    any_keep = False
+    for i in range(n):
+        gain = p_used[i] * block_s * (1.0 - busy)
+        cost = (1.0 - p_used[i]) * busy * transfer_s + reuse[i] * block_s
+        keep[i] = gain > cost
+        any_keep |= keep[i]
+    if force_open:
+        keep[:] = True
+    elif host_s > 0 and any_keep:
+        net = np.empty(n)
+        m = 0
+        for i in range(n):
+            if keep[i]:
+                net[m] = p_used[i] * block_s * (1.0 - busy) - (
+                    (1.0 - p_used[i]) * busy * transfer_s + reuse[i] * block_s
+                )
+                m += 1
+        if net[:m].sum() <= host_s:
+            keep[:] = False
+    return keep
+
+
+@njit(cache=True)
+def gate_plan(
+    rows: np.ndarray,
+    scores: np.ndarray,
+    held_rows: np.ndarray,
+    distance0: int,
+    precision: np.ndarray,
+    block_s: float,
+    busy: float,
+    transfer_s: float,
+    host_s: float,
+    force_open: bool,
+    held: np.ndarray,
+    p_use: np.ndarray,
+    layer: int,
+    num_experts: int,
+    num_slots: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The gate over a plan in one call (``EAMPrefetch._paying``): the candidates of ``rows
+    [D, E]`` a prefetch would copy (not ``held_rows [D, E]``), ranked as :func:`ranked_free` ranks
+    them, and which of them pass the gain/cost test (:func:`pays`).
+
+    ``scores [D, E]``: the plan's scores (their order is the plan's order); ``distance0``: layers
+    from the routed one to row 0; ``precision [Dg, E]``: the gate's running precision by distance
+    and rank; ``block_s``, ``busy``, ``transfer_s``, ``host_s``: ``b``, ``q``, ``t`` and the plan's
+    host seconds; ``held [L * E]``, ``p_use [L * E]`` (empty: no reuse term): the victims'
+    next-step use (the i-th prefetch in plan order, best score first, evicts the i-th least used
+    held expert not of ``layer`` once ``num_slots`` are full).
+
+    Returns ``(r, c, rank, keep, paying)``: the candidates (for ``PrefetchGate.note``), ``[n]``
+    bool which pay, and ``scores`` with every entry but the paying candidates zeroed.
+    """
+    r, c, rank = ranked_free(rows, held_rows)
+    n = r.size
+    depth = precision.shape[0]
+    p_used = np.empty(n)
+    for i in range(n):
+        d = min(distance0 + r[i], depth) - 1
+        p_used[i] = precision[d, rank[i]]
+    reuse = np.zeros(n)
+    keep = pays(p_used, block_s, busy, transfer_s, reuse, host_s, force_open)
+    n_held = 0
+    for i in range(held.size):
+        n_held += held[i]
+    free = max(0, num_slots - n_held)
+    if keep.any() and n > free and p_use.size:  # an eviction only adds cost: check it then
+        lo, hi = layer * num_experts, (layer + 1) * num_experts
+        vals = np.empty(n_held)
+        m_avail = 0
+        for i in range(held.size):
+            if held[i] and not lo <= i < hi:  # the running layer's experts are pinned
+                vals[m_avail] = p_use[i]
+                m_avail += 1
+        victims = np.zeros(n)  # free slots first (no reuse), then the least used held experts
+        m = min(n - free, m_avail)
+        if m > 0:
+            victims[free : free + m] = np.sort(np.partition(vals[:m_avail], m - 1)[:m])
+        victims[free + max(m, 0) :] = 1.0  # nothing left to evict: it cannot be placed anyway
+        neg = np.empty(n, dtype=scores.dtype)
+        for i in range(n):
+            neg[i] = -scores[r[i], c[i]]
+        order = np.argsort(neg, kind="mergesort")  # the plan's order: best first
+        for j in range(n):
+            reuse[order[j]] = victims[j]
+        keep = pays(p_used, block_s, busy, transfer_s, reuse, host_s, force_open)
+    paying = np.zeros_like(scores)
+    for i in range(n):
+        if keep[i]:
+            paying[r[i], c[i]] = scores[r[i], c[i]]
+    return r, c, rank, keep, paying
+
+
+@njit(cache=True)
+def blend(rows: np.ndarray, ahead: np.ndarray, weight: float) -> np.ndarray:
+    """``rows [n, E]`` (float32) with the router lookahead ``ahead [d, E]`` (``d <= n``) blended
+    into its first ``d`` rows: ``row_probs(rows[:d] + row_probs(ahead) * weight)``; a new array."""
+    out = rows.copy()
+    d = ahead.shape[0]
+    spec = row_probs(ahead)
+    w = np.float32(weight)
+    mixed = np.empty_like(spec)
+    for i in range(d):
+        for e in range(spec.shape[1]):
+            mixed[i, e] = np.float32(out[i, e] + np.float32(spec[i, e] * w))
+    out[:d] = row_probs(mixed)
+    return out
+
+
+_warm = False
+
+
+def warm() -> None:
+    """Compile (or load from the on-disk cache) every kernel for the types the policies pass,
+    once per process: the first call of a kernel otherwise costs up to a second, which would
+    land on a planning layer's clock."""
+    global _warm
+    if _warm:
+        return
+    rows = np.zeros((1, 2), dtype=np.float32)
+    held = np.zeros(2, dtype=np.bool_)
+    one = np.ones(1)
+    best_free(rows.reshape(-1), held, 1)
+    best_free(one, held[:1], 1)  # float64 scores (baselines)
+    limit_scores(rows, 1, 0.0, one)
+    ranked_free(rows, held.reshape(1, 2))
+    pays(one, 1.0, 0.0, 1.0, one, 0.0, False)
+    weighted_row_probs(rows.reshape(1, 1, 2), np.ones(1, dtype=np.int64))
+    for p_use in (np.zeros(0), np.zeros(2, dtype=np.float32)):
+        args = (1.0, 0.0, 1.0, 0.0, False, held, p_use, 0, 2, 1)
+        gate_plan(rows, rows, held.reshape(1, 2), 1, one.reshape(1, 1), *args)
+    blend(rows, rows, 2.0)
+    _warm = True

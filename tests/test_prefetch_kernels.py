@@ -1,0 +1,190 @@
+"""The prefetch plan's compiled kernels (``moe_runtime.prefetch.kernels``) equal the numpy code
+they replaced, bit for bit, on random inputs full of ties, held keys and zero rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moe_runtime.prefetch import kernels
+
+
+def _ties(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """float32 values in eighths, a third of them zero: many equal entries."""
+    x = rng.integers(0, 8, size=shape).astype(np.float32) / 8
+    x[rng.random(shape) < 0.33] = 0
+    return x
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_best_free_is_a_stable_descending_selection(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    flat = _ties(rng, (int(rng.integers(1, 700)),))
+    held = rng.random(flat.size) < 0.3
+    k = int(rng.integers(1, 300))
+    cand = ((flat > 0) & ~held).nonzero()[0]
+    order = (-flat[cand]).argsort(kind="stable")[:k]  # the numpy plan it replaced
+    keys, vals = kernels.best_free(flat, held, k)
+    np.testing.assert_array_equal(keys, cand[order])
+    np.testing.assert_array_equal(vals, flat[cand[order]])
+    assert vals.dtype == np.float32
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_limit_scores_keeps_each_rows_cap_largest_and_weights_them(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    probs = _ties(rng, (int(rng.integers(1, 4)), 16))
+    cap, min_prob = int(rng.integers(0, 20)), float(rng.choice([0.0, 0.25]))
+    weights = rng.random(len(probs))
+    want = np.where(probs >= min_prob, probs, 0.0) if min_prob > 0 else probs
+    if 0 < cap < probs.shape[1]:
+        kth = -np.partition(-want, cap - 1, axis=1)[:, cap - 1 : cap]
+        want = np.where(want >= kth, want, 0.0)
+    rows, scores = kernels.limit_scores(probs, cap, min_prob, weights)
+    np.testing.assert_array_equal(rows, want)
+    np.testing.assert_array_equal(scores, (want * weights[:, None]).astype(np.float32))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_ranked_free_ranks_over_the_whole_row_and_drops_held(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    rows = _ties(rng, (3, 12))
+    held = rng.random(rows.shape) < 0.3
+    full = np.empty(rows.shape, dtype=np.int64)
+    np.put_along_axis(full, np.argsort(-rows, axis=1, kind="stable"), np.arange(12)[None, :], axis=1)
+    r, c, rank = kernels.ranked_free(rows, held)
+    want_r, want_c = ((rows > 0) & ~held).nonzero()
+    np.testing.assert_array_equal(r, want_r)
+    np.testing.assert_array_equal(c, want_c)
+    np.testing.assert_array_equal(rank, full[r, c])
+
+
+def _gate_keep_numpy(r, c, rank, scores, d0, prec, b, q, t, held, p_use, layer, E, slots):  # noqa: ANN001, ANN202
+    """The numpy gate it replaced (``EAMPrefetch._paying`` with ``_victim_reuse``, host time 0)."""
+    p_used = prec[np.minimum(d0 + r, prec.shape[0]) - 1, rank]
+
+    def pays(reuse: np.ndarray) -> np.ndarray:
+        return p_used * b * (1.0 - q) > (1.0 - p_used) * q * t + reuse * b
+
+    reuse = np.zeros(r.size)
+    if not pays(reuse).any():
+        return pays(reuse)
+    n = r.size
+    n_held = int(held.sum())
+    free = max(0, slots - n_held)
+    victims = np.zeros(n)
+    if n > free and p_use.size:
+        p = np.where(held, p_use, np.inf)
+        p[layer * E : (layer + 1) * E] = np.inf
+        m = min(n - free, n_held - int(held[layer * E : (layer + 1) * E].sum()))
+        if m > 0:
+            victims[free : free + m] = np.sort(np.partition(p, m - 1)[:m])
+        victims[free + max(m, 0) :] = 1.0
+    reuse[(-scores[r, c]).argsort(kind="stable")] = victims
+    return pays(reuse)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_gate_plan_equals_the_numpy_gate(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    L, E, D = 6, 16, int(rng.integers(1, 3))
+    layer = int(rng.integers(0, L - D))
+    rows = _ties(rng, (D, E))
+    scores = (rows * rng.random(D)[:, None]).astype(np.float32)
+    held = rng.random(L * E) < rng.random()
+    lo = layer + 1
+    held_rows = held[lo * E : (lo + D) * E].reshape(D, E)
+    prec = rng.random((D, E))
+    b, q, t = float(rng.random()), float(rng.random()), float(rng.random())
+    p_use = rng.random(L * E).astype(np.float32) if seed % 3 else np.zeros(0)
+    slots = int(rng.integers(1, L * E))
+    args = (b, q, t, 0.0, False, held, p_use, layer, E, slots)
+    r, c, rank, keep, paying = kernels.gate_plan(rows, scores, held_rows, 1, prec, *args)
+    np.testing.assert_array_equal(np.stack([r, c, rank]), np.stack(kernels.ranked_free(rows, held_rows)))
+    want = _gate_keep_numpy(r, c, rank, scores, 1, prec, b, q, t, held, p_use, layer, E, slots)
+    np.testing.assert_array_equal(keep, want)
+    want_paying = np.zeros_like(scores)
+    want_paying[r[want], c[want]] = scores[r[want], c[want]]
+    np.testing.assert_array_equal(paying, want_paying)
+    forced = kernels.gate_plan(rows, scores, held_rows, 1, prec, b, q, t, 0.0, True, *args[5:])[3]
+    assert forced.all()
+
+
+@pytest.mark.parametrize("width", [1, 5, 8, 9, 64, 128, 129, 200, 384])
+def test_row_probs_sum_in_numpys_order(width: int) -> None:
+    rng = np.random.default_rng(width)
+    for _ in range(50):
+        x = ((rng.random((3, width)) ** 3) * rng.integers(1, 1000)).astype(np.float32)
+        x[rng.random(x.shape) < 0.3] = 0
+        x[0] = 0 if width % 2 else x[0]  # a zero row stays zero
+        totals = x.sum(axis=1, keepdims=True, dtype=np.float32)
+        totals[totals == 0] = 1.0
+        np.testing.assert_array_equal(kernels.row_probs(x), x / totals)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_weighted_row_probs_equals_einsum_then_row_probs(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    m, D, E = int(rng.integers(1, 20)), int(rng.integers(1, 3)), 128
+    block = rng.random((m, D, E)).astype(np.float32)
+    block[rng.random(block.shape) < 0.4] = 0
+    times = rng.integers(1, 17, m)
+    summed = np.einsum("m,mf->f", times.astype(np.float32), block.reshape(m, -1)).reshape(D, E)
+    np.testing.assert_array_equal(kernels.weighted_row_probs(block, times), kernels.row_probs(summed))
+    totals = summed.sum(axis=1, keepdims=True, dtype=np.float32)
+    np.testing.assert_array_equal(kernels.row_probs(summed), summed / totals)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_blend_equals_its_numpy_form(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n, d, E = 3, int(rng.integers(1, 4)), 16
+    rows = _ties(rng, (n, E))
+    ahead = (rng.random((d, E)) * 4).astype(np.float32)
+    spec = kernels.row_probs(ahead) * 2.0
+    want = rows.copy()
+    want[:d] = kernels.row_probs(want[:d] + spec)
+    np.testing.assert_array_equal(kernels.blend(rows, ahead, 2.0), want)
+
+
+def test_the_python_kernels_equal_the_compiled_ones() -> None:
+    """Without numba (``moe_runtime.jit``) the kernels run as written: same results."""
+    rng = np.random.default_rng(7)
+    E = 16
+    rows = _ties(rng, (2, E))
+    scores = (rows * 0.9).astype(np.float32)
+    held = rng.random(6 * E) < 0.3
+    args = (rows, scores, held[2 * E : 4 * E].reshape(2, E), 1, rng.random((2, E)), 0.5, 0.2, 0.3)
+    args += (0.0, False, held, rng.random(6 * E), 1, E, 40)
+    for fn, a in (
+        (kernels.gate_plan, args),
+        (kernels.best_free, (scores.reshape(-1), held[: 2 * E], 5)),
+        (kernels.limit_scores, (rows, 3, 0.0, np.array([0.9, 0.8]))),
+        (kernels.blend, (rows, rows[:1] + 0.5, 2.0)),
+        (kernels.weighted_row_probs, (rows.reshape(2, 1, E), np.array([3, 1]))),
+        (kernels.row_probs, ((rng.random((2, 300)) * 9).astype(np.float32),)),
+    ):
+        compiled, plain = fn(*a), fn.py_func(*a)
+        for x, y in zip(compiled if isinstance(compiled, tuple) else (compiled,),
+                        plain if isinstance(plain, tuple) else (plain,), strict=True):  # fmt: skip
+            np.testing.assert_array_equal(x, y)
+
+
+def test_the_python_replan_equals_the_compiled_one() -> None:
+    from moe_runtime.io.transfer_queue import _replan
+
+    rng = np.random.default_rng(3)
+    state = [rng.random(32) < 0.3, rng.random(32), rng.permutation(32).astype(np.int64), np.zeros(32)]
+    state.append(rng.random(32) < 0.1)
+    keys = rng.choice(32, size=9, replace=False).astype(np.int64)
+    prio = rng.choice([0.25, 0.5, 0.75], size=9)
+    for replace in (False, True):
+        a = [x.copy() for x in state]
+        b = [x.copy() for x in state]
+        n_prefetch = int(state[0].sum())
+        got = _replan(*a, True, keys, prio, replace, 1.0, 100, n_prefetch)
+        want = _replan.py_func(*b, True, keys, prio, replace, 1.0, 100, n_prefetch)
+        assert got[:5] == want[:5]
+        np.testing.assert_array_equal(got[5], want[5])
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_array_equal(x, y)
