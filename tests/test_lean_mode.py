@@ -54,8 +54,14 @@ class _Naive:
         return (self.done.pop(rid) + self.step.pop(rid)).sum(axis=0)
 
 
+@pytest.mark.parametrize("sparse_ratio", [0, 1 << 30])  # every flush dense / every flush sparse
 @pytest.mark.parametrize("seed", range(3))
-def test_lazy_recorder_counts_equal_a_naive_count_on_random_routing(seed: int) -> None:
+def test_lazy_recorder_counts_equal_a_naive_count_on_random_routing(
+    seed: int, sparse_ratio: int, monkeypatch
+) -> None:
+    import tracer.recorder
+
+    monkeypatch.setattr(tracer.recorder, "_SPARSE_RATIO", sparse_ratio)
     rng = np.random.default_rng(seed)
     L, E, k = 4, 8, 2
     eamc = _Commits()

@@ -310,10 +310,25 @@ class RequestRecorder:
         self._query_memo = None
 
     def _add(self, g: _Pending, keys: np.ndarray, table: np.ndarray, summed: np.ndarray) -> None:
-        """Count flat ``keys`` into ``g``'s rows of ``table [slots, 2, L, E]`` and ``summed``."""
+        """Count flat ``keys`` into ``g``'s rows of ``table [slots, 2, L, E]`` and ``summed``.
+
+        Dense (a bincount over all ``B * 2 * L * E`` cells, then two table adds) when the keys are
+        many; sparse (``np.add.at`` of each key) when they are few against the cells: a planning
+        layer's read flushes one to a few layers of ``T * k`` ids, and at batch 16 of the
+        Qwen3-30B-A3B shape the dense form touches 196,608 cells per flush (~200 us against ~15).
+        Both give the same integer counts."""
         B, L, E = len(g.request_ids), self.num_layers, self.num_experts
-        counts = np.bincount(keys.ravel(), minlength=B * 2 * L * E).reshape(B, 2, L, E)
         rows = g.rows
+        flat = keys.ravel()
+        if flat.size * _SPARSE_RATIO < B * 2 * L * E:
+            b, rest = np.divmod(flat, 2 * L * E)
+            phase, cell = np.divmod(rest, L * E)
+            layer, expert = np.divmod(cell, E)
+            slots = np.arange(rows.start, rows.stop)[b] if isinstance(rows, slice) else rows[b]
+            np.add.at(table, (slots, phase, layer, expert), 1)
+            np.add.at(summed, (slots, layer, expert), 1)
+            return
+        counts = np.bincount(flat, minlength=B * 2 * L * E).reshape(B, 2, L, E)
         table[rows] += counts
         summed[rows] += counts[:, _PREFILL] + counts[:, _DECODE]
 
@@ -516,6 +531,10 @@ class RequestRecorder:
     def live_requests(self) -> list[str]:
         """Ids of the requests being recorded."""
         return list(self._live)
+
+
+#: below ``cells / _SPARSE_RATIO`` keys, :meth:`RequestRecorder._add` scatter-adds them one by one
+_SPARSE_RATIO = 32
 
 
 def _as_index(slots: np.ndarray) -> slice | np.ndarray:
