@@ -107,7 +107,10 @@ class EAMReuseCachePolicy(CachePolicy):
         self.layer = 0
         self._p_use = np.zeros(num_layers * num_experts)
         # for ``p_use``, not used yet: (layer or None for all rows, counts, ids' shape) per routing
-        self._routed: list[tuple[int | None, np.ndarray, tuple[int, ...]]] = []
+        # rows of ``_counts`` changed since ``p_use`` last derived them (None: all), and the
+        # routing shape ``(T, k)`` they share; bounded by L, however long no victim is needed
+        self._dirty: set[int | None] = set()
+        self._shape: tuple[int, ...] = (0, 0)
         self._seen: tuple | None = None  # ((live_changes, ids' shape), layer, batch) of the last routing
         self._counts = np.zeros((num_layers, num_experts))  # the batch's counts so far, [L, E]
         self._slot_key = np.full(num_slots, -1)
@@ -158,26 +161,26 @@ class EAMReuseCachePolicy(CachePolicy):
                 and seen is not None
                 and seen[0] == key
                 and layer == (seen[1] + 1) % self.num_layers
-                and (seen[2] is request_ids or seen[2] == request_ids)
+                and seen[2] == request_ids
             ):
                 row = self._counts[layer]
                 row += np.bincount(topk_ids.reshape(-1), minlength=self.num_experts)
-                self._routed.append((layer, row.copy(), topk_ids.shape))
+                self._dirty.add(layer)
             else:
-                summed = rec.query_sum(request_ids, layer)  # [L, E]
-                self._counts = summed.astype(np.float64)
-                self._routed = [(None, summed, topk_ids.shape)]
+                self._counts = rec.query_sum(request_ids, layer).astype(np.float64)  # [L, E]
+                self._dirty = {None}
+            self._shape = topk_ids.shape
             self._seen = (key, layer, list(request_ids))
 
     @property
     def p_use(self) -> np.ndarray:
         """``[L * E]`` per-step use probability of each key, from the latest routed layer's counts
         (rows of the layers routed since the last call, or all rows)."""
-        if self._routed:
-            routed, self._routed = self._routed, []
-            E = self.num_experts
-            for layer, summed, (T, k) in routed:
-                counts = summed.astype(np.float64)  # [L, E] or [E] (row ``layer``)
+        if self._dirty:
+            E, (T, k) = self.num_experts, self._shape
+            dirty, self._dirty = self._dirty, set()
+            for layer in [None] if None in dirty else dirty:
+                counts = self._counts if layer is None else self._counts[layer]  # [L, E] or [E]
                 tokens = counts.sum(axis=-1, keepdims=True)
                 share = counts / np.where(tokens > 0, tokens, 1.0)  # counts >= 0: a 0-token row is 0
                 share *= k  # share of tokens choosing the expert (each token picks k)
