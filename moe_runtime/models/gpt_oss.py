@@ -26,11 +26,11 @@ as ``gate_up_proj_blocks [E, 2I, H/32, 16]`` / ``gate_up_proj_scales [E, 2I, H/3
 the transpose of the unquantized tensors; transformers' ``integrations.mxfp4`` dequantizes them to
 those) with gate and up interleaved along the ``2I`` rows; biases, attention, router, embeddings
 and LM head unquantized (``modules_to_not_convert``). The loader pairs ``*_blocks`` with
-``*_scales`` (:mod:`moe_runtime.quant.checkpoint`), the base names map through
-:data:`EXPERT_NAMES`, and :meth:`GptOssFamily.fused_quantized_experts` takes the even and odd rows
-of the packed bytes: the experts stay MXFP4 in host store, link and slots (``--expert-dtype
-auto``), or are dequantized at load for another ``--expert-dtype``. Other quantization methods
-are refused when the config is parsed.
+``*_scales`` (:mod:`moe_runtime.quant.checkpoint`), the base names map as the unquantized
+fused tensors do (``Family.classify``), and :meth:`GptOssFamily.fused_quantized_experts` takes
+the even and odd rows of the packed bytes: the experts stay MXFP4 in host store, link and slots
+(``--expert-dtype auto``), or are dequantized at load for another ``--expert-dtype``. Other
+quantization methods are refused when the config is parsed.
 """
 
 from __future__ import annotations
@@ -42,22 +42,19 @@ import torch
 from moe_runtime.config import ModelConfig
 from moe_runtime.errors import ConfigError
 from moe_runtime.layers.routing import Routing
-from moe_runtime.models.base import ROPE_KEYS, ExpertTensor, Family, common_fields, yarn_of
+from moe_runtime.models.base import ROPE_KEYS, Family, common_fields, yarn_of
 from moe_runtime.models.fields import ConfigFields, show
 
-#: checkpoint name after ``model.layers.{i}.`` -> canonical dense short name
+#: checkpoint name after ``model.layers.{i}.`` -> canonical dense short name, beyond the Llama
+#: names (``Family.layer_names``)
 DENSE_NAMES = {
-    "self_attn.o_proj.bias": "o_bias",
     "self_attn.sinks": "sinks",
     "mlp.router.weight": "router",
     "mlp.router.bias": "router_logit_bias",
     "mlp.experts.gate_up_proj_bias": "expert_gate_up_bias",
     "mlp.experts.down_proj_bias": "expert_down_bias",
 }
-#: fused expert tensor after ``model.layers.{i}.mlp.experts.`` -> part (``Family.fused_experts``)
-EXPERT_NAMES = {"gate_up_proj": "gate_up", "down_proj": "down"}
 LAYER_TYPES = ("sliding_attention", "full_attention")
-_SHORT = {v: k for k, v in DENSE_NAMES.items()}
 _EXPERT_HF = {"gate": "gate_up_proj", "up": "gate_up_proj", "down": "down_proj"}
 
 
@@ -151,20 +148,6 @@ class GptOssFamily(Family):
             ),
         )
 
-    def classify(self, name: str) -> str | ExpertTensor | None:
-        if name.startswith("model.layers."):
-            layer, _, rest = name[len("model.layers.") :].partition(".")
-            if layer.isascii() and layer.isdigit():
-                if rest in DENSE_NAMES:
-                    return f"layers.{int(layer)}.{DENSE_NAMES[rest]}"
-                prefix = "mlp.experts."
-                part = EXPERT_NAMES.get(rest[len(prefix) :]) if rest.startswith(prefix) else None
-                if part is not None:
-                    return ExpertTensor(int(layer), None, part)
-                if rest.startswith("mlp."):  # no Llama-style router or shared-expert names here
-                    return None
-        return super().classify(name)
-
     def fused_experts(self, part: str, tensor: torch.Tensor, intermediate: int) -> dict[str, torch.Tensor]:
         """``gate_up_proj [E, H, 2I]`` (interleaved) -> gate/up ``[E, I, H]``; ``down_proj
         [E, I, H]`` -> ``[E, H, I]`` (transposed views)."""
@@ -194,11 +177,10 @@ class GptOssFamily(Family):
     def expert_name(self, layer: int, expert: int, part: str) -> str:
         return f"model.layers.{layer}.mlp.experts.{_EXPERT_HF[part]} (expert {expert})"
 
-    def hf_name(self, canonical: str) -> str:
-        parts = canonical.split(".", 2)
-        if len(parts) == 3 and parts[2] in _SHORT:
-            return f"model.layers.{parts[1]}.{_SHORT[parts[2]]}"
-        return super().hf_name(canonical)
 
-
-FAMILY = GptOssFamily(name="gpt_oss", architectures=("GptOssForCausalLM",), model_types=("gpt_oss",))
+FAMILY = GptOssFamily(
+    name="gpt_oss",
+    architectures=("GptOssForCausalLM",),
+    model_types=("gpt_oss",),
+    layer_names=tuple(DENSE_NAMES.items()),
+)
