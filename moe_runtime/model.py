@@ -74,14 +74,14 @@ class MoEModel:
         self.prefetcher: Any | None = None
         self.lookahead: RouterLookahead | None = None  # set when the prefetch policy uses it
         # ``grouped`` (one grouped GEMM per projection) or ``loop``: probed once, on this device/dtype
-        self.expert_path = select_expert_path(
-            emb.device, emb.dtype, cfg.hidden_size, cfg.moe_intermediate_size
+        # quantized slots: each used expert is dequantized (to the compute dtype) where it runs;
+        # the loop path dequantizes exactly the used slots, a grouped call would also dequantize
+        # the unused slots its span covers (moe_runtime.quant.layout.DequantSlots)
+        self.expert_path = (
+            "loop"
+            if buffer.store.layout is not None
+            else select_expert_path(emb.device, emb.dtype, cfg.hidden_size, cfg.moe_intermediate_size)
         )
-        if buffer.store.layout is not None:
-            # quantized slots: each used expert is dequantized (to the compute dtype) where it runs;
-            # the loop path dequantizes exactly the used slots, a grouped call would also dequantize
-            # the unused slots its span covers (moe_runtime.quant.layout.DequantSlots)
-            self.expert_path = "loop"
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, step: StepContext) -> torch.Tensor:

@@ -489,8 +489,8 @@ class LLMEngine:
         """``experts fp8 e4m3 block [64, 64], 24.0 KiB per expert (96.0 KiB unquantized)``: the
         bytes each copy moves, before and after quantizing (the same without quantization)."""
         st = self.loaded.store
-        name = st.layout.describe() if st.layout else str(st.compute_dtype).removeprefix("torch.")
         plain = str(st.compute_dtype).removeprefix("torch.")
+        name = st.layout.describe() if st.layout else plain
         return (
             f"experts {name}, {human_bytes(st.expert_nbytes)} per expert "
             f"({human_bytes(st.plain_nbytes)} in {plain})"

@@ -227,6 +227,7 @@ def run_experts(
     contrib = torch.empty((t * k, x.shape[1]), dtype=x.dtype, device=x.device)  # (token, rank) rows
     hit = np.zeros(num_experts, dtype=bool)
     blocked = np.zeros(num_experts, dtype=np.float64)
+    biased = ffn is not None and (ffn.gate_up_bias is not None or ffn.down_bias is not None)
     for batch in run.batches():
         for h in batch:
             hit[h.expert], blocked[h.expert] = h.hit, h.blocked_s
@@ -235,7 +236,6 @@ def run_experts(
             # uploads without a sync: token, weight and row index (and with biases the expert) of
             # each sorted row; the offs
             parts = [pos // k, plan.weight_src[pos], pos]
-            biased = ffn is not None and (ffn.gate_up_bias is not None or ffn.down_bias is not None)
             host = np.concatenate([*parts, plan.expert[pos]] if biased else parts)
             dev = torch.from_numpy(host).to(x.device, non_blocking=True)
             xs = x.index_select(0, dev[:n])  # [n, H] token rows sorted by slot

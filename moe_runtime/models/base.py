@@ -365,8 +365,6 @@ def expected_dense_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes.update({p + "q_norm": (d,), p + "k_norm": (d,)})
         elif cfg.qk_norm == "full":
             shapes.update({p + "q_norm": (q_out,), p + "k_norm": (kv_out,)})
-        if cfg.o_bias and cfg.mla is None:
-            shapes[p + "o_bias"] = (h,)
         if cfg.attention_sinks:
             shapes[p + "sinks"] = (cfg.num_heads,)
         if i in moe:

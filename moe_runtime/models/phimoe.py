@@ -15,10 +15,8 @@ from moe_runtime.config import ModelConfig
 from moe_runtime.errors import ConfigError
 from moe_runtime.layers.rotary import LongRoPE
 from moe_runtime.layers.routing import Routing
-from moe_runtime.models.base import Family, common_fields
+from moe_runtime.models.base import ROPE_KEYS, Family, common_fields
 from moe_runtime.models.fields import ConfigFields, show
-
-ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta")
 
 
 def _factors(source: ConfigFields, key: str, width: int) -> tuple[float, ...]:

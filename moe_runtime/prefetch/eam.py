@@ -285,7 +285,7 @@ class EAMPrefetch(PrefetchPolicy):
             off = self.trial is not None and not self.trial.on  # the trial's on-demand window
             if not off:
                 gate.observe(layer, topk_ids)  # score the earlier plans' candidates for this layer
-            if off or (not self._queued and layer % self.probe_every):
+            if not self.wants_lookahead(layer):
                 # On-demand for now (the last plan kept nothing): only every probe_every-th layer
                 # predicts, to keep the precision current and to notice when prefetching pays again.
                 self._ahead = None
@@ -416,13 +416,6 @@ class EAMPrefetch(PrefetchPolicy):
                 if self.trial.end_step(cost, self._decode_only):
                     self._lean(not self.trial.on)
             self._decode_only = True
-
-
-def _ranked(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The positive entries of ``rows [D, E]`` as ``(row [n], column [n], rank [n])``, row-major;
-    ``rank`` is the entry's place in its row by falling value (0 = largest; ties: lower column
-    first), as a stable descending sort of the whole row ranks it (``kernels.ranked_free``)."""
-    return kernels.ranked_free(np.ascontiguousarray(rows, dtype=np.float32), np.zeros(rows.shape, dtype=bool))
 
 
 def _limit(rows: np.ndarray, cap: int, min_prob: float) -> np.ndarray:

@@ -268,7 +268,6 @@ class ModeTrial:
         self.on = True  # prefetching in the current window
         self.diff = 0.0  # running (on - off) / mean of paired windows; < 0: prefetching is cheaper
         self.pairs = 0  # pairs measured
-        self.windows = 0  # windows completed
         self.decode_steps = 0  # decode-only steps seen, and those run with prefetching on
         self.decode_steps_on = 0
         self._sum, self._n = 0.0, 0
@@ -297,7 +296,6 @@ class ModeTrial:
             return False
         m = self._sum / self._n
         self._sum, self._n = 0.0, 0
-        self.windows += 1
         prev, self._prev = self._prev, (self.on, m)
         if prev is not None and prev[0] != self.on and m + prev[1] > 0:
             on_s, off_s = (m, prev[1]) if self.on else (prev[1], m)

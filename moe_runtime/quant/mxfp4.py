@@ -10,6 +10,7 @@ padded with zeros in the last group.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -26,9 +27,15 @@ def groups(inn: int) -> int:
     return -(-inn // GROUP)
 
 
+@functools.cache
+def _lut(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """:data:`FP4_VALUES` as a ``[16]`` tensor, made once per dtype and device (on CUDA a copy)."""
+    return torch.tensor(FP4_VALUES, dtype=dtype, device=device)
+
+
 def unpack(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``blocks [..., G, 16]`` uint8 and ``scales [..., G]`` uint8 -> ``[..., G * 32]`` in ``dtype``."""
-    lut = torch.tensor(FP4_VALUES, dtype=dtype, device=blocks.device)
+    lut = _lut(dtype, blocks.device)
     out = torch.empty((*blocks.shape[:-1], blocks.shape[-1] * 2), dtype=dtype, device=blocks.device)
     out[..., 0::2] = lut[(blocks & 0x0F).to(torch.int)]
     out[..., 1::2] = lut[(blocks >> 4).to(torch.int)]

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from moe_runtime.config import DTYPES
 from moe_runtime.errors import ConfigError
 from moe_runtime.quant.cast import CastCodec
 from moe_runtime.quant.codec import Codec
@@ -19,7 +20,6 @@ from moe_runtime.quant.mxfp4 import Mxfp4Codec
 CHECKPOINT_METHODS = ("fp8", "mxfp4")
 #: ``--expert-dtype`` values: ``auto`` (the checkpoint's format), a float dtype, or a quantized format.
 EXPERT_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8", "int8", "mxfp4")
-_FLOATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def parse_quantization(raw: dict[str, Any]) -> tuple[str | None, tuple[int, int] | None]:
@@ -82,8 +82,8 @@ def expert_codec(
     dtype equal to ``compute``: plain."""
     if expert_dtype == "auto":
         return checkpoint_codec(method, block)
-    if expert_dtype in _FLOATS:
-        dtype = _FLOATS[expert_dtype]
+    if expert_dtype in ("bf16", "fp16", "fp32"):
+        dtype = DTYPES[expert_dtype]
         return None if dtype == compute else CastCodec(dtype, expert_dtype)
     if expert_dtype == "fp8":
         return Fp8BlockCodec(block if method == "fp8" and block else block_for(hidden, intermediate))
