@@ -100,13 +100,11 @@ class RouterLookahead:
         :meth:`logits`: the sum over tokens of each later router's softmax. None after the last
         MoE layer, or while the policy does not want them (see the class)."""
         policy = self.policy
-        if policy is None:
-            logits = self.logits(x, moe_layer)
-            return None if logits is None else F.softmax(logits, dim=-1).sum(dim=0)
-        if not policy.wants_lookahead(moe_layer):
+        if policy is not None and not policy.wants_lookahead(moe_layer):
             return None
         t0 = time.thread_time()
         logits = self.logits(x, moe_layer)
         out = None if logits is None else F.softmax(logits, dim=-1).sum(dim=0)
-        policy.note_lookahead_time(time.thread_time() - t0)
+        if policy is not None:
+            policy.note_lookahead_time(time.thread_time() - t0)
         return out
