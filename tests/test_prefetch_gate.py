@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from moe_runtime.prefetch import kernels
+from moe_runtime.prefetch.eam import ARMS
 from moe_runtime.prefetch.gate import CLEAR_DIFF, ModeTrial, PrefetchGate
 from moe_runtime.stats import ExpertStats
 from tests.test_sim_engine import random_requests, sim_for
@@ -139,8 +140,8 @@ def test_the_trial_runs_only_in_the_runtime_and_follows_the_load() -> None:
     assert sum(modes[40:]) <= 10
 
 
-def _decode(path, prefetch: str, trial_on: bool | None) -> tuple[list[list[int]], int, int, int]:
-    """Greedy tokens of two prompts, with the eam trial pinned to ``trial_on`` (None: as it is);
+def _decode(path, prefetch: str, arm: str | None) -> tuple[list[list[int]], int, int, int]:
+    """Greedy tokens of two prompts, with the eam trial pinned to ``arm`` (None: as it is);
     returns (tokens, lookahead computations, plans, prefetches issued)."""
     from moe_runtime.config import RuntimeConfig
     from moe_runtime.engine.engine import LLMEngine
@@ -150,11 +151,11 @@ def _decode(path, prefetch: str, trial_on: bool | None) -> tuple[list[list[int]]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     with LLMEngine.from_pretrained(path, rt) as engine:
         pf, computed = engine.prefetcher, [0]
-        if trial_on is not None:
-            pf.trial.on = trial_on
-            pf._lean(not trial_on)
-            pf.trial.end_step = lambda cost_s, decode_only: False  # keep the mode
-            assert all(part.policy.lru == (not trial_on) for part in engine.buffer.parts)
+        if arm is not None:
+            pf.set_arm(arm)
+            pf.trial.arm = pf.trial.arms.index(arm)
+            pf.trial.end_step = lambda cost_s, decode_only: False  # keep the arm
+            assert all(part.policy.lru == (arm == "lean") for part in engine.buffer.parts)
         la = engine.model.lookahead
         if la is not None:
             logits = la.logits
@@ -171,11 +172,13 @@ def _decode(path, prefetch: str, trial_on: bool | None) -> tuple[list[list[int]]
 
 
 def test_with_prefetching_off_the_compute_thread_neither_plans_nor_looks_ahead(tiny_qwen3) -> None:
-    tokens, computed, plans, issued = _decode(tiny_qwen3, "eam", trial_on=False)
-    assert computed == 0 and plans == 0 and issued == 0  # on-demand: no host work for plans
-    assert tokens == _decode(tiny_qwen3, "on-demand", None)[0]
-    tokens_on, computed_on, plans_on, _ = _decode(tiny_qwen3, "eam", trial_on=True)
+    tokens = _decode(tiny_qwen3, "on-demand", None)[0]
+    for arm in ("lean", "cache"):  # on-demand + LRU, and caching alone: no host work for plans
+        assert _decode(tiny_qwen3, "eam", arm) == (tokens, 0, 0, 0)
+    tokens_on, computed_on, plans_on, _ = _decode(tiny_qwen3, "eam", "prefetch")
     assert tokens_on == tokens and computed_on > 0 and plans_on > 0  # the same run, prefetching on
+    with pytest.raises(ValueError, match="arm"):
+        _decode(tiny_qwen3, "eam", "sometimes")
 
 
 def test_a_lean_eam_reuse_cache_is_lru() -> None:
@@ -240,3 +243,39 @@ def test_confirmed_explorations_back_off_and_a_change_is_still_followed() -> Non
     assert sum(modes[100:]) > 80
     with pytest.raises(ValueError, match="max_backoff"):
         ModeTrial(max_backoff=-1)
+
+
+def _drive_arms(trial: ModeTrial, cost: list[float], steps: int, prefill_every: int = 0) -> list[int]:
+    """:func:`_drive` by arm: a step of arm ``a`` costs ``cost[a]``; returns the arm of every step."""
+    arms = []
+    for i in range(steps):
+        prefill = prefill_every > 0 and i % prefill_every == 0
+        arms.append(trial.arm)
+        trial.end_step(cost[trial.arm] * (10 if prefill else 1), decode_only=not prefill)
+    return arms
+
+
+@pytest.mark.parametrize("best", [0, 1, 2])
+def test_three_arms_the_cheapest_runs_and_the_others_are_still_explored(best: int) -> None:
+    cost = [0.010, 0.010, 0.010]
+    cost[best] = 0.008
+    cost[(best + 1) % 3] = 0.011
+    trial = ModeTrial(window=2, explore_every=4, first_pairs=2, max_backoff=0, arms=ARMS)
+    arms = _drive_arms(trial, cost, 600, prefill_every=50)
+    assert int(np.argmin(trial.scores())) == best
+    late = arms[200:]
+    others = [late.count(a) for a in range(3) if a != best]
+    assert late.count(best) > 2 * max(others) and min(others) > 0  # the others explored in turn
+    assert trial.decode_steps_by_arm[best] == max(trial.decode_steps_by_arm)
+    # each adjacent pair of arms was measured before the first choice
+    assert (trial.pair_counts + np.eye(3, dtype=int) * 99 >= 2).all()
+
+
+def test_three_arms_follow_a_change_of_the_cheapest() -> None:
+    trial = ModeTrial(window=1, explore_every=4, first_pairs=1, settle=1, arms=ARMS)
+    _drive_arms(trial, [0.012, 0.009, 0.010], 300)
+    assert trial.arm_name == "cache" or int(np.argmin(trial.scores())) == 1
+    arms = _drive_arms(trial, [0.012, 0.011, 0.008], 600)  # the host changed: LRU is cheapest now
+    assert arms[300:].count(2) > 200
+    with pytest.raises(ValueError, match="two arms"):
+        ModeTrial(arms=("prefetch",))

@@ -73,7 +73,7 @@ def measure(prefetch: str, cache: str, args, count_ops: bool, lean: bool = True)
         trial = getattr(pf, "trial", None)
         if trial is not None:  # the trial's mode, pinned
             trial.on = not lean
-            pf._lean(lean)
+            pf.set_arm("lean" if lean else "prefetch")
             trial.end_step = lambda cost_s, decode_only: False
         rec = engine.recorder
         if rec is not None:

@@ -63,6 +63,8 @@ class PolicyResult:
     # eval decode steps the runtime's eam trial (moe_runtime.prefetch.gate.ModeTrial) ran with
     # prefetching on, as a share; None for the other policies
     prefetch_on_share: float | None = None
+    # the same per arm of the trial (prefetch, cache, lean): {arm: share}; None without a trial
+    arm_shares: dict[str, float] | None = None
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
@@ -257,12 +259,14 @@ def measure(
     return settings, rounds
 
 
-def _on_share(trial, before: tuple[int, int] | None) -> float | None:
-    """Share of the decode steps since ``before`` (``(steps, steps on)``) that ``trial`` ran
-    with prefetching on; None without a trial or steps."""
-    if trial is None or before is None or trial.decode_steps == before[0]:
+def _arm_shares(trial, before: list[int] | None) -> dict[str, float] | None:
+    """Share of the decode steps since ``before`` (steps per arm then) that ``trial`` ran in
+    each of its arms; None without a trial or steps."""
+    if trial is None or before is None:
         return None
-    return (trial.decode_steps_on - before[1]) / (trial.decode_steps - before[0])
+    steps = [now - then for now, then in zip(trial.decode_steps_by_arm, before)]
+    total = sum(steps)
+    return {arm: n / total for arm, n in zip(trial.arms, steps)} if total else None
 
 
 def _load_average() -> list[float] | None:
@@ -300,7 +304,7 @@ class _Runs:
                 engine.buffer.access_log = []
             st0 = engine.buffer.stats.snapshot()
             trial = getattr(engine.prefetcher, "trial", None)
-            steps0 = (trial.decode_steps, trial.decode_steps_on) if trial is not None else None
+            steps0 = list(trial.decode_steps_by_arm) if trial is not None else None
             tpots, outputs = _run_batches(engine, self.evals, batch, new_tokens)
             st1 = engine.buffer.stats
             access_log = engine.buffer.access_log if prefetch == "on-demand" else None
@@ -311,6 +315,7 @@ class _Runs:
             tokens = sum(len(o) for o in outputs)
             lookups = st1.total_lookups - st0.total_lookups
             moved = st1.demand_bytes + st1.prefetch_bytes - st0.demand_bytes - st0.prefetch_bytes
+            shares = _arm_shares(trial, steps0)
             res = PolicyResult(
                 fraction,
                 engine.buffer.num_slots,
@@ -323,7 +328,8 @@ class _Runs:
                 (st1.prefetch_bytes - st0.prefetch_bytes) // self.loaded.store.expert_nbytes,
                 st1.prefetch_used - st0.prefetch_used,
                 tokens,
-                _on_share(trial, steps0),
+                None if shares is None else shares[trial.arms[0]],
+                shares,
             )
         return res, access_log
 

@@ -61,6 +61,8 @@ class PolicyRow:
     bytes_vs_oracle: float | None = None  # median bytes per token / the oracle's
     # median share of measured decode steps the runtime's eam trial ran with prefetching on
     prefetch_on_share: float | None = None
+    # median share of measured decode steps per arm of that trial ({arm: share})
+    arm_shares: dict[str, float] | None = None
 
 
 def _get(r: Any, key: str) -> Any:
@@ -112,6 +114,10 @@ def summarise(repeats: list[list[Any]]) -> list[PolicyRow]:
         counts = {c: statistics.median(_get(r, c) for r in per) for c in COUNTS}
         shares = [v for r in per if (v := _get_optional(r, "prefetch_on_share")) is not None]
         share = statistics.median(shares) if shares else None
+        by_arm = [v for r in per if (v := _get_optional(r, "arm_shares"))]
+        arm_shares = None
+        if by_arm:
+            arm_shares = {a: statistics.median(d.get(a, 0.0) for d in by_arm) for a in by_arm[0]}
         rows.append(
             PolicyRow(
                 key[0],
@@ -121,6 +127,7 @@ def summarise(repeats: list[list[Any]]) -> list[PolicyRow]:
                 **counts,
                 runs=runs,
                 prefetch_on_share=share,
+                arm_shares=arm_shares,
             )  # fmt: skip
         )
     add_relative(rows, group="buffer_fraction")

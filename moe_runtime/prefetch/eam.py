@@ -36,6 +36,8 @@ from tracer.prefix_match import PrefixMatcher
 # B=1 L=32 E=8 n=1000 (256k multiply-adds): 21 vs 33; B=4, same (1.0M): 79 vs 36;
 # B=8 L=48 E=128 n=16 (786k): 66 vs 31; B=1 L=48 E=128 n=16 (98k): 15 vs 16.
 INCREMENTAL_MIN_MACS = 512 * 1024
+# The runtime trial's arms (gate.ModeTrial), the prefetching one first, the leanest last.
+ARMS = ("prefetch", "cache", "lean")
 _NO_USE = np.zeros(0)  # no victim-use term (EAMPrefetch._victim_use)
 
 
@@ -47,8 +49,9 @@ class EAMPrefetch(PrefetchPolicy):
     cost (``moe_runtime.prefetch.gate``; default True); probe_every: while the last plan kept
     nothing (on-demand), predict only at every ``probe_every``-th layer (default 4), which keeps
     the gate's precision current at a quarter of the host work; trial: in the runtime (not the
-    simulator), with ``cost_aware``, also run the measured A/B of prefetching against on-demand
-    (:class:`moe_runtime.prefetch.gate.ModeTrial`; default True).
+    simulator), with ``cost_aware``, also run the measured comparison of prefetching, caching
+    alone and on-demand + LRU (:class:`moe_runtime.prefetch.gate.ModeTrial`, :data:`ARMS`;
+    default True).
 
     Each later layer keeps at most ``tokens x top_k`` candidates (what this step can route there):
     on the bundled model at a 50% buffer this cut the bytes moved 1.4-6x (emulated link / memcpy)
@@ -120,9 +123,9 @@ class EAMPrefetch(PrefetchPolicy):
         # stay deterministic).
         self._timed = getattr(self.buffer, "now", None) is None
         self._lookahead_s = 0.0  # the router lookahead's host time of the layer about to route
-        # the runtime's measured A/B of prefetching against on-demand (gate.ModeTrial); None in
-        # the simulator and without the gate
-        self.trial = ModeTrial() if cost_aware and self._timed and trial else None
+        # the runtime's measured comparison of its modes (gate.ModeTrial); None in the simulator
+        # and without the gate
+        self.trial = ModeTrial(arms=ARMS) if cost_aware and self._timed and trial else None
         self._decode_only = True  # no prefill token in the step so far (for the trial)
         self._step_host_s = 0.0  # host time of the step's plans and router lookahead
         self._step_blocking_s = 0.0  # the buffer's blocking counter at the last step's end
@@ -269,7 +272,7 @@ class EAMPrefetch(PrefetchPolicy):
     def wants_lookahead(self, layer: int) -> bool:
         """Whether :meth:`after_routing` of ``layer`` will plan, so the model should compute the
         router lookahead for it (it skips that work while the policy is on-demand)."""
-        if self.trial is not None and not self.trial.on:
+        if self.trial is not None and not self.trial.on:  # caching alone or lean: no plans
             return False
         return self.gate is None or self._queued or layer % self.probe_every == 0
 
@@ -282,7 +285,7 @@ class EAMPrefetch(PrefetchPolicy):
         gate = self.gate
         if gate is not None:
             self._decode_only &= topk_ids.shape[0] == len(request_ids)  # one token per request
-            off = self.trial is not None and not self.trial.on  # the trial's on-demand window
+            off = self.trial is not None and not self.trial.on  # a window without plans
             if not off:
                 gate.observe(layer, topk_ids)  # score the earlier plans' candidates for this layer
             if not self.wants_lookahead(layer):
@@ -374,20 +377,26 @@ class EAMPrefetch(PrefetchPolicy):
             self._p_use = (own, tokens, 1.0 - (1.0 - share) ** tokens)  # [L * E]
         return self._p_use[2]
 
-    def _lean(self, lean: bool) -> None:
-        """Run as on-demand + LRU (``lean``) or as the full policy again: with ``lean`` what the
-        plans queued is cancelled and an ``eam-reuse`` cache evicts LRU
-        (``EAMReuseCachePolicy.lru``), so neither planning, the router lookahead nor the cache's
-        counts are paid for. The tracer keeps recording: the EAMC still fills as requests
-        finish."""
+    def set_arm(self, arm: str) -> None:
+        """Run as one of :data:`ARMS`: ``prefetch`` (the full policy), ``cache`` (no planning,
+        no router lookahead; the ``eam-reuse`` cache keeps its loop-aware choice) or ``lean``
+        (on-demand + LRU: an ``eam-reuse`` cache evicts LRU, ``EAMReuseCachePolicy.lru``, so
+        not even the cache's counts are paid for). Leaving ``prefetch`` cancels what the plans
+        queued. The tracer keeps recording: the EAMC still fills as requests finish.
+
+        Raises:
+            ValueError: an unknown arm.
+        """
+        if arm not in ARMS:
+            raise ValueError(f"eam arm must be one of {ARMS}, got {arm!r}")
         buf = self.buffer
         with buf.cond:
-            if lean and self._queued:
+            if arm != "prefetch" and self._queued:
                 buf.prefetch(np.zeros(0, dtype=np.int64), np.zeros(0), replace=True)
-            self._queued = not lean  # prefetching again: the next layer plans
+            self._queued = arm == "prefetch"  # prefetching again: the next layer plans
             for part in buf.parts:
                 if hasattr(part.policy, "lru"):
-                    part.policy.lru = lean
+                    part.policy.lru = arm == "lean"
 
     def _transfer_s(self) -> float:
         """One expert copy's link time: the simulator's, else the emulated link's, else the
@@ -414,7 +423,7 @@ class EAMPrefetch(PrefetchPolicy):
                 cost = blocking - self._step_blocking_s + self._step_host_s
                 self._step_blocking_s, self._step_host_s = blocking, 0.0
                 if self.trial.end_step(cost, self._decode_only):
-                    self._lean(not self.trial.on)
+                    self.set_arm(self.trial.arm_name)
             self._decode_only = True
 
 

@@ -188,51 +188,56 @@ CLEAR_DIFF = 0.5
 
 
 class ModeTrial:
-    """A measured A/B of prefetching against on-demand on the runtime's own clock.
+    """A measured comparison of the policy's modes (arms) on the runtime's own clock.
 
     NOTE: the gain/cost test rests on modelled terms (one avoided miss saves ``b``; idle link time
     is ``1 - q``), which can be far off on a given host: on the bundled model at a 50% buffer the
     plans promised several times the blocking they saved, while planning and the router
-    lookahead cost the compute thread more than that. So the runtime also measures what the two
+    lookahead cost the compute thread more than that. So the runtime also measures what the
     modes really cost the compute thread per decode step: its blocking on expert copies plus the
     host time of planning and the router lookahead. That is the part of a step the modes change;
-    the rest, attention and expert compute, is the same in both and would only add the shared
+    the rest, attention and expert compute, is the same in all and would only add the shared
     host's noise. (Wall time less the thread's CPU time, which also catches GIL and lock waits,
     was tried: on this shared 2-core host its preemption noise swamped the blocking saved at a
     25% buffer, where prefetching pays, and the trial turned prefetching off there.)
 
-    Decode steps (no prefill token) run in windows of ``window`` steps, with prefetching on or
-    off for a whole window. After a switch the first ``settle`` steps are not counted: the
-    buffer still holds what the other mode chose (the cache policy differs too: ``eam-reuse``
-    against LRU), so the first window after a switch to on-demand inherits the better cache and
-    can look cheaper than on-demand is, and the switch back dearer (issue 15: a bias towards
-    on-demand; the old single skipped step left it in the pairs); ``settle`` steps turn over a
-    good part of the buffer. On the bundled model the choice was the same either way (mostly
-    prefetching at 10-25% buffers and 0.5 GB/s, mostly on-demand at 50% or without a link). A step with
-    prefill tokens (new requests, whose experts are not cached yet) drops the open window and
-    the step after it. Two adjacent windows of
-    different modes form a pair, and their relative difference in that cost per decode step,
-    ``(on - off) / mean``, is kept as a running mean (``decay`` per pair): pairs, not long-run
-    means, so a host whose load drifts compares like with like. The first windows alternate;
-    then the cheaper mode runs, and every ``explore_every``-th window the other one (two more
-    pairs; every ``4 * explore_every``-th while the modes differ by more than ``CLEAR_DIFF``, as
-    on-demand does on a fast link, where each exploring window costs a lot), so the choice
-    follows the load. Each exploration that leaves the choice as it was doubles the interval to
-    the next one, up to ``2 ** max_backoff`` times (an exploring window is the worse mode's cost
-    plus ``settle`` steps: in ``bench policies``' short runs of the bundled model without a link
-    or at 32 GB/s, one such excursion, 8 of the 69 measured decode steps, was most of what kept
-    ``eam`` 2-6% behind on-demand + LRU at a 50% buffer); a changed choice resets it. With
-    prefetching off the ``eam`` policy is on-demand (no planning, no router lookahead) and an
-    ``eam-reuse`` cache evicts LRU: on-demand + LRU, the baseline, but for the tracer, which
-    keeps recording so the EAMC still fills.
+    The ``eam`` policy runs three arms (:data:`ARMS`): ``prefetch`` (plans, router lookahead and
+    the loop-aware ``eam-reuse`` cache), ``cache`` (no planning, the ``eam-reuse`` cache: caching
+    alone) and ``lean`` (no planning, the cache evicting LRU: on-demand + LRU, the baseline, but
+    for the tracer). On the bundled model each wins somewhere: prefetching or caching alone at
+    10-25% buffers and 0.5 GB/s, LRU at 50%, where the loop-aware cache made more demand copies
+    in decode than LRU (issue 15).
+
+    Decode steps (no prefill token) run in windows of ``window`` steps, one arm per window.
+    After a switch the first ``settle`` steps are not counted: the buffer still holds what the
+    other arm chose (the cache policy differs too), so the first window after a switch inherits
+    the other arm's cache and can look cheaper or dearer than the arm is (issue 15: a bias
+    towards on-demand; the old single skipped step left it in the pairs); ``settle`` steps turn
+    over a good part of the buffer. A step with prefill tokens (new requests, whose experts are
+    not cached yet) drops the open window and the step after it. Two adjacent windows of
+    different arms ``a``, ``b`` form a pair, and their relative difference in that cost per
+    decode step, ``(a - b) / mean``, is kept as a running mean per pair of arms (``decay`` per
+    pair): pairs, not long-run means, so a host whose load drifts compares like with like. The
+    first windows cycle through the arms until every adjacent pair of arms has ``first_pairs``
+    measurements; then the arm whose summed differences to the others are lowest runs (with two
+    arms: the cheaper one), and every ``explore_every``-th window another arm, in turn (two more
+    pairs; every ``4 * explore_every``-th while the explored arm is worse by more than
+    ``CLEAR_DIFF``, as on-demand is on a fast link, where each exploring window costs a lot), so
+    the choice follows the load. Each exploration that leaves the choice as it was doubles the
+    interval to the next one, up to ``2 ** max_backoff`` times (an exploring window is the worse
+    arm's cost plus ``settle`` steps: in ``bench policies``' short runs of the bundled model
+    without a link or at 32 GB/s, one such excursion, 8 of the 69 measured decode steps, was
+    most of what kept ``eam`` 2-6% behind on-demand + LRU at a 50% buffer); a changed choice
+    resets it.
 
     Args:
         window: measured decode steps per window, >= 1.
-        explore_every: every this many windows the currently worse mode runs once, >= 2.
-        decay: weight of the past pairs in the running difference, in ``[0, 1)``.
-        first_pairs: pairs measured (alternating) before the choice is made, >= 1.
+        explore_every: every this many windows another arm runs once, >= 2.
+        decay: weight of the past pairs in the running differences, in ``[0, 1)``.
+        first_pairs: pairs per adjacent pair of arms measured (cycling) before a choice, >= 1.
         settle: decode steps not counted after a switch, >= 1.
         max_backoff: the exploration interval doubles at most this many times, >= 0.
+        arms: the arms' names, at least two; the first is the prefetching one (:attr:`on`).
 
     Raises:
         ValueError: a value outside those ranges.
@@ -246,6 +251,7 @@ class ModeTrial:
         first_pairs: int = 3,
         settle: int = 4,
         max_backoff: int = 3,
+        arms: tuple[str, ...] = ("prefetch", "lean"),
     ) -> None:
         if (
             window < 1
@@ -254,33 +260,68 @@ class ModeTrial:
             or first_pairs < 1
             or settle < 1
             or max_backoff < 0
+            or len(arms) < 2
         ):
             raise ValueError(
                 "mode trial: window >= 1, explore_every >= 2, decay in [0, 1), first_pairs >= 1, "
-                f"settle >= 1, max_backoff >= 0; got {window}, {explore_every}, {decay}, "
-                f"{first_pairs}, {settle}, {max_backoff}"
+                f"settle >= 1, max_backoff >= 0, two arms or more; got {window}, {explore_every}, "
+                f"{decay}, {first_pairs}, {settle}, {max_backoff}, {arms}"
             )
         self.window, self.explore_every, self.decay = window, explore_every, decay
         self.first_pairs, self.settle, self.max_backoff = first_pairs, settle, max_backoff
-        self._best: bool | None = None  # the mode chosen at the last window
+        self.arms = tuple(arms)
+        n = len(arms)
+        self.arm = 0  # the arm of the current window (0: prefetching)
+        self.diffs = np.zeros((n, n))  # running (a - b) / mean of paired windows; antisymmetric
+        self.pair_counts = np.zeros((n, n), dtype=np.int64)  # pairs measured per pair of arms
+        self.pairs = 0  # pairs measured
+        self.decode_steps = 0  # decode-only steps seen, and those run in each arm
+        self.decode_steps_by_arm = [0] * n
+        self._best: int | None = None  # the arm chosen at the last window
         self._since = 0  # windows since the last exploration
         self._streak = 0  # explorations in a row that left the choice as it was
-        self.on = True  # prefetching in the current window
-        self.diff = 0.0  # running (on - off) / mean of paired windows; < 0: prefetching is cheaper
-        self.pairs = 0  # pairs measured
-        self.decode_steps = 0  # decode-only steps seen, and those run with prefetching on
-        self.decode_steps_on = 0
+        self._next_explore = 0  # index into the other arms of the next one explored
         self._sum, self._n = 0.0, 0
         self._skip = 1  # steps of the current window not counted yet
-        self._prev: tuple[bool, float] | None = None  # (mode, s per step) of the last window
+        self._prev: tuple[int, float] | None = None  # (arm, s per step) of the last window
+
+    @property
+    def on(self) -> bool:
+        """Whether the current window prefetches (the first arm)."""
+        return self.arm == 0
+
+    @on.setter
+    def on(self, value: bool) -> None:
+        """Pin the prefetching arm (True) or the last arm, the leanest (False)."""
+        self.arm = 0 if value else len(self.arms) - 1
+
+    @property
+    def arm_name(self) -> str:
+        return self.arms[self.arm]
+
+    @property
+    def decode_steps_on(self) -> int:
+        """Decode-only steps run with prefetching on (the first arm)."""
+        return self.decode_steps_by_arm[0]
+
+    @property
+    def diff(self) -> float:
+        """Running ``(prefetch - lean) / mean`` of the first and the last arm's paired windows;
+        < 0: prefetching is cheaper."""
+        return float(self.diffs[0, -1])
+
+    def scores(self) -> np.ndarray:
+        """``[arms]`` each arm's summed running difference to the others it was paired with
+        (lower: cheaper)."""
+        return self.diffs.sum(axis=1)
 
     def end_step(self, cost_s: float, decode_only: bool) -> bool:
         """A step ended that cost the compute thread ``cost_s`` seconds (blocking and
-        planning); ``decode_only``: it had no prefill token. Returns True when the mode changed
-        (the caller then switches the policy's mode)."""
+        planning); ``decode_only``: it had no prefill token. Returns True when the arm changed
+        (the caller then switches the policy's mode to :attr:`arm_name`)."""
         if decode_only:
             self.decode_steps += 1
-            self.decode_steps_on += self.on
+            self.decode_steps_by_arm[self.arm] += 1
         else:
             # New requests change what a step costs (their experts are not cached yet): the
             # open window is dropped and no pair spans the change.
@@ -296,31 +337,44 @@ class ModeTrial:
             return False
         m = self._sum / self._n
         self._sum, self._n = 0.0, 0
-        prev, self._prev = self._prev, (self.on, m)
-        if prev is not None and prev[0] != self.on and m + prev[1] > 0:
-            on_s, off_s = (m, prev[1]) if self.on else (prev[1], m)
-            d = 2 * (on_s - off_s) / (on_s + off_s)
-            self.diff = d if self.pairs == 0 else self.decay * self.diff + (1 - self.decay) * d
-            self.pairs += 1
-        was = self.on
-        if self.pairs < self.first_pairs:
-            self.on = not self.on  # alternate until the first pairs are in
+        prev, self._prev = self._prev, (self.arm, m)
+        if prev is not None and prev[0] != self.arm and m + prev[1] > 0:
+            self._pair(self.arm, m, prev[0], prev[1])
+        was = self.arm
+        n = len(self.arms)
+        cycle = [(a, (a + 1) % n) for a in range(n if n > 2 else 1)]  # adjacent arms in the cycle
+        if min(self.pair_counts[a, b] for a, b in cycle) < self.first_pairs:
+            self.arm = (self.arm + 1) % n  # cycle until every adjacent pair has its first pairs
         else:
-            best = self.diff <= 0
+            best = int(np.argmin(self.scores()))  # ties: the earlier arm
             if best != self._best:
                 self._streak = 0  # the choice changed: re-check it at the base rate
             self._best = best
+            others = [a for a in range(n) if a != best]
+            explore = others[self._next_explore % len(others)]
             # a clear difference is re-checked 4x less often (exploring it costs more), and each
             # exploration that confirmed the choice halves the rate
-            every = self.explore_every * (4 if abs(self.diff) > CLEAR_DIFF else 1)
+            clear = abs(self.diffs[explore, best]) > CLEAR_DIFF
+            every = self.explore_every * (4 if clear else 1)
             every <<= min(self._streak, self.max_backoff)
             self._since += 1
             if self._since >= every:
                 self._since = 0
                 self._streak += 1
-                self.on = not best
+                self._next_explore += 1
+                self.arm = explore
             else:
-                self.on = best
-        if self.on != was:
+                self.arm = best
+        if self.arm != was:
             self._skip = self.settle
-        return self.on != was
+        return self.arm != was
+
+    def _pair(self, a: int, cost_a: float, b: int, cost_b: float) -> None:
+        """Two adjacent windows of arms ``a`` and ``b`` cost ``cost_a`` and ``cost_b`` s per step."""
+        d = 2 * (cost_a - cost_b) / (cost_a + cost_b)
+        if self.pair_counts[a, b]:
+            d = self.decay * self.diffs[a, b] + (1 - self.decay) * d
+        self.diffs[a, b], self.diffs[b, a] = d, -d
+        self.pair_counts[a, b] += 1
+        self.pair_counts[b, a] += 1
+        self.pairs += 1
