@@ -14,7 +14,8 @@ gpt-oss's routers carry a bias (added to the logits) and take the softmax over t
 only; the guess is the same full softmax of the biased logits, which ranks experts as that router
 does.
 
-Cost per MoE layer: one ``[T, H] x [H, D*E]`` matmul and a softmax over ``[T, D, E]``; the later
+Cost per MoE layer: one normalisation, one ``[T, H] x [H, D*E]`` matmul and a softmax over
+``[T, D, E]``; the later
 layers' RMSNorm weights are folded into their routers once (``rms_norm(x) @ R.T`` equals
 ``normalise(x) @ (R * g).T``); for a LayerNorm (Phi-3.5-MoE) ``x`` is centred first and the
 bias term ``R @ b`` is added to the logits. The result is copied to the host after the router's own top-k ids,
@@ -84,10 +85,10 @@ class RouterLookahead:
         last = min(self.num_layers, first + self.depth)
         if first >= last:
             return None
-        h = x.float()
-        if self.centre:
-            h = h - h.mean(-1, keepdim=True)
-        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(self.routers.dtype)  # [T, H]
+        # one normalisation op (the norms' weights are folded into the routers): fewer ops per
+        # planning layer than the textbook form
+        norm = F.layer_norm if self.centre else F.rms_norm
+        h = norm(x.float(), (x.shape[-1],), eps=self.eps).to(self.routers.dtype)  # [T, H]
         rows = slice(first * self.num_experts, last * self.num_experts)
         bias = None if self.biases is None else self.biases[rows]
         logits = F.linear(h, self.routers[rows], bias).float()
