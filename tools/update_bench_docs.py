@@ -199,8 +199,8 @@ Reading the table:
   "link off" rows also move prefetched experts; with memcpy transfers those copies are nearly free
   for the link but still cost CPU time on a 2-core machine shared by the compute thread and the
   I/O thread. The runtime's `eam` measures whether its prefetching pays (blocking saved against
-  its planning host time, `ModeTrial` in `docs/architecture.md`) and runs as on-demand + LRU
-  where it does not, so such rows may move few prefetched experts.
+  its planning host time, `ModeTrial` in `docs/architecture.md`) and runs as caching alone or
+  as on-demand + LRU where it does not, so such rows may move few prefetched experts.
 - `--cpu-threads 1` is the default: on this machine 2 intra-op threads made small-expert steps
   several times slower under load (see `docs/architecture.md`).
 - Whether a change made these rows slower is measured in one run against the older commit, with
