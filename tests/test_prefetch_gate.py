@@ -154,7 +154,7 @@ def _decode(path, prefetch: str, arm: str | None) -> tuple[list[list[int]], int,
         if arm is not None:
             pf.set_arm(arm)
             pf.trial.arm = pf.trial.arms.index(arm)
-            pf.trial.end_step = lambda cost_s, decode_only: False  # keep the arm
+            pf.trial.end_step = lambda *step: False  # keep the arm
             assert all(part.policy.lru == (arm == "lean") for part in engine.buffer.parts)
         la = engine.model.lookahead
         if la is not None:
@@ -267,8 +267,27 @@ def test_three_arms_the_cheapest_runs_and_the_others_are_still_explored(best: in
     others = [late.count(a) for a in range(3) if a != best]
     assert late.count(best) > 2 * max(others) and min(others) > 0  # the others explored in turn
     assert trial.decode_steps_by_arm[best] == max(trial.decode_steps_by_arm)
-    # each adjacent pair of arms was measured before the first choice
-    assert (trial.pair_counts + np.eye(3, dtype=int) * 99 >= 2).all()
+    assert (trial.pair_counts[0, 1:] >= 2).all()  # each other arm was paired with the first
+
+
+def test_three_arms_a_cost_that_falls_within_each_batch_favours_no_arm() -> None:
+    """A batch's early decode steps cost more under every arm (its experts are not cached
+    yet), and a step whose batch needs more distinct experts costs more under every arm: the
+    trial measures each arm before and after the first one and divides by the steps' lookups,
+    so the truly cheaper arm (10% here) is still found. (Without the lookups, 16 of 60 such
+    runs chose wrong.)"""
+    for seed in range(5):
+        rng = np.random.default_rng(seed)
+        for best in range(3):
+            cost = [1.0, 1.0, 1.0]
+            cost[best] = 0.9
+            trial = ModeTrial(window=2, explore_every=4, first_pairs=3, settle=2, arms=ARMS)
+            for i in range(1500):
+                at = i % 23  # a new batch (prefill) every 23 steps; the cost halves over a batch
+                lookups = int(rng.integers(5, 20))
+                step = 1e-3 * cost[trial.arm] * (2.0 - at / 22) * lookups
+                trial.end_step(step, decode_only=at != 0, work=lookups)
+            assert int(np.argmin(trial.scores())) == best, (seed, best, trial.scores())
 
 
 def test_three_arms_follow_a_change_of_the_cheapest() -> None:

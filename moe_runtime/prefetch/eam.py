@@ -129,6 +129,7 @@ class EAMPrefetch(PrefetchPolicy):
         self._decode_only = True  # no prefill token in the step so far (for the trial)
         self._step_host_s = 0.0  # host time of the step's plans and router lookahead
         self._step_blocking_s = 0.0  # the buffer's blocking counter at the last step's end
+        self._step_lookups = 0  # and its expert lookups
         self._p_use: tuple[np.ndarray, int, np.ndarray] | None = None  # (own term, T, [L * E] p)
 
     def predict(self, layer: int, request_ids: list[str]) -> np.ndarray | None:
@@ -417,12 +418,14 @@ class EAMPrefetch(PrefetchPolicy):
             gate.update_link(self.buffer.stats, now, self._transfer_s())
             gate.new_step()
             if self.trial is not None:
-                # the step's blocking on expert copies plus its planning host time: what the
-                # modes change (see gate.ModeTrial)
-                blocking = self.buffer.stats.total_blocking_s
+                # the step's blocking on expert copies plus its planning host time, what the
+                # arms change, per expert lookup, what the batch asked for (see gate.ModeTrial)
+                stats = self.buffer.stats
+                blocking, lookups = stats.total_blocking_s, stats.total_lookups
                 cost = blocking - self._step_blocking_s + self._step_host_s
-                self._step_blocking_s, self._step_host_s = blocking, 0.0
-                if self.trial.end_step(cost, self._decode_only):
+                work = max(1, lookups - self._step_lookups)
+                self._step_blocking_s, self._step_host_s, self._step_lookups = blocking, 0.0, lookups
+                if self.trial.end_step(cost, self._decode_only, work):
                     self.set_arm(self.trial.arm_name)
             self._decode_only = True
 

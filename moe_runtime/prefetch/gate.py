@@ -208,7 +208,10 @@ class ModeTrial:
     10-25% buffers and 0.5 GB/s, LRU at 50%, where the loop-aware cache made more demand copies
     in decode than LRU (issue 15).
 
-    Decode steps (no prefill token) run in windows of ``window`` steps, one arm per window.
+    Decode steps (no prefill token) run in windows of ``window`` steps, one arm per window. A
+    window's cost is its steps' summed cost over their summed work (the caller's measure of what
+    the steps asked for, e.g. expert lookups: steps whose batch needs more distinct experts cost
+    more under every arm, and would otherwise add their spread to the comparison).
     After a switch the first ``settle`` steps are not counted: the buffer still holds what the
     other arm chose (the cache policy differs too), so the first window after a switch inherits
     the other arm's cache and can look cheaper or dearer than the arm is (issue 15: a bias
@@ -218,8 +221,12 @@ class ModeTrial:
     different arms ``a``, ``b`` form a pair, and their relative difference in that cost per
     decode step, ``(a - b) / mean``, is kept as a running mean per pair of arms (``decay`` per
     pair): pairs, not long-run means, so a host whose load drifts compares like with like. The
-    first windows cycle through the arms until every adjacent pair of arms has ``first_pairs``
-    measurements; then the arm whose summed differences to the others are lowest runs (with two
+    first windows alternate between the first arm and each other arm in turn (``0, 1, 0, 2, 0,
+    1, ...``) until each other arm has ``first_pairs`` pairs with the first: each is measured
+    as often after the first arm as before it, so a cost that drifts within a batch (its early
+    decode steps miss more) cancels out of its running difference. Then the arm with the lowest
+    score runs (a least
+    squares fit of one score per arm to the measured pair differences, :meth:`scores`; with two
     arms: the cheaper one), and every ``explore_every``-th window another arm, in turn (two more
     pairs; every ``4 * explore_every``-th while the explored arm is worse by more than
     ``CLEAR_DIFF``, as on-demand is on a fast link, where each exploring window costs a lot), so
@@ -281,7 +288,7 @@ class ModeTrial:
         self._since = 0  # windows since the last exploration
         self._streak = 0  # explorations in a row that left the choice as it was
         self._next_explore = 0  # index into the other arms of the next one explored
-        self._sum, self._n = 0.0, 0
+        self._sum, self._work, self._n = 0.0, 0.0, 0  # the open window's cost, work and steps
         self._skip = 1  # steps of the current window not counted yet
         self._prev: tuple[int, float] | None = None  # (arm, s per step) of the last window
 
@@ -311,42 +318,56 @@ class ModeTrial:
         return float(self.diffs[0, -1])
 
     def scores(self) -> np.ndarray:
-        """``[arms]`` each arm's summed running difference to the others it was paired with
-        (lower: cheaper)."""
-        return self.diffs.sum(axis=1)
+        """``[arms]`` relative cost of each arm (lower: cheaper; they sum to 0): the least
+        squares fit of ``s_a - s_b`` to the running difference of every pair of arms measured so
+        far. An arm never paired scores 0."""
+        n = len(self.arms)
+        a, b = np.nonzero(np.triu(self.pair_counts, 1))
+        if not a.size:
+            return np.zeros(n)
+        m = np.zeros((a.size + 1, n))
+        m[np.arange(a.size), a] = 1.0
+        m[np.arange(a.size), b] = -1.0
+        m[-1] = 1.0  # the scores sum to 0
+        target = np.append(self.diffs[a, b], 0.0)
+        return np.linalg.lstsq(m, target, rcond=None)[0]
 
-    def end_step(self, cost_s: float, decode_only: bool) -> bool:
+    def end_step(self, cost_s: float, decode_only: bool, work: float = 1.0) -> bool:
         """A step ended that cost the compute thread ``cost_s`` seconds (blocking and
-        planning); ``decode_only``: it had no prefill token. Returns True when the arm changed
-        (the caller then switches the policy's mode to :attr:`arm_name`)."""
+        planning) for ``work`` units of work (> 0; e.g. its expert lookups); ``decode_only``:
+        it had no prefill token. Returns True when the arm changed (the caller then switches
+        the policy's mode to :attr:`arm_name`)."""
         if decode_only:
             self.decode_steps += 1
             self.decode_steps_by_arm[self.arm] += 1
         else:
             # New requests change what a step costs (their experts are not cached yet): the
             # open window is dropped and no pair spans the change.
-            self._sum, self._n, self._prev = 0.0, 0, None
+            self._sum, self._work, self._n, self._prev = 0.0, 0.0, 0, None
             self._skip = max(self._skip, 1)
             return False
         if self._skip:
             self._skip -= 1
             return False
         self._sum += cost_s
+        self._work += work
         self._n += 1
         if self._n < self.window:
             return False
-        m = self._sum / self._n
-        self._sum, self._n = 0.0, 0
+        m = self._sum / self._work if self._work > 0 else 0.0
+        self._sum, self._work, self._n = 0.0, 0.0, 0
         prev, self._prev = self._prev, (self.arm, m)
         if prev is not None and prev[0] != self.arm and m + prev[1] > 0:
             self._pair(self.arm, m, prev[0], prev[1])
         was = self.arm
         n = len(self.arms)
-        cycle = [(a, (a + 1) % n) for a in range(n if n > 2 else 1)]  # adjacent arms in the cycle
-        if min(self.pair_counts[a, b] for a, b in cycle) < self.first_pairs:
-            self.arm = (self.arm + 1) % n  # cycle until every adjacent pair has its first pairs
+        if self.pair_counts[0, 1:].min() < self.first_pairs:
+            # alternate the first arm with each other one in turn until each has its first pairs
+            self.arm = 0 if self.arm else 1 + self._next_explore % (n - 1)
+            self._next_explore += self.arm == 0 and was != 0
         else:
-            best = int(np.argmin(self.scores()))  # ties: the earlier arm
+            scores = self.scores()
+            best = int(np.argmin(scores))  # ties: the earlier arm
             if best != self._best:
                 self._streak = 0  # the choice changed: re-check it at the base rate
             self._best = best
@@ -354,7 +375,7 @@ class ModeTrial:
             explore = others[self._next_explore % len(others)]
             # a clear difference is re-checked 4x less often (exploring it costs more), and each
             # exploration that confirmed the choice halves the rate
-            clear = abs(self.diffs[explore, best]) > CLEAR_DIFF
+            clear = scores[explore] - scores[best] > CLEAR_DIFF
             every = self.explore_every * (4 if clear else 1)
             every <<= min(self._streak, self.max_backoff)
             self._since += 1
