@@ -97,7 +97,7 @@ def test_row_cells_come_from_the_json(docs):
     cells = _cells(block, "0.5", 1, "10%")
     # slots, eam TPOT, on-demand TPOT, paired ratio as stored (not recomputed from the medians), share
     assert cells[3:8] == ["51", "9.70 [8.70, 10.70]", "10.00 [9.00, 11.00]", "0.970 [0.950, 1.010]", "0.60"]
-    assert "arms" not in block  # no arm shares recorded: no column
+    assert "arm shares" not in block  # none recorded: no column
     assert "**1 met, 0 within noise, 0 not met, 0 missing** (1 rows)" in block
 
 

@@ -126,7 +126,7 @@ def render(
     if not found:
         raise ValueError("no point of the grid has a JSON file")
     header = ["link GB/s", "batch", "buffer", "slots", "eam TPOT ms", "on-demand+lru TPOT ms",
-              "eam / on-demand (paired)", "prefetch on", "arms", "verdict"]  # fmt: skip
+              "eam / on-demand (paired)", "prefetch on", "arm shares", "verdict"]  # fmt: skip
     rows, counts = [], dict.fromkeys(VERDICTS, 0)
     for (link, batch), d in points.items():
         for f in fractions:
@@ -136,8 +136,9 @@ def render(
     if not any(r[8] for r in rows):
         header, rows = header[:8] + header[9:], [r[:8] + r[9:] for r in rows]  # no arm shares recorded
     settings, shared = _settings(points)
-    grid = found[0].get("grid", {})
-    one = f"\n\nOne point's command: `{grid['command']}`." if "command" in grid else ""
+    grid = [d.get("grid", {}) for d in found]
+    tools = dict.fromkeys(g.get("tool", "python tools/policy_grid.py") for g in grid)  # each run, once
+    one = f"\n\nOne point's command: `{grid[0]['command']}`." if "command" in grid[0] else ""
     count = ", ".join(f"{n} {v}" for v, n in counts.items())
     wall = sum(d["settings"]["wall_s"] for d in found)
     return f"""{BEGIN}
@@ -153,7 +154,7 @@ above {TPOT_RATIO_TARGET}.) "prefetch on": the share of measured decode steps th
 with prefetching on. Commands:
 
 ```bash
-{grid.get("tool", "python tools/policy_grid.py")}
+{chr(10).join(tools)}
 {command}   # writes this block
 ```{one}
 
