@@ -154,7 +154,7 @@ def test_command_and_file_names(grid):
     assert cmd[:4] == ["-m", "moeserve.cli", "bench", "policies"]
     flags = dict(zip(cmd[4:-3:2], cmd[5:-3:2]))
     assert flags == {"--policies": "on-demand+lru,eam", "--fractions": "0.1,0.25,0.5", "--link-gbps": "0.5",
-                     "--batch": "16", "--repeats": "3", "--tasks": "8", "--warm": "1", "--eval": "2",
+                     "--batch": "16", "--repeats": "3", "--tasks": "8", "--warm": "2", "--eval": "2",
                      "--new-tokens": "4"}  # fmt: skip
     assert cmd[-3:] == ["--seed", "3", "--json"]
     assert grid.command(0.0, 1, args, [])[cmd.index("--link-gbps") + 1] == "0"
@@ -206,5 +206,5 @@ def test_resume_refuses_a_file_from_another_command(grid, tmp_path, capsys):
     argv = ["--links", "4", "--batches", "1", "--out", str(tmp_path)]
     assert grid.main(argv, run=FakeRun()) == 0
     other = FakeRun()
-    assert grid.main([*argv, "--new-tokens", "16"], run=other) == 2
+    assert grid.main([*argv, "--new-tokens", "4"], run=other) == 2
     assert other.calls == [] and "another command" in capsys.readouterr().out

@@ -17,11 +17,14 @@ written by a different command is an error rather than a silent mix of workloads
 written only when its run succeeded (through a temporary name), so an interrupted point reruns.
 
 Workload: ``--tasks 8 --eval 2`` gives 16 eval prompts, so batch 16 fills one batch, batch 4
-four and batch 1 sixteen; ``--warm 1`` prompt per task warms the EAMC and ``--new-tokens 8``
-keeps the 12-point grid at about 12 minutes on the 2-core host (one point: 35 s at batch 16 and
-4 GB/s, 95 s at batch 1 and 0.5 GB/s). Flags this tool does not know (``--model``, ``--seed``,
-...) are passed to ``bench policies`` as they are. Exits 1 when a point failed (the others still
-run), 2 on bad flags.
+four and batch 1 sixteen; ``--warm 2`` prompts per task warm the EAMC and ``--new-tokens 16``
+tokens per request keep the 12-point grid at about 13 minutes on the 2-core host (measured with
+these settings: 155 s for the slowest point, batch 1 at 0.5 GB/s; 82 s at batch 1 and 32 GB/s;
+batch 4 and 16 points take about half and a third of their link's batch-1 point). At batch 16
+the runs are short (two batches of 15 decode steps, warm and eval, per engine), so the eam
+trial's share of steps with prefetching on says how far it got. Flags this tool does not know
+(``--model``, ``--seed``, ...) are passed to ``bench policies`` as they are. Exits 1 when a point
+failed (the others still run), 2 on bad flags or a saved file from another command.
 """
 
 from __future__ import annotations
@@ -67,9 +70,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--policies", default=POLICIES, help=f"(default: {POLICIES})")
     p.add_argument("--repeats", type=int, default=3, help="rounds per point, >= 3 (default: 3)")
     p.add_argument("--tasks", type=int, default=8, help="tasks drawn (default: 8)")
-    p.add_argument("--warm", type=int, default=1, help="warm prompts per task (default: 1)")
+    p.add_argument("--warm", type=int, default=2, help="warm prompts per task (default: 2)")
     p.add_argument("--eval", type=int, default=2, help="eval prompts per task (default: 2)")
-    p.add_argument("--new-tokens", type=int, default=8, help="tokens per request (default: 8)")
+    p.add_argument("--new-tokens", type=int, default=16, help="tokens per request (default: 16)")
     p.add_argument("--prompts", type=Path, default=None, help="prompt JSONL (default: bench policies')")
     p.add_argument(
         "--out", type=Path, default=ROOT / OUT, help=f"folder of the points' JSON (default: {OUT})"
