@@ -118,6 +118,16 @@ def test_missing_point_and_buffer_are_rows(docs):
     assert settings.count("|") == 11  # the settings table's row for the absent point
 
 
+def test_points_of_different_workloads_are_flagged(docs):
+    ok = {0.5: (1.0, 0.99, 1.01)}
+    same = docs.render({(4.0, 4): _point(ok), (4.0, 16): _point(ok, batch=16)}, [0.5])
+    assert "differ" not in same and "`seed=0`" in same
+    other = _point(ok, batch=16)
+    other["settings"]["warm_prompts"] = 8
+    mixed = docs.render({(4.0, 4): _point(ok), (4.0, 16): other}, [0.5])
+    assert "**the points differ in** `warm_prompts`" in mixed
+
+
 def test_no_point_at_all_is_an_error(docs):
     with pytest.raises(ValueError):
         docs.render({(4.0, 4): None}, [0.5])

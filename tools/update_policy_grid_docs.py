@@ -103,11 +103,11 @@ def _settings(points: dict[tuple[float, int], dict | None]) -> tuple[str, str]:
         )
     header = ["link GB/s", "batch", "tasks", "warm prompts", "eval prompts", "new tokens", "repeats",
               "load avg before (1, 5, 15 min)", "load avg after", "wall s"]  # fmt: skip
-    skip = {"tasks", "warm_prompts", "eval_prompts", "new_tokens", "repeats", "batch", "link_gbps",
-            "load_avg_before", "load_avg_after", "wall_s"}  # fmt: skip
-    keys = [k for k in found[0]["settings"] if k not in skip]
+    per_point = {"batch", "link_gbps", "load_avg_before", "load_avg_after", "wall_s"}
+    shown = {"tasks", "warm_prompts", "eval_prompts", "new_tokens", "repeats"}  # in the table
+    keys = [k for k in found[0]["settings"] if k not in per_point]
     same = [k for k in keys if all(d["settings"].get(k) == found[0]["settings"][k] for d in found)]
-    shared = ", ".join(f"`{k}={found[0]['settings'][k]}`" for k in same)
+    shared = ", ".join(f"`{k}={found[0]['settings'][k]}`" for k in same if k not in shown)
     differ = [k for k in keys if k not in same]
     if differ:
         shared += "; **the points differ in** " + ", ".join(f"`{k}`" for k in differ)
