@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from moe_runtime.prefetch import kernels
 from moe_runtime.prefetch.eam import ARMS
@@ -267,7 +268,21 @@ def test_three_arms_the_cheapest_runs_and_the_others_are_still_explored(best: in
     others = [late.count(a) for a in range(3) if a != best]
     assert late.count(best) > 2 * max(others) and min(others) > 0  # the others explored in turn
     assert trial.decode_steps_by_arm[best] == max(trial.decode_steps_by_arm)
-    assert (trial.pair_counts[0, 1:] >= 2).all()  # each other arm was paired with the first
+    assert (trial.pair_counts[-1, :-1] >= 2).all()  # each other arm was paired with the reference
+
+
+def test_a_barred_arm_is_neither_chosen_nor_explored_until_it_is_allowed_again() -> None:
+    trial = ModeTrial(window=1, explore_every=4, first_pairs=1, settle=1, arms=ARMS)
+    trial.bar("prefetch", True)  # e.g. a step blocks for less than its plans would cost
+    arms = _drive_arms(trial, [0.005, 0.010, 0.011], 300)  # prefetching would be cheapest
+    assert 0 not in arms[5:] and arms[100:].count(1) > 150  # caching alone, the cheapest allowed
+    trial.bar("prefetch", False)
+    arms = _drive_arms(trial, [0.005, 0.010, 0.011], 600)
+    assert arms[300:].count(0) > 200  # measured once allowed, and chosen
+    with pytest.raises(ValueError, match="never barred"):
+        trial.bar("lean", True)
+    with pytest.raises(ValueError, match="cannot bar"):
+        trial.bar("sometimes", True)
 
 
 def test_three_arms_a_cost_that_falls_within_each_batch_favours_no_arm() -> None:
@@ -298,3 +313,23 @@ def test_three_arms_follow_a_change_of_the_cheapest() -> None:
     assert arms[300:].count(2) > 200
     with pytest.raises(ValueError, match="two arms"):
         ModeTrial(arms=("prefetch",))
+
+
+def test_eam_bars_prefetching_while_steps_block_less_than_their_plans_would_cost() -> None:
+    from test_policies import fake_eam_policy, small_store
+
+    from moe_runtime.buffer import ExpertBuffer
+
+    buf = ExpertBuffer(small_store(), [torch.device("cpu")], 12, link=(1e-7, 0.0))
+    try:
+        pol = fake_eam_policy(buf, np.ones((4, 5)), lookahead=1)
+        pol._bar_prefetch(1e-4)
+        assert not pol.trial.barred[0]  # no plan timed yet: nothing to weigh
+        pol.gate.host_s = 1e-3  # a planning layer costs 1 ms: 3 ms per step of 4 layers
+        pol._bar_prefetch(1e-4)
+        assert pol.trial.barred[0]  # 0.1 ms of blocking cannot pay for it
+        for _ in range(20):
+            pol._bar_prefetch(0.02)  # the load changed: steps block 20 ms
+        assert not pol.trial.barred[0]
+    finally:
+        buf.close()

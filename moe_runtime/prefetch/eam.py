@@ -130,6 +130,7 @@ class EAMPrefetch(PrefetchPolicy):
         self._step_host_s = 0.0  # host time of the step's plans and router lookahead
         self._step_blocking_s = 0.0  # the buffer's blocking counter at the last step's end
         self._step_lookups = 0  # and its expert lookups
+        self._unplanned_blocking_s: float | None = None  # running blocking of decode steps without plans
         self._p_use: tuple[np.ndarray, int, np.ndarray] | None = None  # (own term, T, [L * E] p)
 
     def predict(self, layer: int, request_ids: list[str]) -> np.ndarray | None:
@@ -399,6 +400,17 @@ class EAMPrefetch(PrefetchPolicy):
                 if hasattr(part.policy, "lru"):
                     part.policy.lru = arm == "lean"
 
+    def _bar_prefetch(self, blocking_s: float) -> None:
+        """A decode step without plans blocked ``blocking_s`` on expert copies: bar the trial's
+        prefetching arm while such steps block (running mean) for less than a step of plans costs
+        the compute thread (the gate's host time per planning layer times the layers that plan):
+        prefetching can at best remove all blocking, so it cannot pay then (a fast link, a large
+        buffer), and exploring it would only cost."""
+        old = self._unplanned_blocking_s
+        self._unplanned_blocking_s = blocking_s if old is None else 0.8 * old + 0.2 * blocking_s
+        plans_s = self.gate.host_s * (self.num_layers - 1)
+        self.trial.bar("prefetch", 0 < plans_s and self._unplanned_blocking_s < plans_s)
+
     def _transfer_s(self) -> float:
         """One expert copy's link time: the simulator's, else the emulated link's, else the
         measured blocking per miss (a copy on an unemulated link is timed only there)."""
@@ -424,6 +436,8 @@ class EAMPrefetch(PrefetchPolicy):
                 blocking, lookups = stats.total_blocking_s, stats.total_lookups
                 cost = blocking - self._step_blocking_s + self._step_host_s
                 work = max(1, lookups - self._step_lookups)
+                if self._decode_only and not self.trial.on:  # a decode step without plans
+                    self._bar_prefetch(blocking - self._step_blocking_s)
                 self._step_blocking_s, self._step_host_s, self._step_lookups = blocking, 0.0, lookups
                 if self.trial.end_step(cost, self._decode_only, work):
                     self.set_arm(self.trial.arm_name)

@@ -221,10 +221,12 @@ class ModeTrial:
     different arms ``a``, ``b`` form a pair, and their relative difference in that cost per
     decode step, ``(a - b) / mean``, is kept as a running mean per pair of arms (``decay`` per
     pair): pairs, not long-run means, so a host whose load drifts compares like with like. The
-    first windows alternate between the first arm and each other arm in turn (``0, 1, 0, 2, 0,
-    1, ...``) until each other arm has ``first_pairs`` pairs with the first: each is measured
-    as often after the first arm as before it, so a cost that drifts within a batch (its early
-    decode steps miss more) cancels out of its running difference. Then the arm with the lowest
+    first windows alternate the last arm, the reference, with each other arm in turn (``0, 2, 0,
+    2, 1, 2, 0, ...``; with the ``eam`` policy's arms the reference is on-demand + LRU, the
+    baseline, so the first windows cost at most half the others' excess over it) until each
+    other arm has ``first_pairs`` pairs with it: each is measured as often after the reference
+    as before it, so a cost that drifts within a batch (its early decode steps miss more)
+    cancels out of its running difference. Then the arm with the lowest
     score runs (a least
     squares fit of one score per arm to the measured pair differences, :meth:`scores`; with two
     arms: the cheaper one), and every ``explore_every``-th window another arm, in turn (two more
@@ -278,7 +280,9 @@ class ModeTrial:
         self.first_pairs, self.settle, self.max_backoff = first_pairs, settle, max_backoff
         self.arms = tuple(arms)
         n = len(arms)
+        self.reference = n - 1  # the first windows alternate it with each other arm
         self.arm = 0  # the arm of the current window (0: prefetching)
+        self.barred = np.zeros(n, dtype=bool)  # arms the caller ruled out for now (:meth:`bar`)
         self.diffs = np.zeros((n, n))  # running (a - b) / mean of paired windows; antisymmetric
         self.pair_counts = np.zeros((n, n), dtype=np.int64)  # pairs measured per pair of arms
         self.pairs = 0  # pairs measured
@@ -305,6 +309,19 @@ class ModeTrial:
     @property
     def arm_name(self) -> str:
         return self.arms[self.arm]
+
+    def bar(self, arm: str, barred: bool) -> None:
+        """Rule ``arm`` out (``barred``) or in again: a barred arm is neither chosen nor explored
+        from the next window on (the caller knows it cannot win, e.g. prefetching when a step
+        blocks for less than its planning costs). The last arm cannot be barred.
+
+        Raises:
+            ValueError: an unknown arm, or barring the last one.
+        """
+        i = self.arms.index(arm) if arm in self.arms else -1
+        if i < 0 or (barred and i == self.reference):
+            raise ValueError(f"cannot bar arm {arm!r} of {self.arms} (the last one is never barred)")
+        self.barred[i] = barred
 
     @property
     def decode_steps_on(self) -> int:
@@ -361,17 +378,25 @@ class ModeTrial:
             self._pair(self.arm, m, prev[0], prev[1])
         was = self.arm
         n = len(self.arms)
-        if self.pair_counts[0, 1:].min() < self.first_pairs:
-            # alternate the first arm with each other one in turn until each has its first pairs
-            self.arm = 0 if self.arm else 1 + self._next_explore % (n - 1)
-            self._next_explore += self.arm == 0 and was != 0
+        ref = self.reference
+        allowed = [a for a in range(n) if not self.barred[a]]
+        young = [a for a in allowed if a != ref and self.pair_counts[ref, a] < self.first_pairs]
+        if young:
+            # alternate the reference arm with each other one in turn until each has its first pairs
+            if self.arm == ref:
+                self.arm = young[self._next_explore % len(young)]
+                self._next_explore += 1
+            else:
+                self.arm = ref
+        elif len(allowed) == 1:
+            self.arm = ref  # every other arm is barred
         else:
             scores = self.scores()
-            best = int(np.argmin(scores))  # ties: the earlier arm
+            best = min(allowed, key=lambda a: (scores[a], a))  # ties: the earlier arm
             if best != self._best:
                 self._streak = 0  # the choice changed: re-check it at the base rate
             self._best = best
-            others = [a for a in range(n) if a != best]
+            others = [a for a in allowed if a != best]
             explore = others[self._next_explore % len(others)]
             # a clear difference is re-checked 4x less often (exploring it costs more), and each
             # exploration that confirmed the choice halves the rate
