@@ -409,7 +409,7 @@ class EAMPrefetch(PrefetchPolicy):
         old = self._unplanned_blocking_s
         self._unplanned_blocking_s = blocking_s if old is None else 0.8 * old + 0.2 * blocking_s
         plans_s = self.gate.host_s * (self.num_layers - 1)
-        self.trial.bar("prefetch", 0 < plans_s and self._unplanned_blocking_s < plans_s)
+        self.trial.bar("prefetch", plans_s > 0 and self._unplanned_blocking_s < plans_s)
 
     def _transfer_s(self) -> float:
         """One expert copy's link time: the simulator's, else the emulated link's, else the
