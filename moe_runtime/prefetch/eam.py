@@ -127,7 +127,7 @@ class EAMPrefetch(PrefetchPolicy):
         # and without the gate
         self.trial = ModeTrial(arms=ARMS) if cost_aware and self._timed and trial else None
         self._decode_only = True  # no prefill token in the step so far (for the trial)
-        self._step_host_s = 0.0  # host time of the step's plans and router lookahead
+        self._step_cpu_s: float | None = None  # the compute thread's CPU clock at the last step's end
         self._step_blocking_s = 0.0  # the buffer's blocking counter at the last step's end
         self._step_lookups = 0  # and its expert lookups
         self._unplanned_blocking_s: float | None = None  # running blocking of decode steps without plans
@@ -305,7 +305,6 @@ class EAMPrefetch(PrefetchPolicy):
                 self._plan(layer, request_ids, topk_ids)
                 host = time.thread_time() - t0 + self._lookahead_s
                 gate.note_host_time(host)
-                self._step_host_s += host
                 self._lookahead_s = 0.0
                 return
         self._plan(layer, request_ids, topk_ids)
@@ -430,15 +429,18 @@ class EAMPrefetch(PrefetchPolicy):
             gate.update_link(self.buffer.stats, now, self._transfer_s())
             gate.new_step()
             if self.trial is not None:
-                # the step's blocking on expert copies plus its planning host time, what the
-                # arms change, per expert lookup, what the batch asked for (see gate.ModeTrial)
+                # the step's blocking on expert copies plus the compute thread's CPU time (plans,
+                # router lookahead, cache policy, the experts' batches: all the arms change), per
+                # expert lookup, what the batch asked for (see gate.ModeTrial)
                 stats = self.buffer.stats
-                blocking, lookups = stats.total_blocking_s, stats.total_lookups
-                cost = blocking - self._step_blocking_s + self._step_host_s
+                blocking, lookups, cpu = stats.total_blocking_s, stats.total_lookups, time.thread_time()
+                cost = blocking - self._step_blocking_s
+                if self._step_cpu_s is not None:
+                    cost += cpu - self._step_cpu_s
                 work = max(1, lookups - self._step_lookups)
                 if self._decode_only and not self.trial.on:  # a decode step without plans
                     self._bar_prefetch(blocking - self._step_blocking_s)
-                self._step_blocking_s, self._step_host_s, self._step_lookups = blocking, 0.0, lookups
+                self._step_blocking_s, self._step_cpu_s, self._step_lookups = blocking, cpu, lookups
                 if self.trial.end_step(cost, self._decode_only, work):
                     self.set_arm(self.trial.arm_name)
             self._decode_only = True

@@ -194,12 +194,15 @@ class ModeTrial:
     is ``1 - q``), which can be far off on a given host: on the bundled model at a 50% buffer the
     plans promised several times the blocking they saved, while planning and the router
     lookahead cost the compute thread more than that. So the runtime also measures what the
-    modes really cost the compute thread per decode step: its blocking on expert copies plus the
-    host time of planning and the router lookahead. That is the part of a step the modes change;
-    the rest, attention and expert compute, is the same in all and would only add the shared
-    host's noise. (Wall time less the thread's CPU time, which also catches GIL and lock waits,
-    was tried: on this shared 2-core host its preemption noise swamped the blocking saved at a
-    25% buffer, where prefetching pays, and the trial turned prefetching off there.)
+    arms really cost the compute thread per decode step: its blocking on expert copies plus its
+    CPU time (the ``eam`` policy's measure). The CPU time holds everything the arms change on
+    that thread: planning and the router lookahead, the cache policy's hooks, and the expert
+    batches a miss adds (each landed batch is a grouped call of its own); blocking alone missed
+    those, and without a link, where nothing blocks, the choice between caching alone and LRU
+    was noise while the ``eam-reuse`` hooks cost 3-5% of a step. (Wall time less the thread's CPU
+    time, which also catches GIL and lock waits, was tried: on this shared 2-core host its
+    preemption noise swamped the blocking saved at a 25% buffer, where prefetching pays, and
+    the trial turned prefetching off there.)
 
     The ``eam`` policy runs three arms (:data:`ARMS`): ``prefetch`` (plans, router lookahead and
     the loop-aware ``eam-reuse`` cache), ``cache`` (no planning, the ``eam-reuse`` cache: caching
@@ -350,8 +353,8 @@ class ModeTrial:
         return np.linalg.lstsq(m, target, rcond=None)[0]
 
     def end_step(self, cost_s: float, decode_only: bool, work: float = 1.0) -> bool:
-        """A step ended that cost the compute thread ``cost_s`` seconds (blocking and
-        planning) for ``work`` units of work (> 0; e.g. its expert lookups); ``decode_only``:
+        """A step ended that cost the compute thread ``cost_s`` seconds (e.g. blocking and CPU
+        time) for ``work`` units of work (> 0; e.g. its expert lookups); ``decode_only``:
         it had no prefill token. Returns True when the arm changed (the caller then switches
         the policy's mode to :attr:`arm_name`)."""
         if decode_only:
