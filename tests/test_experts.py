@@ -109,3 +109,59 @@ def test_falls_back_when_grouped_differs_from_linear(monkeypatch):
 def test_summary_names_the_expert_path(tiny_qwen3):
     with LLMEngine.from_pretrained(tiny_qwen3, RuntimeConfig(max_model_len=32)) as engine:
         assert engine.summary().endswith("experts run grouped")
+
+
+def _fake_layer(num_experts: int = 6, tokens: int = 4, k: int = 2, hidden: int = 16, inter: int = 8):
+    """``(x [T, H], weights [T, k], ids [T, k], handles)`` of one MoE layer whose experts sit in
+    slots of a stand-in partition (expert ``e`` in slot ``e``)."""
+    from types import SimpleNamespace
+
+    from moe_runtime.buffer.expert_buffer import ExpertHandle
+
+    gen = torch.Generator().manual_seed(0)
+    flat = torch.randn(num_experts, 3 * inter * hidden, generator=gen)
+    gate_up = flat[:, : 2 * inter * hidden].unflatten(1, (2 * inter, hidden))
+    down = flat[:, 2 * inter * hidden :].unflatten(1, (hidden, inter))
+    cpu = torch.device("cpu")
+    part = SimpleNamespace(
+        device=cpu, gate_up=gate_up, down=down, gate_up_t=gate_up.transpose(1, 2), down_t=down.transpose(1, 2)
+    )
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:k] for _ in range(tokens)]).numpy()
+    weights = torch.softmax(torch.randn(tokens, k, generator=gen), dim=-1)
+    x = torch.randn(tokens, hidden, generator=gen)
+    used = sorted(set(ids.reshape(-1).tolist()))
+    handles = [ExpertHandle(e, cpu, False, 0.0, e, part) for e in used]
+    return x, weights, ids, handles
+
+
+class _Batches:
+    """A layer run handing out ``batches`` as they are."""
+
+    def __init__(self, batches) -> None:
+        self._batches = batches
+
+    def batches(self):
+        yield from self._batches
+
+
+def test_one_landed_expert_runs_its_rows_from_one_upload_with_the_same_bits(monkeypatch):
+    """A batch of one expert (the usual miss on a slow link) takes its rows from the layer's one
+    upload (``LayerPlan.expert_rows``), not a batch's sort, offsets and upload; the output equals
+    the one-batch grouped and loop paths' bit for bit, with and without gpt-oss's biases."""
+    x, weights, ids, handles = _fake_layer()
+    ran = []
+    one_expert = experts._one_expert
+    monkeypatch.setattr(experts, "_one_expert", lambda *a: ran.append(a[2].expert) or one_expert(*a))
+    gen = torch.Generator().manual_seed(1)
+    biased = experts.ExpertFFN(torch.randn(6, 16, generator=gen), torch.randn(6, 16, generator=gen))
+    for ffn in (None, biased):
+        whole = experts.run_experts(x, weights, ids, _Batches([handles]), 6, "grouped", ffn)[0]
+        assert not ran
+        loop = experts.run_experts(x, weights, ids, _Batches([handles]), 6, "loop", ffn)[0]
+        assert torch.equal(whole, loop)
+        for path in ("grouped", "loop"):
+            singles = _Batches([[h] for h in reversed(handles)])  # landing order is any order
+            got = experts.run_experts(x, weights, ids, singles, 6, path, ffn)[0]
+            assert torch.equal(got, whole)
+            assert ran == [h.expert for h in reversed(handles)]
+            ran.clear()
