@@ -72,12 +72,16 @@ class _Pending:
     the batch's per-token terms."""
 
     __slots__ = ("request_ids", "token_seq", "token_prefill", "seq", "prefill", "rows", "base")
-    __slots__ += ("seq_bytes", "prefill_bytes", "ids", "layers", "done", "shape")
+    __slots__ += ("seq_bytes", "prefill_bytes", "ids", "layers", "done", "shape", "flat")
 
     def __init__(self, request_ids, token_seq, token_prefill, seq, prefill, rows, base) -> None:
         self.request_ids, self.token_seq, self.token_prefill = request_ids, token_seq, token_prefill
         self.seq, self.prefill, self.rows, self.base = seq, prefill, rows, base
         self.seq_bytes, self.prefill_bytes = seq.tobytes(), prefill.tobytes()
+        # per token: flat offsets of its (slot, phase) block in a (slots, 2, L, E) table and of
+        # its slot's block in a (slots, L, E) one (RequestRecorder._add's sparse form); made on
+        # first use
+        self.flat: tuple[np.ndarray, np.ndarray] | None = None
         self.ids: list[np.ndarray] = []
         self.layers: list[int] = []
         self.done = 0
@@ -281,7 +285,7 @@ class RequestRecorder:
 
     def _flush(self) -> None:
         """Count the pending layers' ids: those of finished steps into the request EAMs, the
-        current step's into ``_step`` (one ``bincount`` per part).
+        current step's into ``_step`` (one ``bincount`` or two ``np.add.at`` per part, ``_add``).
 
         Raises:
             ValueError: a pending layer holds an expert id outside ``[0, E)``; the pending layers
@@ -293,41 +297,50 @@ class RequestRecorder:
         ids, layers, done = g.ids, g.layers, g.done
         g.ids, g.layers, g.done = [], [], 0
         E = self.num_experts
-        ids = np.asarray(ids[0] if len(ids) == 1 else np.stack(ids), dtype=np.int64)  # [n, T, k]
+        ids = (
+            np.asarray(ids[0], dtype=np.int64)[None]
+            if len(ids) == 1
+            else np.stack(ids).astype(np.int64, copy=False)
+        )  # [n, T, k]
         # one reduction checks both bounds: seen as uint64, a negative id is >= 2**63
         if ids.size and ids.view(np.uint64).max() >= E:
             bad = sorted({lay for lay, x in zip(layers, ids) if ((x < 0) | (x >= E)).any()})
             raise ValueError(
                 f"expert ids must lie in [0, {E}), got [{ids.min()}, {ids.max()}] at MoE layer(s) {bad}"
             )
-        offs = np.asarray(layers, dtype=np.int64) * E  # [n]
-        keys = ids + (g.base[None, :, None] + offs[:, None, None])  # [n, T, k]
+        # each id's cell ``layer * E + expert`` within its token's (sequence, phase) block
+        if len(layers) == 1:
+            cells = ids + layers[0] * E  # [1, T, k]
+        else:
+            cells = ids + (np.asarray(layers, dtype=np.int64) * E)[:, None, None]  # [n, T, k]
         if done:
-            self._add(g, keys[:done], self._eam, self._sum)
+            self._add(g, cells[:done], self._eam, self._sum)
         if done < len(layers):
-            self._add(g, keys[done:], self._step, self._step_sum)
+            self._add(g, cells[done:], self._step, self._step_sum)
             self._touched[g.rows] = True
         self._query_memo = None
 
-    def _add(self, g: _Pending, keys: np.ndarray, table: np.ndarray, summed: np.ndarray) -> None:
-        """Count flat ``keys`` into ``g``'s rows of ``table [slots, 2, L, E]`` and ``summed``.
+    def _add(self, g: _Pending, cells: np.ndarray, table: np.ndarray, summed: np.ndarray) -> None:
+        """Count ``cells [n, T, k]`` (each id's ``layer * E + expert``) into ``g``'s rows of
+        ``table [slots, 2, L, E]`` and ``summed [slots, L, E]``.
 
-        Dense (a bincount over all ``B * 2 * L * E`` cells, then two table adds) when the keys are
-        many; sparse (``np.add.at`` of each key) when they are few against the cells: a planning
-        layer's read flushes one to a few layers of ``T * k`` ids, and at batch 16 of the
-        Qwen3-30B-A3B shape the dense form touches 196,608 cells per flush (~200 us against ~15).
-        Both give the same integer counts."""
+        Dense (a bincount over all ``B * 2 * L * E`` cells, then two table adds) when the ids are
+        many; sparse (``np.add.at`` of each id's flat index into the tables) when they are few
+        against the cells: a planning layer's read flushes one to a few layers of ``T * k`` ids,
+        and at batch 16 of the Qwen3-30B-A3B shape the dense form touches 196,608 cells per flush
+        (~200 us against ~5). Both give the same integer counts."""
         B, L, E = len(g.request_ids), self.num_layers, self.num_experts
         rows = g.rows
-        flat = keys.ravel()
-        if flat.size * _SPARSE_RATIO < B * 2 * L * E:
-            b, rest = np.divmod(flat, 2 * L * E)
-            phase, cell = np.divmod(rest, L * E)
-            layer, expert = np.divmod(cell, E)
-            slots = np.arange(rows.start, rows.stop)[b] if isinstance(rows, slice) else rows[b]
-            np.add.at(table, (slots, phase, layer, expert), 1)
-            np.add.at(summed, (slots, layer, expert), 1)
+        if cells.size * _SPARSE_RATIO < B * 2 * L * E:
+            if g.flat is None:
+                slots = np.arange(rows.start, rows.stop) if isinstance(rows, slice) else rows
+                tok = slots[g.seq] * (2 * L * E)  # [T] each token's slot block in the table
+                g.flat = (tok + (~g.prefill) * (L * E), tok // 2)
+            # float32(1), not 1: an int increment sends float32 add.at down a slow casting path
+            np.add.at(table.reshape(-1), (cells + g.flat[0][None, :, None]).ravel(), 1)
+            np.add.at(summed.reshape(-1), (cells + g.flat[1][None, :, None]).ravel(), np.float32(1))
             return
+        flat = (cells + g.base[None, :, None]).ravel()
         counts = np.bincount(flat, minlength=B * 2 * L * E).reshape(B, 2, L, E)
         table[rows] += counts
         summed[rows] += counts[:, _PREFILL] + counts[:, _DECODE]
