@@ -26,6 +26,9 @@ import numpy as np
 from tracer.eam import normalize_rows
 from tracer.eamc import EAMC, _omp_threads
 
+# widths that faiss ``fvec_inner_products_ny`` computes with kernels of its own (``_layer_cos``)
+_NY_KERNELS = frozenset((1, 2, 4, 8, 12))
+
 
 class PrefixMatcher:
     """Per-step incremental prefix matching of a batch against an EAMC.
@@ -52,18 +55,33 @@ class PrefixMatcher:
         self._heap: faiss.float_minheap_array_t | None = None
         self._sims = np.empty((0, 0), dtype=np.float32)
         self._idx = np.empty((0, 0), dtype=np.int64)
+        self._ids = np.empty((0, 0), dtype=np.int64)  # [B, n] entry ids for _layer_cos
 
     def _layer_cos(self, by_layer: np.ndarray, layer: int, out: np.ndarray) -> None:
         """``out [B, n]`` = cosines of the queries' row ``layer`` with every entry's row ``layer``.
 
-        NOTE: faiss ``fvec_inner_products_ny`` (SIMD, single-threaded, one call per query) on the
-        EAMC's layer-major copy, not a numpy ``matmul``: numpy's multi-threaded BLAS stalls for
-        milliseconds when the host is oversubscribed (measured: 8 ms for a 16 x 128 x 10k product
-        that takes 1.3 ms here). A query row that is zero gives zero without any work.
+        NOTE: faiss (SIMD) on the EAMC's layer-major copy, not a numpy ``matmul``: numpy's
+        multi-threaded BLAS stalls for milliseconds when the host is oversubscribed (measured:
+        8 ms for a 16 x 128 x 10k product that takes 1.3 ms here). ``fvec_inner_products_by_idx``
+        takes the whole batch in one call (16 queries at the Qwen3-30B-A3B shape: 11 -> 4 us);
+        it computes each product with ``fvec_inner_product``, as ``fvec_inner_products_ny`` does
+        for every width but the few it has own kernels for (``_NY_KERNELS``, whose sums round
+        otherwise), so those widths keep one ``_ny`` call per query. There a query row that is
+        zero gives zero without any work (the one-call form computes the same zeros).
         """
         slab = by_layer[layer]  # [n, E] contiguous
         num_experts, n = self.eamc.num_experts, slab.shape[0]
         rows = self._q[:, layer]
+        if num_experts not in _NY_KERNELS:
+            batch = rows.shape[0]
+            if self._ids.shape != (batch, n):
+                self._ids = np.tile(np.arange(n, dtype=np.int64), (batch, 1))  # every entry, per query
+            x = np.ascontiguousarray(rows)
+            faiss.fvec_inner_products_by_idx(
+                faiss.swig_ptr(out), faiss.swig_ptr(x), faiss.swig_ptr(slab), faiss.swig_ptr(self._ids),
+                num_experts, batch, n,
+            )  # fmt: skip
+            return
         seen = rows.any(axis=1)
         for b in range(rows.shape[0]):
             if seen[b]:
@@ -125,15 +143,47 @@ class PrefixMatcher:
                 )
             self._q[:, lay] = normalize_rows(row)
         with _omp_threads(self.eamc.threads):  # faiss heaps go parallel on large batches
-            if self._version != self.eamc.version:
-                self._rebuild()
-            else:
-                by_layer = self.eamc.layer_major()
-                for lay in layers:
-                    self._sum -= self._cos[lay]
-                    self._layer_cos(by_layer, lay, self._cos[lay])
-                    self._sum += self._cos[lay]
+            self._refresh(layers)
             return self._top_k()
+
+    def update_rows(self, layers: list[int], rows: np.ndarray) -> None:
+        """Rows ``layers`` of the queries changed to ``rows``; update the running sums
+        (:attr:`scores`) as :meth:`update` does, without taking the top ``k`` (bit-identical
+        sums: a caller may select the matches itself).
+
+        Args:
+            layers: the MoE layers routed since the last update, distinct, in routing order.
+            rows: ``(B, len(layers), E)`` the queries' new rows (raw counts), in ``layers`` order.
+
+        Raises:
+            ValueError: ``rows`` has the wrong shape.
+        """
+        rows = np.asarray(rows)
+        shape = (self._q.shape[0], len(layers), self.eamc.num_experts)
+        if rows.shape != shape:
+            raise ValueError(f"rows must be {shape}, got {rows.shape}")
+        self._q[:, layers] = normalize_rows(rows)  # rows are normalised one by one
+        with _omp_threads(self.eamc.threads):
+            self._refresh(layers)
+
+    @property
+    def scores(self) -> np.ndarray:
+        """``(B, n)`` float32 running sums of per-layer cosines of each query with every entry
+        (what :meth:`update` takes the top ``k`` of); the matcher's own array: do not change it,
+        and copy it to keep it past the next update."""
+        return self._sum
+
+    def _refresh(self, layers: list[int]) -> None:
+        """Recompute the cosines of rows ``layers`` (from ``_q``) and the running sums; rebuild
+        all rows if the EAMC changed since."""
+        if self._version != self.eamc.version:
+            self._rebuild()
+            return
+        by_layer = self.eamc.layer_major()
+        for lay in layers:
+            self._sum -= self._cos[lay]
+            self._layer_cos(by_layer, lay, self._cos[lay])
+            self._sum += self._cos[lay]
 
     def _top_k(self) -> tuple[np.ndarray, np.ndarray]:
         """faiss min-heaps (one per query) over the running sums; kept between calls (each SWIG

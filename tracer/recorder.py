@@ -438,6 +438,26 @@ class RequestRecorder:
         self._query_memo = (upto_layer, list(request_ids), out)
         return out
 
+    def query_rows(self, request_ids: list[str], lo: int, hi: int) -> np.ndarray:
+        """Rows ``lo .. hi - 1`` of :meth:`query` once those layers are routed: ``(B, hi - lo, E)``
+        float32 counts (a new array), each request's EAM of earlier steps plus the current
+        step's counts recorded so far, of those layers only.
+
+        Equal to ``query(request_ids, upto)[:, lo:hi]`` for any ``upto >= hi - 1`` (the same
+        float32 additions, row by row) without building the ``(B, L, E)`` array: a policy that
+        matches incrementally (:class:`tracer.prefix_match.PrefixMatcher`) reads only the rows
+        routed since its last read.
+
+        Raises:
+            KeyError: a request id is not live.
+            ValueError: ``not 0 <= lo <= hi <= L``.
+        """
+        if not 0 <= lo <= hi <= self.num_layers:
+            raise ValueError(f"rows {lo}:{hi} outside [0, {self.num_layers}]")
+        self._flush()
+        rows = self._rows(request_ids)
+        return self._sum[rows, lo:hi] + self._step_sum[rows, lo:hi]
+
     def query_sum(self, request_ids: list[str], upto_layer: int) -> np.ndarray:
         """:meth:`query` summed over the requests: ``(L, E)`` float32 token counts (a new array).
 

@@ -297,6 +297,55 @@ def gate_plan(
 
 
 @njit(cache=True)
+def _heap_less(v1: float, v2: float, i1: int, i2: int) -> bool:
+    """faiss ``CMin::cmp2``: ``(v1, i1)`` before ``(v2, i2)`` in a min-heap (ties: lower id)."""
+    return v1 < v2 or (v1 == v2 and i1 < i2)
+
+
+@njit(cache=True)
+def _heap_replace_top(k: int, vals: np.ndarray, ids: np.ndarray, val: float, idx: int) -> None:
+    """faiss ``heap_replace_top`` of a ``CMin`` heap ``vals, ids [k]`` (1-based as there)."""
+    i = 1
+    while True:
+        i1 = i << 1
+        i2 = i1 + 1
+        if i1 > k:
+            break
+        c = i1 if i2 == k + 1 or _heap_less(vals[i1 - 1], vals[i2 - 1], ids[i1 - 1], ids[i2 - 1]) else i2
+        if _heap_less(val, vals[c - 1], idx, ids[c - 1]):
+            break
+        vals[i - 1] = vals[c - 1]
+        ids[i - 1] = ids[c - 1]
+        i = c
+    vals[i - 1] = val
+    ids[i - 1] = idx
+
+
+@njit(cache=True)
+def match_counts(scores: np.ndarray, k: int) -> np.ndarray:
+    """``[n]`` int64: how many of the ``B`` queries have each entry among their ``min(k, n)``
+    best by ``scores [B, n]`` (float32, finite), the top ``k`` that faiss's
+    ``float_minheap_array_t`` (``addn``, which ``tracer.prefix_match.PrefixMatcher`` uses)
+    selects: the same heap, so equal scores resolve as there (``_heap_less``), and
+    ``np.bincount`` of that top-k's ids equals the result."""
+    B, n = scores.shape
+    k = min(k, n)
+    times = np.zeros(n, dtype=np.int64)
+    vals = np.empty(k, dtype=np.float32)
+    ids = np.empty(k, dtype=np.int64)
+    for b in range(B):
+        vals[:] = -np.inf
+        ids[:] = -1
+        for j in range(n):
+            if vals[0] < scores[b, j]:
+                _heap_replace_top(k, vals, ids, scores[b, j], j)
+        for i in range(k):
+            if ids[i] >= 0:
+                times[ids[i]] += 1
+    return times
+
+
+@njit(cache=True)
 def blend(rows: np.ndarray, ahead: np.ndarray, weight: float) -> np.ndarray:
     """``rows [n, E]`` (float32) with the router lookahead ``ahead [d, E]`` (``d <= n``) blended
     into its first ``d`` rows: ``row_probs(rows[:d] + row_probs(ahead) * weight)``; a new array."""
@@ -335,4 +384,5 @@ def warm() -> None:
         args = (1.0, 0.0, 1.0, 0.0, False, held, p_use, 0, 2, 1)
         gate_plan(rows, rows, held.reshape(1, 2), 1, one.reshape(1, 1), *args)
     blend(rows, rows, 2.0)
+    match_counts(rows, 1)
     _warm = True
