@@ -297,31 +297,29 @@ class RequestRecorder:
         ids, layers, done = g.ids, g.layers, g.done
         g.ids, g.layers, g.done = [], [], 0
         E = self.num_experts
-        ids = (
-            np.asarray(ids[0], dtype=np.int64)[None]
-            if len(ids) == 1
-            else np.stack(ids).astype(np.int64, copy=False)
-        )  # [n, T, k]
+        # [T, k] for one layer (a read after each routed layer), else [n, T, k]
+        ids = np.asarray(ids[0], dtype=np.int64) if len(ids) == 1 else np.stack(ids).astype(np.int64)
         # one reduction checks both bounds: seen as uint64, a negative id is >= 2**63
         if ids.size and ids.view(np.uint64).max() >= E:
-            bad = sorted({lay for lay, x in zip(layers, ids) if ((x < 0) | (x >= E)).any()})
+            per_layer = ids.reshape(len(layers), *ids.shape[-2:])
+            bad = sorted({lay for lay, x in zip(layers, per_layer) if ((x < 0) | (x >= E)).any()})
             raise ValueError(
                 f"expert ids must lie in [0, {E}), got [{ids.min()}, {ids.max()}] at MoE layer(s) {bad}"
             )
         # each id's cell ``layer * E + expert`` within its token's (sequence, phase) block
         if len(layers) == 1:
-            cells = ids + layers[0] * E  # [1, T, k]
+            cells = ids + layers[0] * E  # [T, k]
         else:
             cells = ids + (np.asarray(layers, dtype=np.int64) * E)[:, None, None]  # [n, T, k]
-        if done:
-            self._add(g, cells[:done], self._eam, self._sum)
-        if done < len(layers):
-            self._add(g, cells[done:], self._step, self._step_sum)
+        if done:  # finished steps' layers
+            self._add(g, cells if done == len(layers) else cells[:done], self._eam, self._sum)
+        if done < len(layers):  # the current step's
+            self._add(g, cells if done == 0 else cells[done:], self._step, self._step_sum)
             self._touched[g.rows] = True
         self._query_memo = None
 
     def _add(self, g: _Pending, cells: np.ndarray, table: np.ndarray, summed: np.ndarray) -> None:
-        """Count ``cells [n, T, k]`` (each id's ``layer * E + expert``) into ``g``'s rows of
+        """Count ``cells [n, T, k]`` or ``[T, k]`` (each id's ``layer * E + expert``) into ``g``'s rows of
         ``table [slots, 2, L, E]`` and ``summed [slots, L, E]``.
 
         Dense (a bincount over all ``B * 2 * L * E`` cells, then two table adds) when the ids are
@@ -335,12 +333,12 @@ class RequestRecorder:
             if g.flat is None:
                 slots = np.arange(rows.start, rows.stop) if isinstance(rows, slice) else rows
                 tok = slots[g.seq] * (2 * L * E)  # [T] each token's slot block in the table
-                g.flat = (tok + (~g.prefill) * (L * E), tok // 2)
+                g.flat = ((tok + (~g.prefill) * (L * E))[:, None], (tok // 2)[:, None])  # [T, 1] each
             # float32(1), not 1: an int increment sends float32 add.at down a slow casting path
-            np.add.at(table.reshape(-1), (cells + g.flat[0][None, :, None]).ravel(), 1)
-            np.add.at(summed.reshape(-1), (cells + g.flat[1][None, :, None]).ravel(), np.float32(1))
+            np.add.at(table.reshape(-1), (cells + g.flat[0]).ravel(), 1)
+            np.add.at(summed.reshape(-1), (cells + g.flat[1]).ravel(), np.float32(1))
             return
-        flat = (cells + g.base[None, :, None]).ravel()
+        flat = (cells + g.base[:, None]).ravel()
         counts = np.bincount(flat, minlength=B * 2 * L * E).reshape(B, 2, L, E)
         table[rows] += counts
         summed[rows] += counts[:, _PREFILL] + counts[:, _DECODE]

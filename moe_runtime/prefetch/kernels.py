@@ -271,12 +271,17 @@ def gate_plan(
     free = max(0, num_slots - n_held)
     if keep.any() and n > free and p_use.size:  # an eviction only adds cost: check it then
         lo, hi = layer * num_experts, (layer + 1) * num_experts
-        vals = np.empty(n_held)
+        # the held experts' p_use, the running layer's left out (pinned); branch-free (every
+        # entry written, the position moved on by held[i]): which experts are held follows no
+        # pattern, so a branch per entry mispredicted about half the time
+        vals = np.empty(n_held + 1)
         m_avail = 0
-        for i in range(held.size):
-            if held[i] and not lo <= i < hi:  # the running layer's experts are pinned
-                vals[m_avail] = p_use[i]
-                m_avail += 1
+        for i in range(lo):
+            vals[m_avail] = p_use[i]
+            m_avail += held[i]
+        for i in range(hi, held.size):
+            vals[m_avail] = p_use[i]
+            m_avail += held[i]
         victims = np.zeros(n)  # free slots first (no reuse), then the least used held experts
         m = min(n - free, m_avail)
         if m > 0:
