@@ -175,16 +175,14 @@ class EAMPrefetch(PrefetchPolicy):
                 times = self._match(layer, request_ids, k)  # [n] times matched
             key = (self.eamc.version, times.tobytes())
             if key != self._eamc_key or not covered:
-                matched = times.nonzero()[0]
-                block = self.eamc.entries()[matched, lo:hi]  # [m, D, E], a copy
-                self._eamc_block = kernels.weighted_row_probs(block, times[matched]) if len(matched) else None
+                block, matched = kernels.matched_row_probs(self.eamc.entries(), times, lo, hi)  # [D, E]
+                self._eamc_block = block if matched else None
                 self._eamc_key, covered = key, False
         if not covered:
-            own = self._own[lo:hi]
-            total = own if self._eamc_block is None else own + self._eamc_block  # [D, E]
+            # [D, E] own + EAMC term normalised, [D] rows with any evidence
+            block = self._own[:0] if self._eamc_block is None else self._eamc_block  # no rows: none
+            self._final, self._evidence = kernels.own_plus_eamc(self._own[lo:hi], block)
             self._window = w0, w1 = lo, hi
-            self._final = _row_probs(total)
-            self._evidence = total.any(axis=1)  # [D] rows with any evidence
             self._limited = None
         if not self._evidence[lo - w0 : hi - w0].any():
             return None

@@ -97,18 +97,45 @@ def row_probs(x: np.ndarray) -> np.ndarray:
 
 
 @njit(cache=True)
-def weighted_row_probs(block: np.ndarray, times: np.ndarray) -> np.ndarray:
-    """:func:`row_probs` of ``sum_m times[m] * block[m]`` (``block [m, D, E]`` float32, ``times
-    [m]`` int64), each product rounded to float32 and added in ``m`` order as
-    ``np.einsum("m,mf->f", times.astype(np.float32), block)`` does."""
-    m, D, E = block.shape
-    summed = np.zeros((D, E), dtype=np.float32)
-    for i in range(m):
+def matched_row_probs(entries: np.ndarray, times: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, bool]:
+    """:func:`row_probs` of ``sum_i times[i] * entries[i, lo:hi]`` over the entries matched at
+    least once (``times [n]`` int64 > 0), read in place from ``entries [n, L, E]`` (float32):
+    each product rounded to float32 and added in ascending ``i``, as
+    ``np.einsum("m,mf->f", times[m].astype(np.float32), entries[m, lo:hi])`` with
+    ``m = times.nonzero()[0]`` computes it. Returns ``(rows [hi - lo, E] float32, whether any
+    entry matched)``."""
+    n, _, E = entries.shape
+    summed = np.zeros((hi - lo, E), dtype=np.float32)
+    matched = False
+    for i in range(n):
+        if times[i] == 0:
+            continue
+        matched = True
         t = np.float32(times[i])
+        for d in range(hi - lo):
+            for e in range(E):
+                summed[d, e] = np.float32(summed[d, e] + np.float32(t * entries[i, lo + d, e]))
+    return row_probs(summed), matched
+
+
+@njit(cache=True)
+def own_plus_eamc(own: np.ndarray, eamc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The ``eam`` prediction of rows ``[D, E]`` (float32): ``total = own + eamc`` (``eamc``
+    with no rows: ``own`` alone), returned as ``(row_probs(total), [D] bool rows of total with
+    any non-zero entry)``, as ``total.any(axis=1)``."""
+    D, E = own.shape
+    total = own.copy()
+    if eamc.shape[0]:
         for d in range(D):
             for e in range(E):
-                summed[d, e] = np.float32(summed[d, e] + np.float32(t * block[i, d, e]))
-    return row_probs(summed)
+                total[d, e] = np.float32(own[d, e] + eamc[d, e])
+    evidence = np.zeros(D, dtype=np.bool_)
+    for d in range(D):
+        for e in range(E):
+            if total[d, e] != 0:
+                evidence[d] = True
+                break
+    return row_probs(total), evidence
 
 
 @njit(cache=True)
@@ -384,10 +411,14 @@ def warm() -> None:
     limit_scores(rows, 1, 0.0, one)
     ranked_free(rows, held.reshape(1, 2))
     pays(one, 1.0, 0.0, 1.0, one, 0.0, False)
-    weighted_row_probs(rows.reshape(1, 1, 2), np.ones(1, dtype=np.int64))
     for p_use in (np.zeros(0), np.zeros(2, dtype=np.float32)):
         args = (1.0, 0.0, 1.0, 0.0, False, held, p_use, 0, 2, 1)
         gate_plan(rows, rows, held.reshape(1, 2), 1, one.reshape(1, 1), *args)
     blend(rows, rows, 2.0)
     match_counts(rows, 1)
+    entries = np.zeros((1, 1, 2), dtype=np.float32)
+    entries.flags.writeable = False  # EAMC.entries() is a read-only view
+    matched_row_probs(entries, np.ones(1, dtype=np.int64), 0, 1)
+    own_plus_eamc(rows, rows)
+    own_plus_eamc(rows, rows[:0])
     _warm = True
