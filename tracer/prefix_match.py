@@ -48,7 +48,9 @@ class PrefixMatcher:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         self.eamc, self.k = eamc, k
-        self._q = np.zeros((0, eamc.num_layers, eamc.num_experts), dtype=np.float32)  # [B, L, E]
+        # the queries, normalised, layer-major: a layer's rows are one contiguous [B, E] block
+        self._q = np.zeros((eamc.num_layers, 0, eamc.num_experts), dtype=np.float32)  # [L, B, E]
+        self._by_layer = np.zeros((eamc.num_layers, 0, eamc.num_experts), dtype=np.float32)  # EAMC's
         self._cos = np.zeros((eamc.num_layers, 0, 0), dtype=np.float32)  # [L, B, n]
         self._sum = np.zeros((0, 0), dtype=np.float32)  # [B, n]
         self._version = -1
@@ -71,14 +73,13 @@ class PrefixMatcher:
         """
         slab = by_layer[layer]  # [n, E] contiguous
         num_experts, n = self.eamc.num_experts, slab.shape[0]
-        rows = self._q[:, layer]
+        rows = self._q[layer]  # [B, E] contiguous
         if num_experts not in _NY_KERNELS:
             batch = rows.shape[0]
             if self._ids.shape != (batch, n):
                 self._ids = np.tile(np.arange(n, dtype=np.int64), (batch, 1))  # every entry, per query
-            x = np.ascontiguousarray(rows)
             faiss.fvec_inner_products_by_idx(
-                faiss.swig_ptr(out), faiss.swig_ptr(x), faiss.swig_ptr(slab), faiss.swig_ptr(self._ids),
+                faiss.swig_ptr(out), faiss.swig_ptr(rows), faiss.swig_ptr(slab), faiss.swig_ptr(self._ids),
                 num_experts, batch, n,
             )  # fmt: skip
             return
@@ -92,9 +93,9 @@ class PrefixMatcher:
                 out[b] = 0.0
 
     def _rebuild(self) -> None:
-        by_layer = self.eamc.layer_major()  # [L, n, E]
+        self._by_layer = by_layer = self.eamc.layer_major()  # [L, n, E], until the EAMC changes
         num_layers, n = by_layer.shape[0], by_layer.shape[1]
-        self._cos = np.empty((num_layers, self._q.shape[0], n), dtype=np.float32)  # [L, B, n]
+        self._cos = np.empty((num_layers, self._q.shape[1], n), dtype=np.float32)  # [L, B, n]
         for layer in range(num_layers):
             self._layer_cos(by_layer, layer, self._cos[layer])
         self._sum = self._cos.sum(axis=0)  # [B, n]
@@ -111,7 +112,7 @@ class PrefixMatcher:
         shape = (self.eamc.num_layers, self.eamc.num_experts)
         if so_far.ndim != 3 or so_far.shape[1:] != shape:
             raise ValueError(f"so_far must be (B, {shape[0]}, {shape[1]}), got {so_far.shape}")
-        self._q = normalize_rows(so_far)
+        self._q = normalize_rows(so_far.transpose(1, 0, 2))  # [L, B, E], rows one by one
         with _omp_threads(self.eamc.threads):
             self._rebuild()
 
@@ -137,11 +138,11 @@ class PrefixMatcher:
             raise ValueError("a (B, E) query row updates one layer; pass (B, L, E) for several")
         for lay in layers:
             row = query[:, lay] if query.ndim == 3 else query
-            if row.shape != (self._q.shape[0], self.eamc.num_experts):
+            if row.shape != (self._q.shape[1], self.eamc.num_experts):
                 raise ValueError(
-                    f"query row must be ({self._q.shape[0]}, {self.eamc.num_experts}), got {row.shape}"
+                    f"query row must be ({self._q.shape[1]}, {self.eamc.num_experts}), got {row.shape}"
                 )
-            self._q[:, lay] = normalize_rows(row)
+            self._q[lay] = normalize_rows(row)
         with _omp_threads(self.eamc.threads):  # faiss heaps go parallel on large batches
             self._refresh(layers)
             return self._top_k()
@@ -159,12 +160,23 @@ class PrefixMatcher:
             ValueError: ``rows`` has the wrong shape.
         """
         rows = np.asarray(rows)
-        shape = (self._q.shape[0], len(layers), self.eamc.num_experts)
+        shape = (self._q.shape[1], len(layers), self.eamc.num_experts)
         if rows.shape != shape:
             raise ValueError(f"rows must be {shape}, got {rows.shape}")
-        self._q[:, layers] = normalize_rows(rows)  # rows are normalised one by one
-        with _omp_threads(self.eamc.threads):
+        normed = normalize_rows(rows)  # rows are normalised one by one
+        if len(layers) == 1:
+            self._q[layers[0]] = normed[:, 0]
+        else:
+            self._q[layers] = normed.transpose(1, 0, 2)
+        # inline _omp_threads (a context manager costs a few us on this per-layer path)
+        threads, prev = self.eamc.threads, faiss.omp_get_max_threads()
+        if prev != threads:
+            faiss.omp_set_num_threads(threads)
+        try:
             self._refresh(layers)
+        finally:
+            if prev != threads:
+                faiss.omp_set_num_threads(prev)
 
     @property
     def scores(self) -> np.ndarray:
@@ -179,7 +191,7 @@ class PrefixMatcher:
         if self._version != self.eamc.version:
             self._rebuild()
             return
-        by_layer = self.eamc.layer_major()
+        by_layer = self._by_layer  # the EAMC's layer-major view (_rebuild): its version is unchanged
         for lay in layers:
             self._sum -= self._cos[lay]
             self._layer_cos(by_layer, lay, self._cos[lay])
