@@ -9,10 +9,13 @@ multiply-adds of one full search, skipping rows not reached yet), and
 :meth:`PrefixMatcher.update` recomputes only row ``layer`` (``B * n * E`` multiply-adds instead
 of ``B * n * L * E``) and lets a faiss heap pick the top ``k`` of the running sums. It reads the
 EAMC's layer-major copy (:meth:`tracer.eamc.EAMC.layer_major`, made on first use; 2x memory).
-Results equal :meth:`tracer.eamc.EAMC.search` on the same queries up to float rounding (ties may
-order differently). It always scans exactly (never the IVF index), so it suits the capacities
-the flat index serves (up to ~10k entries). ``begin_step`` costs several full searches' time
-(one faiss call per query and layer), so it pays off when a step matches at many layers.
+:meth:`PrefixMatcher.update_rows` takes the changed rows alone (the recorder's
+:meth:`tracer.recorder.RequestRecorder.query_rows`) and leaves the top ``k`` of
+:attr:`PrefixMatcher.scores` to the caller (the ``eam`` policy's compiled copy of faiss's heap):
+the same sums, bit for bit. Results equal :meth:`tracer.eamc.EAMC.search` on the same queries up
+to float rounding (ties may order differently). It always scans exactly (never the IVF index), so
+it suits the capacities the flat index serves (up to ~10k entries). ``begin_step`` costs about
+a full search (one faiss call per layer), so it pays off when a step matches at many layers.
 
 If the EAMC changes between ``begin_step`` and an ``update`` (an ``add``), the table is rebuilt
 on that ``update`` from the current query rows.
@@ -42,6 +45,8 @@ class PrefixMatcher:
         m.begin_step(recorder.query(request_ids, -1))  # EAMs of earlier steps
         for layer in range(L):                          # after routing layer `layer`
             sims, idx = m.update(layer, recorder.query(request_ids, layer))
+            # or, reading only the changed row and leaving the top k to the caller:
+            # m.update_rows([layer], recorder.query_rows(request_ids, layer, layer + 1)); m.scores
     """
 
     def __init__(self, eamc: EAMC, k: int = 4) -> None:

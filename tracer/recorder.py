@@ -1,7 +1,8 @@
 """Per-request expert-activation recording on the engine thread (MoE-Infinity §4.1, §5.2).
 
 The runtime calls, per engine step: :meth:`RequestRecorder.record` once per MoE layer (right after
-routing), :meth:`~RequestRecorder.query` when a prefetch/cache policy wants the EAMs so far, and
+routing), :meth:`~RequestRecorder.query` when a prefetch/cache policy wants the EAMs so far
+(:meth:`~RequestRecorder.query_sum` their sum, :meth:`~RequestRecorder.query_rows` a few layers' rows), and
 :meth:`~RequestRecorder.end_step` once the step's forward is done; per request:
 :meth:`~RequestRecorder.begin_request` when it is admitted and :meth:`~RequestRecorder.finish`
 (commit to the EAMC and the trace file) or :meth:`~RequestRecorder.abort` (drop) at the end.
@@ -15,12 +16,13 @@ indexed with a slice (basic indexing, no gather/scatter); other batches use the 
 
 NOTE: lazy counting. ``record`` only appends the layer's ``[T, k]`` ids (by reference) and its
 index to the pending batch of layers; batch positions are mapped to slots, and each token's
-``(seq * 2 + phase)`` block computed, once per batch, which lasts while the ``request_ids`` and the
-steps' ``token_seq`` / ``token_prefill`` contents stay the same (a batch decoding on). The pending
-layers are counted together, one ``bincount`` on ``((seq * 2 + phase) * L + layer) * E + expert``,
-when something reads the counts (``query``, ``query_sum``, ``request_eam``, ``finish``, ``abort``, a
-new batch, or ``MAX_PENDING_LAYERS`` layers of finished steps): finished steps' layers go straight
-into ``_eam`` / ``_sum``, the current step's into ``_step`` / ``_step_sum``, which ``end_step`` adds
+``(seq * 2 + phase)`` block computed, once per batch, which lasts while the ``request_ids`` and the steps'
+``token_seq`` / ``token_prefill`` contents stay the same (a batch decoding on). The pending layers
+are counted together, one ``bincount`` on ``((seq * 2 + phase) * L + layer) * E + expert`` (or,
+when the ids are few against the cells, a scatter-add at their flat indices), when something reads
+the counts (``query``, ``query_sum``, ``query_rows``, ``request_eam``, ``finish``, ``abort``, a new
+batch, or ``MAX_PENDING_LAYERS`` layers of finished steps): finished steps' layers go straight into
+``_eam`` / ``_sum``, the current step's into ``_step`` / ``_step_sum``, which ``end_step`` adds
 into ``_eam`` for the touched slots. ``end_step`` itself only marks the step's layers finished (and
 moves :attr:`RequestRecorder.epoch`). Decoding that nobody queries (on-demand, or the ``eam``
 policy's lean mode) thus costs no numpy call per layer: on the bundled model the per-layer count
