@@ -292,25 +292,18 @@ def gate_plan(
         p_used[i] = precision[d, rank[i]]
     reuse = np.zeros(n)
     keep = pays(p_used, block_s, busy, transfer_s, reuse, host_s, force_open)
-    check = keep.any() and p_use.size > 0  # an eviction only adds cost: check it then
-    free, m_avail, vals = 0, 0, np.empty(0)
-    if check:
+    n_held = 0
+    for i in range(held.size):
+        n_held += held[i]
+    free = max(0, num_slots - n_held)
+    if keep.any() and n > free and p_use.size:  # an eviction only adds cost: check it then
         lo, hi = layer * num_experts, (layer + 1) * num_experts
-        # the held experts' p_use, the running layer's left out (pinned), and their count in one
-        # pass; branch-free (every entry written, the position moved on by held[i]): which
-        # experts are held follows no pattern, so a branch per entry mispredicted half the time
-        vals = np.empty(held.size + 1)
-        for i in range(lo):
-            vals[m_avail] = p_use[i]
-            m_avail += held[i]
-        for i in range(hi, held.size):
-            vals[m_avail] = p_use[i]
-            m_avail += held[i]
-        n_held = m_avail
-        for i in range(lo, hi):
-            n_held += held[i]
-        free = max(0, num_slots - n_held)
-    if check and n > free:
+        vals = np.empty(n_held)
+        m_avail = 0
+        for i in range(held.size):
+            if held[i] and not lo <= i < hi:  # the running layer's experts are pinned
+                vals[m_avail] = p_use[i]
+                m_avail += 1
         victims = np.zeros(n)  # free slots first (no reuse), then the least used held experts
         m = min(n - free, m_avail)
         if m > 0:
