@@ -123,16 +123,34 @@ def test_row_probs_sum_in_numpys_order(width: int) -> None:
 
 
 @pytest.mark.parametrize("seed", range(10))
-def test_weighted_row_probs_equals_einsum_then_row_probs(seed: int) -> None:
+def test_matched_row_probs_equals_einsum_of_the_matched_then_row_probs(seed: int) -> None:
     rng = np.random.default_rng(seed)
-    m, D, E = int(rng.integers(1, 20)), int(rng.integers(1, 3)), 128
-    block = rng.random((m, D, E)).astype(np.float32)
-    block[rng.random(block.shape) < 0.4] = 0
-    times = rng.integers(1, 17, m)
-    summed = np.einsum("m,mf->f", times.astype(np.float32), block.reshape(m, -1)).reshape(D, E)
-    np.testing.assert_array_equal(kernels.weighted_row_probs(block, times), kernels.row_probs(summed))
-    totals = summed.sum(axis=1, keepdims=True, dtype=np.float32)
-    np.testing.assert_array_equal(kernels.row_probs(summed), summed / totals)
+    n, L, E = int(rng.integers(1, 20)), 6, 128
+    entries = rng.random((n, L, E)).astype(np.float32)
+    entries[rng.random(entries.shape) < 0.4] = 0
+    entries.flags.writeable = False  # as EAMC.entries() hands it over
+    times = rng.integers(0, 17, n) * (rng.random(n) < 0.6)  # many entries not matched
+    lo = int(rng.integers(0, L))
+    hi = int(rng.integers(lo + 1, L + 1))
+    m = times.nonzero()[0]
+    summed = np.einsum("m,mf->f", times[m].astype(np.float32), entries[m, lo:hi].reshape(len(m), -1))
+    rows, matched = kernels.matched_row_probs(entries, times, lo, hi)
+    np.testing.assert_array_equal(rows, kernels.row_probs(summed.reshape(hi - lo, E)))
+    assert matched == bool(len(m))
+    totals = summed.reshape(hi - lo, E).sum(axis=1, keepdims=True, dtype=np.float32)
+    totals[totals == 0] = 1.0
+    np.testing.assert_array_equal(rows, summed.reshape(hi - lo, E) / totals)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_own_plus_eamc_equals_its_numpy_form(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    own, eamc = _ties(rng, (3, 16)), _ties(rng, (3, 16))
+    own[0] = eamc[0] = 0  # a row without evidence
+    for block, total in ((eamc, own + eamc), (own[:0], own)):
+        final, evidence = kernels.own_plus_eamc(own, block)
+        np.testing.assert_array_equal(final, kernels.row_probs(total))
+        np.testing.assert_array_equal(evidence, total.any(axis=1))
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -161,7 +179,9 @@ def test_the_python_kernels_equal_the_compiled_ones() -> None:
         (kernels.best_free, (scores.reshape(-1), held[: 2 * E], 5)),
         (kernels.limit_scores, (rows, 3, 0.0, np.array([0.9, 0.8]))),
         (kernels.blend, (rows, rows[:1] + 0.5, 2.0)),
-        (kernels.weighted_row_probs, (rows.reshape(2, 1, E), np.array([3, 1]))),
+        (kernels.matched_row_probs, (rows.reshape(2, 1, E), np.array([3, 0]), 0, 1)),
+        (kernels.own_plus_eamc, (rows, scores)),
+        (kernels.match_counts, (scores, 3)),
         (kernels.row_probs, ((rng.random((2, 300)) * 9).astype(np.float32),)),
     ):
         compiled, plain = fn(*a), fn.py_func(*a)

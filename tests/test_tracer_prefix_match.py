@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import faiss
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tracer.eam import normalize_rows
 from tracer.eamc import EAMC
 from tracer.prefix_match import PrefixMatcher
 from tracer.synth import synthetic_eams
@@ -62,3 +64,38 @@ def test_bad_shapes() -> None:
     with pytest.raises(ValueError, match="query row"):
         m.update(0, np.zeros((3, E)))
     assert m.update(0, np.ones((2, E)))[0].shape == (2, 0)  # empty collection
+
+
+@pytest.mark.parametrize("width", [8, 12, 16, 60, 128])  # faiss's own _ny kernels, then the one-call form
+@pytest.mark.parametrize("seed", range(3))
+def test_update_rows_sums_equal_updates_bit_for_bit(width: int, seed: int) -> None:
+    """Fed the changed rows only, the running sums are those of :meth:`update` on full queries
+    (bit for bit, so the same top k), also across an EAMC change mid-step; and the one-call
+    cosines of a layer equal one ``fvec_inner_products_ny`` per query."""
+    eamc = EAMC(L, width, capacity=64)
+    for eam in synthetic_eams(40, L, width, tokens=(2, 30), groups=6, seed=seed):
+        eamc.add(eam)
+    rng = np.random.default_rng(seed)
+    batch = 5
+    query = synthetic_eams(batch, L, width, tokens=(0, 20), groups=6, seed=seed, request_seed=5)
+    query = query.astype(np.float32)
+    query[1] = 0  # a query with nothing seen yet
+    full, rows = PrefixMatcher(eamc, k=4), PrefixMatcher(eamc, k=4)
+    full.begin_step(query)
+    rows.begin_step(query)
+    for layers in ([0], [1, 2], [4]):  # layer 3 not routed (skipped)
+        for layer in layers:
+            query[:, layer] += rng.integers(0, 3, size=(batch, width))
+        full.update(layers, query)
+        rows.update_rows(layers, query[:, layers])
+        np.testing.assert_array_equal(rows.scores, full.scores)
+        if layers == [1, 2]:
+            eamc.add(np.ones((L, width)))
+    q = normalize_rows(query[:, 2])
+    slab = eamc.layer_major()[2]
+    want = np.empty((batch, len(eamc)), np.float32)
+    for b in range(batch):
+        faiss.fvec_inner_products_ny(
+            faiss.swig_ptr(want[b]), faiss.swig_ptr(q[b]), faiss.swig_ptr(slab), width, len(eamc)
+        )
+    np.testing.assert_array_equal(rows._cos[2], want)

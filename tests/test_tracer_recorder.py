@@ -288,3 +288,38 @@ def test_query_sum_equals_the_summed_query_as_layers_and_steps_go() -> None:
             rec.finish("b")
         live = ["a", "c"]
         np.testing.assert_array_equal(rec.query_sum(live, -1), rec.query(live, -1).sum(axis=0))
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+def test_query_rows_are_the_querys_rows_and_sparse_counts_equal_dense(sparse: bool, monkeypatch) -> None:
+    """``query_rows`` equals the routed rows of ``query`` bit for bit as layers and steps go, and
+    the scatter-add form of the count (few ids against many cells) and the bincount form both
+    give the EAMs counted by hand."""
+    import tracer.recorder as recorder
+
+    monkeypatch.setattr(recorder, "_SPARSE_RATIO", 0 if sparse else 1 << 40)  # always / never sparse
+    rng = np.random.default_rng(3)
+    L, E, k = 5, 7, 2
+    rec = RequestRecorder(L, E, k)
+    for r in ("a", "b", "c", "d"):
+        rec.begin_request(r, 2)
+    rec.abort("a")  # "b", "c", "d" then hold slots 1-3; ["d", "b"] is gathered, not sliced
+    want = {r: np.zeros((2, L, E), dtype=np.int64) for r in "bcd"}  # (prefill, decode) by hand
+    script = [(["b", "c", "d"], [2, 1, 1]), (["d", "b"], [1, 3]), (["b", "c", "d"], [1, 1, 1])]
+    for step, (ids, tokens) in enumerate(script):
+        seq = np.repeat(np.arange(len(ids)), tokens)
+        prefill = np.full(len(seq), step == 0)
+        for layer in range(L):
+            topk = np.argsort(rng.random((len(seq), E)), axis=1)[:, :k]
+            rec.record(layer, ids, seq, prefill, topk, None)
+            for t, b in enumerate(seq):
+                want[ids[b]][int(step > 0), layer, topk[t]] += 1
+            if layer % 2:  # reads after some layers only: several layers counted together
+                lo = int(rng.integers(0, layer + 1))
+                got = rec.query_rows(ids, lo, layer + 1)
+                np.testing.assert_array_equal(got, rec.query(ids, layer)[:, lo : layer + 1])
+        rec.end_step()
+    for r, eam in want.items():
+        np.testing.assert_array_equal(np.stack(rec.request_eam(r)), eam)
+    with pytest.raises(ValueError, match="outside"):
+        rec.query_rows(["b"], 3, L + 1)

@@ -9,10 +9,13 @@ multiply-adds of one full search, skipping rows not reached yet), and
 :meth:`PrefixMatcher.update` recomputes only row ``layer`` (``B * n * E`` multiply-adds instead
 of ``B * n * L * E``) and lets a faiss heap pick the top ``k`` of the running sums. It reads the
 EAMC's layer-major copy (:meth:`tracer.eamc.EAMC.layer_major`, made on first use; 2x memory).
-Results equal :meth:`tracer.eamc.EAMC.search` on the same queries up to float rounding (ties may
-order differently). It always scans exactly (never the IVF index), so it suits the capacities
-the flat index serves (up to ~10k entries). ``begin_step`` costs several full searches' time
-(one faiss call per query and layer), so it pays off when a step matches at many layers.
+:meth:`PrefixMatcher.update_rows` takes the changed rows alone (the recorder's
+:meth:`tracer.recorder.RequestRecorder.query_rows`) and leaves the top ``k`` of
+:attr:`PrefixMatcher.scores` to the caller (the ``eam`` policy's compiled copy of faiss's heap):
+the same sums, bit for bit. Results equal :meth:`tracer.eamc.EAMC.search` on the same queries up
+to float rounding (ties may order differently). It always scans exactly (never the IVF index), so
+it suits the capacities the flat index serves (up to ~10k entries). ``begin_step`` costs about
+a full search (one faiss call per layer), so it pays off when a step matches at many layers.
 
 If the EAMC changes between ``begin_step`` and an ``update`` (an ``add``), the table is rebuilt
 on that ``update`` from the current query rows.
@@ -25,6 +28,9 @@ import numpy as np
 
 from tracer.eam import normalize_rows
 from tracer.eamc import EAMC, _omp_threads
+
+# widths that faiss ``fvec_inner_products_ny`` computes with kernels of its own (``_layer_cos``)
+_NY_KERNELS = frozenset((1, 2, 4, 8, 12))
 
 
 class PrefixMatcher:
@@ -39,31 +45,49 @@ class PrefixMatcher:
         m.begin_step(recorder.query(request_ids, -1))  # EAMs of earlier steps
         for layer in range(L):                          # after routing layer `layer`
             sims, idx = m.update(layer, recorder.query(request_ids, layer))
+            # or, reading only the changed row and leaving the top k to the caller:
+            # m.update_rows([layer], recorder.query_rows(request_ids, layer, layer + 1)); m.scores
     """
 
     def __init__(self, eamc: EAMC, k: int = 4) -> None:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         self.eamc, self.k = eamc, k
-        self._q = np.zeros((0, eamc.num_layers, eamc.num_experts), dtype=np.float32)  # [B, L, E]
+        # the queries, normalised, layer-major: a layer's rows are one contiguous [B, E] block
+        self._q = np.zeros((eamc.num_layers, 0, eamc.num_experts), dtype=np.float32)  # [L, B, E]
+        self._by_layer = np.zeros((eamc.num_layers, 0, eamc.num_experts), dtype=np.float32)  # EAMC's
         self._cos = np.zeros((eamc.num_layers, 0, 0), dtype=np.float32)  # [L, B, n]
         self._sum = np.zeros((0, 0), dtype=np.float32)  # [B, n]
         self._version = -1
         self._heap: faiss.float_minheap_array_t | None = None
         self._sims = np.empty((0, 0), dtype=np.float32)
         self._idx = np.empty((0, 0), dtype=np.int64)
+        self._ids = np.empty((0, 0), dtype=np.int64)  # [B, n] entry ids for _layer_cos
 
     def _layer_cos(self, by_layer: np.ndarray, layer: int, out: np.ndarray) -> None:
         """``out [B, n]`` = cosines of the queries' row ``layer`` with every entry's row ``layer``.
 
-        NOTE: faiss ``fvec_inner_products_ny`` (SIMD, single-threaded, one call per query) on the
-        EAMC's layer-major copy, not a numpy ``matmul``: numpy's multi-threaded BLAS stalls for
-        milliseconds when the host is oversubscribed (measured: 8 ms for a 16 x 128 x 10k product
-        that takes 1.3 ms here). A query row that is zero gives zero without any work.
+        NOTE: faiss (SIMD) on the EAMC's layer-major copy, not a numpy ``matmul``: numpy's
+        multi-threaded BLAS stalls for milliseconds when the host is oversubscribed (measured:
+        8 ms for a 16 x 128 x 10k product that takes 1.3 ms here). ``fvec_inner_products_by_idx``
+        takes the whole batch in one call (16 queries at the Qwen3-30B-A3B shape: 11 -> 4 us);
+        it computes each product with ``fvec_inner_product``, as ``fvec_inner_products_ny`` does
+        for every width but the few it has own kernels for (``_NY_KERNELS``, whose sums round
+        otherwise), so those widths keep one ``_ny`` call per query. There a query row that is
+        zero gives zero without any work (the one-call form computes the same zeros).
         """
         slab = by_layer[layer]  # [n, E] contiguous
         num_experts, n = self.eamc.num_experts, slab.shape[0]
-        rows = self._q[:, layer]
+        rows = self._q[layer]  # [B, E] contiguous
+        if num_experts not in _NY_KERNELS:
+            batch = rows.shape[0]
+            if self._ids.shape != (batch, n):
+                self._ids = np.tile(np.arange(n, dtype=np.int64), (batch, 1))  # every entry, per query
+            faiss.fvec_inner_products_by_idx(
+                faiss.swig_ptr(out), faiss.swig_ptr(rows), faiss.swig_ptr(slab), faiss.swig_ptr(self._ids),
+                num_experts, batch, n,
+            )  # fmt: skip
+            return
         seen = rows.any(axis=1)
         for b in range(rows.shape[0]):
             if seen[b]:
@@ -74,9 +98,9 @@ class PrefixMatcher:
                 out[b] = 0.0
 
     def _rebuild(self) -> None:
-        by_layer = self.eamc.layer_major()  # [L, n, E]
+        self._by_layer = by_layer = self.eamc.layer_major()  # [L, n, E], until the EAMC changes
         num_layers, n = by_layer.shape[0], by_layer.shape[1]
-        self._cos = np.empty((num_layers, self._q.shape[0], n), dtype=np.float32)  # [L, B, n]
+        self._cos = np.empty((num_layers, self._q.shape[1], n), dtype=np.float32)  # [L, B, n]
         for layer in range(num_layers):
             self._layer_cos(by_layer, layer, self._cos[layer])
         self._sum = self._cos.sum(axis=0)  # [B, n]
@@ -93,7 +117,7 @@ class PrefixMatcher:
         shape = (self.eamc.num_layers, self.eamc.num_experts)
         if so_far.ndim != 3 or so_far.shape[1:] != shape:
             raise ValueError(f"so_far must be (B, {shape[0]}, {shape[1]}), got {so_far.shape}")
-        self._q = normalize_rows(so_far)
+        self._q = normalize_rows(so_far.transpose(1, 0, 2))  # [L, B, E], rows one by one
         with _omp_threads(self.eamc.threads):
             self._rebuild()
 
@@ -119,21 +143,64 @@ class PrefixMatcher:
             raise ValueError("a (B, E) query row updates one layer; pass (B, L, E) for several")
         for lay in layers:
             row = query[:, lay] if query.ndim == 3 else query
-            if row.shape != (self._q.shape[0], self.eamc.num_experts):
+            if row.shape != (self._q.shape[1], self.eamc.num_experts):
                 raise ValueError(
-                    f"query row must be ({self._q.shape[0]}, {self.eamc.num_experts}), got {row.shape}"
+                    f"query row must be ({self._q.shape[1]}, {self.eamc.num_experts}), got {row.shape}"
                 )
-            self._q[:, lay] = normalize_rows(row)
+            self._q[lay] = normalize_rows(row)
         with _omp_threads(self.eamc.threads):  # faiss heaps go parallel on large batches
-            if self._version != self.eamc.version:
-                self._rebuild()
-            else:
-                by_layer = self.eamc.layer_major()
-                for lay in layers:
-                    self._sum -= self._cos[lay]
-                    self._layer_cos(by_layer, lay, self._cos[lay])
-                    self._sum += self._cos[lay]
+            self._refresh(layers)
             return self._top_k()
+
+    def update_rows(self, layers: list[int], rows: np.ndarray) -> None:
+        """Rows ``layers`` of the queries changed to ``rows``; update the running sums
+        (:attr:`scores`) as :meth:`update` does, without taking the top ``k`` (bit-identical
+        sums: a caller may select the matches itself).
+
+        Args:
+            layers: the MoE layers routed since the last update, distinct, in routing order.
+            rows: ``(B, len(layers), E)`` the queries' new rows (raw counts), in ``layers`` order.
+
+        Raises:
+            ValueError: ``rows`` has the wrong shape.
+        """
+        rows = np.asarray(rows)
+        shape = (self._q.shape[1], len(layers), self.eamc.num_experts)
+        if rows.shape != shape:
+            raise ValueError(f"rows must be {shape}, got {rows.shape}")
+        normed = normalize_rows(rows)  # rows are normalised one by one
+        if len(layers) == 1:
+            self._q[layers[0]] = normed[:, 0]
+        else:
+            self._q[layers] = normed.transpose(1, 0, 2)
+        # inline _omp_threads (a context manager costs a few us on this per-layer path)
+        threads, prev = self.eamc.threads, faiss.omp_get_max_threads()
+        if prev != threads:
+            faiss.omp_set_num_threads(threads)
+        try:
+            self._refresh(layers)
+        finally:
+            if prev != threads:
+                faiss.omp_set_num_threads(prev)
+
+    @property
+    def scores(self) -> np.ndarray:
+        """``(B, n)`` float32 running sums of per-layer cosines of each query with every entry
+        (what :meth:`update` takes the top ``k`` of); the matcher's own array: do not change it,
+        and copy it to keep it past the next update."""
+        return self._sum
+
+    def _refresh(self, layers: list[int]) -> None:
+        """Recompute the cosines of rows ``layers`` (from ``_q``) and the running sums; rebuild
+        all rows if the EAMC changed since."""
+        if self._version != self.eamc.version:
+            self._rebuild()
+            return
+        by_layer = self._by_layer  # the EAMC's layer-major view (_rebuild): its version is unchanged
+        for lay in layers:
+            self._sum -= self._cos[lay]
+            self._layer_cos(by_layer, lay, self._cos[lay])
+            self._sum += self._cos[lay]
 
     def _top_k(self) -> tuple[np.ndarray, np.ndarray]:
         """faiss min-heaps (one per query) over the running sums; kept between calls (each SWIG

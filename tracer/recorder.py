@@ -1,7 +1,8 @@
 """Per-request expert-activation recording on the engine thread (MoE-Infinity §4.1, §5.2).
 
 The runtime calls, per engine step: :meth:`RequestRecorder.record` once per MoE layer (right after
-routing), :meth:`~RequestRecorder.query` when a prefetch/cache policy wants the EAMs so far, and
+routing), :meth:`~RequestRecorder.query` when a prefetch/cache policy wants the EAMs so far
+(:meth:`~RequestRecorder.query_sum` their sum, :meth:`~RequestRecorder.query_rows` a few layers' rows), and
 :meth:`~RequestRecorder.end_step` once the step's forward is done; per request:
 :meth:`~RequestRecorder.begin_request` when it is admitted and :meth:`~RequestRecorder.finish`
 (commit to the EAMC and the trace file) or :meth:`~RequestRecorder.abort` (drop) at the end.
@@ -15,12 +16,13 @@ indexed with a slice (basic indexing, no gather/scatter); other batches use the 
 
 NOTE: lazy counting. ``record`` only appends the layer's ``[T, k]`` ids (by reference) and its
 index to the pending batch of layers; batch positions are mapped to slots, and each token's
-``(seq * 2 + phase)`` block computed, once per batch, which lasts while the ``request_ids`` and the
-steps' ``token_seq`` / ``token_prefill`` contents stay the same (a batch decoding on). The pending
-layers are counted together, one ``bincount`` on ``((seq * 2 + phase) * L + layer) * E + expert``,
-when something reads the counts (``query``, ``query_sum``, ``request_eam``, ``finish``, ``abort``, a
-new batch, or ``MAX_PENDING_LAYERS`` layers of finished steps): finished steps' layers go straight
-into ``_eam`` / ``_sum``, the current step's into ``_step`` / ``_step_sum``, which ``end_step`` adds
+``(seq * 2 + phase)`` block computed, once per batch, which lasts while the ``request_ids`` and the steps'
+``token_seq`` / ``token_prefill`` contents stay the same (a batch decoding on). The pending layers
+are counted together, one ``bincount`` on ``((seq * 2 + phase) * L + layer) * E + expert`` (or,
+when the ids are few against the cells, a scatter-add at their flat indices), when something reads
+the counts (``query``, ``query_sum``, ``query_rows``, ``request_eam``, ``finish``, ``abort``, a new
+batch, or ``MAX_PENDING_LAYERS`` layers of finished steps): finished steps' layers go straight into
+``_eam`` / ``_sum``, the current step's into ``_step`` / ``_step_sum``, which ``end_step`` adds
 into ``_eam`` for the touched slots. ``end_step`` itself only marks the step's layers finished (and
 moves :attr:`RequestRecorder.epoch`). Decoding that nobody queries (on-demand, or the ``eam``
 policy's lean mode) thus costs no numpy call per layer: on the bundled model the per-layer count
@@ -72,12 +74,16 @@ class _Pending:
     the batch's per-token terms."""
 
     __slots__ = ("request_ids", "token_seq", "token_prefill", "seq", "prefill", "rows", "base")
-    __slots__ += ("seq_bytes", "prefill_bytes", "ids", "layers", "done", "shape")
+    __slots__ += ("seq_bytes", "prefill_bytes", "ids", "layers", "done", "shape", "flat")
 
     def __init__(self, request_ids, token_seq, token_prefill, seq, prefill, rows, base) -> None:
         self.request_ids, self.token_seq, self.token_prefill = request_ids, token_seq, token_prefill
         self.seq, self.prefill, self.rows, self.base = seq, prefill, rows, base
         self.seq_bytes, self.prefill_bytes = seq.tobytes(), prefill.tobytes()
+        # per token: flat offsets of its (slot, phase) block in a (slots, 2, L, E) table and of
+        # its slot's block in a (slots, L, E) one (RequestRecorder._add's sparse form); made on
+        # first use
+        self.flat: tuple[np.ndarray, np.ndarray] | None = None
         self.ids: list[np.ndarray] = []
         self.layers: list[int] = []
         self.done = 0
@@ -281,7 +287,7 @@ class RequestRecorder:
 
     def _flush(self) -> None:
         """Count the pending layers' ids: those of finished steps into the request EAMs, the
-        current step's into ``_step`` (one ``bincount`` per part).
+        current step's into ``_step`` (one ``bincount`` or two ``np.add.at`` per part, ``_add``).
 
         Raises:
             ValueError: a pending layer holds an expert id outside ``[0, E)``; the pending layers
@@ -293,41 +299,53 @@ class RequestRecorder:
         ids, layers, done = g.ids, g.layers, g.done
         g.ids, g.layers, g.done = [], [], 0
         E = self.num_experts
-        ids = np.asarray(ids[0] if len(ids) == 1 else np.stack(ids), dtype=np.int64)  # [n, T, k]
+        # [T, k] for one layer (a read after each routed layer), else [n, T, k]. NOTE: concatenate,
+        # not np.stack (Python-level, two numpy calls per layer): on the bundled model, caches cold
+        # after the expert GEMMs, stacking a step's 8 layers took ~75 us of the compute thread.
+        if len(ids) == 1:
+            ids = np.asarray(ids[0], dtype=np.int64)
+        else:
+            ids = np.concatenate(ids).astype(np.int64, copy=False).reshape(len(layers), *g.shape)
         # one reduction checks both bounds: seen as uint64, a negative id is >= 2**63
         if ids.size and ids.view(np.uint64).max() >= E:
-            bad = sorted({lay for lay, x in zip(layers, ids) if ((x < 0) | (x >= E)).any()})
+            per_layer = ids.reshape(len(layers), *ids.shape[-2:])
+            bad = sorted({lay for lay, x in zip(layers, per_layer) if ((x < 0) | (x >= E)).any()})
             raise ValueError(
                 f"expert ids must lie in [0, {E}), got [{ids.min()}, {ids.max()}] at MoE layer(s) {bad}"
             )
-        offs = np.asarray(layers, dtype=np.int64) * E  # [n]
-        keys = ids + (g.base[None, :, None] + offs[:, None, None])  # [n, T, k]
-        if done:
-            self._add(g, keys[:done], self._eam, self._sum)
-        if done < len(layers):
-            self._add(g, keys[done:], self._step, self._step_sum)
+        # each id's cell ``layer * E + expert`` within its token's (sequence, phase) block
+        if len(layers) == 1:
+            cells = ids + layers[0] * E  # [T, k]
+        else:
+            cells = ids + (np.asarray(layers, dtype=np.int64) * E)[:, None, None]  # [n, T, k]
+        if done:  # finished steps' layers
+            self._add(g, cells if done == len(layers) else cells[:done], self._eam, self._sum)
+        if done < len(layers):  # the current step's
+            self._add(g, cells if done == 0 else cells[done:], self._step, self._step_sum)
             self._touched[g.rows] = True
         self._query_memo = None
 
-    def _add(self, g: _Pending, keys: np.ndarray, table: np.ndarray, summed: np.ndarray) -> None:
-        """Count flat ``keys`` into ``g``'s rows of ``table [slots, 2, L, E]`` and ``summed``.
+    def _add(self, g: _Pending, cells: np.ndarray, table: np.ndarray, summed: np.ndarray) -> None:
+        """Count ``cells [n, T, k]`` or ``[T, k]`` (each id's ``layer * E + expert``) into ``g``'s rows of
+        ``table [slots, 2, L, E]`` and ``summed [slots, L, E]``.
 
-        Dense (a bincount over all ``B * 2 * L * E`` cells, then two table adds) when the keys are
-        many; sparse (``np.add.at`` of each key) when they are few against the cells: a planning
-        layer's read flushes one to a few layers of ``T * k`` ids, and at batch 16 of the
-        Qwen3-30B-A3B shape the dense form touches 196,608 cells per flush (~200 us against ~15).
-        Both give the same integer counts."""
+        Dense (a bincount over all ``B * 2 * L * E`` cells, then two table adds) when the ids are
+        many; sparse (``np.add.at`` of each id's flat index into the tables) when they are few
+        against the cells: a planning layer's read flushes one to a few layers of ``T * k`` ids,
+        and at batch 16 of the Qwen3-30B-A3B shape the dense form touches 196,608 cells per flush
+        (~200 us against ~5). Both give the same integer counts."""
         B, L, E = len(g.request_ids), self.num_layers, self.num_experts
         rows = g.rows
-        flat = keys.ravel()
-        if flat.size * _SPARSE_RATIO < B * 2 * L * E:
-            b, rest = np.divmod(flat, 2 * L * E)
-            phase, cell = np.divmod(rest, L * E)
-            layer, expert = np.divmod(cell, E)
-            slots = np.arange(rows.start, rows.stop)[b] if isinstance(rows, slice) else rows[b]
-            np.add.at(table, (slots, phase, layer, expert), 1)
-            np.add.at(summed, (slots, layer, expert), 1)
+        if cells.size * _SPARSE_RATIO < B * 2 * L * E:
+            if g.flat is None:
+                slots = np.arange(rows.start, rows.stop) if isinstance(rows, slice) else rows
+                tok = slots[g.seq] * (2 * L * E)  # [T] each token's slot block in the table
+                g.flat = ((tok + (~g.prefill) * (L * E))[:, None], (tok // 2)[:, None])  # [T, 1] each
+            # float32(1), not 1: an int increment sends float32 add.at down a slow casting path
+            np.add.at(table.reshape(-1), (cells + g.flat[0]).ravel(), 1)
+            np.add.at(summed.reshape(-1), (cells + g.flat[1]).ravel(), np.float32(1))
             return
+        flat = (cells + g.base[:, None]).ravel()
         counts = np.bincount(flat, minlength=B * 2 * L * E).reshape(B, 2, L, E)
         table[rows] += counts
         summed[rows] += counts[:, _PREFILL] + counts[:, _DECODE]
@@ -424,6 +442,26 @@ class RequestRecorder:
         out.flags.writeable = False  # shared by every caller until the counts change
         self._query_memo = (upto_layer, list(request_ids), out)
         return out
+
+    def query_rows(self, request_ids: list[str], lo: int, hi: int) -> np.ndarray:
+        """Rows ``lo .. hi - 1`` of :meth:`query` once those layers are routed: ``(B, hi - lo, E)``
+        float32 counts (a new array), each request's EAM of earlier steps plus the current
+        step's counts recorded so far, of those layers only.
+
+        Equal to ``query(request_ids, upto)[:, lo:hi]`` for any ``upto >= hi - 1`` (the same
+        float32 additions, row by row) without building the ``(B, L, E)`` array: a policy that
+        matches incrementally (:class:`tracer.prefix_match.PrefixMatcher`) reads only the rows
+        routed since its last read.
+
+        Raises:
+            KeyError: a request id is not live.
+            ValueError: ``not 0 <= lo <= hi <= L``.
+        """
+        if not 0 <= lo <= hi <= self.num_layers:
+            raise ValueError(f"rows {lo}:{hi} outside [0, {self.num_layers}]")
+        self._flush()
+        rows = self._rows(request_ids)
+        return self._sum[rows, lo:hi] + self._step_sum[rows, lo:hi]
 
     def query_sum(self, request_ids: list[str], upto_layer: int) -> np.ndarray:
         """:meth:`query` summed over the requests: ``(L, E)`` float32 token counts (a new array).
@@ -533,8 +571,11 @@ class RequestRecorder:
         return list(self._live)
 
 
-#: below ``cells / _SPARSE_RATIO`` keys, :meth:`RequestRecorder._add` scatter-adds them one by one
-_SPARSE_RATIO = 32
+#: below ``cells / _SPARSE_RATIO`` ids, :meth:`RequestRecorder._add` scatter-adds them one by one.
+#: Measured with cooled caches (a 16 MB pass between flushes): the scatter-add wins down to about
+#: one id per 1-2 cells (4,096 cells: 512 ids 28 vs 31 us, 3,072 ids 32 vs 31 us; 196,608 cells:
+#: 12,288 ids 100 vs 236 us).
+_SPARSE_RATIO = 2
 
 
 def _as_index(slots: np.ndarray) -> slice | np.ndarray:

@@ -30,6 +30,7 @@ from moe_runtime.errors import ConfigError
 from moe_runtime.prefetch import kernels
 from moe_runtime.prefetch.base import PrefetchPolicy
 from moe_runtime.prefetch.gate import ModeTrial, PrefetchGate, clock
+from tracer.eam import normalize_rows
 from tracer.prefix_match import PrefixMatcher
 
 # Per-layer matching cost (us), full search vs incremental, measured on this 2-core host:
@@ -162,9 +163,9 @@ class EAMPrefetch(PrefetchPolicy):
         if not request_ids or lo >= hi:
             return None
         self._begin_layer(layer, request_ids)
-        so_far = self.recorder.query(request_ids, layer)  # [B, L, E] token counts
         if self._own is None:  # first routed layer of the step: rows > layer are earlier steps'
-            self._own = _row_probs(so_far.sum(axis=0).astype(np.float32))  # [L, E]
+            # the batch's [L, E] token counts so far (integers: the same sums as the [B, L, E] query's)
+            self._own = _row_probs(self.recorder.query_sum(request_ids, layer))  # [L, E]
             if self.own_weight != 1.0:
                 self._own *= self.own_weight
         # the cached rows cover lo:hi unless the EAMC term or the window must change
@@ -176,20 +177,17 @@ class EAMPrefetch(PrefetchPolicy):
             if n <= k and self.eamc.index_kind == "flat":  # an exact top-k of all: every entry
                 times = np.full(n, len(request_ids), dtype=np.int64)
             else:
-                idx = self._match(layer, request_ids, so_far, k)
-                times = np.bincount(idx[idx >= 0], minlength=n)  # [n] times matched
+                times = self._match(layer, request_ids, k)  # [n] times matched
             key = (self.eamc.version, times.tobytes())
             if key != self._eamc_key or not covered:
-                matched = times.nonzero()[0]
-                block = self.eamc.entries()[matched, lo:hi]  # [m, D, E], a copy
-                self._eamc_block = kernels.weighted_row_probs(block, times[matched]) if len(matched) else None
+                block, matched = kernels.matched_row_probs(self.eamc.entries(), times, lo, hi)  # [D, E]
+                self._eamc_block = block if matched else None
                 self._eamc_key, covered = key, False
         if not covered:
-            own = self._own[lo:hi]
-            total = own if self._eamc_block is None else own + self._eamc_block  # [D, E]
+            # [D, E] own + EAMC term normalised, [D] rows with any evidence
+            block = self._own[:0] if self._eamc_block is None else self._eamc_block  # no rows: none
+            self._final, self._evidence = kernels.own_plus_eamc(self._own[lo:hi], block)
             self._window = w0, w1 = lo, hi
-            self._final = _row_probs(total)
-            self._evidence = total.any(axis=1)  # [D] rows with any evidence
             self._limited = None
         if not self._evidence[lo - w0 : hi - w0].any():
             return None
@@ -205,31 +203,56 @@ class EAMPrefetch(PrefetchPolicy):
             self._eamc_key = None
             self._match_ids = None  # the incremental matcher starts from the full query
             self._unmatched = []
+            # the small search's normalised query of the step and its last routed row (_match)
+            self._search_query: tuple[np.ndarray, int] | None = None
         self._last_layer = layer
 
-    def _match(self, layer: int, request_ids: list[str], so_far: np.ndarray, k: int) -> np.ndarray:
-        """``[B, k]`` EAMC slots best matching each request's EAM so far (prefix matching, §5.1).
+    def _match(self, layer: int, request_ids: list[str], k: int) -> np.ndarray:
+        """``[n]`` how many requests have each EAMC entry among their ``k`` best matches of the
+        EAM so far (prefix matching, §5.1).
 
         Large searches (``B * n * L * E >= INCREMENTAL_MIN_MACS``) are incremental
         (:class:`tracer.prefix_match.PrefixMatcher`): from one routed layer to the next only that
-        layer's row of each query changes, so only its cosines are recomputed; a new step or
-        batch (:meth:`_begin_layer`) or a new ``k`` starts from the full query. Small ones are
-        one :meth:`tracer.eamc.EAMC.search`, which is cheaper there. Both give the same matches
-        up to float rounding.
+        layer's row of each query changes, so only its cosines are recomputed (from the
+        recorder's rows of those layers, ``query_rows``) and one compiled call takes each
+        request's top ``k`` (``kernels.match_counts``, faiss's heap); a new step or batch
+        (:meth:`_begin_layer`) or a new ``k`` starts from the full query. Small ones are one
+        :meth:`tracer.eamc.EAMC.search` of the step's normalised query, whose rows routed since
+        the last search are read and normalised alone. Both give the same matches up to float
+        rounding; each gives exactly the matches of its from-scratch form (the full query each
+        layer).
         """
+        rec = self.recorder
         if len(request_ids) * len(self.eamc) * self.num_layers * self.num_experts < INCREMENTAL_MIN_MACS:
             self._match_ids = None  # the incremental state is not kept up to date meanwhile
-            return self.eamc.search(so_far, k=k)[1]
+            if self._search_query is None:
+                query = normalize_rows(rec.query(request_ids, layer))  # [B, L, E]
+            else:  # rows after the last search's layer: only those routed since changed
+                query, done = self._search_query
+                if layer > done:
+                    query[:, done + 1 : layer + 1] = normalize_rows(
+                        rec.query_rows(request_ids, done + 1, layer + 1)
+                    )
+            self._search_query = (query, layer)
+            idx = self.eamc.search(query, k=k, normalized=True)[1]
+            return np.bincount(idx[idx >= 0], minlength=len(self.eamc))
         m = self._matcher
         if m is None or m.k != k:
             m = self._matcher = PrefixMatcher(self.eamc, k=k)
             self._match_ids = None
         if self._match_ids is None:
+            so_far = rec.query(request_ids, layer)  # [B, L, E]
             m.begin_step(so_far)
             self._match_ids = self._step_ids
-            self._unmatched = []
-        layers, self._unmatched = [*self._unmatched, layer], []
-        return m.update(layers, so_far)[1]
+            m.update_rows([layer], so_far[:, layer : layer + 1])
+        else:
+            layers = [*self._unmatched, layer]  # ascending: routed in this order
+            rows = rec.query_rows(request_ids, layers[0], layer + 1)  # [B, span, E]
+            if len(layers) < rows.shape[1]:  # layers skipped in between
+                rows = rows[:, [lay - layers[0] for lay in layers]]
+            m.update_rows(layers, rows)
+        self._unmatched = []
+        return kernels.match_counts(m.scores, k)
 
     def observe_lookahead(self, layer: int, scores: np.ndarray) -> None:
         """Router lookahead scores ``[D, E]`` of MoE layers ``layer + 1 .. layer + D``, handed over

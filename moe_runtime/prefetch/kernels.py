@@ -97,18 +97,45 @@ def row_probs(x: np.ndarray) -> np.ndarray:
 
 
 @njit(cache=True)
-def weighted_row_probs(block: np.ndarray, times: np.ndarray) -> np.ndarray:
-    """:func:`row_probs` of ``sum_m times[m] * block[m]`` (``block [m, D, E]`` float32, ``times
-    [m]`` int64), each product rounded to float32 and added in ``m`` order as
-    ``np.einsum("m,mf->f", times.astype(np.float32), block)`` does."""
-    m, D, E = block.shape
-    summed = np.zeros((D, E), dtype=np.float32)
-    for i in range(m):
+def matched_row_probs(entries: np.ndarray, times: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, bool]:
+    """:func:`row_probs` of ``sum_i times[i] * entries[i, lo:hi]`` over the entries matched at
+    least once (``times [n]`` int64 > 0), read in place from ``entries [n, L, E]`` (float32):
+    each product rounded to float32 and added in ascending ``i``, as
+    ``np.einsum("m,mf->f", times[m].astype(np.float32), entries[m, lo:hi])`` with
+    ``m = times.nonzero()[0]`` computes it. Returns ``(rows [hi - lo, E] float32, whether any
+    entry matched)``."""
+    n, _, E = entries.shape
+    summed = np.zeros((hi - lo, E), dtype=np.float32)
+    matched = False
+    for i in range(n):
+        if times[i] == 0:
+            continue
+        matched = True
         t = np.float32(times[i])
+        for d in range(hi - lo):
+            for e in range(E):
+                summed[d, e] = np.float32(summed[d, e] + np.float32(t * entries[i, lo + d, e]))
+    return row_probs(summed), matched
+
+
+@njit(cache=True)
+def own_plus_eamc(own: np.ndarray, eamc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The ``eam`` prediction of rows ``[D, E]`` (float32): ``total = own + eamc`` (``eamc``
+    with no rows: ``own`` alone), returned as ``(row_probs(total), [D] bool rows of total with
+    any non-zero entry)``, as ``total.any(axis=1)``."""
+    D, E = own.shape
+    total = own.copy()
+    if eamc.shape[0]:
         for d in range(D):
             for e in range(E):
-                summed[d, e] = np.float32(summed[d, e] + np.float32(t * block[i, d, e]))
-    return row_probs(summed)
+                total[d, e] = np.float32(own[d, e] + eamc[d, e])
+    evidence = np.zeros(D, dtype=np.bool_)
+    for d in range(D):
+        for e in range(E):
+            if total[d, e] != 0:
+                evidence[d] = True
+                break
+    return row_probs(total), evidence
 
 
 @njit(cache=True)
@@ -297,6 +324,55 @@ def gate_plan(
 
 
 @njit(cache=True)
+def _heap_less(v1: float, v2: float, i1: int, i2: int) -> bool:
+    """faiss ``CMin::cmp2``: ``(v1, i1)`` before ``(v2, i2)`` in a min-heap (ties: lower id)."""
+    return v1 < v2 or (v1 == v2 and i1 < i2)
+
+
+@njit(cache=True)
+def _heap_replace_top(k: int, vals: np.ndarray, ids: np.ndarray, val: float, idx: int) -> None:
+    """faiss ``heap_replace_top`` of a ``CMin`` heap ``vals, ids [k]`` (1-based as there)."""
+    i = 1
+    while True:
+        i1 = i << 1
+        i2 = i1 + 1
+        if i1 > k:
+            break
+        c = i1 if i2 == k + 1 or _heap_less(vals[i1 - 1], vals[i2 - 1], ids[i1 - 1], ids[i2 - 1]) else i2
+        if _heap_less(val, vals[c - 1], idx, ids[c - 1]):
+            break
+        vals[i - 1] = vals[c - 1]
+        ids[i - 1] = ids[c - 1]
+        i = c
+    vals[i - 1] = val
+    ids[i - 1] = idx
+
+
+@njit(cache=True)
+def match_counts(scores: np.ndarray, k: int) -> np.ndarray:
+    """``[n]`` int64: how many of the ``B`` queries have each entry among their ``min(k, n)``
+    best by ``scores [B, n]`` (float32, finite), the top ``k`` that faiss's
+    ``float_minheap_array_t`` (``addn``, which ``tracer.prefix_match.PrefixMatcher`` uses)
+    selects: the same heap, so equal scores resolve as there (``_heap_less``), and
+    ``np.bincount`` of that top-k's ids equals the result."""
+    B, n = scores.shape
+    k = min(k, n)
+    times = np.zeros(n, dtype=np.int64)
+    vals = np.empty(k, dtype=np.float32)
+    ids = np.empty(k, dtype=np.int64)
+    for b in range(B):
+        vals[:] = -np.inf
+        ids[:] = -1
+        for j in range(n):
+            if vals[0] < scores[b, j]:
+                _heap_replace_top(k, vals, ids, scores[b, j], j)
+        for i in range(k):
+            if ids[i] >= 0:
+                times[ids[i]] += 1
+    return times
+
+
+@njit(cache=True)
 def blend(rows: np.ndarray, ahead: np.ndarray, weight: float) -> np.ndarray:
     """``rows [n, E]`` (float32) with the router lookahead ``ahead [d, E]`` (``d <= n``) blended
     into its first ``d`` rows: ``row_probs(rows[:d] + row_probs(ahead) * weight)``; a new array."""
@@ -330,9 +406,14 @@ def warm() -> None:
     limit_scores(rows, 1, 0.0, one)
     ranked_free(rows, held.reshape(1, 2))
     pays(one, 1.0, 0.0, 1.0, one, 0.0, False)
-    weighted_row_probs(rows.reshape(1, 1, 2), np.ones(1, dtype=np.int64))
     for p_use in (np.zeros(0), np.zeros(2, dtype=np.float32)):
         args = (1.0, 0.0, 1.0, 0.0, False, held, p_use, 0, 2, 1)
         gate_plan(rows, rows, held.reshape(1, 2), 1, one.reshape(1, 1), *args)
     blend(rows, rows, 2.0)
+    match_counts(rows, 1)
+    entries = np.zeros((1, 1, 2), dtype=np.float32)
+    entries.flags.writeable = False  # EAMC.entries() is a read-only view
+    matched_row_probs(entries, np.ones(1, dtype=np.int64), 0, 1)
+    own_plus_eamc(rows, rows)
+    own_plus_eamc(rows, rows[:0])
     _warm = True

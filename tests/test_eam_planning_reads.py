@@ -1,0 +1,144 @@
+"""The ``eam`` policy's planning reads only what changed since its last plan (the recorder's
+``query_rows``, ``PrefixMatcher.update_rows`` with ``kernels.match_counts``, the small search's
+normalised query kept per step, the own term from ``query_sum``): its matches and plans are
+exactly those of the from-scratch computation, the full ``[B, L, E]`` query every planning layer."""
+
+from __future__ import annotations
+
+import hashlib
+
+import faiss
+import numpy as np
+import pytest
+
+import moe_runtime.prefetch.eam as eam
+from moe_runtime.prefetch import kernels
+from moe_runtime.prefetch.gate import PrefetchGate
+from tests.test_sim_engine import random_requests, sim_for
+from tracer import prefix_match
+from tracer.prefix_match import PrefixMatcher
+from tracer.recorder import RequestRecorder
+
+
+def faiss_top_k(scores: np.ndarray, k: int) -> np.ndarray:
+    """``[B, k]`` ids of each row's top ``k``: faiss's min-heap, as ``PrefixMatcher`` took it."""
+    batch, n = scores.shape
+    k = min(k, n)
+    sims, idx = np.full((batch, k), -np.inf, np.float32), np.zeros((batch, k), np.int64)
+    heap = faiss.float_minheap_array_t()
+    heap.nh, heap.k = batch, k
+    heap.val, heap.ids = faiss.swig_ptr(sims), faiss.swig_ptr(idx)
+    heap.addn(n, faiss.swig_ptr(np.ascontiguousarray(scores, dtype=np.float32)))
+    heap.reorder()
+    return idx
+
+
+def _everything(_: int) -> bool:
+    return True
+
+
+class _AllWidths:
+    """Stands in for ``prefix_match._NY_KERNELS``: every width takes one ``_ny`` call per query."""
+
+    __contains__ = staticmethod(_everything)
+
+
+def _from_scratch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Answer the new reads with the old computations: the full query, summed or sliced; faiss's
+    heap for the top k; one ``fvec_inner_products_ny`` per query."""
+    monkeypatch.setattr(
+        RequestRecorder, "query_sum", lambda self, ids, upto: self.query(ids, upto).sum(axis=0)
+    )
+    monkeypatch.setattr(
+        RequestRecorder, "query_rows", lambda self, ids, lo, hi: self.query(ids, hi - 1)[:, lo:hi].copy()
+    )
+    monkeypatch.setattr(
+        kernels,
+        "match_counts",
+        lambda scores, k: np.bincount(faiss_top_k(scores, k).ravel(), minlength=scores.shape[1]),
+    )
+    monkeypatch.setattr(prefix_match, "_NY_KERNELS", _AllWidths())
+
+
+def _plans(monkeypatch: pytest.MonkeyPatch, experts: int, seed: int) -> tuple[str, dict, int]:
+    """Hash of every prediction and every issued plan of a simulated run, its counters, and how
+    many planning layers matched against the EAMC; each match is checked against the full query
+    (one ``EAMC.search``, or a ``PrefixMatcher`` fed full queries) as it is made."""
+    reqs = random_requests(seed, 40, 6, experts, 2, 6)  # more finished requests than matches (16)
+    sim = sim_for(layers=6, experts=experts, slots=2 * experts, batch=3)
+    digest = hashlib.sha256()
+    matched = [0]
+    refs: dict[int, PrefixMatcher] = {}
+    predict_rows, match, issue = eam.EAMPrefetch._predict_rows, eam.EAMPrefetch._match, eam.EAMPrefetch.issue
+
+    def logged_predict(self, layer, request_ids):
+        rows = predict_rows(self, layer, request_ids)
+        digest.update(b"-" if rows is None else rows.tobytes())
+        return rows
+
+    def checked_match(self, layer, request_ids, k):
+        fresh = self._match_ids is None or self._matcher is None or self._matcher.k != k
+        layers = [*self._unmatched, layer]
+        got = match(self, layer, request_ids, k)
+        query = self.recorder.query(request_ids, layer)  # [B, L, E], from scratch
+        n = len(self.eamc)
+        if self._match_ids is None:  # the small search
+            want = np.bincount(self.eamc.search(query, k=k)[1].ravel(), minlength=n)
+        else:
+            if fresh:
+                refs[id(self)] = PrefixMatcher(self.eamc, k=k)
+                refs[id(self)].begin_step(query)
+                layers = [layer]
+            want = np.bincount(refs[id(self)].update(layers, query)[1].ravel(), minlength=n)
+        np.testing.assert_array_equal(got, want)
+        matched[0] += 1
+        return got
+
+    def logged_issue(self, scores, first_layer=0, **kwargs):
+        digest.update(np.ascontiguousarray(scores).tobytes() + bytes([first_layer]))
+        return issue(self, scores, first_layer=first_layer, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(eam.EAMPrefetch, "_predict_rows", logged_predict)
+        m.setattr(eam.EAMPrefetch, "_match", checked_match)
+        m.setattr(eam.EAMPrefetch, "issue", logged_issue)
+        run = sim.run("eam", "eam-reuse", reqs[:24], reqs[24:])
+    return digest.hexdigest(), dict(run.stats), matched[0]
+
+
+@pytest.mark.parametrize("experts", [8, 16])  # faiss's own 8-wide kernel, and the one-call form
+@pytest.mark.parametrize("incremental", [True, False])
+@pytest.mark.parametrize("seed", range(2))
+def test_plans_equal_the_from_scratch_computation(
+    experts: int, incremental: bool, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the gate issues every candidate, so that the plans themselves reach the buffer and are compared
+    init = PrefetchGate.__init__
+
+    def open_gate(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.force_open = True
+
+    monkeypatch.setattr(PrefetchGate, "__init__", open_gate)
+    monkeypatch.setattr(eam, "INCREMENTAL_MIN_MACS", 0 if incremental else 1 << 62)
+    new = _plans(monkeypatch, experts, seed)
+    _from_scratch(monkeypatch)
+    old = _plans(monkeypatch, experts, seed)
+    assert new == old
+    assert new[2] > 20 and new[1]["prefetch_issued"] > 0  # the runs matched and prefetched
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_match_counts_are_faiss_heaps_top_k(seed: int) -> None:
+    """Ties included (few distinct scores): the same entries as faiss's heap picks, compiled or
+    as plain Python."""
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        batch, n, k = int(rng.integers(1, 6)), int(rng.integers(1, 60)), int(rng.integers(1, 20))
+        levels = int(rng.integers(1, 5))
+        scores = (rng.integers(0, levels, (batch, n)) / 3).astype(np.float32)
+        if seed % 2:
+            scores += rng.random((batch, n), dtype=np.float32)
+        want = np.bincount(faiss_top_k(scores, k).ravel(), minlength=n)
+        np.testing.assert_array_equal(kernels.match_counts(scores, k), want)
+        np.testing.assert_array_equal(kernels.match_counts.py_func(scores, k), want)
