@@ -130,6 +130,7 @@ class EAMPrefetch(PrefetchPolicy):
         self._decode_only = True  # no prefill token in the step so far (for the trial)
         self._step_cpu_s: float | None = None  # the compute thread's CPU clock at the last step's end
         self._step_blocking_s = 0.0  # the buffer's blocking counter at the last step's end
+        self._step_lookups = 0  # and its expert lookups
         self._unplanned_blocking_s: float | None = None  # running blocking of decode steps without plans
         self._p_use: tuple[np.ndarray, int, np.ndarray] | None = None  # (own term, T, [L * E] p)
 
@@ -452,18 +453,18 @@ class EAMPrefetch(PrefetchPolicy):
             gate.new_step()
             if self.trial is not None:
                 # the step's blocking on expert copies plus the compute thread's CPU time (plans,
-                # router lookahead, cache policy, the experts' batches: all the arms change; see
-                # gate.ModeTrial). Not per expert lookup: most of a step's CPU time (attention,
-                # norms, the LM head) does not grow with its lookups, and per lookup a step of a
-                # batch whose tokens share experts looked twice as dear as its neighbours.
-                blocking, cpu = self.buffer.stats.total_blocking_s, time.thread_time()
+                # router lookahead, cache policy, the experts' batches: all the arms change), per
+                # expert lookup, what the batch asked for (see gate.ModeTrial)
+                stats = self.buffer.stats
+                blocking, lookups, cpu = stats.total_blocking_s, stats.total_lookups, time.thread_time()
                 cost = blocking - self._step_blocking_s
                 if self._step_cpu_s is not None:
                     cost += cpu - self._step_cpu_s
+                work = max(1, lookups - self._step_lookups)
                 if self._decode_only and not self.trial.on:  # a decode step without plans
                     self._bar_prefetch(blocking - self._step_blocking_s)
-                self._step_blocking_s, self._step_cpu_s = blocking, cpu
-                if self.trial.end_step(cost, self._decode_only):
+                self._step_blocking_s, self._step_cpu_s, self._step_lookups = blocking, cpu, lookups
+                if self.trial.end_step(cost, self._decode_only, work):
                     self.set_arm(self.trial.arm_name)
             self._decode_only = True
 

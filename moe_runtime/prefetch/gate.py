@@ -211,8 +211,10 @@ class ModeTrial:
     10-25% buffers and 0.5 GB/s, LRU at 50%, where the loop-aware cache made more demand copies
     in decode than LRU (issue 15).
 
-    Decode steps (no prefill token) run in windows of ``window`` steps, one arm per window; a
-    window's cost is its steps' mean cost.
+    Decode steps (no prefill token) run in windows of ``window`` steps, one arm per window. A
+    window's cost is its steps' summed cost over their summed work (the caller's measure of what
+    the steps asked for, e.g. expert lookups: steps whose batch needs more distinct experts cost
+    more under every arm, and would otherwise add their spread to the comparison).
     After a switch the first ``settle`` steps are not counted: the buffer still holds what the
     other arm chose (the cache policy differs too), so the first window after a switch inherits
     the other arm's cache and can look cheaper or dearer than the arm is (issue 15: a bias
@@ -301,7 +303,7 @@ class ModeTrial:
         self._since = 0  # windows since the last exploration
         self._streak = 0  # explorations in a row that left the choice as it was
         self._next_explore = 0  # index into the other arms of the next one explored
-        self._sum, self._n = 0.0, 0  # the open window's summed cost and steps
+        self._sum, self._work, self._n = 0.0, 0.0, 0  # the open window's cost, work and steps
         self._skip = 1  # steps of the current window not counted yet
         self._prev: tuple[int, float] | None = None  # (arm, s per step) of the last window
 
@@ -358,28 +360,30 @@ class ModeTrial:
         target = np.append(self.diffs[a, b], 0.0)
         return np.linalg.lstsq(m, target, rcond=None)[0]
 
-    def end_step(self, cost_s: float, decode_only: bool) -> bool:
+    def end_step(self, cost_s: float, decode_only: bool, work: float = 1.0) -> bool:
         """A step ended that cost the compute thread ``cost_s`` seconds (e.g. blocking and CPU
-        time); ``decode_only``: it had no prefill token. Returns True when the arm changed (the
-        caller then switches the policy's mode to :attr:`arm_name`)."""
+        time) for ``work`` units of work (> 0; e.g. its expert lookups); ``decode_only``:
+        it had no prefill token. Returns True when the arm changed (the caller then switches
+        the policy's mode to :attr:`arm_name`)."""
         if decode_only:
             self.decode_steps += 1
             self.decode_steps_by_arm[self.arm] += 1
         else:
             # New requests change what a step costs (their experts are not cached yet): the
             # open window is dropped and no pair spans the change.
-            self._sum, self._n, self._prev = 0.0, 0, None
+            self._sum, self._work, self._n, self._prev = 0.0, 0.0, 0, None
             self._skip = max(self._skip, 1)
             return False
         if self._skip:
             self._skip -= 1
             return False
         self._sum += cost_s
+        self._work += work
         self._n += 1
         if self._n < self.window:
             return False
-        m = self._sum / self._n
-        self._sum, self._n = 0.0, 0
+        m = self._sum / self._work if self._work > 0 else 0.0
+        self._sum, self._work, self._n = 0.0, 0.0, 0
         prev, self._prev = self._prev, (self.arm, m)
         if prev is not None and prev[0] != self.arm and m + prev[1] > 0:
             self._pair(self.arm, m, prev[0], prev[1])
