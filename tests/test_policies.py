@@ -45,11 +45,8 @@ def FakeEAMC(entries: np.ndarray) -> EAMC:  # noqa: N802 - kept the old fake's n
 
 
 def fake_eam_policy(buf: ExpertBuffer, eam: np.ndarray, **kwargs) -> PrefetchPolicy:
-    """An ``eam`` prefetch policy over ``buf`` whose recorder and EAMC both hold ``eam [L, E]``;
-    without the runtime's measured trial unless ``trial=True`` (these tests check plans, and the
-    trial starts on-demand)."""
+    """An ``eam`` prefetch policy over ``buf`` whose recorder and EAMC both hold ``eam [L, E]``."""
     layers, experts = eam.shape
-    kwargs.setdefault("trial", False)
     return make_prefetch_policy(
         "eam", buffer=buf, num_layers=layers, num_experts=experts, top_k=2,
         recorder=FakeRecorder(eam), eamc=FakeEAMC(eam[None]), **kwargs,

@@ -322,7 +322,7 @@ def test_eam_bars_prefetching_while_steps_block_less_than_their_plans_would_cost
 
     buf = ExpertBuffer(small_store(), [torch.device("cpu")], 12, link=(1e-7, 0.0))
     try:
-        pol = fake_eam_policy(buf, np.ones((4, 5)), lookahead=1, trial=True)
+        pol = fake_eam_policy(buf, np.ones((4, 5)), lookahead=1)
         pol._bar_prefetch(1e-4)
         assert not pol.trial.barred[0]  # no plan timed yet: nothing to weigh
         pol.gate.host_s = 1e-3  # a planning layer costs 1 ms: 3 ms per step of 4 layers
@@ -333,15 +333,3 @@ def test_eam_bars_prefetching_while_steps_block_less_than_their_plans_would_cost
         assert not pol.trial.barred[0]
     finally:
         buf.close()
-
-
-def test_the_baseline_is_left_only_for_an_arm_better_by_the_margin() -> None:
-    """Caching alone 1% cheaper than LRU (inside the 2% margin): the trial stays on LRU, the
-    reference; 5% cheaper: it switches."""
-    for cheaper, stays in ((0.99, True), (0.95, False)):
-        trial = ModeTrial(window=1, explore_every=4, first_pairs=2, settle=1, arms=ARMS)
-        arms = _drive_arms(trial, [1.2, cheaper, 1.0], 600)
-        late = arms[300:]
-        assert (late.count(2) > late.count(1)) == stays, (cheaper, late.count(1), late.count(2))
-    with pytest.raises(ValueError, match="margin"):
-        ModeTrial(margin=-0.1)

@@ -224,15 +224,15 @@ class ModeTrial:
     different arms ``a``, ``b`` form a pair, and their relative difference in that cost per
     decode step, ``(a - b) / mean``, is kept as a running mean per pair of arms (``decay`` per
     pair): pairs, not long-run means, so a host whose load drifts compares like with like. The
-    trial starts in the last arm, the reference, and its first windows alternate it with each
-    other arm in turn (``2, 0, 2, 1, 2, 0, ...``; with the ``eam`` policy's arms the reference is
-    on-demand + LRU, the baseline, so the first windows cost at most half the others' excess
-    over it) until each other arm has ``first_pairs`` pairs with it: each is measured as often
-    after the reference as before it, so a cost that drifts within a batch (its early decode
-    steps miss more) cancels out of its running difference. Then the arm with the lowest score
-    runs (a least squares fit of one score per arm to the measured pair differences,
-    :meth:`scores`; the reference unless another is lower by ``margin``; with two arms: the
-    cheaper one), and every ``explore_every``-th window another arm, in turn (two more
+    first windows alternate the last arm, the reference, with each other arm in turn (``0, 2, 0,
+    2, 1, 2, 0, ...``; with the ``eam`` policy's arms the reference is on-demand + LRU, the
+    baseline, so the first windows cost at most half the others' excess over it) until each
+    other arm has ``first_pairs`` pairs with it: each is measured as often after the reference
+    as before it, so a cost that drifts within a batch (its early decode steps miss more)
+    cancels out of its running difference. Then the arm with the lowest
+    score runs (a least
+    squares fit of one score per arm to the measured pair differences, :meth:`scores`; with two
+    arms: the cheaper one), and every ``explore_every``-th window another arm, in turn (two more
     pairs; every ``4 * explore_every``-th while the explored arm is worse by more than
     ``CLEAR_DIFF``, as on-demand is on a fast link, where each exploring window costs a lot), so
     the choice follows the load. Each exploration that leaves the choice as it was doubles the
@@ -249,12 +249,7 @@ class ModeTrial:
         first_pairs: pairs per adjacent pair of arms measured (cycling) before a choice, >= 1.
         settle: decode steps not counted after a switch, >= 1.
         max_backoff: the exploration interval doubles at most this many times, >= 0.
-        arms: the arms' names, at least two; the first is the prefetching one (:attr:`on`), the
-            last the reference (the baseline the others must beat).
-        margin: another arm runs instead of the reference only when its score is lower by more
-            than this (relative cost, >= 0): leaving the baseline needs evidence beyond the pairs'
-            noise, and a wrong switch costs more than a late one when the target is never to be
-            slower than the baseline.
+        arms: the arms' names, at least two; the first is the prefetching one (:attr:`on`).
 
     Raises:
         ValueError: a value outside those ranges.
@@ -269,7 +264,6 @@ class ModeTrial:
         settle: int = 4,
         max_backoff: int = 3,
         arms: tuple[str, ...] = ("prefetch", "lean"),
-        margin: float = 0.02,
     ) -> None:
         if (
             window < 1
@@ -279,20 +273,18 @@ class ModeTrial:
             or settle < 1
             or max_backoff < 0
             or len(arms) < 2
-            or margin < 0
         ):
             raise ValueError(
                 "mode trial: window >= 1, explore_every >= 2, decay in [0, 1), first_pairs >= 1, "
-                f"settle >= 1, max_backoff >= 0, two arms or more, margin >= 0; got {window}, "
-                f"{explore_every}, {decay}, {first_pairs}, {settle}, {max_backoff}, {arms}, {margin}"
+                f"settle >= 1, max_backoff >= 0, two arms or more; got {window}, {explore_every}, "
+                f"{decay}, {first_pairs}, {settle}, {max_backoff}, {arms}"
             )
         self.window, self.explore_every, self.decay = window, explore_every, decay
         self.first_pairs, self.settle, self.max_backoff = first_pairs, settle, max_backoff
         self.arms = tuple(arms)
-        self.margin = margin
         n = len(arms)
         self.reference = n - 1  # the first windows alternate it with each other arm
-        self.arm = self.reference  # the arm of the current window (0: prefetching)
+        self.arm = 0  # the arm of the current window (0: prefetching)
         self.barred = np.zeros(n, dtype=bool)  # arms the caller ruled out for now (:meth:`bar`)
         self.diffs = np.zeros((n, n))  # running (a - b) / mean of paired windows; antisymmetric
         self.pair_counts = np.zeros((n, n), dtype=np.int64)  # pairs measured per pair of arms
@@ -403,7 +395,6 @@ class ModeTrial:
             self.arm = ref  # every other arm is barred
         else:
             scores = self.scores()
-            scores[ref] -= self.margin  # another arm must beat the reference by the margin
             best = min(allowed, key=lambda a: (scores[a], a))  # ties: the earlier arm
             if best != self._best:
                 self._streak = 0  # the choice changed: re-check it at the base rate
