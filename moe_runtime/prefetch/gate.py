@@ -222,14 +222,13 @@ class ModeTrial:
     over a good part of the buffer. A step with prefill tokens (new requests, whose experts are
     not cached yet) drops the open window and the step after it. Two adjacent windows of
     different arms ``a``, ``b`` form a pair, and their relative difference in that cost per
-    decode step, ``(a - b) / mean``, is kept as a running mean per pair of arms (``decay`` per
+    unit of work, ``(a - b) / mean``, is kept as a running mean per pair of arms (``decay`` per
     pair): pairs, not long-run means, so a host whose load drifts compares like with like. The
-    first windows alternate the last arm, the reference, with each other arm in turn (``0, 2, 0,
-    2, 1, 2, 0, ...``; with the ``eam`` policy's arms the reference is on-demand + LRU, the
-    baseline, so the first windows cost at most half the others' excess over it) until each
-    other arm has ``first_pairs`` pairs with it: each is measured as often after the reference
-    as before it, so a cost that drifts within a batch (its early decode steps miss more)
-    cancels out of its running difference. Then the arm with the lowest
+    first windows alternate the last arm, the reference, with the other arms (with the ``eam``
+    policy's arms and ``first_pairs=3``: ``0, 2, 0, 2, 1, 2, 1, 2``; the reference is
+    on-demand + LRU, the baseline) until each other arm has ``first_pairs`` pairs with it: each
+    is measured both before and after the reference, so a cost that drifts within a batch (its
+    early decode steps miss more) largely cancels out of its running difference. Then the arm with the lowest
     score runs (a least
     squares fit of one score per arm to the measured pair differences, :meth:`scores`; with two
     arms: the cheaper one), and every ``explore_every``-th window another arm, in turn (two more
@@ -297,7 +296,7 @@ class ModeTrial:
         self._next_explore = 0  # index into the other arms of the next one explored
         self._sum, self._work, self._n = 0.0, 0.0, 0  # the open window's cost, work and steps
         self._skip = 1  # steps of the current window not counted yet
-        self._prev: tuple[int, float] | None = None  # (arm, s per step) of the last window
+        self._prev: tuple[int, float] | None = None  # (arm, s per unit of work) of the last window
 
     @property
     def on(self) -> bool:
@@ -419,7 +418,7 @@ class ModeTrial:
         return self.arm != was
 
     def _pair(self, a: int, cost_a: float, b: int, cost_b: float) -> None:
-        """Two adjacent windows of arms ``a`` and ``b`` cost ``cost_a`` and ``cost_b`` s per step."""
+        """Two adjacent windows of arms ``a`` and ``b`` cost ``cost_a`` and ``cost_b`` s per unit of work."""
         d = 2 * (cost_a - cost_b) / (cost_a + cost_b)
         if self.pair_counts[a, b]:
             d = self.decay * self.diffs[a, b] + (1 - self.decay) * d
