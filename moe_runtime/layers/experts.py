@@ -279,6 +279,23 @@ def run_experts(
     return _sum_in_order(contrib.view(t, k, -1).unbind(1)), hit, blocked
 
 
+def _expert_on_rows(
+    xs: torch.Tensor, h: Any, ffn: ExpertFFN | None, out_device: torch.device
+) -> torch.Tensor:
+    """Expert ``h`` (an :class:`ExpertHandle`) on its rows ``xs [n, H]``: two ``F.linear`` on its
+    slot views, with its bias rows (``[2I]``, ``[H]``, broadcast over the rows) where ``ffn`` has
+    them; ``[n, H]`` on ``out_device``. The few path and a one-expert batch share it."""
+    if h.device != out_device:
+        xs = xs.to(h.device)
+    gu_bias = down_bias = None
+    if ffn is not None:
+        gu_bias, down_bias = (
+            None if b is None else b[h.expert].to(h.device) for b in (ffn.gate_up_bias, ffn.down_bias)
+        )
+    y = _biased(F.linear(_hidden(F.linear(xs, h.gate_up), ffn, gu_bias), h.down), down_bias)
+    return y if h.device == out_device else y.to(out_device)
+
+
 def _one_expert(
     x: torch.Tensor,
     w_flat: torch.Tensor,
@@ -292,19 +309,8 @@ def _one_expert(
     sort, offsets and upload; two ``F.linear`` on its slot views, as the grouped path runs a
     one-expert segment, so the same bits land in ``contrib``."""
     rows, starts = plan.expert_rows(x.device)
-    e = h.expert
-    idx = rows[:, int(starts[e]) : int(starts[e + 1])]  # [3, n] token, weight index, position
-    xs = x.index_select(0, idx[0])
-    if h.device != x.device:
-        xs = xs.to(h.device)
-    gu_bias = down_bias = None
-    if ffn is not None:  # this expert's bias rows, [2I] and [H] (broadcast over its rows)
-        gu_bias, down_bias = (
-            None if b is None else b[e].to(h.device) for b in (ffn.gate_up_bias, ffn.down_bias)
-        )
-    y = _biased(F.linear(_hidden(F.linear(xs, h.gate_up), ffn, gu_bias), h.down), down_bias)
-    if h.device != x.device:
-        y = y.to(x.device)
+    idx = rows[:, int(starts[h.expert]) : int(starts[h.expert + 1])]  # [3, n] token, weight index, position
+    y = _expert_on_rows(x.index_select(0, idx[0]), h, ffn, x.device)
     # scaled by the router weight, then cast, as the reference does
     y = (y * w_flat.index_select(0, idx[1]).unsqueeze(1)).to(contrib.dtype)
     contrib.index_copy_(0, idx[2], y)
@@ -347,18 +353,7 @@ def _few_tokens(
                 idx = torch.tensor([[tok, tok * k + col] for tok, col, _ in mine], device=x.device).T
                 xs = x.index_select(0, idx[0])
                 w = weights.reshape(-1).index_select(0, idx[1]).unsqueeze(1)
-            moved = h.device != x.device
-            if moved:
-                xs = xs.to(h.device)
-            gu_bias = down_bias = None
-            if ffn is not None:  # this expert's bias rows, [2I] and [H] (broadcast over its rows)
-                gu_bias, down_bias = (
-                    None if b is None else b[e].to(h.device) for b in (ffn.gate_up_bias, ffn.down_bias)
-                )
-            y = _biased(F.linear(_hidden(F.linear(xs, h.gate_up), ffn, gu_bias), h.down), down_bias)
-            if moved:
-                y = y.to(x.device)
-            y = y * w
+            y = _expert_on_rows(xs, h, ffn, x.device) * w
             if y.dtype != x.dtype:  # router weights in fp32: cast back, as the other paths do
                 y = y.to(x.dtype)
             if len(mine) == 1:
