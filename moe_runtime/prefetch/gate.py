@@ -326,11 +326,6 @@ class ModeTrial:
         self.barred[i] = barred
 
     @property
-    def decode_steps_on(self) -> int:
-        """Decode-only steps run with prefetching on (the first arm)."""
-        return self.decode_steps_by_arm[0]
-
-    @property
     def diff(self) -> float:
         """Running ``(prefetch - lean) / mean`` of the first and the last arm's paired windows;
         < 0: prefetching is cheaper."""
