@@ -78,3 +78,47 @@ def test_outputs_unchanged_on_the_threaded_runtime(tiny_checkpoints):
     outs, hit, _, engine = _run_policy(path, "on-demand", "eam-reuse", prompts)
     assert outs == ref
     assert type(engine.buffer.parts[0].policy).name == "eam-reuse" and 0.0 <= hit <= 1.0
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 3, 7])
+def test_reuse_probs_compiled_and_plain_agree_and_follow_the_formula(tokens: int) -> None:
+    from moe_runtime.buffer import reuse_kernel
+
+    rng = np.random.default_rng(tokens)
+    counts = rng.integers(0, 5, size=(6, 9)).astype(np.float64)
+    counts[2] = 0.0  # a layer no token has reached yet
+    compiled, plain = np.full(54, -1.0), np.full(54, -1.0)
+    reuse_kernel.reuse_probs(counts, compiled, 1, 5, 2, tokens)
+    getattr(reuse_kernel.reuse_probs, "py_func", reuse_kernel.reuse_probs)(counts, plain, 1, 5, 2, tokens)
+    np.testing.assert_array_equal(compiled, plain)
+    assert (compiled[:9] == -1.0).all() and (compiled[45:] == -1.0).all()  # rows outside 1..4 untouched
+    tok = counts.sum(axis=1, keepdims=True)
+    share = np.minimum(counts / np.where(tok > 0, tok, 1.0) * 2, 1.0)
+    want = (1.0 - (1.0 - share) ** tokens).reshape(-1)
+    np.testing.assert_allclose(compiled[9:45], want[9:45], rtol=1e-13, atol=0)
+    assert (compiled[18:27] == 0.0).all()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_reuse_victim_is_the_furthest_expected_use_ties_lowest_slot(seed: int) -> None:
+    from moe_runtime.buffer import reuse_kernel
+
+    rng = np.random.default_rng(seed)
+    slots, layers, experts = 12, 4, 5
+    keys = rng.integers(0, layers * experts, size=slots)
+    p_use = rng.choice([0.0, 1e-4, 0.3, 0.3, 1.0], size=layers * experts)  # repeats: ties happen
+    recency = rng.choice([1.0, 2.0], size=slots)
+    evictable = rng.random(slots) < 0.6
+    layer = int(rng.integers(0, layers))
+    got = reuse_kernel.reuse_victim(evictable, keys, p_use, recency, layer, layers, experts)
+    plain = getattr(reuse_kernel.reuse_victim, "py_func", reuse_kernel.reuse_victim)
+    assert got == plain(evictable, keys, p_use, recency, layer, layers, experts)
+    cands = np.flatnonzero(evictable)
+    if not cands.size:
+        assert got == -1
+        return
+    dist = (keys[cands] // experts - layer - 1) % layers + 1
+    score = dist + layers * (1.0 / np.maximum(p_use[keys[cands]], 1e-3) - 1.0) - 1e-9 * recency[cands]
+    assert got == int(cands[np.argmax(score)])  # argmax: the first (lowest) slot among equal scores
+    none = np.zeros(slots, dtype=bool)
+    assert reuse_kernel.reuse_victim(none, keys, p_use, recency, 0, layers, experts) == -1

@@ -129,6 +129,8 @@ class Partition:
         self._heap_limit = 4 * num_slots + 64  # stale entries beyond this: rebuild the heaps
         self._mask_demand = np.zeros(num_slots, dtype=bool)  # non-ordered policies: evictable masks
         self._mask_prefetch = np.zeros(num_slots, dtype=bool)
+        # a non-ordered policy that takes the mask itself (``eam-reuse``: one compiled call)
+        self._victim_of = getattr(policy, "victim_of", None)
         policy.on_order_change = self._reorder
 
     @property
@@ -224,6 +226,8 @@ class Partition:
             return None
         if not self._ordered:
             mask = self._mask_demand if for_demand else self._mask_prefetch
+            if self._victim_of is not None:
+                return self._victim_of(mask)
             return self.policy.victim(mask.nonzero()[0])  # ascending slots (no np.flatnonzero wrapper)
         heap, stamp = (self._heap_demand if for_demand else self._heap_prefetch), self._stamp
         while True:  # non-empty: an evictable slot always has a live entry

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from moe_runtime.buffer import reuse_kernel
 from moe_runtime.buffer.cache_policy import CachePolicy
 from moe_runtime.errors import ConfigError
 
@@ -94,6 +95,11 @@ class EAMReuseCachePolicy(CachePolicy):
     counts are read, and the least recently filled or used candidate is evicted. It is then
     ``ordered`` (``priority`` is the tick of the last fill or use, as LRU's), so the partition
     takes the victim from its heap as for the ``lru`` policy, the same slot at LRU's cost.
+
+    Speed: the counts' row of a routed layer and its use probabilities are updated in one
+    compiled call on the compute thread, and a victim is one compiled loop over the evictable
+    slots (``moe_runtime.buffer.reuse_kernel``), which the partition hands its evictable mask
+    (:meth:`victim_of`).
     """
 
     name = "eam-reuse"
@@ -105,23 +111,13 @@ class EAMReuseCachePolicy(CachePolicy):
         self.recorder = _needs_recorder(self.name, recorder)
         self.num_layers = num_layers
         self.layer = 0
-        self._p_use = np.zeros(num_layers * num_experts)
-        # for ``p_use``, not used yet: (layer or None for all rows, counts, ids' shape) per routing
-        # rows of ``_counts`` changed since ``p_use`` last derived them (None: all), and the
-        # routing shape ``(T, k)`` they share; bounded by L, however long no victim is needed
-        self._dirty: set[int | None] = set()
-        self._shape: tuple[int, ...] = (0, 0)
+        self._p_use = np.zeros(num_layers * num_experts)  # [L * E], see ``p_use``
         self._seen: tuple | None = None  # ((live_changes, ids' shape), layer, batch) of the last routing
         self._counts = np.zeros((num_layers, num_experts))  # the batch's counts so far, [L, E]
         self._slot_key = np.full(num_slots, -1)
         self._recency = np.zeros(num_slots)  # tick of the last fill/use, for ties (LRU-wise)
-        # Speed: the victim score ``expected - 1e-9 * recency`` per slot (``_score [S]``, with
-        # ``_expected [S]``), kept by the slot hooks and recomputed for all slots at the first
-        # victim after ``after_routing`` moved the layer or the counts (``_stale``).
-        self._expected = np.zeros(num_slots)
-        self._score = np.zeros(num_slots)
-        self._stale = True
         self._lru = False
+        reuse_kernel.warm()  # the victim is one compiled call (moe_runtime.buffer.reuse_kernel)
 
     @property
     def ordered(self) -> bool:  # type: ignore[override]
@@ -143,19 +139,21 @@ class EAMReuseCachePolicy(CachePolicy):
 
     def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
         self.layer = layer
-        self._stale = True
         if self._lru:
             return
         if request_ids and topk_ids.size:
-            # the batch's counts (a snapshot): ``p_use`` is derived when a victim needs it. When
-            # the batch, its tokens per step and the live requests are those of the previous
-            # layer's routing and the layers follow in loop order, only row ``layer`` changed
-            # since, by this step's choices there (the rows after it still hold the finished
-            # steps' counts, as the recorder's do): one bincount of the ids updates it, and only
-            # that row is handed on; else the recorder's counts are read whole (``query_sum``).
+            # the batch's counts (a snapshot) and ``p_use`` from them, derived here on the compute
+            # thread (victims are chosen on the I/O thread holding the buffer's lock, which the
+            # compute thread then waits on). When the batch, its tokens per step and the live
+            # requests are those of the previous layer's routing and the layers follow in loop
+            # order, only row ``layer`` changed since, by this step's choices there (the rows
+            # after it still hold the finished steps' counts, as the recorder's do): one compiled
+            # call adds the ids to that row and derives its probabilities; else the recorder's
+            # counts are read whole (``query_sum``) and every row is derived.
             rec, seen = self.recorder, self._seen
             live = getattr(rec, "live_changes", None)
             key = (live, topk_ids.shape)
+            T, k = topk_ids.shape
             if (
                 live is not None
                 and seen is not None
@@ -163,70 +161,45 @@ class EAMReuseCachePolicy(CachePolicy):
                 and layer == (seen[1] + 1) % self.num_layers
                 and seen[2] == request_ids
             ):
-                row = self._counts[layer]
-                row += np.bincount(topk_ids.reshape(-1), minlength=self.num_experts)
-                self._dirty.add(layer)
+                ids = np.ascontiguousarray(topk_ids, dtype=np.int64).reshape(-1)
+                reuse_kernel.add_row(self._counts, layer, ids)
+                reuse_kernel.reuse_probs(self._counts, self._p_use, layer, layer + 1, k, T)
             else:
-                self._counts = rec.query_sum(request_ids, layer).astype(np.float64)  # [L, E]
-                self._dirty = {None}
-            self._shape = topk_ids.shape
+                self._counts = np.ascontiguousarray(rec.query_sum(request_ids, layer), dtype=np.float64)
+                reuse_kernel.reuse_probs(self._counts, self._p_use, 0, self.num_layers, k, T)
             self._seen = (key, layer, list(request_ids))
 
     @property
     def p_use(self) -> np.ndarray:
-        """``[L * E]`` per-step use probability of each key, from the latest routed layer's counts
-        (rows of the layers routed since the last call, or all rows)."""
-        if self._dirty:
-            E, (T, k) = self.num_experts, self._shape
-            dirty, self._dirty = self._dirty, set()
-            for layer in [None] if None in dirty else dirty:
-                counts = self._counts if layer is None else self._counts[layer]  # [L, E] or [E]
-                tokens = counts.sum(axis=-1, keepdims=True)
-                share = counts / np.where(tokens > 0, tokens, 1.0)  # counts >= 0: a 0-token row is 0
-                share *= k  # share of tokens choosing the expert (each token picks k)
-                p = 1.0 - (1.0 - np.minimum(share, 1.0)).reshape(-1) ** T
-                if layer is None:
-                    self._p_use = p
-                else:  # the same T as the other rows': the routings' shapes matched
-                    self._p_use[layer * E : (layer + 1) * E] = p
+        """``[L * E]`` per-step use probability of each key (``reuse_kernel.reuse_probs``), from
+        the counts of the latest routing while not :attr:`lru`."""
         return self._p_use
-
-    def _expected_of(self, key: int) -> float:
-        """Expected layer runs until ``key``'s next use (the formula above, for one key)."""
-        L = self.num_layers
-        dist = (key // self.num_experts - self.layer - 1) % L + 1
-        p = max(float(self._p_use[key]), 1e-3)  # fresh: victim() derived it since the routing
-        return dist + L * (1.0 / p - 1.0)
 
     def on_fill(self, slot: int, key: int, prefetch: bool) -> None:
         self._slot_key[slot] = key
-        self.priority[slot] = self._recency[slot] = t = self.tick()
-        if not self._stale:
-            self._expected[slot] = e = self._expected_of(key)
-            self._score[slot] = e - 1e-9 * t
+        self.priority[slot] = self._recency[slot] = self.tick()
 
     def on_use(self, slot: int, key: int) -> None:
-        self.priority[slot] = self._recency[slot] = t = self.tick()
-        if not self._stale:
-            self._score[slot] = self._expected[slot] - 1e-9 * t
+        self.priority[slot] = self._recency[slot] = self.tick()
 
     def on_prefetch_unused(self, slot: int, key: int) -> None:
         if self._lru:  # as LRU: a mis-prefetch (landed before the switch) counts as a use
             self.on_use(slot, key)
 
     def victim(self, candidates: np.ndarray) -> int:
-        if self._lru:  # a partition takes LRU's victim from its heap instead (``ordered``)
-            candidates = np.asarray(candidates)
-            return int(candidates[self._recency[candidates].argmin()])
-        if self._stale:  # free slots (key -1) get a meaningless score; they are never candidates
-            keys, L = self._slot_key, self.num_layers
-            dist = (keys // self.num_experts - self.layer - 1) % L + 1
-            p = np.maximum(self.p_use[keys], 1e-3)
-            self._expected = dist + L * (1.0 / p - 1.0)
-            self._score = self._expected - 1e-9 * self._recency
-            self._stale = False
         candidates = np.asarray(candidates)
-        return int(candidates[self._score[candidates].argmax()])  # ties: LRU, then lowest slot
+        if self._lru:  # a partition takes LRU's victim from its heap instead (``ordered``)
+            return int(candidates[self._recency[candidates].argmin()])
+        evictable = np.zeros(len(self._slot_key), dtype=np.bool_)
+        evictable[candidates] = True
+        return self.victim_of(evictable)
+
+    def victim_of(self, evictable: np.ndarray) -> int:
+        """:meth:`victim` given the evictable slots as a ``[S]`` bool mask (the partition's own,
+        without building the candidate list): one compiled call (``reuse_kernel``). Ties: LRU,
+        then the lowest slot. Not while :attr:`lru`."""
+        keys, p, recency, L, E = self._slot_key, self._p_use, self._recency, self.num_layers, self.num_experts
+        return reuse_kernel.reuse_victim(evictable, keys, p, recency, self.layer, L, E)
 
 
 class ModelCountsCachePolicy(_ResetPolicy):

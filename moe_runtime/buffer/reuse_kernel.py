@@ -1,0 +1,114 @@
+"""The ``eam-reuse`` cache's compiled parts: its victim and its use probabilities.
+
+:class:`moe_runtime.buffer.policies.EAMReuseCachePolicy` calls these.
+
+NOTE: why compiled. A victim is chosen for every demand miss and landed prefetch once the buffer
+is full, on the I/O thread while it holds the buffer's lock, so the compute thread waits on it.
+As numpy (the evictable mask's ``nonzero``, a gather, ``argmax``, plus a rescore of every slot
+and a re-derivation of the use probabilities at the first victim after each routed layer) it
+cost several microseconds per victim and tens per layer: on the bundled model at a 25% buffer
+and 4 GB/s, about 40 victims a decode step, the trial's ``cache`` arm
+(``moe_runtime.prefetch.gate.ModeTrial``) spent 0.3-0.4 ms of a 7-8 ms step more compute-thread
+CPU than LRU, more than the copies it saved (issue #15). Here the probabilities of a routed
+layer's row are derived on the compute thread in one call, and a victim is one loop over the
+slots that scores only the evictable ones. The victims are those of the numpy form: ``pow`` is
+libm's rather than numpy's vector one, which can differ in the last bit, and
+``tools/sim_fingerprint.py`` found no simulator output changed (0 of 40 runs). Without numba the
+same Python runs (``moe_runtime.jit``), with the same results.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from moe_runtime.jit import njit
+
+
+@njit(cache=True)
+def reuse_victim(
+    evictable: np.ndarray,
+    slot_key: np.ndarray,
+    p_use: np.ndarray,
+    recency: np.ndarray,
+    layer: int,
+    num_layers: int,
+    num_experts: int,
+) -> int:
+    """The evictable slot whose expert's next use is expected furthest away, or -1 for none.
+
+    Args:
+        evictable: ``[S]`` bool, the slots that may be taken.
+        slot_key: ``[S]`` int, each slot's expert key ``layer * E + expert``.
+        p_use: ``[L * E]`` float64, the chance each expert is used in a step.
+        recency: ``[S]`` float64, the tick of each slot's last fill or use.
+        layer: the layer routed last (``0 .. L - 1``).
+
+    The score is ``d + L (1 / max(p, 1e-3) - 1) - 1e-9 * recency`` with ``d = ((j - layer - 1)
+    mod L) + 1`` layer runs to the key's layer ``j``; the highest wins, ties go to the lowest slot.
+    """
+    best, best_score = -1, 0.0
+    for s in range(evictable.shape[0]):
+        if not evictable[s]:
+            continue
+        key = slot_key[s]
+        dist = (key // num_experts - layer - 1) % num_layers + 1
+        p = p_use[key]
+        if p < 1e-3:
+            p = 1e-3
+        score = (dist + num_layers * (1.0 / p - 1.0)) - 1e-9 * recency[s]
+        if best < 0 or score > best_score:
+            best, best_score = s, score
+    return best
+
+
+@njit(cache=True)
+def add_row(counts: np.ndarray, layer: int, ids: np.ndarray) -> None:
+    """``counts[layer, e] += 1`` for each ``e`` in ``ids`` (``counts [L, E]`` float64, ``ids`` int64
+    flat, each in ``0 .. E - 1``)."""
+    for e in ids:
+        counts[layer, e] += 1.0
+
+
+@njit(cache=True)
+def reuse_probs(counts: np.ndarray, p_use: np.ndarray, lo: int, hi: int, top_k: int, tokens: int) -> None:
+    """Rows ``lo .. hi - 1`` of ``p_use [L * E]`` from ``counts [L, E]`` (float64, integer-valued):
+    ``p = 1 - (1 - min(1, k * c / n))^T``, the chance a step of ``T = tokens`` tokens uses the
+    expert when its share of the ``n`` routed tokens so far (``c / n`` of the choices, each token
+    making ``k = top_k``) holds (MoE-Infinity §4's request EAM as a use probability); a row without
+    tokens is 0. The power is libm's ``pow`` (``x`` itself for ``T = 1``, ``x * x`` for ``T = 2``),
+    so the compiled and the plain form agree bit for bit."""
+    num_experts = counts.shape[1]
+    for layer in range(lo, hi):
+        total = 0.0
+        for e in range(num_experts):
+            total += counts[layer, e]  # integer-valued: exact in any order
+        div = total if total > 0 else 1.0
+        for e in range(num_experts):
+            share = counts[layer, e] / div * top_k
+            q = 1.0 - (share if share < 1.0 else 1.0)
+            if tokens == 1:
+                v = q
+            elif tokens == 2:
+                v = q * q
+            else:
+                v = math.pow(q, float(tokens))
+            p_use[layer * num_experts + e] = 1.0 - v
+
+
+_warm = False
+
+
+def warm() -> None:
+    """Compile (or load from numba's on-disk cache) :func:`reuse_victim` for the types the cache
+    passes, once per process, so its first victim does not pay the compile on the I/O thread."""
+    global _warm
+    if not _warm:
+        reuse_victim(
+            np.ones(1, dtype=np.bool_), np.zeros(1, dtype=np.int64), np.ones(1), np.zeros(1), 0, 1, 1
+        )
+        counts = np.zeros((1, 1))
+        add_row(counts, 0, np.zeros(1, dtype=np.int64))
+        reuse_probs(counts, np.zeros(1), 0, 1, 1, 3)
+        _warm = True
