@@ -70,13 +70,16 @@ def test_pays_weighs_gain_against_link_and_eviction_cost() -> None:
     reuse = np.array([0.0, 0.0, 0.9, 0.0])
     gate.block_per_miss_s, gate.demand_busy = 1.0, 0.5
     # gain 0.5 P against 0.5 (1 - P) + R: 0.45 > 0.05; 0.2 < 0.3; 0.45 < 0.95; 0 > 0.5 is false
-    np.testing.assert_array_equal(gate.pays(p, 1.0, reuse), [True, False, False, False])
+    np.testing.assert_array_equal(gate.pays(p, 1.0, reuse)[0], [True, False, False, False])
+    gate.idle_copies = 2.5  # the best two fit in idle link time: only the eviction counts for them
+    np.testing.assert_array_equal(gate.pays(p, 1.0, reuse)[0], [True, True, False, False])
+    gate.idle_copies = 0.0
     gate.demand_busy = 0.0  # an idle link: only the eviction counts
-    np.testing.assert_array_equal(gate.pays(p, 1.0, reuse), [True, True, False, False])
+    np.testing.assert_array_equal(gate.pays(p, 1.0, reuse)[0], [True, True, False, False])
     gate.demand_busy = 1.0  # demand keeps the link busy: a prefetch only moves a copy ahead
-    assert not gate.pays(np.ones(4), 1.0, np.zeros(4)).any()
+    assert not gate.pays(np.ones(4), 1.0, np.zeros(4))[0].any()
     gate.demand_busy, gate.block_per_miss_s = 0.5, 0.0  # fetches never block: nothing to gain
-    assert not gate.pays(np.ones(4), 1.0, np.zeros(4)).any()
+    assert not gate.pays(np.ones(4), 1.0, np.zeros(4))[0].any()
 
 
 def test_eam_with_zero_precision_is_on_demand(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -95,16 +98,48 @@ def test_a_plan_must_win_back_its_host_time_and_a_fast_link_closes_the_gate() ->
     gate = PrefetchGate(num_layers=2, num_experts=4, depth=1)
     gate.block_per_miss_s, gate.demand_busy = 1e-3, 0.0  # each sure prefetch saves 1 ms
     p, reuse = np.ones(2), np.zeros(2)
-    assert gate.pays(p, 1e-3, reuse).all() and gate.host_s == 0.0  # not timed: the simulator
+    keep, plan_on = gate.pays(p, 1e-3, reuse)
+    assert keep.all() and plan_on and gate.host_s == 0.0  # not timed: the simulator
     for _ in range(50):
         gate.note_host_time(3e-3)  # planning costs 3 ms, more than the 2 ms the plan saves
     assert gate.host_s == pytest.approx(3e-3, rel=1e-3)
-    assert not gate.pays(p, 1e-3, reuse).any()
-    assert gate.pays(np.ones(4), 1e-3, np.zeros(4)).all()  # 4 ms saved: worth its 3 ms
+    keep, plan_on = gate.pays(p, 1e-3, reuse)
+    assert keep.all() and not plan_on  # the spent plan's paying candidates go; planning stops
+    assert gate.pays(np.ones(4), 1e-3, np.zeros(4))[1]  # 4 ms saved: worth its 3 ms
     gate.block_per_miss_s = 1e-6  # a fast link: a miss barely blocks, planning never pays
-    assert not gate.pays(np.ones(64), 1e-6, np.zeros(64)).any()
+    keep, plan_on = gate.pays(np.ones(64), 1e-6, np.zeros(64))
+    assert not plan_on
     gate.force_open = True  # bench overhead's forced-open gate issues whatever the test says
-    assert gate.pays(np.ones(4), 1e-6, np.ones(4)).all()
+    keep, plan_on = gate.pays(np.ones(4), 1e-6, np.ones(4))
+    assert keep.all() and plan_on
+
+
+def test_idle_link_time_is_measured_in_copies_per_planning_layer() -> None:
+    """A step of 10 ms whose 20 demand copies of 0.25 ms kept the link busy for 5 ms leaves 5 ms
+    idle: 20 copies over the 4 planning layers of a 5-layer model, 5 per layer."""
+    from types import SimpleNamespace
+
+    gate = PrefetchGate(num_layers=5, num_experts=4, depth=1)
+    stats = SimpleNamespace(total_blocking_s=0.0, demand_fetches=[0], late_prefetches=[0])
+    gate.update_link(stats, 0.0, 2.5e-4)
+    for step in range(1, 60):
+        stats.demand_fetches = [20 * step]
+        gate.update_link(stats, 0.01 * step, 2.5e-4)
+    assert gate.idle_copies == pytest.approx(5.0, rel=1e-3)
+    assert gate.demand_busy == pytest.approx(0.5, rel=1e-3)
+    stats.demand_fetches = [20 * 59 + 80]  # a step whose demand copies filled the link
+    for _ in range(60):
+        stats.demand_fetches[0] += 40
+        gate.update_link(stats, gate._last[0] + 0.01, 2.5e-4)
+    assert gate.idle_copies < 0.01
+    # a right prefetch in idle link time saves one copy of the next layer's wait, at most
+    # what a layer blocks and at least the mean blocking per miss
+    gate.block_per_miss_s, gate.block_per_layer_s = 1e-5, 1e-3
+    assert gate.idle_save(2.5e-4) == 2.5e-4
+    gate.block_per_layer_s = 1e-4
+    assert gate.idle_save(2.5e-4) == 1e-4
+    gate.block_per_layer_s = 0.0
+    assert gate.idle_save(2.5e-4) == 1e-5
 
 
 def _drive(trial: ModeTrial, cost: dict[bool, float], steps: int, prefill_every: int = 0) -> list[bool]:

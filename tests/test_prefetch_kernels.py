@@ -59,15 +59,22 @@ def test_ranked_free_ranks_over_the_whole_row_and_drops_held(seed: int) -> None:
     np.testing.assert_array_equal(rank, full[r, c])
 
 
-def _gate_keep_numpy(r, c, rank, scores, d0, prec, b, q, t, held, p_use, layer, E, slots):  # noqa: ANN001, ANN202
-    """The numpy gate it replaced (``EAMPrefetch._paying`` with ``_victim_reuse``, host time 0)."""
+def _gate_keep_numpy(r, c, rank, scores, d0, prec, b, q, t, held, p_use, layer, E, slots, idle_n, save):  # noqa: ANN001, ANN202
+    """The numpy gate (``EAMPrefetch._paying`` with ``_victim_reuse``): ``(keep, net)``; the plan's
+    best ``idle_n`` candidates are tested without the link terms, each right one saving ``save``."""
     p_used = prec[np.minimum(d0 + r, prec.shape[0]) - 1, rank]
+    order = (-scores[r, c]).argsort(kind="stable")
+    qs = np.ones(r.size)
+    qs[order[:idle_n]] = 0.0  # 0: an idle-link candidate
 
-    def pays(reuse: np.ndarray) -> np.ndarray:
-        return p_used * b * (1.0 - q) > (1.0 - p_used) * q * t + reuse * b
+    def pays(reuse: np.ndarray) -> tuple[np.ndarray, float]:
+        gain = np.where(qs == 0.0, p_used * save, p_used * b * (1.0 - q))
+        cost = np.where(qs == 0.0, reuse * b, (1.0 - p_used) * q * t + reuse * b)
+        keep = gain > cost
+        return keep, float((gain - cost)[keep].sum())
 
     reuse = np.zeros(r.size)
-    if not pays(reuse).any():
+    if not pays(reuse)[0].any():
         return pays(reuse)
     n = r.size
     n_held = int(held.sum())
@@ -80,7 +87,7 @@ def _gate_keep_numpy(r, c, rank, scores, d0, prec, b, q, t, held, p_use, layer, 
         if m > 0:
             victims[free : free + m] = np.sort(np.partition(p, m - 1)[:m])
         victims[free + max(m, 0) :] = 1.0
-    reuse[(-scores[r, c]).argsort(kind="stable")] = victims
+    reuse[order] = victims
     return pays(reuse)
 
 
@@ -98,16 +105,35 @@ def test_gate_plan_equals_the_numpy_gate(seed: int) -> None:
     b, q, t = float(rng.random()), float(rng.random()), float(rng.random())
     p_use = rng.random(L * E).astype(np.float32) if seed % 3 else np.zeros(0)
     slots = int(rng.integers(1, L * E))
-    args = (b, q, t, 0.0, False, held, p_use, layer, E, slots)
-    r, c, rank, keep, paying = kernels.gate_plan(rows, scores, held_rows, 1, prec, *args)
+    idle = float(rng.choice([0.0, 0.5, 2.7, 100.0]))  # copies that fit in idle link time
+    save = float(rng.random())
+    args = (b, q, t, False, held, p_use, layer, E, slots, idle, save)
+    r, c, rank, keep, paying, net = kernels.gate_plan(rows, scores, held_rows, 1, prec, *args)
     np.testing.assert_array_equal(np.stack([r, c, rank]), np.stack(kernels.ranked_free(rows, held_rows)))
-    want = _gate_keep_numpy(r, c, rank, scores, 1, prec, b, q, t, held, p_use, layer, E, slots)
+    want, want_net = _gate_keep_numpy(
+        r, c, rank, scores, 1, prec, b, q, t, held, p_use, layer, E, slots, int(idle), save
+    )
     np.testing.assert_array_equal(keep, want)
+    assert net == pytest.approx(want_net, rel=1e-12, abs=1e-15)
     want_paying = np.zeros_like(scores)
     want_paying[r[want], c[want]] = scores[r[want], c[want]]
     np.testing.assert_array_equal(paying, want_paying)
-    forced = kernels.gate_plan(rows, scores, held_rows, 1, prec, b, q, t, 0.0, True, *args[5:])[3]
+    forced = kernels.gate_plan(rows, scores, held_rows, 1, prec, b, q, t, True, *args[4:])[3]
     assert forced.all()
+
+
+def test_idle_link_candidates_pay_when_used_more_often_than_their_victims() -> None:
+    """On a link the demand copies keep busy (q = 1) no candidate pays; with idle link time for
+    two copies the best two pay when their chance of use beats their victims' reuse."""
+    rows = np.array([[0.5, 0.3, 0.2, 0.0]], dtype=np.float32)
+    held_rows = np.zeros((1, 4), dtype=bool)
+    prec = np.array([[0.8, 0.6, 0.4, 0.2]])  # by rank
+    held = np.zeros(8, dtype=bool)
+    args = (1e-3, 1.0, 1e-3, False, held, np.zeros(0), 0, 4, 8)
+    assert not kernels.gate_plan(rows, rows, held_rows, 1, prec, *args, 0.0, 1e-3)[3].any()
+    keep, net = kernels.gate_plan(rows, rows, held_rows, 1, prec, *args, 2.0, 1e-3)[3::2]
+    np.testing.assert_array_equal(keep, [True, True, False])
+    assert net == pytest.approx((0.8 + 0.6) * 1e-3)
 
 
 @pytest.mark.parametrize("width", [1, 5, 8, 9, 64, 128, 129, 200, 384])
@@ -173,7 +199,7 @@ def test_the_python_kernels_equal_the_compiled_ones() -> None:
     scores = (rows * 0.9).astype(np.float32)
     held = rng.random(6 * E) < 0.3
     args = (rows, scores, held[2 * E : 4 * E].reshape(2, E), 1, rng.random((2, E)), 0.5, 0.2, 0.3)
-    args += (0.0, False, held, rng.random(6 * E), 1, E, 40)
+    args += (False, held, rng.random(6 * E), 1, E, 40, 2.0, 0.4)
     for fn, a in (
         (kernels.gate_plan, args),
         (kernels.best_free, (scores.reshape(-1), held[: 2 * E], 5)),

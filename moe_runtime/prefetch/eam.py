@@ -115,6 +115,7 @@ class EAMPrefetch(PrefetchPolicy):
         # gain/cost test of every candidate (moe_runtime.prefetch.gate); None = issue every plan
         self.gate = PrefetchGate(self.num_layers, self.num_experts, self.depth) if cost_aware else None
         self._queued = True  # the last plan handed to the buffer was not empty
+        self._planning = True  # plan every layer (else only every probe_every-th one probes)
         if probe_every < 1:
             raise ConfigError(f"eam probe_every must be >= 1, got {probe_every}")
         self.probe_every = probe_every
@@ -299,7 +300,7 @@ class EAMPrefetch(PrefetchPolicy):
         router lookahead for it (it skips that work while the policy is on-demand)."""
         if self.trial is not None and not self.trial.on:  # caching alone or lean: no plans
             return False
-        return self.gate is None or self._queued or layer % self.probe_every == 0
+        return self.gate is None or self._planning or layer % self.probe_every == 0
 
     def note_lookahead_time(self, seconds: float) -> None:
         """The router lookahead of the layer about to route took ``seconds`` of the compute
@@ -374,17 +375,18 @@ class EAMPrefetch(PrefetchPolicy):
         t = self._transfer_s()
         # the predictor's candidates a prefetch would copy, ranked within their row, and those of
         # them that pay
-        r, c, rank, keep, out = kernels.gate_plan(
+        r, c, rank, keep, out, net = kernels.gate_plan(
             rows, scores, held, lo - layer, gate.precision(), t if b is None else b, gate.demand_busy,
-            t, gate.host_s, gate.force_open, buf.held, self._victim_use(tokens), layer, E, buf.num_slots,
+            t, gate.force_open, buf.held, self._victim_use(tokens), layer, E, buf.num_slots,
+            gate.idle_copies, gate.idle_save(t),
         )  # fmt: skip
         gate.note(lo - layer, lo, r, c, rank)
-        if not keep.any():
-            if not self._queued:
-                return None
-            self._queued = False
-        else:
-            self._queued = True
+        # the plan's host time is spent: what pays is issued; planning goes on at every layer
+        # only while it wins that time back (else every probe_every-th layer probes)
+        self._planning = gate.plans_pay(net)
+        queued, self._queued = self._queued, bool(keep.any())
+        if not self._queued and not queued:
+            return None
         return out
 
     def _victim_use(self, tokens: int) -> np.ndarray:
@@ -417,7 +419,7 @@ class EAMPrefetch(PrefetchPolicy):
         with buf.cond:
             if arm != "prefetch" and self._queued:
                 buf.prefetch(np.zeros(0, dtype=np.int64), np.zeros(0), replace=True)
-            self._queued = arm == "prefetch"  # prefetching again: the next layer plans
+            self._queued = self._planning = arm == "prefetch"  # prefetching again: the next layer plans
             for part in buf.parts:
                 if hasattr(part.policy, "lru"):
                     part.policy.lru = arm == "lean"

@@ -21,10 +21,17 @@ NOTE: the terms (issue #15), all measured online, none typed in:
 * The plan's own host time (runtime only): the compute thread's CPU seconds that planning a
   layer and computing its router lookahead take (thread CPU time, so other processes preempting
   it on a shared host do not inflate it), measured by the ``eam`` policy (a running mean over
-  the layers that plan). A plan whose kept candidates' summed ``gain - cost`` does not beat it
-  keeps nothing: on a fast link, or where a prefetch saves less blocking than its planning costs,
-  the policy is on-demand. The simulator's clock is not the host's: there it is 0, so its
-  results stay deterministic.
+  the layers that plan). By the time a plan is tested its host time is spent, so the candidates
+  that pay are issued whatever it was; but while a plan's summed ``gain - cost`` does not beat
+  it (a fast link, or prefetches that save less blocking than planning costs), the policy stops
+  planning every layer and only probes (``EAMPrefetch.probe_every``): it is on-demand. The
+  simulator's clock is not the host's: there it is 0, so its results stay deterministic.
+* Idle link time: the link time a step's demand copies leave idle (the step's duration less
+  ``demand copies x t``), in copies per planning layer (:attr:`PrefetchGate.idle_copies`, a
+  running mean). The plan's best candidates up to that many are copied while the link would
+  otherwise idle: no demand copy queues behind them, and a right one saves a whole miss, so
+  their test is gain ``P * b`` against cost ``R * b`` (no ``q`` terms). Where demand copies keep
+  the link busy (the simulator's A5000 profile: one Mixtral expert takes 14 ms) it is 0.
 
 So with poor predictions (``P`` low), a link the demand fetches keep busy (``q`` near 1), a fast
 link (``b`` near 0 against a measurable ``q``) or a
@@ -82,6 +89,8 @@ class PrefetchGate:
         ] = {}  # layer -> (d, experts, ranks)
         self.block_per_miss_s: float | None = None  # b
         self.demand_busy = 1.0  # q: assume a busy link until measured
+        self.idle_copies = 0.0  # copies that fit in the link's idle time per planning layer
+        self.block_per_layer_s = 0.0  # running blocking per layer and step
         self.checked = 0  # candidates checked against routing so far
         self.host_s = 0.0  # running host seconds of one planning layer (runtime only; 0 = not timed)
         self.force_open = force_open
@@ -144,12 +153,17 @@ class PrefetchGate:
             return
         dt, db, dm, dd = clock_s - last[0], blocking - last[1], misses - last[2], demand - last[3]
         keep = LINK_DECAY
+        self.block_per_layer_s = keep * self.block_per_layer_s + (1 - keep) * db / self.num_layers
         if dm > 0:
             b = db / dm
             old = self.block_per_miss_s
             self.block_per_miss_s = b if old is None else keep * old + (1 - keep) * b
         if dt > 0:
             self.demand_busy = keep * self.demand_busy + (1 - keep) * min(1.0, dd * transfer_s / dt)
+            if transfer_s > 0:
+                # the step's link time demand copies left idle, in copies per planning layer
+                idle = max(0.0, dt - dd * transfer_s) / (transfer_s * max(1, self.num_layers - 1))
+                self.idle_copies = keep * self.idle_copies + (1 - keep) * idle
 
     # ------------------------------------------------------------------ the test
     def pays(
@@ -157,19 +171,39 @@ class PrefetchGate:
         p_used: np.ndarray,
         transfer_s: float,
         reuse: np.ndarray,
-    ) -> np.ndarray:
-        """``[n]`` bool: candidates (best first) whose gain beats their cost.
+    ) -> tuple[np.ndarray, bool]:
+        """``([n] bool, plan on)``: the candidates (best first) whose gain beats their cost, and
+        whether their summed ``gain - cost`` beats the plan's host time (:meth:`plans_pay`).
 
         Args:
             p_used: ``[n]`` chance each is used (from :meth:`precision`).
             transfer_s: one copy's link time ``t``.
             reuse: ``[n]`` chance the expert each one would evict is used in the next step (0: a
                 free slot).
+
+        The first ``int(idle_copies)`` are tested as copies in idle link time (no ``q`` terms).
         """
         b = transfer_s if self.block_per_miss_s is None else self.block_per_miss_s
         p_used = np.ascontiguousarray(p_used, dtype=np.float64)
         reuse = np.ascontiguousarray(reuse, dtype=np.float64)
-        return kernels.pays(p_used, b, self.demand_busy, transfer_s, reuse, self.host_s, self.force_open)
+        idle = np.arange(p_used.size) < int(self.idle_copies)
+        keep, net = kernels.pays(
+            p_used, b, self.demand_busy, transfer_s, reuse, self.force_open, idle, self.idle_save(transfer_s)
+        )
+        return keep, self.plans_pay(net)
+
+    def idle_save(self, transfer_s: float) -> float:
+        """Seconds a right prefetch copied in idle link time saves: the next layer's demand
+        copies run one fewer, so its wait shortens by up to one copy's time ``t``, as far as the
+        layer blocks at all (:attr:`block_per_layer_s`); at least ``b``, the mean blocking per miss."""
+        b = transfer_s if self.block_per_miss_s is None else self.block_per_miss_s
+        return max(b, min(transfer_s, self.block_per_layer_s))
+
+    def plans_pay(self, net_s: float) -> bool:
+        """Whether a plan whose paying candidates save ``net_s`` seconds (summed ``gain - cost``)
+        is worth planning every layer for: ``net_s`` beats the plan's host time :attr:`host_s`
+        (> 0 in the simulator, where it is 0), or the gate is forced open."""
+        return self.force_open or net_s > self.host_s
 
     def note_host_time(self, seconds: float) -> None:
         """A planning layer cost the compute thread ``seconds`` (planning and router lookahead;

@@ -221,34 +221,31 @@ def pays(
     busy: float,
     transfer_s: float,
     reuse: np.ndarray,
-    host_s: float,
     force_open: bool,
-) -> np.ndarray:
-    """``[n]`` bool: gain ``p * b * (1 - q)`` beats cost ``(1 - p) * q * t + reuse * b`` for each
-    candidate (``PrefetchGate.pays`` documents the terms); all True with ``force_open``; all False
-    when the kept candidates' summed ``gain - cost`` does not beat ``host_s`` (> 0)."""
+    idle: np.ndarray,
+    idle_save_s: float,
+) -> tuple[np.ndarray, float]:
+    """``([n] bool, net)``: whether gain ``p * b * (1 - q)`` beats cost ``(1 - p) * q * t +
+    reuse * b`` for each candidate (``PrefetchGate.pays`` documents the terms), or, for the
+    candidates marked ``idle`` (``[n]`` bool: their copies fit in the link time demand copies
+    leave idle), whether gain ``p * b`` beats cost ``reuse * b``; all True with ``force_open``.
+    ``net``: the summed ``gain - cost`` of the candidates that pay (seconds saved)."""
     n = p_used.size
     keep = np.empty(n, dtype=np.bool_)
-    any_keep = False
+    net = 0.0
     for i in range(n):
-        gain = p_used[i] * block_s * (1.0 - busy)
-        cost = (1.0 - p_used[i]) * busy * transfer_s + reuse[i] * block_s
+        if idle[i]:
+            gain = p_used[i] * idle_save_s
+            cost = reuse[i] * block_s
+        else:
+            gain = p_used[i] * block_s * (1.0 - busy)
+            cost = (1.0 - p_used[i]) * busy * transfer_s + reuse[i] * block_s
         keep[i] = gain > cost
-        any_keep |= keep[i]
+        if keep[i]:
+            net += gain - cost
     if force_open:
         keep[:] = True
-    elif host_s > 0 and any_keep:
-        net = np.empty(n)
-        m = 0
-        for i in range(n):
-            if keep[i]:
-                net[m] = p_used[i] * block_s * (1.0 - busy) - (
-                    (1.0 - p_used[i]) * busy * transfer_s + reuse[i] * block_s
-                )
-                m += 1
-        if net[:m].sum() <= host_s:
-            keep[:] = False
-    return keep
+    return keep, net
 
 
 @njit(cache=True)
@@ -261,27 +258,31 @@ def gate_plan(
     block_s: float,
     busy: float,
     transfer_s: float,
-    host_s: float,
     force_open: bool,
     held: np.ndarray,
     p_use: np.ndarray,
     layer: int,
     num_experts: int,
     num_slots: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    idle_copies: float,
+    idle_save_s: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]:
     """The gate over a plan in one call (``EAMPrefetch._paying``): the candidates of ``rows
     [D, E]`` a prefetch would copy (not ``held_rows [D, E]``), ranked as :func:`ranked_free` ranks
     them, and which of them pass the gain/cost test (:func:`pays`).
 
     ``scores [D, E]``: the plan's scores (their order is the plan's order); ``distance0``: layers
     from the routed one to row 0; ``precision [Dg, E]``: the gate's running precision by distance
-    and rank; ``block_s``, ``busy``, ``transfer_s``, ``host_s``: ``b``, ``q``, ``t`` and the plan's
-    host seconds; ``held [L * E]``, ``p_use [L * E]`` (empty: no reuse term): the victims'
+    and rank; ``block_s``, ``busy``, ``transfer_s``: ``b``, ``q`` and ``t``; ``held [L * E]``,
+    ``p_use [L * E]`` (empty: no reuse term): the victims'
     next-step use (the i-th prefetch in plan order, best score first, evicts the i-th least used
-    held expert not of ``layer`` once ``num_slots`` are full).
+    held expert not of ``layer`` once ``num_slots`` are full); ``idle_copies``: copies that fit in
+    the link time demand copies leave idle per planning layer (``PrefetchGate.idle_copies``): the
+    first ``int(idle_copies)`` in plan order are tested as ``idle`` (:func:`pays`).
 
-    Returns ``(r, c, rank, keep, paying)``: the candidates (for ``PrefetchGate.note``), ``[n]``
-    bool which pay, and ``scores`` with every entry but the paying candidates zeroed.
+    Returns ``(r, c, rank, keep, paying, net)``: the candidates (for ``PrefetchGate.note``),
+    ``[n]`` bool which pay, ``scores`` with every entry but the paying candidates zeroed, and the
+    paying candidates' summed ``gain - cost`` (:func:`pays`).
     """
     r, c, rank = ranked_free(rows, held_rows)
     n = r.size
@@ -291,7 +292,14 @@ def gate_plan(
         d = min(distance0 + r[i], depth) - 1
         p_used[i] = precision[d, rank[i]]
     reuse = np.zeros(n)
-    keep = pays(p_used, block_s, busy, transfer_s, reuse, host_s, force_open)
+    neg = np.empty(n, dtype=scores.dtype)
+    for i in range(n):
+        neg[i] = -scores[r[i], c[i]]
+    order = np.argsort(neg, kind="mergesort")  # the plan's order: best first
+    idle = np.zeros(n, dtype=np.bool_)  # the first ones fit in the link's idle time
+    for j in range(min(n, int(idle_copies))):
+        idle[order[j]] = True
+    keep, net = pays(p_used, block_s, busy, transfer_s, reuse, force_open, idle, idle_save_s)
     n_held = 0
     for i in range(held.size):
         n_held += held[i]
@@ -309,18 +317,14 @@ def gate_plan(
         if m > 0:
             victims[free : free + m] = np.sort(np.partition(vals[:m_avail], m - 1)[:m])
         victims[free + max(m, 0) :] = 1.0  # nothing left to evict: it cannot be placed anyway
-        neg = np.empty(n, dtype=scores.dtype)
-        for i in range(n):
-            neg[i] = -scores[r[i], c[i]]
-        order = np.argsort(neg, kind="mergesort")  # the plan's order: best first
         for j in range(n):
             reuse[order[j]] = victims[j]
-        keep = pays(p_used, block_s, busy, transfer_s, reuse, host_s, force_open)
+        keep, net = pays(p_used, block_s, busy, transfer_s, reuse, force_open, idle, idle_save_s)
     paying = np.zeros_like(scores)
     for i in range(n):
         if keep[i]:
             paying[r[i], c[i]] = scores[r[i], c[i]]
-    return r, c, rank, keep, paying
+    return r, c, rank, keep, paying, net
 
 
 @njit(cache=True)
@@ -405,9 +409,9 @@ def warm() -> None:
     best_free(one, held[:1], 1)  # float64 scores (baselines)
     limit_scores(rows, 1, 0.0, one)
     ranked_free(rows, held.reshape(1, 2))
-    pays(one, 1.0, 0.0, 1.0, one, 0.0, False)
+    pays(one, 1.0, 0.0, 1.0, one, False, held[:1], 1.0)
     for p_use in (np.zeros(0), np.zeros(2, dtype=np.float32)):
-        args = (1.0, 0.0, 1.0, 0.0, False, held, p_use, 0, 2, 1)
+        args = (1.0, 0.0, 1.0, False, held, p_use, 0, 2, 1, 0.0, 1.0)
         gate_plan(rows, rows, held.reshape(1, 2), 1, one.reshape(1, 1), *args)
     blend(rows, rows, 2.0)
     match_counts(rows, 1)
