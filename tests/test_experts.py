@@ -165,3 +165,36 @@ def test_one_landed_expert_runs_its_rows_from_one_upload_with_the_same_bits(monk
             assert torch.equal(got, whole)
             assert ran == [h.expert for h in reversed(handles)]
             ran.clear()
+
+
+@pytest.mark.parametrize("resident", [True, False])
+def test_launched_runs_after_the_resident_batch_and_before_the_first_wait(resident: bool) -> None:
+    """``launch_then`` calls the hook (the prefetch plan on an accelerator) once: after the
+    caller issued the resident batch, before it asks for the first landed one (that request may
+    wait); without a resident batch, before the first one."""
+    events: list[str] = []
+
+    class Run:
+        resident_first = resident
+
+        def batches(self):
+            for name in ("first", "second", "third"):
+                events.append(f"next {name}")
+                yield [name]
+
+    for batch in experts.launch_then(Run(), lambda: events.append("launched")):
+        events.append(f"issue {batch[0]}")
+    head = (
+        ["next first", "issue first", "launched"] if resident else ["launched", "next first", "issue first"]
+    )
+    assert events == head + ["next second", "issue second", "next third", "issue third"]
+    events.clear()
+
+    class Empty:
+        resident_first = False
+
+        def batches(self):
+            return iter(())
+
+    assert list(experts.launch_then(Empty(), lambda: events.append("launched"))) == []
+    assert events == ["launched"]

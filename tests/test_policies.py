@@ -340,3 +340,34 @@ def test_eam_cache_counts_updated_per_layer_equal_a_full_sum() -> None:
             want = rec.query(live, layer).sum(axis=0).reshape(-1)
             np.testing.assert_array_equal(pol.counts, want)
         rec.end_step()
+
+
+def test_planning_after_the_resident_batch_leaves_outputs_unchanged(tiny_checkpoints, monkeypatch):
+    """On an accelerator the prefetch policy plans after the layer's resident experts were issued
+    (``moe.plan_after_launch``); forced on the CPU at a buffer that evicts, the eam policy still
+    plans and the outputs are on-demand + LRU's."""
+    from moe_runtime.layers import moe
+
+    path = tiny_checkpoints["qwen2_moe"]
+    prompts = [[5, 17, 33, 2, 250, 7], [9, 1, 44]]
+    ref, _, _, _ = _run_policy(path, "on-demand", "lru", prompts)
+    order: list[str] = []
+    monkeypatch.setattr(moe, "plan_after_launch", lambda device: True)
+    real_launch_then = moe.run_experts.__globals__["launch_then"]
+
+    def spy(run, launched):
+        order.append("resident" if run.resident_first else "none resident")
+        if launched is None:
+            return real_launch_then(run, launched)
+
+        def hook():
+            order.append("planned")
+            launched()
+
+        return real_launch_then(run, hook)
+
+    monkeypatch.setitem(moe.run_experts.__globals__, "launch_then", spy)
+    outs, _, _, engine = _run_policy(path, "eam", "eam-reuse", prompts)
+    assert outs == ref
+    assert engine.prefetcher.plans > 0 and "planned" in order
+    assert order.count("planned") == sum(1 for o in order if o != "planned")  # once per layer run

@@ -45,6 +45,12 @@ class LayerRun:
         self.ready, self.waiting = ready, waiting
         self._current: list[tuple[Partition, int]] = []  # landed experts being used
 
+    @property
+    def resident_first(self) -> bool:
+        """Whether the first batch holds resident experts (it needs no wait); only before
+        :meth:`batches` started."""
+        return bool(self.ready)
+
     def __iter__(self) -> Iterator[ExpertHandle]:
         """The experts one at a time, in the order of :meth:`batches`."""
         for batch in self.batches():
@@ -107,6 +113,11 @@ class ResidentRun:
 
     def __iter__(self) -> Iterator[ExpertHandle]:
         return iter(self.handles)
+
+    @property
+    def resident_first(self) -> bool:
+        """Whether the first batch holds resident experts (it needs no wait)."""
+        return bool(self.handles)
 
     def batches(self) -> Iterator[list[ExpertHandle]]:
         yield self.handles

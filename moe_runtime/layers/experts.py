@@ -31,7 +31,7 @@ Without an :class:`ExpertFFN` every path runs exactly the ops it ran before.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -211,6 +211,23 @@ class LayerPlan:
             yield handles[0].part, pos, segments, np.asarray(offs, dtype=np.int32)
 
 
+def launch_then(run: Any, launched: Callable[[], None] | None) -> Iterator[list[Any]]:
+    """``run.batches()``, calling ``launched()`` once: when the caller comes back for the batch
+    after the resident experts' one (it has issued their work by then), or at once when the run
+    has no resident expert; either way before the first wait for a missing expert."""
+    batches = run.batches()
+    if launched is not None and not run.resident_first:
+        launched()
+        launched = None
+    for batch in batches:
+        yield batch
+        if launched is not None:
+            launched()
+            launched = None
+    if launched is not None:  # an empty run
+        launched()
+
+
 def step_path(load_path: str, device: torch.device, tokens: int) -> str:
     """The path a step of ``tokens`` tokens runs: ``few`` up to :data:`FEW_TOKENS` on ``device``'s
     type, else ``load_path`` (:func:`select_expert_path`'s choice at load)."""
@@ -225,6 +242,7 @@ def run_experts(
     num_experts: int,
     path: str,
     ffn: ExpertFFN | None = None,
+    launched: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
     """The routed experts' output for ``x [T, H]``.
 
@@ -234,20 +252,23 @@ def run_experts(
         path: ``grouped`` or ``loop`` (:func:`select_expert_path`), or ``few`` (each expert on its
             own rows, no grouped index work; :func:`step_path` picks it for steps of few tokens).
         ffn: per-expert biases and activation (gpt-oss), or None.
+        launched: called once, after the resident experts' batch was issued and before the first
+            wait for a missing one (:func:`launch_then`): on an accelerator the host work it does
+            (the prefetch plan) overlaps the device computing that batch.
 
     Returns:
         (``out [T, H]``, hit ``[E]`` bool, blocked seconds ``[E]``).
     """
     t, k = ids_host.shape
     if path == "few":
-        return _few_tokens(x, weights, ids_host, run, num_experts, ffn)
+        return _few_tokens(x, weights, ids_host, run, num_experts, ffn, launched)
     plan = LayerPlan(ids_host, num_experts, MAX_GAP.get(x.device.type, MAX_GROUPS))
     w_flat = weights.reshape(-1)
     contrib = torch.empty((t * k, x.shape[1]), dtype=x.dtype, device=x.device)  # (token, rank) rows
     hit = np.zeros(num_experts, dtype=bool)
     blocked = np.zeros(num_experts, dtype=np.float64)
     biased = ffn is not None and (ffn.gate_up_bias is not None or ffn.down_bias is not None)
-    for batch in run.batches():
+    for batch in launch_then(run, launched):
         for h in batch:
             hit[h.expert], blocked[h.expert] = h.hit, h.blocked_s
         if len(batch) == 1:  # one expert landed (the usual miss): its rows, no per-batch index work
@@ -323,6 +344,7 @@ def _few_tokens(
     run: Any,
     num_experts: int,
     ffn: ExpertFFN | None = None,
+    launched: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
     """:func:`run_experts` for a step of few tokens (``x [T, H]``, T at most
     :data:`FEW_TOKENS`): each expert as two ``F.linear`` on its slot views over its own rows, in
@@ -341,7 +363,7 @@ def _few_tokens(
     w_cells = weights.reshape(-1, 1).split(1)  # [1, 1] view of each router weight, two ops
     hit = np.zeros(num_experts, dtype=bool)
     blocked = np.zeros(num_experts, dtype=np.float64)
-    for batch in run.batches():
+    for batch in launch_then(run, launched):
         for h in batch:
             e = h.expert
             hit[e], blocked[e] = h.hit, h.blocked_s

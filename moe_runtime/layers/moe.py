@@ -67,12 +67,19 @@ def moe_block(
     # policy plans later layers: the demand copies overlap the planning.
     run = buffer.start_layer(moe_layer, needed)
     try:
+        plan = None
         if prefetcher is not None:
-            if ahead_host is not None:
-                prefetcher.observe_lookahead(moe_layer, ahead_host)
-            prefetcher.after_routing(moe_layer, step.request_ids, ids_host)
+
+            def plan() -> None:
+                if ahead_host is not None:
+                    prefetcher.observe_lookahead(moe_layer, ahead_host)
+                prefetcher.after_routing(moe_layer, step.request_ids, ids_host)
+
+            if not plan_after_launch(x.device):
+                plan()
+                plan = None
         path = step_path(expert_path, x.device, x.shape[0])
-        out, hit, blocked = run_experts(x, weights, ids_host, run, num_experts, path, ffn)
+        out, hit, blocked = run_experts(x, weights, ids_host, run, num_experts, path, ffn, launched=plan)
     finally:
         run.close()
     _attribute(step, ids_host, needed, hit, blocked, num_experts)
@@ -85,6 +92,15 @@ def moe_block(
             shared = torch.sigmoid(F.linear(x, w[p + "shared_gate"])) * shared
         out = out + shared
     return out
+
+
+def plan_after_launch(device: torch.device) -> bool:
+    """Whether the prefetch policy plans after the layer's resident experts were issued (an
+    accelerator computes them while the host plans: issue #15, planning off the critical path)
+    rather than before computing them (the CPU, which computes as it issues: planning first puts
+    the plan's copies on the link sooner). Either way the plan comes before the first wait for a
+    missing expert, and the outputs are the same."""
+    return device.type != "cpu"
 
 
 def _to_host(
