@@ -47,8 +47,9 @@ class EAMPrefetch(PrefetchPolicy):
     per request (default 16); min_prob: experts below this activation probability are not
     prefetched (default 0); own_weight: weight of the batch's own EAM so far in the prediction
     (default 1); cost_aware: issue only the candidates whose expected gain beats their expected
-    cost (``moe_runtime.prefetch.gate``; default True); probe_every: while the last plan kept
-    nothing (on-demand), predict only at every ``probe_every``-th layer (default 4), which keeps
+    cost (``moe_runtime.prefetch.gate``; default True); probe_every: while the last plan's paying
+    candidates did not win back its host time (in the simulator: while it kept nothing; the policy
+    is on-demand then), predict only at every ``probe_every``-th layer (default 4), which keeps
     the gate's precision current at a quarter of the host work; trial: in the runtime (not the
     simulator), with ``cost_aware``, also run the measured comparison of prefetching, caching
     alone and on-demand + LRU (:class:`moe_runtime.prefetch.gate.ModeTrial`, :data:`ARMS`;
