@@ -20,7 +20,7 @@ class CountsRecorder:
     def query(self, request_ids, upto_layer):
         return np.stack([self.counts for _ in request_ids])
 
-    def query_sum(self, request_ids, upto_layer):
+    def query_sum(self, request_ids, upto_layer, prefill_weight=1.0):
         return self.query(request_ids, upto_layer).sum(axis=0)
 
 
@@ -122,3 +122,50 @@ def test_reuse_victim_is_the_furthest_expected_use_ties_lowest_slot(seed: int) -
     assert got == int(cands[np.argmax(score)])  # argmax: the first (lowest) slot among equal scores
     none = np.zeros(slots, dtype=bool)
     assert reuse_kernel.reuse_victim(none, keys, p_use, recency, 0, layers, experts) == -1
+
+
+def test_decode_routing_outweighs_the_prompts() -> None:
+    """A request whose prompt kept choosing expert 0 and whose generated tokens choose expert 1:
+    with the default prefill weight the cache expects expert 1 next (and evicts expert 0 first);
+    counting every token alike (weight 1) it would still favour the prompt's expert 0."""
+    from tracer.recorder import RequestRecorder
+
+    k = 1
+
+    def run(weight: float):
+        rec = RequestRecorder(L, E, k)
+        rec.begin_request("a", 40)
+        pol = make_cache_policy("eam-reuse", 2, E, num_layers=L, recorder=rec)
+        pol.prefill_weight = weight
+        pol.on_fill(0, 2 * E + 0, prefetch=False)
+        pol.on_fill(1, 2 * E + 1, prefetch=False)
+        prompt = np.zeros((40, k), dtype=np.int64)  # 40 prompt tokens on expert 0 everywhere
+        seq, pre = np.zeros(40, dtype=np.int64), np.ones(40, dtype=bool)
+        for layer in range(L):
+            rec.record(layer, ["a"], seq, pre, prompt, None)
+            pol.after_routing(layer, ["a"], prompt)
+        rec.end_step()
+        one = np.ones((1, k), dtype=np.int64)
+        dseq, dpre = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=bool)
+        for _ in range(6):  # 6 generated tokens on expert 1 everywhere
+            for layer in range(L):
+                rec.record(layer, ["a"], dseq, dpre, one, None)
+                pol.after_routing(layer, ["a"], one)
+            rec.end_step()
+        return pol
+
+    from moe_runtime.buffer.policies import PREFILL_WEIGHT
+
+    default = run(PREFILL_WEIGHT)
+    assert default.p_use[2 * E + 1] > default.p_use[2 * E + 0]
+    assert default.victim(np.arange(2)) == 0
+    flat = run(1.0)
+    assert flat.p_use[2 * E + 0] > flat.p_use[2 * E + 1]
+    assert flat.victim(np.arange(2)) == 1
+
+
+def test_prefill_weight_out_of_range_rejected() -> None:
+    from moe_runtime.buffer.policies import EAMReuseCachePolicy
+
+    with pytest.raises(ConfigError, match="prefill_weight"):
+        EAMReuseCachePolicy(2, E, num_layers=L, recorder=CountsRecorder(np.zeros((L, E))), prefill_weight=1.5)

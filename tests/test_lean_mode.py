@@ -109,7 +109,7 @@ def test_lazy_recorder_counts_equal_a_naive_count_on_random_routing(
 
 def _lean_partition(slots: int, L: int, E: int) -> Partition:
     class Recorder:
-        def query_sum(self, request_ids, layer):
+        def query_sum(self, request_ids, layer, prefill_weight=1.0):
             return np.ones((L, E), np.float32)
 
     policy = make_cache_policy("eam-reuse", slots, E, num_layers=L, recorder=Recorder())
@@ -210,7 +210,7 @@ def test_eam_reuse_takes_one_row_per_layer_and_keeps_the_full_recount_victims(se
     rec = RequestRecorder(L, E, k)
 
     class FullOnly:  # the recorder without live_changes: every routing re-reads all rows
-        def query_sum(self, request_ids, layer):
+        def query_sum(self, request_ids, layer, prefill_weight=1.0):
             return rec.query_sum(request_ids, layer)
 
     rowwise = make_cache_policy("eam-reuse", S, E, num_layers=L, recorder=rec)

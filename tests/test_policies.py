@@ -32,7 +32,7 @@ class FakeRecorder:
     def query(self, request_ids, upto_layer):
         return np.stack([self.eam for _ in request_ids])
 
-    def query_sum(self, request_ids, upto_layer):
+    def query_sum(self, request_ids, upto_layer, prefill_weight=1.0):
         return self.query(request_ids, upto_layer).sum(axis=0)
 
 
@@ -230,7 +230,7 @@ def test_cached_victim_scores_match_the_formula(name: str, seed: int) -> None:
         def query(self, request_ids, layer):
             return rng.integers(0, 4, size=(len(request_ids), L, E)).astype(np.float32)
 
-        def query_sum(self, request_ids, layer):
+        def query_sum(self, request_ids, layer, prefill_weight=1.0):
             return self.query(request_ids, layer).sum(axis=0)
 
     pol = make_cache_policy(name, slots, E, num_layers=L, recorder=Recorder())

@@ -323,3 +323,40 @@ def test_query_rows_are_the_querys_rows_and_sparse_counts_equal_dense(sparse: bo
         np.testing.assert_array_equal(np.stack(rec.request_eam(r)), eam)
     with pytest.raises(ValueError, match="outside"):
         rec.query_rows(["b"], 3, L + 1)
+
+
+def test_query_sum_weighs_prompt_tokens_by_prefill_weight() -> None:
+    """``query_sum(..., prefill_weight=w)`` is ``decode + w * prefill`` of the requests' EAMs,
+    the open step's rows up to the layer included."""
+    script = _Script(3, {"a": 5, "b": 3}, {"a": 4, "b": 4})
+    rec = RequestRecorder(L, E, K)
+    for r in ("a", "b"):
+        rec.begin_request(r, script.prompts[r])
+    steps = script.steps(["a", "b"], chunk=2)
+    for i, step in enumerate(steps):
+        ids = [r for r, _, _, _ in step]
+        seq = np.concatenate([np.full(n, b) for b, (_, _, n, _) in enumerate(step)]).astype(np.int64)
+        prefill = np.concatenate([np.full(n, pf) for _, _, n, pf in step])
+        for layer in range(L):
+            topk = np.concatenate([script.routes[r][p : p + n, layer] for r, p, n, _ in step])
+            rec.record(layer, ids, seq, prefill, topk, None)
+            if i == len(steps) - 1 and layer == 1:  # mid-step: rows <= 1 hold the open step
+                break
+        else:
+            rec.end_step()
+            continue
+        break
+    ids = ["a", "b"]
+    # by hand from the script: every token routed so far, layers <= 1 of the open step included
+    want = np.zeros((2, L, E))  # [phase, L, E]
+    for step_no, step in enumerate(steps):
+        for r, p, n, pf in step:
+            for layer in range(L):
+                if step_no == len(steps) - 1 and layer > 1:
+                    continue
+                for t in range(p, p + n):
+                    np.add.at(want[0 if pf else 1, layer], script.routes[r][t, layer], 1)
+    for w in (1.0, 0.05, 0.0):
+        got = rec.query_sum(ids, 1, prefill_weight=w)
+        np.testing.assert_allclose(got, want[1] + w * want[0])
+    np.testing.assert_array_equal(rec.query_sum(ids, 1), rec.query(ids, 1).sum(axis=0))

@@ -463,18 +463,28 @@ class RequestRecorder:
         rows = self._rows(request_ids)
         return self._sum[rows, lo:hi] + self._step_sum[rows, lo:hi]
 
-    def query_sum(self, request_ids: list[str], upto_layer: int) -> np.ndarray:
+    def query_sum(self, request_ids: list[str], upto_layer: int, prefill_weight: float = 1.0) -> np.ndarray:
         """:meth:`query` summed over the requests: ``(L, E)`` float32 token counts (a new array).
 
         Equal to ``query(request_ids, upto_layer).sum(axis=0)`` (counts are integers, exact in
         float32), without building the ``(B, L, E)`` array: the earlier steps' sum is taken once
         per :attr:`epoch` and batch, and each routed layer's rows are added once.
 
+        With ``prefill_weight != 1`` each prompt token's choices count ``prefill_weight`` and each
+        generated token's 1 (``decode + prefill_weight * prefill``, from the phase tables, not
+        cached; float64): the ``eam-reuse`` cache weighs the decode phase, whose routing the next
+        decode step repeats, above the prompt's.
+
         Raises:
             KeyError: a request id is not live.
         """
         self._flush()
         rows = self._rows(request_ids)
+        if prefill_weight != 1.0:
+            phases = self._eam[rows].sum(axis=0)  # [2, L, E] int64
+            if upto_layer >= 0:
+                phases[:, : upto_layer + 1] += self._step[rows, :, : upto_layer + 1].sum(axis=0)
+            return phases[_DECODE] + prefill_weight * phases[_PREFILL]
         key = self._total_key
         if key is None or key[0] != self.epoch or key[1] != request_ids or upto_layer < self._total_upto:
             self._total_base = self._sum[rows].sum(axis=0)
