@@ -118,8 +118,8 @@ def test_json_has_medians_spreads_settings_and_verdicts(small_run: dict) -> None
     assert od["tpot_vs_on_demand"] == 1.0
     eam = next(r for r in rows if r["policy"] == "eam")
     assert 0.0 <= eam["prefetch_on_share"] <= 1.0 and od["prefetch_on_share"] is None  # the eam trial
-    shares = eam["arm_shares"]  # the trial's arms: prefetching, caching alone, on-demand + LRU
-    assert list(shares) == ["prefetch", "cache", "lean"] and od["arm_shares"] is None
+    shares = eam["arm_shares"]  # the trial's arms: prefetching, caching alone
+    assert list(shares) == ["prefetch", "cache"] and od["arm_shares"] is None
     assert shares["prefetch"] == eam["prefetch_on_share"]
     (v,) = small_run["verdicts"]
     assert v["buffer_fraction"] == 0.25 and v["tpot_ratio_target"] == 1.02 and v["gap_closed_target"] == 0.5

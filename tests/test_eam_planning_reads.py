@@ -46,9 +46,14 @@ class _AllWidths:
 def _from_scratch(monkeypatch: pytest.MonkeyPatch) -> None:
     """Answer the new reads with the old computations: the full query, summed or sliced; faiss's
     heap for the top k; one ``fvec_inner_products_ny`` per query."""
-    monkeypatch.setattr(
-        RequestRecorder, "query_sum", lambda self, ids, upto: self.query(ids, upto).sum(axis=0)
-    )
+    weighted = RequestRecorder.query_sum  # the cache's prompt-weighted read has no older form
+
+    def query_sum(self, ids, upto, prefill_weight=1.0):
+        if prefill_weight != 1.0:
+            return weighted(self, ids, upto, prefill_weight)
+        return self.query(ids, upto).sum(axis=0)
+
+    monkeypatch.setattr(RequestRecorder, "query_sum", query_sum)
     monkeypatch.setattr(
         RequestRecorder, "query_rows", lambda self, ids, lo, hi: self.query(ids, hi - 1)[:, lo:hi].copy()
     )

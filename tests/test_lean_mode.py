@@ -211,7 +211,7 @@ def test_eam_reuse_takes_one_row_per_layer_and_keeps_the_full_recount_victims(se
 
     class FullOnly:  # the recorder without live_changes: every routing re-reads all rows
         def query_sum(self, request_ids, layer, prefill_weight=1.0):
-            return rec.query_sum(request_ids, layer)
+            return rec.query_sum(request_ids, layer, prefill_weight)
 
     rowwise = make_cache_policy("eam-reuse", S, E, num_layers=L, recorder=rec)
     full = make_cache_policy("eam-reuse", S, E, num_layers=L, recorder=FullOnly())
@@ -230,7 +230,7 @@ def test_eam_reuse_takes_one_row_per_layer_and_keeps_the_full_recount_victims(se
         seq.sort()
         for layer in range(L):
             ids = np.argsort(rng.random((T, E)), axis=1)[:, :k]
-            rec.record(layer, batch, seq, np.zeros(T, bool), ids, None)
+            rec.record(layer, batch, seq, np.full(T, len(batch) < T), ids, None)  # a joining step: prompt
             fills = [(s, int(rng.integers(0, L * E))) for s in range(S) if rng.random() < 0.3]
             for pol in (rowwise, full):
                 pol.after_routing(layer, batch, ids)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moe_runtime.prefetch import kernels
-from moe_runtime.prefetch.eam import ARMS
+from moe_runtime.prefetch.eam import ARMS, MODES
 from moe_runtime.prefetch.gate import CLEAR_DIFF, ModeTrial, PrefetchGate
 from moe_runtime.stats import ExpertStats
 from tests.test_sim_engine import random_requests, sim_for
@@ -188,6 +188,7 @@ def _decode(path, prefetch: str, arm: str | None) -> tuple[list[list[int]], int,
     with LLMEngine.from_pretrained(path, rt) as engine:
         pf, computed = engine.prefetcher, [0]
         if arm is not None:
+            pf.trial = ModeTrial(arms=MODES)  # every mode, lean included
             pf.set_arm(arm)
             pf.trial.arm = pf.trial.arms.index(arm)
             pf.trial.end_step = lambda *step: False  # keep the arm
@@ -296,7 +297,7 @@ def test_three_arms_the_cheapest_runs_and_the_others_are_still_explored(best: in
     cost = [0.010, 0.010, 0.010]
     cost[best] = 0.008
     cost[(best + 1) % 3] = 0.011
-    trial = ModeTrial(window=2, explore_every=4, first_pairs=2, max_backoff=0, arms=ARMS)
+    trial = ModeTrial(window=2, explore_every=4, first_pairs=2, max_backoff=0, arms=MODES)
     arms = _drive_arms(trial, cost, 600, prefill_every=50)
     assert int(np.argmin(trial.scores())) == best
     late = arms[200:]
@@ -307,7 +308,7 @@ def test_three_arms_the_cheapest_runs_and_the_others_are_still_explored(best: in
 
 
 def test_a_barred_arm_is_neither_chosen_nor_explored_until_it_is_allowed_again() -> None:
-    trial = ModeTrial(window=1, explore_every=4, first_pairs=1, settle=1, arms=ARMS)
+    trial = ModeTrial(window=1, explore_every=4, first_pairs=1, settle=1, arms=MODES)
     trial.bar("prefetch", True)  # e.g. a step blocks for less than its plans would cost
     arms = _drive_arms(trial, [0.005, 0.010, 0.011], 300)  # prefetching would be cheapest
     assert 0 not in arms[5:] and arms[100:].count(1) > 150  # caching alone, the cheapest allowed
@@ -331,7 +332,7 @@ def test_three_arms_a_cost_that_falls_within_each_batch_favours_no_arm() -> None
         for best in range(3):
             cost = [1.0, 1.0, 1.0]
             cost[best] = 0.9
-            trial = ModeTrial(window=2, explore_every=4, first_pairs=3, settle=2, arms=ARMS)
+            trial = ModeTrial(window=2, explore_every=4, first_pairs=3, settle=2, arms=MODES)
             for i in range(1500):
                 at = i % 23  # a new batch (prefill) every 23 steps; the cost halves over a batch
                 lookups = int(rng.integers(5, 20))
@@ -341,7 +342,7 @@ def test_three_arms_a_cost_that_falls_within_each_batch_favours_no_arm() -> None
 
 
 def test_three_arms_follow_a_change_of_the_cheapest() -> None:
-    trial = ModeTrial(window=1, explore_every=4, first_pairs=1, settle=1, arms=ARMS)
+    trial = ModeTrial(window=1, explore_every=4, first_pairs=1, settle=1, arms=MODES)
     _drive_arms(trial, [0.012, 0.009, 0.010], 300)
     assert trial.arm_name == "cache" or int(np.argmin(trial.scores())) == 1
     arms = _drive_arms(trial, [0.012, 0.011, 0.008], 600)  # the host changed: LRU is cheapest now
@@ -366,5 +367,34 @@ def test_eam_bars_prefetching_while_steps_block_less_than_their_plans_would_cost
         for _ in range(20):
             pol._bar_prefetch(0.02)  # the load changed: steps block 20 ms
         assert not pol.trial.barred[0]
+    finally:
+        buf.close()
+
+
+def test_two_arms_the_cheaper_runs_and_the_other_is_still_explored() -> None:
+    """The ``eam`` policy's default trial: prefetching against caching alone (the reference)."""
+    for best in (0, 1):
+        cost = [0.010, 0.010]
+        cost[best] = 0.008
+        trial = ModeTrial(arms=ARMS)  # the policy's defaults
+        arms = _drive_arms(trial, cost, 1200, prefill_every=50)
+        assert int(np.argmin(trial.scores())) == best
+        late = arms[300:]
+        assert late.count(best) > 5 * late.count(1 - best) > 0
+
+
+def test_the_eam_trial_runs_prefetching_and_caching_alone_unless_told_otherwise() -> None:
+    from moe_runtime.buffer import ExpertBuffer
+    from moe_runtime.errors import ConfigError
+    from tests.test_policies import E, L, fake_eam_policy, small_store
+
+    eam = np.ones((L, E))
+    buf = ExpertBuffer(small_store(), [torch.device("cpu")], 8)
+    try:
+        assert fake_eam_policy(buf, eam).trial.arms == ARMS == ("prefetch", "cache")
+        assert fake_eam_policy(buf, eam, trial_arms=MODES).trial.arms == ("prefetch", "cache", "lean")
+        for bad in (("cache", "lean"), ("prefetch",), ("prefetch", "lean", "cache"), ("prefetch", "lru")):
+            with pytest.raises(ConfigError, match="trial arms"):
+                fake_eam_policy(buf, eam, trial_arms=bad)
     finally:
         buf.close()

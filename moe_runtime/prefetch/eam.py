@@ -37,8 +37,14 @@ from tracer.prefix_match import PrefixMatcher
 # B=1 L=32 E=8 n=1000 (256k multiply-adds): 21 vs 33; B=4, same (1.0M): 79 vs 36;
 # B=8 L=48 E=128 n=16 (786k): 66 vs 31; B=1 L=48 E=128 n=16 (98k): 15 vs 16.
 INCREMENTAL_MIN_MACS = 512 * 1024
-# The runtime trial's arms (gate.ModeTrial), the prefetching one first, the leanest last.
-ARMS = ("prefetch", "cache", "lean")
+# The policy's modes (set_arm): prefetching, caching alone, on-demand + LRU.
+MODES = ("prefetch", "cache", "lean")
+# The runtime trial's default arms (gate.ModeTrial), the prefetching one first, the reference last.
+# ``lean`` is left out: once the ``eam-reuse`` cache weighed decode routing above the prompt's
+# (``moe_runtime.buffer.policies.PREFILL_WEIGHT``) it beat LRU's hit rate in every replayed setting,
+# and the windows spent exploring LRU cost more than they found (docs/results.md: the policy grid
+# and bench policies, run with three arms before and two now).
+ARMS = ("prefetch", "cache")
 _NO_USE = np.zeros(0)  # no victim-use term (EAMPrefetch._victim_use)
 
 
@@ -51,9 +57,10 @@ class EAMPrefetch(PrefetchPolicy):
     candidates did not win back its host time (in the simulator: while it kept nothing; the policy
     is on-demand then), predict only at every ``probe_every``-th layer (default 4), which keeps
     the gate's precision current at a quarter of the host work; trial: in the runtime (not the
-    simulator), with ``cost_aware``, also run the measured comparison of prefetching, caching
-    alone and on-demand + LRU (:class:`moe_runtime.prefetch.gate.ModeTrial`, :data:`ARMS`;
-    default True).
+    simulator), with ``cost_aware``, also run the measured comparison of prefetching and caching
+    alone (:class:`moe_runtime.prefetch.gate.ModeTrial`; default True); trial_arms: its arms, a
+    subset of :data:`MODES` in that order with ``prefetch`` first and at least two (default
+    :data:`ARMS`; add ``lean``, on-demand + LRU, to measure LRU as well).
 
     Each later layer keeps at most ``tokens x top_k`` candidates (what this step can route there):
     on the bundled model at a 50% buffer this cut the bytes moved 1.4-6x (emulated link / memcpy)
@@ -75,6 +82,7 @@ class EAMPrefetch(PrefetchPolicy):
         cost_aware: bool = True,
         probe_every: int = 4,
         trial: bool = True,
+        trial_arms: tuple[str, ...] = ARMS,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -128,7 +136,10 @@ class EAMPrefetch(PrefetchPolicy):
         self._lookahead_s = 0.0  # the router lookahead's host time of the layer about to route
         # the runtime's measured comparison of its modes (gate.ModeTrial); None in the simulator
         # and without the gate
-        self.trial = ModeTrial(arms=ARMS) if cost_aware and self._timed and trial else None
+        arms = tuple(trial_arms)
+        if len(arms) < 2 or arms[0] != "prefetch" or [m for m in MODES if m in arms] != list(arms):
+            raise ConfigError(f"eam trial arms must be 'prefetch' and more of {MODES}, in order; got {arms}")
+        self.trial = ModeTrial(arms=arms) if cost_aware and self._timed and trial else None
         self._decode_only = True  # no prefill token in the step so far (for the trial)
         self._step_cpu_s: float | None = None  # the compute thread's CPU clock at the last step's end
         self._step_blocking_s = 0.0  # the buffer's blocking counter at the last step's end
@@ -405,7 +416,7 @@ class EAMPrefetch(PrefetchPolicy):
         return self._p_use[2]
 
     def set_arm(self, arm: str) -> None:
-        """Run as one of :data:`ARMS`: ``prefetch`` (the full policy), ``cache`` (no planning,
+        """Run as one of :data:`MODES`: ``prefetch`` (the full policy), ``cache`` (no planning,
         no router lookahead; the ``eam-reuse`` cache keeps its loop-aware choice) or ``lean``
         (on-demand + LRU: an ``eam-reuse`` cache evicts LRU, ``EAMReuseCachePolicy.lru``, so
         not even the cache's counts are paid for). Leaving ``prefetch`` cancels what the plans
@@ -414,8 +425,8 @@ class EAMPrefetch(PrefetchPolicy):
         Raises:
             ValueError: an unknown arm.
         """
-        if arm not in ARMS:
-            raise ValueError(f"eam arm must be one of {ARMS}, got {arm!r}")
+        if arm not in MODES:
+            raise ValueError(f"eam arm must be one of {MODES}, got {arm!r}")
         buf = self.buffer
         with buf.cond:
             if arm != "prefetch" and self._queued:

@@ -238,12 +238,13 @@ class ModeTrial:
     preemption noise swamped the blocking saved at a 25% buffer, where prefetching pays, and
     the trial turned prefetching off there.)
 
-    The ``eam`` policy runs three arms (:data:`ARMS`): ``prefetch`` (plans, router lookahead and
-    the loop-aware ``eam-reuse`` cache), ``cache`` (no planning, the ``eam-reuse`` cache: caching
-    alone) and ``lean`` (no planning, the cache evicting LRU: on-demand + LRU, the baseline, but
-    for the tracer). On the bundled model each wins somewhere: prefetching or caching alone at
-    10-25% buffers and 0.5 GB/s, LRU at 50%, where the loop-aware cache made more demand copies
-    in decode than LRU (issue 15).
+    The ``eam`` policy runs two arms by default (``moe_runtime.prefetch.eam.ARMS``): ``prefetch``
+    (plans, router lookahead and the loop-aware ``eam-reuse`` cache) and ``cache`` (no planning,
+    the ``eam-reuse`` cache: caching alone, the reference); a third, ``lean`` (no planning, the
+    cache evicting LRU: on-demand + LRU but for the tracer), can be added. With the cache
+    counting every token alike LRU won at a 50% buffer, where the loop-aware cache made more
+    demand copies in decode; weighing decode routing above the prompt's it no longer does, and
+    exploring LRU cost more than it found (issue 15).
 
     Decode steps (no prefill token) run in windows of ``window`` steps, one arm per window. A
     window's cost is its steps' summed cost over their summed work (the caller's measure of what
@@ -258,9 +259,9 @@ class ModeTrial:
     different arms ``a``, ``b`` form a pair, and their relative difference in that cost per
     unit of work, ``(a - b) / mean``, is kept as a running mean per pair of arms (``decay`` per
     pair): pairs, not long-run means, so a host whose load drifts compares like with like. The
-    first windows alternate the last arm, the reference, with the other arms (with the ``eam``
-    policy's arms and ``first_pairs=3``: ``0, 2, 0, 2, 1, 2, 1, 2``; the reference is
-    on-demand + LRU, the baseline) until each other arm has ``first_pairs`` pairs with it: each
+    first windows alternate the last arm, the reference, with the other arms (with three arms
+    and ``first_pairs=3``: ``0, 2, 0, 2, 1, 2, 1, 2``; with the ``eam`` policy's two:
+    ``0, 1, 0, 1``, caching alone the reference) until each other arm has ``first_pairs`` pairs with it: each
     is measured both before and after the reference, so a cost that drifts within a batch (its
     early decode steps miss more) largely cancels out of its running difference. Then the arm with the lowest
     score runs (a least
