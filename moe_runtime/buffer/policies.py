@@ -97,10 +97,10 @@ class EAMReuseCachePolicy(CachePolicy):
     ``r`` weighs each prompt token's choices ``prefill_weight`` (default :data:`PREFILL_WEIGHT`)
     against a generated token's 1: the prompt is a prior until the requests have decoded a few
     tokens, then their decode-phase routing, which the next decode step repeats more closely,
-    dominates. Replayed offline on the bundled model's eval routing (``bench policies``' workload,
-    batch 1, 4 and 16; 52, 128 and 256 slots), weights 0.02-0.05 beat 1 (the plain request EAM)
-    by 0.5-9 points of hit rate in all 12 settings (0.39 -> 0.46 at batch 4 and 128 slots, where
-    Belady without prefetching reaches 0.61); 0.2 was worse than 0.05 in 11 of them.
+    dominates. Replayed offline on the bundled model's eval routing (``tools/cache_headroom.py``,
+    ``bench policies``' workload at batch 1, 4 and 16 and 10, 25 and 50% buffers, docs/results.md)
+    0.05 beat 1 (the plain request EAM) by up to 7 points of hit rate and tied it once (0.39 ->
+    0.46 at batch 4 and 25%, where Belady without prefetching reaches 0.61).
 
     While :attr:`lru` is True (set by the runtime's ``eam`` prefetch policy while its measured
     trial runs it as on-demand, ``moe_runtime.prefetch.gate.ModeTrial``) it is plain LRU: no

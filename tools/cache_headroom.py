@@ -1,0 +1,277 @@
+"""Cache hit rates replayed offline on the bundled model's own routing: LRU, ``eam-reuse`` at several
+prompt weights, and Belady (the best any cache can do without prefetching).
+
+Issue #15 asks for "a cache that knows the layers loop ... the ``eam-reuse`` idea, or better". This
+tool measures how far a cache policy is from the best possible one on the workload of
+``moeserve bench policies``: it decodes the eval prompts once (greedy, half the experts in the
+buffer, no link) and records every MoE layer's routing (request ids, token positions,
+prompt/generated flags, top-k ids), then replays the layer-by-layer expert lookups through a buffer of ``S`` slots under
+
+* ``lru``: evict the least recently used slot;
+* ``eam-reuse w=..``: the runtime's own :class:`moe_runtime.buffer.policies.EAMReuseCachePolicy`
+  over a real :class:`tracer.recorder.RequestRecorder` fed the same routing, with prompt tokens
+  weighing ``w`` (``PREFILL_WEIGHT`` is the default; 1 counts every token alike);
+* ``belady``: evict the slot whose next use is furthest in the recorded future.
+
+A lookup is one distinct expert a layer's tokens chose; the layer's own experts are never victims
+(they are pinned while it runs, as in the runtime); a miss fills a slot at once (no link, no
+timing: hit rates only, deterministic). The eval routing is recorded after the warm prompts, as in
+``bench policies``; each batch's requests begin at their prefill and finish when they leave the
+batch. Prints a table, or with ``--json`` the settings and rows; ``--doc`` writes the table into
+``docs/results.md`` (block ``cache-headroom``)::
+
+    python tools/cache_headroom.py --doc
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from moe_runtime.bench.policies import _run_batches, load_model_and_workload, register_workload_args  # noqa: E402
+from moe_runtime.buffer.policies import PREFILL_WEIGHT, EAMReuseCachePolicy  # noqa: E402
+from tracer.recorder import RequestRecorder  # noqa: E402
+
+Routing = list[tuple[int, list[str], np.ndarray, np.ndarray, np.ndarray]]  # per routed layer
+
+
+def record_routing(model_dir: Path, args: argparse.Namespace, batch: int) -> tuple[Routing, int, int, int]:
+    """Decode the warm then the eval prompts at ``batch`` (greedy, no link) and return the eval
+    part's routing, one ``(layer, request ids, token_seq, token_prefill, topk_ids)`` per routed
+    MoE layer, with ``(L, E, k)``."""
+    import torch
+
+    from moe_runtime.config import RuntimeConfig
+    from moe_runtime.engine.engine import LLMEngine
+
+    torch.set_num_threads(1)
+    base = RuntimeConfig(
+        dtype="float32",
+        max_batch_size=batch,
+        cpu_threads=1,
+        max_model_len=args.max_prompt_tokens + args.new_tokens + 8,
+        buffer_fraction=0.5,  # offloaded (no link): the engine then keeps a recorder, whose record
+        prefetch_policy="on-demand",  # we tap; outputs do not depend on the buffer
+        cache_policy="eam-reuse",
+    )
+    loaded, warm, evals, _ = load_model_and_workload(model_dir, base, args, "cache-headroom")
+    cfg = loaded.config
+    out: Routing = []
+    with LLMEngine(loaded, replace(base)) as engine:
+        _run_batches(engine, warm, batch, args.new_tokens)
+        rec = engine.recorder
+        record = rec.record
+
+        def tap(layer, ids, seq, prefill, topk, weights):
+            out.append((layer, list(ids), np.array(seq), np.array(prefill), np.array(topk)))
+            return record(layer, ids, seq, prefill, topk, weights)
+
+        rec.record = tap
+        _run_batches(engine, evals, batch, args.new_tokens)
+    return out, cfg.num_moe_layers, cfg.num_experts, cfg.top_k
+
+
+def lookups(routing: Routing, num_experts: int) -> list[list[int]]:
+    """Each routed layer's distinct experts as flat keys ``layer * E + expert``, ascending."""
+    return [[layer * num_experts + int(e) for e in np.unique(topk)] for layer, _, _, _, topk in routing]
+
+
+def replay_lru(keys: list[list[int]], slots: int) -> float:
+    """Hit rate of LRU over ``keys`` (per layer) with ``slots`` slots."""
+    last: dict[int, int] = {}
+    hits = n = t = 0
+    for layer_keys in keys:
+        need = set(layer_keys)
+        for k in layer_keys:
+            n, t = n + 1, t + 1
+            if k in last:
+                hits += 1
+            elif len(last) >= slots:
+                cands = [c for c in last if c not in need]
+                if not cands:
+                    continue  # every slot holds this layer's experts: not cached
+                del last[min(cands, key=last.__getitem__)]
+            last[k] = t
+    return hits / max(1, n)
+
+
+def replay_belady(keys: list[list[int]], slots: int) -> float:
+    """Hit rate of Belady (furthest next use evicted) over ``keys`` with ``slots`` slots."""
+    flat = [(i, k) for i, layer_keys in enumerate(keys) for k in layer_keys]
+    nxt, seen = [0] * len(flat), {}
+    for j in range(len(flat) - 1, -1, -1):
+        nxt[j] = seen.get(flat[j][1], len(flat))
+        seen[flat[j][1]] = j
+    held: dict[int, int] = {}  # key -> its next use
+    hits = 0
+    for j, (i, k) in enumerate(flat):
+        if k in held:
+            hits += 1
+        elif len(held) >= slots:
+            need = set(keys[i])
+            cands = [c for c in held if c not in need]
+            if not cands:
+                continue
+            del held[max(cands, key=held.__getitem__)]
+        held[k] = nxt[j]
+    return hits / max(1, len(flat))
+
+
+def replay_eam_reuse(routing: Routing, L: int, E: int, k: int, slots: int, prefill_weight: float) -> float:
+    """Hit rate of the runtime's ``eam-reuse`` policy (``prefill_weight`` for prompt tokens), its
+    recorder fed the recorded routing, with ``slots`` slots."""
+    rec = RequestRecorder(L, E, k)
+    pol = EAMReuseCachePolicy(slots, E, num_layers=L, recorder=rec, prefill_weight=prefill_weight)
+    slot_of: dict[int, int] = {}
+    key_of = [-1] * slots
+    live: list[str] = []
+    prev_layer = L
+    hits = n = 0
+    for layer, ids, seq, prefill, topk in routing:
+        if layer <= prev_layer and prev_layer < L:
+            rec.end_step()
+        prev_layer = layer
+        if ids != live:
+            for r in live:
+                if r not in ids:
+                    rec.finish(r)
+            for r in ids:
+                if r not in live:
+                    rec.begin_request(r, int(np.sum(prefill[seq == ids.index(r)])))
+            live = list(ids)
+        rec.record(layer, ids, seq, prefill, topk, None)
+        pol.after_routing(layer, ids, topk)
+        need = [layer * E + int(e) for e in np.unique(topk)]
+        for key in need:
+            n += 1
+            s = slot_of.get(key)
+            if s is not None:
+                hits += 1
+                pol.on_use(s, key)
+                continue
+            if len(slot_of) < slots:
+                s = len(slot_of)
+            else:
+                pinned = {slot_of[x] for x in need if x in slot_of}
+                cands = np.array([i for i in range(slots) if i not in pinned], dtype=np.int64)
+                if not len(cands):
+                    continue
+                s = pol.victim(cands)
+                del slot_of[key_of[s]]
+            slot_of[key], key_of[s] = s, key
+            pol.on_fill(s, key, prefetch=False)
+    return hits / max(1, n)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from moeserve.commands.common import resolve_model
+
+    model_dir = resolve_model(args)
+    rows = []
+    for batch in args.batches:
+        routing, L, E, k = record_routing(model_dir, args, batch)
+        keys = lookups(routing, E)
+        for frac in args.fractions:
+            slots = max(1, math.ceil(frac * L * E))  # as the runtime sizes the buffer (memory_plan)
+            row = {"batch": batch, "buffer_fraction": frac, "slots": slots, "lookups": sum(map(len, keys))}
+            row["lru"] = replay_lru(keys, slots)
+            for w in args.weights:
+                row[f"eam-reuse w={w:g}"] = replay_eam_reuse(routing, L, E, k, slots, w)
+            row["belady"] = replay_belady(keys, slots)
+            rows.append(row)
+    settings = {
+        "model": model_dir.name,
+        "tasks": args.tasks,
+        "warm_prompts_per_task": args.warm,
+        "eval_prompts_per_task": args.eval,
+        "new_tokens": args.new_tokens,
+        "max_prompt_tokens": args.max_prompt_tokens,
+        "seed": args.seed,
+        "default_prefill_weight": PREFILL_WEIGHT,
+    }
+    return {"settings": settings, "rows": rows}
+
+
+def table(result: dict) -> str:
+    rows = result["rows"]
+    cols = [c for c in rows[0] if c not in ("batch", "buffer_fraction", "slots", "lookups")]
+    head = "| batch | buffer | slots | lookups | " + " | ".join(cols) + " |"
+    sep = "|" + "---|" * (4 + len(cols))
+    body = [
+        f"| {r['batch']} | {r['buffer_fraction']:.0%} | {r['slots']} | {r['lookups']} | "
+        + " | ".join(f"{r[c]:.3f}" for c in cols)
+        + " |"
+        for r in rows
+    ]
+    return "\n".join([head, sep, *body])
+
+
+def write_doc(result: dict) -> None:
+    s = result["settings"]
+    w = s["default_prefill_weight"]
+    block = f"""<!-- BEGIN cache-headroom -->
+### Cache hit rate against Belady, replayed on the model's own routing (`tools/cache_headroom.py`)
+
+Every cache policy replayed over the same recorded expert lookups (the eval prompts of
+`bench policies`' default workload, in the settings line, decoded greedily at each batch size;
+no link, no prefetching: hit rates only). `eam-reuse w=1`
+counts a prompt token's choices as much as a generated token's; the default weighs them
+{w:g} (`PREFILL_WEIGHT`), so the decode phase's routing, which the next decode step repeats,
+dominates once a request has generated a few tokens. Belady (furthest next use evicted) is the
+best any cache can do without prefetching. Command:
+
+```bash
+python tools/cache_headroom.py --doc
+```
+
+{table(result)}
+
+Settings: {", ".join(f"`{k}={v}`" for k, v in s.items())}.
+<!-- END cache-headroom -->
+"""
+    doc = ROOT / "docs/results.md"
+    text = doc.read_text()
+    if "<!-- BEGIN cache-headroom -->" in text:
+        text = re.sub(
+            r"<!-- BEGIN cache-headroom -->.*?<!-- END cache-headroom -->\n",
+            lambda _: block,
+            text,
+            flags=re.S,
+        )
+    else:
+        text = text.replace("<!-- BEGIN policy-grid -->", block + "\n<!-- BEGIN policy-grid -->")
+    doc.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    register_workload_args(p)
+    p.add_argument("--model", type=Path, default=None, help="checkpoint folder (default: the bundled model)")
+    p.add_argument("--batches", default="1,4,16", help="batch sizes (default: 1,4,16)")
+    p.add_argument("--fractions", default="0.1,0.25,0.5", help="buffer sizes (default: 0.1,0.25,0.5)")
+    p.add_argument("--weights", default=f"1,{PREFILL_WEIGHT:g}", help="eam-reuse prompt weights")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--doc", action="store_true", help="write the table into docs/results.md")
+    args = p.parse_args(argv)
+    args.batches = [int(x) for x in args.batches.split(",")]
+    args.fractions = [float(x) for x in args.fractions.split(",")]
+    args.weights = [float(x) for x in args.weights.split(",")]
+    result = run(args)
+    if args.doc:
+        write_doc(result)
+    print(json.dumps(result, indent=2) if args.json else table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
