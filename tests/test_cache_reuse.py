@@ -99,6 +99,26 @@ def test_reuse_probs_compiled_and_plain_agree_and_follow_the_formula(tokens: int
     assert (compiled[18:27] == 0.0).all()
 
 
+@pytest.mark.parametrize("shape", [(1, 4), (3, 2), (16, 8)])
+def test_add_row_probs_adds_the_ids_and_derives_that_row_only(shape: tuple[int, int]) -> None:
+    from moe_runtime.buffer import reuse_kernel
+
+    rng = np.random.default_rng(shape[0])
+    counts = rng.integers(0, 5, size=(4, 9)).astype(np.float64)
+    ids = rng.integers(0, 9, size=shape).astype(np.int64)  # repeats within a token's row allowed
+    want_counts = counts.copy()
+    np.add.at(want_counts[2], ids.reshape(-1), 1.0)
+    want_p = np.full(36, -1.0)
+    reuse_kernel.reuse_probs(want_counts, want_p, 2, 3, shape[1], shape[0])
+    for fn in (reuse_kernel.add_row_probs, getattr(reuse_kernel.add_row_probs, "py_func", None)):
+        if fn is None:
+            continue
+        c, p = counts.copy(), np.full(36, -1.0)
+        fn(c, p, 2, ids)
+        np.testing.assert_array_equal(c, want_counts)
+        np.testing.assert_array_equal(p, want_p)  # row 2 derived, the others untouched
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_reuse_victim_is_the_furthest_expected_use_ties_lowest_slot(seed: int) -> None:
     from moe_runtime.buffer import reuse_kernel

@@ -360,3 +360,38 @@ def test_query_sum_weighs_prompt_tokens_by_prefill_weight() -> None:
         got = rec.query_sum(ids, 1, prefill_weight=w)
         np.testing.assert_allclose(got, want[1] + w * want[0])
     np.testing.assert_array_equal(rec.query_sum(ids, 1), rec.query(ids, 1).sum(axis=0))
+
+
+def test_prompt_weighted_query_sum_kept_across_layers_equals_a_fresh_one() -> None:
+    """Asked layer by layer (as the cache does, beside the unweighted form the prefetcher asks
+    for), the running prompt-weighted sum equals one computed from the phase tables afresh, across
+    steps, a request finishing and a layer recorded again after it was summed."""
+    script = _Script(5, {"a": 4, "b": 6, "c": 2}, {"a": 5, "b": 3, "c": 6})
+    rec = RequestRecorder(L, E, K)
+    for r in ("a", "b", "c"):
+        rec.begin_request(r, script.prompts[r])
+
+    def fresh(ids, upto, w):
+        phases = sum(np.stack(rec.request_eam(r)) for r in ids).astype(np.float64)  # finished steps
+        rows = rec._rows(ids)
+        phases[:, : upto + 1] += rec._step[rows, :, : upto + 1].sum(axis=0)
+        return phases[1] + w * phases[0]
+
+    steps = script.steps(["a", "b", "c"], chunk=3)
+    last = {r: i for i, step in enumerate(steps) for r, _, _, _ in step}  # each request's last step
+    for i, step in enumerate(steps):
+        ids = [r for r, _, _, _ in step]
+        seq = np.concatenate([np.full(n, b) for b, (_, _, n, _) in enumerate(step)]).astype(np.int64)
+        prefill = np.concatenate([np.full(n, pf) for _, _, n, pf in step])
+        for layer in range(L):
+            topk = np.concatenate([script.routes[r][p : p + n, layer] for r, p, n, _ in step])
+            rec.record(layer, ids, seq, prefill, topk, None)
+            got = rec.query_sum(ids, layer, prefill_weight=0.05)
+            rec.query_sum(ids, layer)  # the other form in between
+            np.testing.assert_allclose(got, fresh(ids, layer, 0.05))
+        rec.record(L - 1, ids, seq, prefill, topk, None)  # the last layer again, after its sum
+        np.testing.assert_allclose(rec.query_sum(ids, L - 1, prefill_weight=0.05), fresh(ids, L - 1, 0.05))
+        rec.end_step()
+        for r in ids:
+            if last[r] == i and len(ids) > 1:  # the batch shrinks: a new batch and epoch
+                rec.finish(r)

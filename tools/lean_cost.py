@@ -1,9 +1,10 @@
-"""Host cost per MoE layer of on-demand + LRU against the ``eam`` policy held in lean mode.
+"""Host cost per MoE layer of on-demand + LRU against the ``eam`` policy held in each of its modes.
 
 Runs the bundled model on the runtime (CPU) with an emulated link and decodes a few batches of
-random prompts three times: ``on-demand`` + ``lru``, ``eam`` + ``eam-reuse`` with its measured trial
-pinned off (``ModeTrial`` lean mode: no planning, no router lookahead, the cache evicting LRU) and
-pinned on (prefetching, for scale).
+random prompts: ``on-demand`` + ``lru``, then ``eam`` + ``eam-reuse`` with its measured trial
+pinned to each mode (``moe_runtime.prefetch.eam.MODES``): ``lean`` (no planning, no router
+lookahead, the cache evicting LRU), ``cache`` (caching alone, the default trial's reference) and
+``prefetch`` (for scale).
 Per decode MoE layer it reports the compute thread's CPU time (``time.thread_time_ns``) of the
 whole MoE block and of its hooks (the tracer's ``record``, ``buffer.after_routing``, the prefetch
 policy's ``after_routing``), the per-step hooks (``recorder.end_step``, ``prefetcher.end_step``)
@@ -55,7 +56,7 @@ def _wrap(obj, name: str, acc: dict, key: str, clock=time.thread_time_ns) -> Non
     setattr(obj, name, timed)
 
 
-def measure(prefetch: str, cache: str, args, count_ops: bool, lean: bool = True) -> dict[str, float]:
+def measure(prefetch: str, cache: str, args, count_ops: bool, mode: str = "lean") -> dict[str, float]:
     runtime = RuntimeConfig(
         buffer_fraction=args.fraction,
         max_batch_size=args.batch,
@@ -72,8 +73,8 @@ def measure(prefetch: str, cache: str, args, count_ops: bool, lean: bool = True)
         pf = engine.prefetcher
         trial = getattr(pf, "trial", None)
         if trial is not None:  # the trial's mode, pinned
-            trial.on = not lean
-            pf.set_arm("lean" if lean else "prefetch")
+            trial.on = mode == "prefetch"
+            pf.set_arm(mode)
             trial.end_step = lambda *step: False
         rec = engine.recorder
         if rec is not None:
@@ -128,16 +129,17 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     rows = {
-        "on-demand+lru": ("on-demand", "lru", True),
-        "eam lean": ("eam", "eam-reuse", True),
-        "eam prefetching": ("eam", "eam-reuse", False),
+        "on-demand+lru": ("on-demand", "lru", "lean"),  # no trial: the mode is unused
+        "eam lean": ("eam", "eam-reuse", "lean"),
+        "eam cache": ("eam", "eam-reuse", "cache"),
+        "eam prefetching": ("eam", "eam-reuse", "prefetch"),
     }
     res: dict[str, list[dict[str, float]]] = {k: [] for k in rows}
     for _ in range(args.repeats):
-        for label, (pf, cache, lean) in rows.items():
-            res[label].append(measure(pf, cache, args, False, lean))
+        for label, (pf, cache, mode) in rows.items():
+            res[label].append(measure(pf, cache, args, False, mode))
     ops = {
-        label: measure(pf, cache, args, True, lean)["aten ops"] for label, (pf, cache, lean) in rows.items()
+        label: measure(pf, cache, args, True, mode)["aten ops"] for label, (pf, cache, mode) in rows.items()
     }
     keys = sorted({k for runs in res.values() for run in runs for k in run})
     print(f"us of thread CPU time per decode MoE layer (median of {args.repeats} runs)")

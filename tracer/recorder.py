@@ -126,6 +126,11 @@ class RequestRecorder:
         self._total_base = np.zeros((num_layers, num_experts), dtype=np.float32)
         self._total_step = np.zeros((num_layers, num_experts), dtype=np.float32)
         self._total_upto = -1
+        # the same for query_sum's prompt-weighted form: (epoch, ids, weight), sums as float64
+        self._wkey: tuple[int, list[str], float] | None = None
+        self._wbase = np.zeros((num_layers, num_experts))
+        self._wstep = np.zeros((num_layers, num_experts))
+        self._wupto = -1
         self.committed = 0
         self._group: _Pending | None = None  # layers recorded, not counted yet
         # bumped when an EAM of earlier steps or the set of live requests changes (see ``query``)
@@ -237,6 +242,8 @@ class RequestRecorder:
         self._query_memo = None
         if moe_layer <= self._total_upto:  # a layer query_sum already summed changed again
             self._total_key = None
+        if moe_layer <= self._wupto:  # the same for its prompt-weighted form
+            self._wkey = None
         if self.trace_writer is not None:
             self._keep_choices(
                 moe_layer,
@@ -481,10 +488,7 @@ class RequestRecorder:
         self._flush()
         rows = self._rows(request_ids)
         if prefill_weight != 1.0:
-            phases = self._eam[rows].sum(axis=0)  # [2, L, E] int64
-            if upto_layer >= 0:
-                phases[:, : upto_layer + 1] += self._step[rows, :, : upto_layer + 1].sum(axis=0)
-            return phases[_DECODE] + prefill_weight * phases[_PREFILL]
+            return self._weighted_sum(rows, request_ids, upto_layer, prefill_weight)
         key = self._total_key
         if key is None or key[0] != self.epoch or key[1] != request_ids or upto_layer < self._total_upto:
             self._total_base = self._sum[rows].sum(axis=0)
@@ -496,6 +500,26 @@ class RequestRecorder:
             self._total_step[lo : upto_layer + 1] = self._step_sum[rows, lo : upto_layer + 1].sum(axis=0)
             self._total_upto = upto_layer
         return self._total_base + self._total_step
+
+    def _weighted_sum(
+        self, rows: slice | np.ndarray, request_ids: list[str], upto_layer: int, weight: float
+    ) -> np.ndarray:
+        """:meth:`query_sum` with prompt tokens weighing ``weight``, kept as its unweighted form
+        is: the earlier steps' ``decode + weight * prefill`` once per :attr:`epoch`, batch and
+        weight, each routed layer's rows of the current step once (from the phase tables)."""
+        key = (self.epoch, request_ids, weight)
+        if self._wkey is None or self._wkey != key or upto_layer < self._wupto:
+            phases = self._eam[rows].sum(axis=0)  # [2, L, E] int64
+            self._wbase = phases[_DECODE] + weight * phases[_PREFILL]
+            self._wstep = np.zeros_like(self._wbase)
+            self._wupto = -1
+            self._wkey = (self.epoch, list(request_ids), weight)
+        if upto_layer > self._wupto:
+            lo = self._wupto + 1
+            step = self._step[rows, :, lo : upto_layer + 1].sum(axis=0)  # [2, span, E]
+            self._wstep[lo : upto_layer + 1] = step[_DECODE] + weight * step[_PREFILL]
+            self._wupto = upto_layer
+        return self._wbase + self._wstep
 
     def request_eam(self, request_id: str) -> tuple[np.ndarray, np.ndarray]:
         """``(prefill, decode)`` ``(L, E)`` int64 copies of the request EAM (finished steps only).

@@ -182,9 +182,9 @@ class EAMReuseCachePolicy(CachePolicy):
                 and layer == (seen[1] + 1) % self.num_layers
                 and seen[2] == request_ids
             ):
-                ids = np.ascontiguousarray(topk_ids, dtype=np.int64).reshape(-1)
-                reuse_kernel.add_row(self._counts, layer, ids)
-                reuse_kernel.reuse_probs(self._counts, self._p_use, layer, layer + 1, k, T)
+                if topk_ids.dtype != np.int64 or not topk_ids.flags.c_contiguous:
+                    topk_ids = np.ascontiguousarray(topk_ids, dtype=np.int64)  # the runtime's already are
+                reuse_kernel.add_row_probs(self._counts, self._p_use, layer, topk_ids)
             else:
                 counts = rec.query_sum(request_ids, layer, prefill_weight=self.prefill_weight)
                 self._counts = np.ascontiguousarray(counts, dtype=np.float64)

@@ -64,11 +64,15 @@ def reuse_victim(
 
 
 @njit(cache=True)
-def add_row(counts: np.ndarray, layer: int, ids: np.ndarray) -> None:
-    """``counts[layer, e] += 1`` for each ``e`` in ``ids`` (``counts [L, E]`` float64, ``ids`` int64
-    flat, each in ``0 .. E - 1``)."""
-    for e in ids:
-        counts[layer, e] += 1.0
+def add_row_probs(counts: np.ndarray, p_use: np.ndarray, layer: int, topk_ids: np.ndarray) -> None:
+    """``counts[layer, e] += 1`` for each id ``e`` in ``topk_ids [T, k]`` (int64, each in
+    ``0 .. E - 1``), then :func:`reuse_probs` of that one row for ``T`` tokens and top-``k``: the
+    cache's per-layer update in a decode step, one dispatch and no conversion on the host."""
+    tokens, top_k = topk_ids.shape
+    for t in range(tokens):
+        for j in range(top_k):
+            counts[layer, topk_ids[t, j]] += 1.0
+    reuse_probs(counts, p_use, layer, layer + 1, top_k, tokens)
 
 
 @njit(cache=True)
@@ -109,6 +113,6 @@ def warm() -> None:
             np.ones(1, dtype=np.bool_), np.zeros(1, dtype=np.int64), np.ones(1), np.zeros(1), 0, 1, 1
         )
         counts = np.zeros((1, 1))
-        add_row(counts, 0, np.zeros(1, dtype=np.int64))
         reuse_probs(counts, np.zeros(1), 0, 1, 1, 3)
+        add_row_probs(counts, np.zeros(1), 0, np.zeros((1, 1), dtype=np.int64))
         _warm = True

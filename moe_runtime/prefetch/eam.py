@@ -323,9 +323,13 @@ class EAMPrefetch(PrefetchPolicy):
         gate = self.gate
         if gate is not None:
             self._decode_only &= topk_ids.shape[0] == len(request_ids)  # one token per request
-            off = self.trial is not None and not self.trial.on  # a window without plans
-            if not off:
-                gate.observe(layer, topk_ids)  # score the earlier plans' candidates for this layer
+            if self.trial is not None and not self.trial.on:
+                # A window without plans (caching alone or lean; the arm changes only at a step's
+                # end, and the next plan's first layer starts the matcher afresh): nothing to do.
+                self._ahead = None
+                self._lookahead_s = 0.0
+                return
+            gate.observe(layer, topk_ids)  # score the earlier plans' candidates for this layer
             if not self.wants_lookahead(layer):
                 # On-demand for now (the last plan kept nothing): only every probe_every-th layer
                 # predicts, to keep the precision current and to notice when prefetching pays again.
