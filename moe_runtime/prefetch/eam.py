@@ -41,9 +41,10 @@ INCREMENTAL_MIN_MACS = 512 * 1024
 MODES = ("prefetch", "cache", "lean")
 # The runtime trial's default arms (gate.ModeTrial), the prefetching one first, the reference last.
 # ``lean`` is left out: once the ``eam-reuse`` cache weighed decode routing above the prompt's
-# (``moe_runtime.buffer.policies.PREFILL_WEIGHT``) it beat LRU's hit rate in every replayed setting,
-# and the windows spent exploring LRU cost more than they found (docs/results.md: the policy grid
-# and bench policies, run with three arms before and two now).
+# (``moe_runtime.buffer.policies.PREFILL_WEIGHT``) it beat LRU's hit rate in every replayed setting
+# (``tools/cache_headroom.py``), and the windows spent exploring LRU cost more than they found:
+# the two arms against the three, same code otherwise, bench policies' grid workload, 3 repeats,
+# were faster at 7 of 8 (link, batch, buffer) points and within the spread at the eighth.
 ARMS = ("prefetch", "cache")
 _NO_USE = np.zeros(0)  # no victim-use term (EAMPrefetch._victim_use)
 
