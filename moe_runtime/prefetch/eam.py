@@ -409,8 +409,10 @@ class EAMPrefetch(PrefetchPolicy):
     def _victim_use(self, tokens: int) -> np.ndarray:
         """``[L * E]`` chance each expert is used in the next step, ``p = 1 - (1 - share)^T`` from
         the batch's own EAM (``share``: its tokens' share routed to the expert so far, ``T``
-        tokens per step), as the ``eam-reuse`` cache scores slots; computed once per step. Empty
-        before the step's own term exists (no reuse term then)."""
+        tokens per step): the ``eam-reuse`` cache's formula, on the request EAMs unweighted (the
+        cache itself weighs prompt tokens ``PREFILL_WEIGHT``; reading its ``p_use`` here instead
+        left the prefetching arm's TPOT as it was); computed once per step. Empty before the
+        step's own term exists (no reuse term then)."""
         own = self._own
         if own is None:
             return _NO_USE
