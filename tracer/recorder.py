@@ -478,9 +478,9 @@ class RequestRecorder:
         per :attr:`epoch` and batch, and each routed layer's rows are added once.
 
         With ``prefill_weight != 1`` each prompt token's choices count ``prefill_weight`` and each
-        generated token's 1 (``decode + prefill_weight * prefill``, from the phase tables, not
-        cached; float64): the ``eam-reuse`` cache weighs the decode phase, whose routing the next
-        decode step repeats, above the prompt's.
+        generated token's 1 (``decode + prefill_weight * prefill``, from the phase tables, kept
+        the same way per epoch, batch and weight; float64): the ``eam-reuse`` cache weighs the
+        decode phase, whose routing the next decode step repeats, above the prompt's.
 
         Raises:
             KeyError: a request id is not live.

@@ -102,11 +102,12 @@ class EAMReuseCachePolicy(CachePolicy):
     0.05 beat 1 (the plain request EAM) by up to 7 points of hit rate and tied it once (0.39 ->
     0.46 at batch 4 and 25%, where Belady without prefetching reaches 0.61).
 
-    While :attr:`lru` is True (set by the runtime's ``eam`` prefetch policy while its measured
-    trial runs it as on-demand, ``moe_runtime.prefetch.gate.ModeTrial``) it is plain LRU: no
-    counts are read, and the least recently filled or used candidate is evicted. It is then
-    ``ordered`` (``priority`` is the tick of the last fill or use, as LRU's), so the partition
-    takes the victim from its heap as for the ``lru`` policy, the same slot at LRU's cost.
+    While :attr:`lru` is True (set by the runtime's ``eam`` prefetch policy in its ``lean`` mode,
+    on-demand + LRU, an optional arm of its measured trial,
+    ``moe_runtime.prefetch.gate.ModeTrial``) it is plain LRU: no counts are read, and the least
+    recently filled or used candidate is evicted. It is then ``ordered`` (``priority`` is the tick
+    of the last fill or use, as LRU's), so the partition takes the victim from its heap as for the
+    ``lru`` policy, the same slot at LRU's cost.
 
     Speed: the counts' row of a routed layer and its use probabilities are updated in one
     compiled call on the compute thread, and a victim is one compiled loop over the evictable

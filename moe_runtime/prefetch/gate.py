@@ -259,22 +259,20 @@ class ModeTrial:
     different arms ``a``, ``b`` form a pair, and their relative difference in that cost per
     unit of work, ``(a - b) / mean``, is kept as a running mean per pair of arms (``decay`` per
     pair): pairs, not long-run means, so a host whose load drifts compares like with like. The
-    first windows alternate the last arm, the reference, with the other arms (with three arms
-    and ``first_pairs=3``: ``0, 2, 0, 2, 1, 2, 1, 2``; with the ``eam`` policy's two:
-    ``0, 1, 0, 1``, caching alone the reference) until each other arm has ``first_pairs`` pairs with it: each
-    is measured both before and after the reference, so a cost that drifts within a batch (its
-    early decode steps miss more) largely cancels out of its running difference. Then the arm with the lowest
-    score runs (a least
-    squares fit of one score per arm to the measured pair differences, :meth:`scores`; with two
-    arms: the cheaper one), and every ``explore_every``-th window another arm, in turn (two more
-    pairs; every ``4 * explore_every``-th while the explored arm is worse by more than
-    ``CLEAR_DIFF``, as on-demand is on a fast link, where each exploring window costs a lot), so
-    the choice follows the load. Each exploration that leaves the choice as it was doubles the
-    interval to the next one, up to ``2 ** max_backoff`` times (an exploring window is the worse
-    arm's cost plus ``settle`` steps: in ``bench policies``' short runs of the bundled model
-    without a link or at 32 GB/s, one such excursion, 8 of the 69 measured decode steps, was
-    most of what kept ``eam`` 2-6% behind on-demand + LRU at a 50% buffer); a changed choice
-    resets it.
+    first windows alternate the last arm, the reference, with the other arms (with three arms and
+    ``first_pairs=3``: ``0, 2, 0, 2, 1, 2, 1, 2``; with the ``eam`` policy's two: ``0, 1, 0, 1``,
+    caching alone the reference) until each other arm has ``first_pairs`` pairs with it: each is
+    measured both before and after the reference, so a cost that drifts within a batch (its early
+    decode steps miss more) largely cancels out of its running difference. Then the arm with the
+    lowest score runs (a least squares fit of one score per arm to the measured pair differences,
+    :meth:`scores`; with two arms: the cheaper one), and every ``explore_every``-th window another
+    arm, in turn (two more pairs; every ``4 * explore_every``-th while the explored arm is worse by
+    more than ``CLEAR_DIFF``, as on-demand is on a fast link, where each exploring window costs a
+    lot), so the choice follows the load. Each exploration that leaves the choice as it was doubles
+    the interval to the next one, up to ``2 ** max_backoff`` times (an exploring window is the
+    worse arm's cost plus ``settle`` steps: in ``bench policies``' short runs of the bundled model
+    without a link or at 32 GB/s, one such excursion, 8 of the 69 measured decode steps, was most
+    of what kept ``eam`` 2-6% behind on-demand + LRU at a 50% buffer); a changed choice resets it.
 
     Args:
         window: measured decode steps per window, >= 1.
