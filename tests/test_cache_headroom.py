@@ -46,15 +46,18 @@ def _routing(seed: int, batches: int = 3, batch: int = 3, prompt: int = 5, decod
 @pytest.mark.parametrize("seed", range(3))
 def test_belady_bounds_every_cache_and_lru_grows_with_the_slots(headroom, seed: int) -> None:
     routing = _routing(seed)
-    keys = headroom.lookups(routing, E)
-    lru = [headroom.replay_lru(keys, s) for s in (6, 10, 16)]
+
+    def replay(slots, policy, **context):
+        return headroom.replay(routing, L, E, K, slots, policy, **context)
+
+    lru = [replay(s, "lru") for s in (6, 10, 16)]
     assert lru == sorted(lru) and lru[-1] > 0
     for s in (6, 10, 16):
-        best = headroom.replay_belady(keys, s)
-        assert best >= headroom.replay_lru(keys, s)
+        best = replay(s, "oracle")
+        assert best >= replay(s, "lru")
         for w in (1.0, 0.05):
-            assert best >= headroom.replay_eam_reuse(routing, L, E, K, s, w) > 0
-    assert headroom.replay_belady(keys, L * E) == headroom.replay_lru(keys, L * E)  # everything fits
+            assert best >= replay(s, "eam-reuse", prefill_weight=w) > 0
+    assert replay(L * E, "oracle") == replay(L * E, "lru")  # everything fits
 
 
 def test_replayed_eam_reuse_follows_the_generated_tokens(headroom) -> None:
@@ -68,6 +71,6 @@ def test_replayed_eam_reuse_follows_the_generated_tokens(headroom) -> None:
         for layer in range(L):
             routing.append((layer, ids, seq, prefill, np.tile(pair, (n, 1))))
     slots = L * 2 + 2
-    weighted = headroom.replay_eam_reuse(routing, L, E, K, slots, 0.05)
-    flat = headroom.replay_eam_reuse(routing, L, E, K, slots, 1.0)
+    weighted = headroom.replay(routing, L, E, K, slots, "eam-reuse", prefill_weight=0.05)
+    flat = headroom.replay(routing, L, E, K, slots, "eam-reuse", prefill_weight=1.0)
     assert weighted > flat

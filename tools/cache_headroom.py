@@ -5,13 +5,17 @@ Issue #15 asks for "a cache that knows the layers loop ... the ``eam-reuse`` ide
 tool measures how far a cache policy is from the best possible one on the workload of
 ``moeserve bench policies``: it decodes the eval prompts once (greedy, half the experts in the
 buffer, no link) and records every MoE layer's routing (request ids, token positions,
-prompt/generated flags, top-k ids), then replays the layer-by-layer expert lookups through a buffer of ``S`` slots under
+prompt/generated flags, top-k ids), then replays the layer-by-layer expert lookups through a
+buffer of ``S`` slots under
 
 * ``lru``: evict the least recently used slot;
-* ``eam-reuse w=..``: the runtime's own :class:`moe_runtime.buffer.policies.EAMReuseCachePolicy`
-  over a real :class:`tracer.recorder.RequestRecorder` fed the same routing, with prompt tokens
-  weighing ``w`` (``PREFILL_WEIGHT`` is the default; 1 counts every token alike);
-* ``belady``: evict the slot whose next use is furthest in the recorded future.
+* ``eam-reuse w=..``: prompt tokens weighing ``w`` (``PREFILL_WEIGHT`` is the default; 1 counts
+  every token alike);
+* ``belady``: evict the slot whose next use is furthest in the recorded future (the runtime's
+  ``oracle`` cache policy);
+
+each the runtime's own policy class over a real :class:`tracer.recorder.RequestRecorder` fed the
+same routing (:func:`replay`).
 
 A lookup is one distinct expert a layer's tokens chose; the layer's own experts are never victims
 (they are pinned while it runs, as in the runtime); a miss fills a slot at once (no link, no
@@ -39,7 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from moe_runtime.bench.policies import _run_batches, load_model_and_workload, register_workload_args  # noqa: E402
-from moe_runtime.buffer.policies import PREFILL_WEIGHT, EAMReuseCachePolicy  # noqa: E402
+from moe_runtime.buffer.cache_policy import make_cache_policy  # noqa: E402
+from moe_runtime.buffer.policies import PREFILL_WEIGHT  # noqa: E402
 from tracer.recorder import RequestRecorder  # noqa: E402
 
 Routing = list[tuple[int, list[str], np.ndarray, np.ndarray, np.ndarray]]  # per routed layer
@@ -81,64 +86,30 @@ def record_routing(model_dir: Path, args: argparse.Namespace, batch: int) -> tup
     return out, cfg.num_moe_layers, cfg.num_experts, cfg.top_k
 
 
-def lookups(routing: Routing, num_experts: int) -> list[list[int]]:
-    """Each routed layer's distinct experts as flat keys ``layer * E + expert``, ascending."""
-    return [[layer * num_experts + int(e) for e in np.unique(topk)] for layer, _, _, _, topk in routing]
+def replay(routing: Routing, L: int, E: int, k: int, slots: int, policy: str, **context) -> float:
+    """Hit rate of the runtime's cache policy ``policy`` (``make_cache_policy``; ``context``: its
+    extra arguments, e.g. ``prefill_weight``) over the recorded routing, with ``slots`` slots.
 
+    The policy sees what it sees in the runtime: a :class:`tracer.recorder.RequestRecorder` fed
+    the routing (requests begin at their first step and finish when they leave the batch), its
+    ``after_routing`` per routed layer, then each of the layer's distinct experts looked up (a
+    miss fills a free slot or the policy's victim among the slots the layer does not need); for
+    ``oracle`` (Belady) an :class:`moe_runtime.prefetch.OracleSchedule` of the same lookups,
+    advanced per layer as the buffer does."""
+    from moe_runtime.prefetch import OracleSchedule
 
-def replay_lru(keys: list[list[int]], slots: int) -> float:
-    """Hit rate of LRU over ``keys`` (per layer) with ``slots`` slots."""
-    last: dict[int, int] = {}
-    hits = n = t = 0
-    for layer_keys in keys:
-        need = set(layer_keys)
-        for k in layer_keys:
-            n, t = n + 1, t + 1
-            if k in last:
-                hits += 1
-            elif len(last) >= slots:
-                cands = [c for c in last if c not in need]
-                if not cands:
-                    continue  # every slot holds this layer's experts: not cached
-                del last[min(cands, key=last.__getitem__)]
-            last[k] = t
-    return hits / max(1, n)
-
-
-def replay_belady(keys: list[list[int]], slots: int) -> float:
-    """Hit rate of Belady (furthest next use evicted) over ``keys`` with ``slots`` slots."""
-    flat = [(i, k) for i, layer_keys in enumerate(keys) for k in layer_keys]
-    nxt, seen = [0] * len(flat), {}
-    for j in range(len(flat) - 1, -1, -1):
-        nxt[j] = seen.get(flat[j][1], len(flat))
-        seen[flat[j][1]] = j
-    held: dict[int, int] = {}  # key -> its next use
-    hits = 0
-    for j, (i, k) in enumerate(flat):
-        if k in held:
-            hits += 1
-        elif len(held) >= slots:
-            need = set(keys[i])
-            cands = [c for c in held if c not in need]
-            if not cands:
-                continue
-            del held[max(cands, key=held.__getitem__)]
-        held[k] = nxt[j]
-    return hits / max(1, len(flat))
-
-
-def replay_eam_reuse(routing: Routing, L: int, E: int, k: int, slots: int, prefill_weight: float) -> float:
-    """Hit rate of the runtime's ``eam-reuse`` policy (``prefill_weight`` for prompt tokens), its
-    recorder fed the recorded routing, with ``slots`` slots."""
+    log = [(layer, tuple(int(e) for e in np.unique(topk))) for layer, _, _, _, topk in routing]
+    oracle = OracleSchedule(log, E) if policy == "oracle" else None
     rec = RequestRecorder(L, E, k)
-    pol = EAMReuseCachePolicy(slots, E, num_layers=L, recorder=rec, prefill_weight=prefill_weight)
+    ctx = {"num_layers": L, "recorder": rec, "oracle": oracle, **context}
+    pol = make_cache_policy(policy, slots, E, **ctx)
     slot_of: dict[int, int] = {}
     key_of = [-1] * slots
     live: list[str] = []
     prev_layer = L
     hits = n = 0
-    for layer, ids, seq, prefill, topk in routing:
-        if layer <= prev_layer and prev_layer < L:
+    for (layer, ids, seq, prefill, topk), (_, experts) in zip(routing, log):
+        if layer <= prev_layer < L:
             rec.end_step()
         prev_layer = layer
         if ids != live:
@@ -150,8 +121,10 @@ def replay_eam_reuse(routing: Routing, L: int, E: int, k: int, slots: int, prefi
                     rec.begin_request(r, int(np.sum(prefill[seq == ids.index(r)])))
             live = list(ids)
         rec.record(layer, ids, seq, prefill, topk, None)
+        if oracle is not None:
+            oracle.advance(layer)
         pol.after_routing(layer, ids, topk)
-        need = [layer * E + int(e) for e in np.unique(topk)]
+        need = [layer * E + e for e in experts]
         for key in need:
             n += 1
             s = slot_of.get(key)
@@ -165,7 +138,7 @@ def replay_eam_reuse(routing: Routing, L: int, E: int, k: int, slots: int, prefi
                 pinned = {slot_of[x] for x in need if x in slot_of}
                 cands = np.array([i for i in range(slots) if i not in pinned], dtype=np.int64)
                 if not len(cands):
-                    continue
+                    continue  # every slot holds this layer's experts: not cached
                 s = pol.victim(cands)
                 del slot_of[key_of[s]]
             slot_of[key], key_of[s] = s, key
@@ -180,14 +153,14 @@ def run(args: argparse.Namespace) -> dict:
     rows = []
     for batch in args.batches:
         routing, L, E, k = record_routing(model_dir, args, batch)
-        keys = lookups(routing, E)
+        n = sum(len(np.unique(topk)) for *_, topk in routing)
         for frac in args.fractions:
             slots = max(1, math.ceil(frac * L * E))  # as the runtime sizes the buffer (memory_plan)
-            row = {"batch": batch, "buffer_fraction": frac, "slots": slots, "lookups": sum(map(len, keys))}
-            row["lru"] = replay_lru(keys, slots)
+            row = {"batch": batch, "buffer_fraction": frac, "slots": slots, "lookups": n}
+            row["lru"] = replay(routing, L, E, k, slots, "lru")
             for w in args.weights:
-                row[f"eam-reuse w={w:g}"] = replay_eam_reuse(routing, L, E, k, slots, w)
-            row["belady"] = replay_belady(keys, slots)
+                row[f"eam-reuse w={w:g}"] = replay(routing, L, E, k, slots, "eam-reuse", prefill_weight=w)
+            row["belady"] = replay(routing, L, E, k, slots, "oracle")
             rows.append(row)
     settings = {
         "model": model_dir.name,
