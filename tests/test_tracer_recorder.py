@@ -49,13 +49,24 @@ class _Script:
         return out
 
 
+def _inputs(step: list[tuple[str, int, int, bool]]) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """A scripted step's request ids, ``token_seq`` and ``token_prefill``."""
+    ids = [r for r, _, _, _ in step]
+    seq = np.concatenate([np.full(n, b) for b, (_, _, n, _) in enumerate(step)]).astype(np.int64)
+    prefill = np.concatenate([np.full(n, pf) for _, _, n, pf in step])
+    return ids, seq, prefill
+
+
+def _topk(script: _Script, step: list[tuple[str, int, int, bool]], layer: int) -> np.ndarray:
+    """A scripted step's ``[T, k]`` expert ids at ``layer``."""
+    return np.concatenate([script.routes[r][p : p + n, layer] for r, p, n, _ in step])
+
+
 def _drive(rec: RequestRecorder, script: _Script, rids: list[str], chunk: int = 4) -> None:
     for step in script.steps(rids, chunk):
-        ids_batch = [r for r, _, _, _ in step]
-        seq = np.concatenate([np.full(n, b) for b, (_, _, n, _) in enumerate(step)]).astype(np.int64)
-        prefill = np.concatenate([np.full(n, pf) for _, _, n, pf in step])
+        ids_batch, seq, prefill = _inputs(step)
         for layer in range(L):
-            topk = np.concatenate([script.routes[r][p : p + n, layer] for r, p, n, _ in step])
+            topk = _topk(script, step, layer)
             w = np.concatenate([script.weights[r][p : p + n, layer] for r, p, n, _ in step])
             rec.record(layer, ids_batch, seq, prefill, topk, w)
         rec.end_step()
@@ -334,12 +345,9 @@ def test_query_sum_weighs_prompt_tokens_by_prefill_weight() -> None:
         rec.begin_request(r, script.prompts[r])
     steps = script.steps(["a", "b"], chunk=2)
     for i, step in enumerate(steps):
-        ids = [r for r, _, _, _ in step]
-        seq = np.concatenate([np.full(n, b) for b, (_, _, n, _) in enumerate(step)]).astype(np.int64)
-        prefill = np.concatenate([np.full(n, pf) for _, _, n, pf in step])
+        ids, seq, prefill = _inputs(step)
         for layer in range(L):
-            topk = np.concatenate([script.routes[r][p : p + n, layer] for r, p, n, _ in step])
-            rec.record(layer, ids, seq, prefill, topk, None)
+            rec.record(layer, ids, seq, prefill, _topk(script, step, layer), None)
             if i == len(steps) - 1 and layer == 1:  # mid-step: rows <= 1 hold the open step
                 break
         else:
@@ -380,11 +388,9 @@ def test_prompt_weighted_query_sum_kept_across_layers_equals_a_fresh_one() -> No
     steps = script.steps(["a", "b", "c"], chunk=3)
     last = {r: i for i, step in enumerate(steps) for r, _, _, _ in step}  # each request's last step
     for i, step in enumerate(steps):
-        ids = [r for r, _, _, _ in step]
-        seq = np.concatenate([np.full(n, b) for b, (_, _, n, _) in enumerate(step)]).astype(np.int64)
-        prefill = np.concatenate([np.full(n, pf) for _, _, n, pf in step])
+        ids, seq, prefill = _inputs(step)
         for layer in range(L):
-            topk = np.concatenate([script.routes[r][p : p + n, layer] for r, p, n, _ in step])
+            topk = _topk(script, step, layer)
             rec.record(layer, ids, seq, prefill, topk, None)
             got = rec.query_sum(ids, layer, prefill_weight=0.05)
             rec.query_sum(ids, layer)  # the other form in between

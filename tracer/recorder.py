@@ -55,6 +55,19 @@ _PREFILL, _DECODE = 0, 1
 MAX_PENDING_LAYERS = 1024
 
 
+class _RunningSum:
+    """:meth:`RequestRecorder.query_sum`'s running state for one prompt weight: the ``(epoch,
+    request ids)`` it holds, the earlier steps' ``[L, E]`` sum and the current step's rows up to
+    ``upto`` (a new epoch, batch or an earlier layer starts it again)."""
+
+    __slots__ = ("key", "base", "step", "upto")
+
+    def __init__(self) -> None:
+        self.key: tuple[int, list[str]] | None = None
+        self.base = self.step = np.zeros(0)
+        self.upto = -1
+
+
 class _Live:
     """Bookkeeping of one live request (slot, trace metadata, per-token choices if tracing)."""
 
@@ -121,16 +134,7 @@ class RequestRecorder:
         self._last_ids: list[str] | None = None
         self._last_rows: slice | np.ndarray = np.zeros(0, dtype=np.int64)  # _rows(_last_ids)
         self._query_memo: tuple[int, list[str], np.ndarray] | None = None  # dropped when counts change
-        # query_sum's running state: (epoch, ids), earlier steps' [L, E] sum, this step's rows <= upto
-        self._total_key: tuple[int, list[str]] | None = None
-        self._total_base = np.zeros((num_layers, num_experts), dtype=np.float32)
-        self._total_step = np.zeros((num_layers, num_experts), dtype=np.float32)
-        self._total_upto = -1
-        # the same for query_sum's prompt-weighted form: (epoch, ids, weight), sums as float64
-        self._wkey: tuple[int, list[str], float] | None = None
-        self._wbase = np.zeros((num_layers, num_experts))
-        self._wstep = np.zeros((num_layers, num_experts))
-        self._wupto = -1
+        self._sums: dict[float, _RunningSum] = {}  # query_sum's running state per prompt weight
         self.committed = 0
         self._group: _Pending | None = None  # layers recorded, not counted yet
         # bumped when an EAM of earlier steps or the set of live requests changes (see ``query``)
@@ -240,10 +244,9 @@ class RequestRecorder:
         g.ids.append(topk_ids)
         g.layers.append(moe_layer)
         self._query_memo = None
-        if moe_layer <= self._total_upto:  # a layer query_sum already summed changed again
-            self._total_key = None
-        if moe_layer <= self._wupto:  # the same for its prompt-weighted form
-            self._wkey = None
+        for run in self._sums.values():
+            if moe_layer <= run.upto:  # a layer query_sum already summed changed again
+                run.key = None
         if self.trace_writer is not None:
             self._keep_choices(
                 moe_layer,
@@ -479,47 +482,37 @@ class RequestRecorder:
 
         With ``prefill_weight != 1`` each prompt token's choices count ``prefill_weight`` and each
         generated token's 1 (``decode + prefill_weight * prefill``, from the phase tables, kept
-        the same way per epoch, batch and weight; float64): the ``eam-reuse`` cache weighs the
-        decode phase, whose routing the next decode step repeats, above the prompt's.
+        the same way per weight; float64): the ``eam-reuse`` cache weighs the decode phase, whose
+        routing the next decode step repeats, above the prompt's.
 
         Raises:
             KeyError: a request id is not live.
         """
         self._flush()
         rows = self._rows(request_ids)
-        if prefill_weight != 1.0:
-            return self._weighted_sum(rows, request_ids, upto_layer, prefill_weight)
-        key = self._total_key
-        if key is None or key[0] != self.epoch or key[1] != request_ids or upto_layer < self._total_upto:
-            self._total_base = self._sum[rows].sum(axis=0)
-            self._total_step[:] = 0
-            self._total_upto = -1
-            self._total_key = (self.epoch, list(request_ids))
-        if upto_layer > self._total_upto:
-            lo = self._total_upto + 1
-            self._total_step[lo : upto_layer + 1] = self._step_sum[rows, lo : upto_layer + 1].sum(axis=0)
-            self._total_upto = upto_layer
-        return self._total_base + self._total_step
-
-    def _weighted_sum(
-        self, rows: slice | np.ndarray, request_ids: list[str], upto_layer: int, weight: float
-    ) -> np.ndarray:
-        """:meth:`query_sum` with prompt tokens weighing ``weight``, kept as its unweighted form
-        is: the earlier steps' ``decode + weight * prefill`` once per :attr:`epoch`, batch and
-        weight, each routed layer's rows of the current step once (from the phase tables)."""
-        key = (self.epoch, request_ids, weight)
-        if self._wkey is None or self._wkey != key or upto_layer < self._wupto:
-            phases = self._eam[rows].sum(axis=0)  # [2, L, E] int64
-            self._wbase = phases[_DECODE] + weight * phases[_PREFILL]
-            self._wstep = np.zeros_like(self._wbase)
-            self._wupto = -1
-            self._wkey = (self.epoch, list(request_ids), weight)
-        if upto_layer > self._wupto:
-            lo = self._wupto + 1
-            step = self._step[rows, :, lo : upto_layer + 1].sum(axis=0)  # [2, span, E]
-            self._wstep[lo : upto_layer + 1] = step[_DECODE] + weight * step[_PREFILL]
-            self._wupto = upto_layer
-        return self._wbase + self._wstep
+        w = prefill_weight
+        run = self._sums.get(w)
+        if run is None:
+            run = self._sums[w] = _RunningSum()
+        key = run.key
+        if key is None or key[0] != self.epoch or key[1] != request_ids or upto_layer < run.upto:
+            if w == 1.0:
+                run.base = self._sum[rows].sum(axis=0)
+            else:
+                phases = self._eam[rows].sum(axis=0)  # [2, L, E] int64
+                run.base = phases[_DECODE] + w * phases[_PREFILL]
+            run.step = np.zeros_like(run.base)
+            run.upto = -1
+            run.key = (self.epoch, list(request_ids))
+        if upto_layer > run.upto:
+            lo, hi = run.upto + 1, upto_layer + 1
+            if w == 1.0:
+                run.step[lo:hi] = self._step_sum[rows, lo:hi].sum(axis=0)
+            else:
+                step = self._step[rows, :, lo:hi].sum(axis=0)  # [2, span, E]
+                run.step[lo:hi] = step[_DECODE] + w * step[_PREFILL]
+            run.upto = upto_layer
+        return run.base + run.step
 
     def request_eam(self, request_id: str) -> tuple[np.ndarray, np.ndarray]:
         """``(prefill, decode)`` ``(L, E)`` int64 copies of the request EAM (finished steps only).
