@@ -147,6 +147,75 @@ def test_link_model_holds_for_bytes_over_bandwidth():
     assert 3 * 0.011 <= elapsed < 3 * 0.011 + 0.05
 
 
+class _LateClock:
+    """A fake ``time`` for ``moe_runtime.io.link``: every sleep returns ``late`` seconds past
+    its deadline, as ``time.sleep`` does on a real host (75-100 us on the development VM)."""
+
+    def __init__(self, late: float) -> None:
+        self.now, self.late = 1.0, late
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds + self.late
+
+
+def test_link_model_back_to_back_copies_do_not_pay_each_late_wake_up(monkeypatch):
+    import moe_runtime.io.link as link_mod
+
+    clock = _LateClock(late=100e-6)
+    monkeypatch.setattr(link_mod, "time", clock)
+    link = LinkModel(gbps=0.5, latency_us=10.0)
+    per = link.transfer_seconds(98_304)  # one bundled-model expert: 207 us
+    t0 = clock.now
+    ready = t0
+    for _ in range(10):  # a queue of copies: each ready before the I/O thread comes back
+        link.hold(98_304, clock.perf_counter(), ready_at=ready)
+    assert clock.now == pytest.approx(t0 + 10 * per + clock.late)  # one late return, not ten
+    assert link.idle_s == pytest.approx(0.0, abs=1e-12)
+    # without ready_at (the I/O thread waited for each transfer) every late return is paid
+    slow = LinkModel(gbps=0.5, latency_us=10.0)
+    t1 = clock.now
+    for _ in range(10):
+        slow.hold(98_304, clock.perf_counter())
+    assert clock.now == pytest.approx(t1 + 10 * (per + clock.late))
+    assert slow.idle_s == pytest.approx(9 * clock.late)
+
+
+def test_link_model_starts_a_transfer_no_earlier_than_it_was_ready(monkeypatch):
+    import moe_runtime.io.link as link_mod
+
+    clock = _LateClock(late=0.0)
+    monkeypatch.setattr(link_mod, "time", clock)
+    link = LinkModel(gbps=1.0)
+    link.hold(1000, clock.perf_counter())  # 1 us, ends at t = 1.000001
+    clock.now += 0.5  # the I/O thread comes back much later
+    back = clock.now
+    link.hold(1000, back, ready_at=back - 0.1)  # queued 0.1 s ago: its link time is long over
+    assert clock.now == back  # no sleep
+    assert link.idle_s == pytest.approx(0.4)  # idle from the first end until it was queued
+    link.hold(1000, clock.perf_counter(), ready_at=back + 5.0)  # a ready_at after started is ignored
+    assert clock.now == pytest.approx(back + 1e-6)
+
+
+def test_queued_copies_run_back_to_back_on_the_emulated_link():
+    """A queue of prefetches moves at the link's nominal rate: the I/O thread goes from one
+    landed copy straight to the next, which starts at the previous one's deadline."""
+    buf = ExpertBuffer(make_store(), [torch.device("cpu")], L * E - 1, link=(0.05, 0.0))
+    try:
+        keys = list(range(1, L * E))
+        buf.prefetch(keys, [1.0] * len(keys))
+        deadline = time.monotonic() + 10
+        while buf.stats.prefetch_bytes < len(keys) * buf.store.expert_nbytes:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        link = buf.parts[0].link
+        assert link.idle_s == pytest.approx(0.0, abs=1e-9)
+    finally:
+        buf.close()
+
+
 def test_blocking_time_is_measured_with_emulated_link():
     buf = ExpertBuffer(make_store(), [torch.device("cpu")], 2, link=(1e-5, 0.0))
     try:

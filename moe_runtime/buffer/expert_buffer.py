@@ -300,6 +300,7 @@ class ExpertBuffer:
         part.copier.bind_thread()
         nbytes = self.store.expert_nbytes
         while True:
+            waited = False  # since the previous copy landed (see moe_runtime.io.link)
             with self.cond:
                 while True:
                     if self._closing:
@@ -307,12 +308,14 @@ class ExpertBuffer:
                     t = part.queue.peek()
                     if t is None:
                         self.cond.wait()
+                        waited = True
                         continue
                     s = part.allocate(t)
                     if s is not None:
                         break
                     if t.demand:
                         self.cond.wait()  # the compute thread will release a slot
+                        waited = True
                     else:
                         part.queue.cancel(t.key)  # nothing evictable for a prefetch: drop it
                         self.stats.prefetch_cancelled += 1
@@ -321,7 +324,9 @@ class ExpertBuffer:
             started = time.perf_counter()
             part.copier.copy(part.slots[s], self.store.expert(t.key), after)
             if part.link is not None:
-                part.link.hold(nbytes, started)
+                # straight on from the previous copy: this one was ready when it was queued,
+                # or when the previous one's link time ended, whichever is later
+                part.link.hold(nbytes, started, None if waited else t.queued_at)
             with self.cond:
                 part.land(s, t)
                 self.cond.notify_all()

@@ -76,8 +76,8 @@ class RuntimeProbe:
             probe._records(model.buffer).forwards.append((t0, time.perf_counter(), int(input_ids.shape[0])))
             return out
 
-        def timed_hold(link: Any, nbytes: int, started: float) -> None:
-            hold(link, nbytes, started)
+        def timed_hold(link: Any, nbytes: int, started: float, ready_at: float | None = None) -> None:
+            hold(link, nbytes, started, ready_at)
             rec = links.get(id(link))
             if rec is not None:
                 rec.holds.append((started, time.perf_counter()))
