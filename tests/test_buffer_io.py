@@ -397,3 +397,24 @@ def test_partition_evictable_bookkeeping_matches_a_full_scan(policy_name: str, s
             layer = int(rng.integers(0, L))
             part.settle_prefetches(layer, {layer * E + int(rng.integers(0, E))})
     assert victims > 10
+
+
+def test_link_thread_timer_slack_is_set_on_linux():
+    import sys
+
+    out = {}
+
+    def probe() -> None:
+        out["set"] = LinkModel.bind_thread()
+        if sys.platform.startswith("linux"):
+            import ctypes
+
+            out["slack"] = ctypes.CDLL(None).prctl(30, 0, 0, 0, 0)  # PR_GET_TIMERSLACK
+
+    th = threading.Thread(target=probe)
+    th.start()
+    th.join()
+    if sys.platform.startswith("linux"):
+        assert out == {"set": True, "slack": 1000}
+    else:
+        assert out == {"set": False}

@@ -298,6 +298,8 @@ class ExpertBuffer:
 
     def _copy_loop(self, part: Partition) -> None:
         part.copier.bind_thread()
+        if part.link is not None:
+            part.link.bind_thread()  # sleeps that end nearer their deadlines (moe_runtime.io.link)
         nbytes = self.store.expert_nbytes
         while True:
             waited = False  # since the previous copy landed (see moe_runtime.io.link)
