@@ -90,7 +90,8 @@ def create_app(
     app.include_router(chat.make_router(), dependencies=[auth])
     app.include_router(misc.make_router(auth))
     app.include_router(tokenize.make_router(), dependencies=[auth])
-    # added innermost first: metrics -> API key -> body limit -> Retry-After -> routes
+    # added innermost first: metrics -> API key -> body limit -> Retry-After -> internal errors
+    # (install_error_handlers) -> routes
     app.add_middleware(RetryAfterMiddleware, seconds=settings.retry_after_s)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.api_key is not None:

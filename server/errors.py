@@ -143,15 +143,58 @@ async def _http_error(_: Request, exc: Exception) -> JSONResponse:
     )
 
 
-async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
-    log.exception("internal error while serving a request", exc_info=exc)
+def _internal_response() -> JSONResponse:
     return error_response(500, "the server had an error while processing the request", "server_error")
 
 
+async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+    log.exception("internal error while serving a request", exc_info=exc)
+    return _internal_response()
+
+
+class InternalErrorMiddleware:
+    """Answer an exception a route raised before its response started with the 500 OpenAI error
+    and end the request there, keeping the connection open.
+
+    Starlette hands a handler for ``Exception`` to its outermost ``ServerErrorMiddleware``, which
+    sends that handler's response and then re-raises; uvicorn, seeing an exception after the
+    response started, closes the connection, so a keep-alive client's next request on it fails
+    with a connection reset (``tests/test_server_errors.py``). Installed innermost, just outside
+    the routes, this catches the exception first, so the other middlewares (metrics, auth) see a
+    plain 500 response. An exception after the response started (a stream cut short) is re-raised:
+    that response cannot be finished, and closing the connection is right.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: dict) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            if started:
+                raise
+            log.exception("internal error while serving a request", exc_info=exc)
+            await _internal_response()(scope, receive, send)
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    """Map every exception a route can raise onto an OpenAI error response."""
+    """Map every exception a route can raise onto an OpenAI error response. Call before adding
+    any other middleware (:class:`InternalErrorMiddleware` must be the innermost)."""
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(MoeServeError, _runtime_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(Exception, _internal_error)
+    app.add_exception_handler(Exception, _internal_error)  # raised in a middleware outside the routes
+    app.add_middleware(InternalErrorMiddleware)  # the first added: innermost (see its docstring)
