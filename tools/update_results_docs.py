@@ -5,7 +5,8 @@ subsection, ``moeserve bench lookahead --json > runs/bench/lookahead.json``). Ne
 no ``runs/bench/decode.json`` (``tools/update_bench_docs.py`` calls this file after writing
 docs/benchmarks.md). When ``runs/bench/policies-previous.json`` exists (a single-run or earlier
 ``--json`` output of the same command: copy the last ``policies.json`` there before a rerun), its
-TPOT and blocking stand beside this run's, row by row.
+TPOT and blocking stand beside this run's, row by row; ``--previous-note TEXT`` adds a sentence
+saying what changed between the two runs (the commit, a fix), printed under that table's heading.
 The tables come from ``moeserve bench render``'s code; every figure in the prose is computed here
 from the same files. Leaves docs/results.md as it is when runs/bench/policies.json is absent.
 """
@@ -27,6 +28,12 @@ from moe_runtime.bench.policy_summary import (  # noqa: E402
 from moe_runtime.bench.render import fmt_key, fmt_spread, render_policies  # noqa: E402
 
 bench = root / "runs/bench"
+previous_note = ""
+if "--previous-note" in sys.argv:
+    i = sys.argv.index("--previous-note")
+    if i + 1 >= len(sys.argv):
+        raise SystemExit("--previous-note: give the text")
+    previous_note = sys.argv[i + 1].strip() + "\n\n"
 if not (bench / "policies.json").exists():
     print("runs/bench/policies.json absent: docs/results.md left as it is")
     raise SystemExit(0)
@@ -156,7 +163,7 @@ if prev_path.exists():
     prev_txt = f"""
 ### The previous {"single run" if n_prev == 1 else f"{n_prev}-repeat run"} beside this one
 
-`runs/bench/policies-previous.json` ({"one run of each row by the command before `--repeats`, the kind of run this section's tables came from before" if n_prev == 1 else f"{n_prev} repeats"};
+{previous_note}`runs/bench/policies-previous.json` ({"one run of each row by the command before `--repeats`, the kind of run this section's tables came from before" if n_prev == 1 else f"{n_prev} repeats"};
 workload settings the same: {same}; different: {differ}) against this run's median [spread]:
 {outside} of {2 * len(lines)} previous figures lie outside this run's spread (load averages of the
 previous run: {load(ps.get("load_avg_before")) if ps.get("load_avg_before") else "not recorded"}). Verdicts drawn from a
