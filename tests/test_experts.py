@@ -167,6 +167,41 @@ def test_one_landed_expert_runs_its_rows_from_one_upload_with_the_same_bits(monk
             ran.clear()
 
 
+def test_one_landed_expert_after_the_first_costs_ten_aten_ops():
+    """The CPU-checkable proxy of a miss's host cost (kernel launches on a GPU): once the layer's
+    rows are gathered (at its first one-expert batch), each further one-expert batch is three
+    slices, two ``F.linear``, the SwiGLU (chunk, silu, mul), the router-weight scale and one
+    ``index_copy_``: ten aten ops, no gather, select or cast."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    x, weights, ids, handles = _fake_layer()
+    part = handles[0].part  # per-slot views in a list, as a Partition keeps them (no select op)
+    part.gate_up, part.down = list(part.gate_up.unbind(0)), list(part.down.unbind(0))
+    per_call = []
+    one_expert = experts._one_expert
+
+    def counted(*a):
+        before = Count.ops
+        with Count():
+            one_expert(*a)
+        per_call.append(Count.ops - before)
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(experts, "_one_expert", counted), torch.inference_mode():  # as the engine
+        experts.run_experts(x, weights, ids, _Batches([[h] for h in handles]), 6, "grouped")
+    assert len(per_call) == len(handles) >= 3
+    assert per_call[1:] == [10] * (len(handles) - 1)
+    assert per_call[0] > 10  # the layer's one upload and gathers
+
+
 @pytest.mark.parametrize("resident", [True, False])
 def test_launched_runs_after_the_resident_batch_and_before_the_first_wait(resident: bool) -> None:
     """``launch_then`` calls the hook (the prefetch plan on an accelerator) once: after the

@@ -16,6 +16,12 @@ usual miss on a slow link: each lands alone while the previous one computes) run
 ``F.linear`` on rows taken from one upload per layer of every row's indices grouped by expert
 (:meth:`LayerPlan.expert_rows`), skipping the batch's sort, offsets and upload: 36.5 -> 25.2 us
 of host time per such batch at the bundled model's shape (thread CPU time, batch 4, median of 7).
+The layer's token rows and router weights are gathered in that order once too, at its first
+one-expert batch (:meth:`LayerPlan.expert_inputs`), so each further one is ten aten ops (three
+slices, the two projections, SwiGLU, the weight scale, one ``index_copy_``) instead of fifteen:
+34-36 -> 26 us per one-expert batch, setup included (thread CPU time, a 15-expert layer of the
+bundled model's shape at batch 4 in one-expert batches, old and new interleaved, median of 350,
+two runs; ``tests/test_experts.py`` pins the op count).
 
 Determinism: a token's expert contributions land in ``contrib [T*k, H]`` at (token, rank) with the
 ranks sorted by expert id; the final sum adds rank 0, 1, ... in that order, as the reference's
@@ -150,6 +156,7 @@ class LayerPlan:
         self._slot_of = np.full(num_experts, -1, dtype=np.int64)
         self._k = k
         self._by_expert: tuple[torch.Tensor, np.ndarray] | None = None
+        self._inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray] | None = None
 
     def expert_rows(self, device: torch.device) -> tuple[torch.Tensor, np.ndarray]:
         """``(rows [3, T*k] int64 on device, starts [E + 1])``: for the (token, rank) rows in
@@ -163,6 +170,21 @@ class LayerPlan:
             starts = np.concatenate(([0], np.cumsum(self.counts)))
             self._by_expert = (torch.from_numpy(host).to(device, non_blocking=True), starts)
         return self._by_expert
+
+    def expert_inputs(
+        self, x: torch.Tensor, w_flat: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]:
+        """``(x_rows [T*k, H], w_rows [T*k, 1], positions [T*k], starts [E + 1])``: the rows of
+        :meth:`expert_rows`, gathered once per layer (on the first call): each row's token of
+        ``x [T, H]``, its router weight from ``w_flat [T*k]`` and its (token, rank) position.
+        Expert ``e``'s inputs are then rows ``starts[e]:starts[e + 1]`` of each, one slice apiece
+        (three ops per one-expert batch instead of seven: three row selects, two gathers, an
+        unsqueeze and a slice)."""
+        if self._inputs is None:
+            rows, starts = self.expert_rows(x.device)
+            tok, src, pos = rows.unbind(0)
+            self._inputs = (x.index_select(0, tok), w_flat.index_select(0, src).unsqueeze(1), pos, starts)
+        return self._inputs
 
     def calls(self, batch: list[Any]) -> Iterable[tuple[Any, np.ndarray, list[Segment], np.ndarray]]:
         """Split a batch of :class:`~moe_runtime.buffer.ExpertHandle` per partition into grouped
@@ -294,7 +316,7 @@ def run_experts(
             if part.device != x.device:
                 y = y.to(x.device)
             # scaled by the router weight, then cast, as the reference does
-            y = (y * w_flat.index_select(0, dev[n : 2 * n]).unsqueeze(1)).to(contrib.dtype)
+            y = _cast(y * w_flat.index_select(0, dev[n : 2 * n]).unsqueeze(1), contrib.dtype)
             contrib.index_copy_(0, dev[2 * n : 3 * n], y)
     # contributions summed per token in ascending expert order (ranks were sorted by expert id)
     return _sum_in_order(contrib.view(t, k, -1).unbind(1)), hit, blocked
@@ -326,15 +348,21 @@ def _one_expert(
     ffn: ExpertFFN | None,
 ) -> None:
     """:func:`run_experts`' work for a batch of one expert ``h`` (an :class:`ExpertHandle`):
-    its rows from the layer's one upload (:meth:`LayerPlan.expert_rows`) instead of a batch's
-    sort, offsets and upload; two ``F.linear`` on its slot views, as the grouped path runs a
-    one-expert segment, so the same bits land in ``contrib``."""
-    rows, starts = plan.expert_rows(x.device)
-    idx = rows[:, int(starts[h.expert]) : int(starts[h.expert + 1])]  # [3, n] token, weight index, position
-    y = _expert_on_rows(x.index_select(0, idx[0]), h, ffn, x.device)
+    its rows from the layer's one upload, gathered once per layer
+    (:meth:`LayerPlan.expert_inputs`), instead of a batch's sort, offsets and upload; two
+    ``F.linear`` on its slot views, as the grouped path runs a one-expert segment, so the same
+    bits land in ``contrib``."""
+    x_rows, w_rows, positions, starts = plan.expert_inputs(x, w_flat)
+    a, b = int(starts[h.expert]), int(starts[h.expert + 1])
+    y = _expert_on_rows(x_rows[a:b], h, ffn, x.device)
     # scaled by the router weight, then cast, as the reference does
-    y = (y * w_flat.index_select(0, idx[1]).unsqueeze(1)).to(contrib.dtype)
-    contrib.index_copy_(0, idx[2], y)
+    y = _cast(y * w_rows[a:b], contrib.dtype)
+    contrib.index_copy_(0, positions[a:b], y)
+
+
+def _cast(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``y.to(dtype)``, without the op when it already is (the same tensor either way)."""
+    return y if y.dtype == dtype else y.to(dtype)
 
 
 def _few_tokens(
