@@ -418,3 +418,22 @@ def test_link_thread_timer_slack_is_set_on_linux():
         assert out == {"set": True, "slack": 1000}
     else:
         assert out == {"set": False}
+
+
+def test_a_layers_demand_fetches_land_in_one_round_without_a_link():
+    """Without link emulation the I/O thread takes the demand fetches a layer queued in one round
+    (up to MAX_COPY_BATCH) and lands them together: the layer runs its misses as one batch instead
+    of one lock round-trip and wake-up per expert."""
+    from moe_runtime.buffer.expert_buffer import MAX_COPY_BATCH
+
+    buf = ExpertBuffer(make_store(), [torch.device("cpu")], L * E - 1)
+    try:
+        run = buf.start_layer(0, [0, 1, 2, 3, 4])  # nothing resident: five demand fetches
+        batches = [[h.expert for h in b] for b in run.batches()]
+        assert batches == [[0, 1, 2, 3, 4]]
+        assert MAX_COPY_BATCH >= 5
+        run = buf.start_layer(1, list(range(E)))  # six more than one round: two rounds at most
+        assert 1 <= len(list(run.batches())) <= 2
+        assert buf.stats.demand_bytes == (5 + E) * buf.store.expert_nbytes
+    finally:
+        buf.close()

@@ -59,7 +59,7 @@ def test_io_thread_death_is_raised_in_the_compute_thread(monkeypatch):
     def broken_copy(self, dst, src, after):
         raise ValueError("Expected a torch.device with a specified index")
 
-    monkeypatch.setattr(CopyEngine, "copy", broken_copy)
+    monkeypatch.setattr(CopyEngine, "start", broken_copy)
     store = HostExpertStore(2, 4, 4, 2, torch.float32)
     buf = ExpertBuffer(store, ["cpu"], 2)
     try:

@@ -14,6 +14,15 @@ Threads: one I/O thread per device partition (``_io_loop``); one lock/condition 
 partitions, so the compute thread can wait for "any of my experts landed" across devices. The slot
 state machine itself lives in :class:`~moe_runtime.buffer.partition.Partition` (shared with the
 simulator).
+
+NOTE: I/O rounds. An I/O thread takes a transfer and, if it is a demand fetch, the demand fetches
+queued behind it (up to :data:`MAX_COPY_BATCH`) in one hold of the lock, then starts all their
+copies: on CUDA they run back to back on its copy stream, each landed as its event completes; a
+memcpy (no link emulation) has landed them all on return, so they are marked READY together and
+the compute thread is woken once and runs them as one batch. A prefetch is taken alone, so a
+demand queued meanwhile never waits behind a round of prefetches. With one copy per round, each
+landing cost a lock round-trip and a wake-up of each thread, which on this 2-core host took more
+than the 96 KiB memcpy itself.
 """
 
 from __future__ import annotations
@@ -33,8 +42,12 @@ from moe_runtime.buffer.partition import Partition, apply_prefetch_plan, look_up
 from moe_runtime.buffer.placement import home_devices
 from moe_runtime.device import normalize_device
 from moe_runtime.io.link import LinkModel
+from moe_runtime.io.transfer_queue import Transfer
 from moe_runtime.stats import ExpertStats
 from moe_runtime.store import HostExpertStore
+
+# Demand fetches one I/O round takes at once (see the module note).
+MAX_COPY_BATCH = 8
 
 
 @dataclass(slots=True)
@@ -301,10 +314,12 @@ class ExpertBuffer:
         if part.link is not None:
             part.link.bind_thread()  # sleeps that end nearer their deadlines (moe_runtime.io.link)
         nbytes = self.store.expert_nbytes
+        memcpy = part.link is None and not part.copier.cuda  # a copy has landed when it returns
         while True:
             waited = False  # since the previous copy landed (see moe_runtime.io.link)
+            batch: list[tuple[Transfer, int, Any]] = []  # (transfer, slot, slot's release event)
             with self.cond:
-                while True:
+                while not batch:
                     if self._closing:
                         return
                     t = part.queue.peek()
@@ -313,22 +328,39 @@ class ExpertBuffer:
                         waited = True
                         continue
                     s = part.allocate(t)
-                    if s is not None:
-                        break
-                    if t.demand:
-                        self.cond.wait()  # the compute thread will release a slot
-                        waited = True
-                    else:
-                        part.queue.cancel(t.key)  # nothing evictable for a prefetch: drop it
-                        self.stats.prefetch_cancelled += 1
-                part.queue.pop()
-                after = part.release_events[s]
+                    if s is None:
+                        if t.demand:
+                            self.cond.wait()  # the compute thread will release a slot
+                            waited = True
+                        else:
+                            part.queue.cancel(t.key)  # nothing evictable for a prefetch: drop it
+                            self.stats.prefetch_cancelled += 1
+                        continue
+                    part.queue.pop()
+                    batch.append((t, s, part.release_events[s]))
+                    # the demand fetches queued behind it go in the same round (one lock hold,
+                    # copies back to back; see the module note)
+                    while t.demand and len(batch) < MAX_COPY_BATCH:
+                        t = part.queue.peek()
+                        if t is None or not t.demand or (s := part.allocate(t)) is None:
+                            break
+                        part.queue.pop()
+                        batch.append((t, s, part.release_events[s]))
             started = time.perf_counter()
-            part.copier.copy(part.slots[s], self.store.expert(t.key), after)
-            if part.link is not None:
-                # straight on from the previous copy: this one was ready when it was queued,
-                # or when the previous one's link time ended, whichever is later
-                part.link.hold(nbytes, started, None if waited else t.queued_at)
-            with self.cond:
-                part.land(s, t)
-                self.cond.notify_all()
+            store, copier = self.store, part.copier
+            pending = [copier.start(part.slots[s], store.expert(t.key), after) for t, s, after in batch]
+            if memcpy:  # every copy is done: land them together, one wake-up
+                with self.cond:
+                    for t, s, _ in batch:
+                        part.land(s, t)
+                    self.cond.notify_all()
+                continue
+            for i, ((t, s, _), done) in enumerate(zip(batch, pending)):
+                part.copier.wait(done)
+                if part.link is not None:
+                    # straight on from the previous copy: this one was ready when it was queued,
+                    # or when the previous one's link time ended, whichever is later
+                    part.link.hold(nbytes, started, None if waited and i == 0 else t.queued_at)
+                with self.cond:
+                    part.land(s, t)
+                    self.cond.notify_all()

@@ -25,16 +25,30 @@ class CopyEngine:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: torch.cuda.Event | None) -> None:
         """Copy ``src`` (host) into ``dst`` (a device slot) and return once it has landed."""
+        self.wait(self.start(dst, src, after))
+
+    def start(
+        self, dst: torch.Tensor, src: torch.Tensor, after: torch.cuda.Event | None
+    ) -> torch.cuda.Event | None:
+        """Begin copying ``src`` (host) into ``dst`` (a device slot) once ``after`` (the event the
+        compute stream recorded when it last released the slot) has passed; returns what
+        :meth:`wait` takes. Several started copies run back to back on the copy stream. CPU: the
+        memcpy is done on return (None)."""
         if not self.cuda:
             dst.copy_(src)
-            return
+            return None
         with torch.cuda.stream(self._stream):
             if after is not None:
                 self._stream.wait_event(after)
             dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._stream)
-        done.synchronize()
+        return done
+
+    def wait(self, done: torch.cuda.Event | None) -> None:
+        """Return once the copy :meth:`start` returned ``done`` for has landed."""
+        if done is not None:
+            done.synchronize()
 
     def release_event(self) -> torch.cuda.Event | None:
         """Compute side: mark the point after which a released slot may be overwritten."""
