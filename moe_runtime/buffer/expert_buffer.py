@@ -313,8 +313,8 @@ class ExpertBuffer:
         part.copier.bind_thread()
         if part.link is not None:
             part.link.bind_thread()  # sleeps that end nearer their deadlines (moe_runtime.io.link)
-        nbytes = self.store.expert_nbytes
-        memcpy = part.link is None and not part.copier.cuda  # a copy has landed when it returns
+        nbytes, store, copier = self.store.expert_nbytes, self.store, part.copier
+        memcpy = part.link is None and not copier.cuda  # a copy has landed when it returns
         while True:
             waited = False  # since the previous copy landed (see moe_runtime.io.link)
             batch: list[tuple[Transfer, int, Any]] = []  # (transfer, slot, slot's release event)
@@ -347,7 +347,6 @@ class ExpertBuffer:
                         part.queue.pop()
                         batch.append((t, s, part.release_events[s]))
             started = time.perf_counter()
-            store, copier = self.store, part.copier
             pending = [copier.start(part.slots[s], store.expert(t.key), after) for t, s, after in batch]
             if memcpy:  # every copy is done: land them together, one wake-up
                 with self.cond:
@@ -356,7 +355,7 @@ class ExpertBuffer:
                     self.cond.notify_all()
                 continue
             for i, ((t, s, _), done) in enumerate(zip(batch, pending)):
-                part.copier.wait(done)
+                copier.wait(done)
                 if part.link is not None:
                     # straight on from the previous copy: this one was ready when it was queued,
                     # or when the previous one's link time ended, whichever is later

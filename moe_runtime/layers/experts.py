@@ -155,21 +155,18 @@ class LayerPlan:
         self.num_used = int(np.count_nonzero(self.counts))
         self._slot_of = np.full(num_experts, -1, dtype=np.int64)
         self._k = k
-        self._by_expert: tuple[torch.Tensor, np.ndarray] | None = None
         self._inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray] | None = None
 
     def expert_rows(self, device: torch.device) -> tuple[torch.Tensor, np.ndarray]:
         """``(rows [3, T*k] int64 on device, starts [E + 1])``: for the (token, rank) rows in
         ascending expert order, each row's token, index into the flattened router weights and
         (token, rank) position; expert ``e``'s rows are columns ``starts[e]:starts[e + 1]``, in
-        ascending position (the order :meth:`calls` gives one expert's rows). Uploaded once per
-        layer, on the first call (one host->device copy, no sync)."""
-        if self._by_expert is None:
-            pos = np.argsort(self.expert, kind="stable")  # [T*k] positions grouped by expert
-            host = np.stack([pos // self._k, self.weight_src[pos], pos])
-            starts = np.concatenate(([0], np.cumsum(self.counts)))
-            self._by_expert = (torch.from_numpy(host).to(device, non_blocking=True), starts)
-        return self._by_expert
+        ascending position (the order :meth:`calls` gives one expert's rows). One host->device
+        copy, no sync; :meth:`expert_inputs` calls it once per layer."""
+        pos = np.argsort(self.expert, kind="stable")  # [T*k] positions grouped by expert
+        host = np.stack([pos // self._k, self.weight_src[pos], pos])
+        starts = np.concatenate(([0], np.cumsum(self.counts)))
+        return torch.from_numpy(host).to(device, non_blocking=True), starts
 
     def expert_inputs(
         self, x: torch.Tensor, w_flat: torch.Tensor
