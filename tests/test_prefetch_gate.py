@@ -371,6 +371,52 @@ def test_eam_bars_prefetching_while_steps_block_less_than_their_plans_would_cost
         buf.close()
 
 
+def test_one_cold_plan_cannot_hold_the_host_time_up_and_an_unmeasured_figure_fades() -> None:
+    """The runtime's first plan (a prefill layer, cold) took 8.4 ms against 0.26 ms for a decode
+    layer's: unclipped, that one sample kept the mean 3x too high and prefetching barred."""
+    from moe_runtime.prefetch.gate import HOST_CLIP, HOST_FORGET, LINK_DECAY
+
+    gate = PrefetchGate(num_layers=2, num_experts=4, depth=1)
+    gate.note_host_time(3e-4)
+    gate.note_host_time(8.4e-3)  # one cold or preempted plan
+    assert gate.host_s == pytest.approx(LINK_DECAY * 3e-4 + (1 - LINK_DECAY) * HOST_CLIP * 3e-4)
+    for _ in range(15):
+        gate.note_host_time(3e-4)
+    assert gate.host_s < 3.1e-4  # back within 15 plans (unclipped: 0.36 ms)
+    for _ in range(5):
+        gate.note_host_time(3e-3)  # the load really changed: the mean follows, if clipped
+    assert gate.host_s > 1e-3
+    before = gate.host_s
+    for _ in range(69):  # decode steps without plans: nothing re-measures it
+        gate.forget_host_time()
+    assert gate.host_s == pytest.approx(before * HOST_FORGET**69) and gate.host_s < 0.51 * before
+
+
+def test_eam_times_only_decode_plans_and_a_bar_lifts_once_its_figure_faded() -> None:
+    from test_policies import fake_eam_policy, small_store
+
+    from moe_runtime.buffer import ExpertBuffer
+
+    buf = ExpertBuffer(small_store(), [torch.device("cpu")], 12, link=(1e-7, 0.0))
+    try:
+        pol = fake_eam_policy(buf, np.ones((4, 5)), lookahead=1, probe_every=1)  # every layer plans
+        assert pol._timed and pol.trial is not None
+        pol.after_routing(0, ["a"], np.array([[0, 1], [2, 3], [1, 4]]))  # a prefill layer: 3 tokens
+        assert pol.plans == 1 and pol.gate.host_s == 0.0  # planned, not timed
+        pol.after_routing(1, ["a"], np.array([[0, 1]]))  # a decode layer
+        assert pol.plans == 2 and pol.gate.host_s > 0.0
+        pol.gate.host_s = 1e-3  # a planning layer costs 1 ms: 3 ms per step of 4 layers
+        pol._bar_prefetch(2e-3)
+        assert pol.trial.barred[0]  # 2 ms of blocking cannot pay for it
+        steps = 1
+        while pol.trial.barred[0] and steps < 1000:
+            pol._bar_prefetch(2e-3)  # the same load: only the unmeasured figure fades
+            steps += 1
+        assert 30 < steps < 60  # lifted (1 ms x 0.99^n x 3 < 2 ms): the trial may time plans again
+    finally:
+        buf.close()
+
+
 def test_two_arms_the_cheaper_runs_and_the_other_is_still_explored() -> None:
     """The ``eam`` policy's default trial: prefetching against caching alone (the reference)."""
     for best in (0, 1):

@@ -345,7 +345,8 @@ class EAMPrefetch(PrefetchPolicy):
                 t0 = time.thread_time()
                 self._plan(layer, request_ids, topk_ids)
                 host = time.thread_time() - t0 + self._lookahead_s
-                gate.note_host_time(host)
+                if topk_ids.shape[0] == len(request_ids):  # a decode layer: the cost the bar weighs
+                    gate.note_host_time(host)
                 self._lookahead_s = 0.0
                 return
         self._plan(layer, request_ids, topk_ids)
@@ -448,9 +449,12 @@ class EAMPrefetch(PrefetchPolicy):
         prefetching arm while such steps block (running mean) for less than a step of plans costs
         the compute thread (the gate's host time per planning layer times the layers that plan):
         prefetching can at best remove all blocking, so it cannot pay then (a fast link, a large
-        buffer), and exploring it would only cost."""
+        buffer), and exploring it would only cost. The host time fades while no plan runs
+        (:meth:`PrefetchGate.forget_host_time`), so a bar set under a passing load lifts and
+        the trial times plans again."""
         old = self._unplanned_blocking_s
         self._unplanned_blocking_s = blocking_s if old is None else 0.8 * old + 0.2 * blocking_s
+        self.gate.forget_host_time()  # not re-measured while barred: let it fade
         plans_s = self.gate.host_s * (self.num_layers - 1)
         self.trial.bar("prefetch", plans_s > 0 and self._unplanned_blocking_s < plans_s)
 

@@ -21,7 +21,12 @@ NOTE: the terms (issue #15), all measured online, none typed in:
 * The plan's own host time (runtime only): the compute thread's CPU seconds that planning a
   layer and computing its router lookahead take (thread CPU time, so other processes preempting
   it on a shared host do not inflate it), measured by the ``eam`` policy (a running mean over
-  the layers that plan). By the time a plan is tested its host time is spent, so the candidates
+  the decode layers that plan; a prefill layer's plan, which ranks a whole prompt's routing and
+  ran first and cold, took 8.4 ms against a decode plan's 0.26 ms p50 on the bundled model, and
+  alone kept the mean several times too high for a whole ``bench policies`` run; each sample is
+  clipped at :data:`HOST_CLIP` times the mean, and the mean fades by :data:`HOST_FORGET` per
+  decode step without plans, so a figure measured under a passing load does not bar
+  prefetching for good). By the time a plan is tested its host time is spent, so the candidates
   that pay are issued whatever it was; but while a plan's summed ``gain - cost`` does not beat
   it (a fast link, or prefetches that save less blocking than planning costs), the policy stops
   planning every layer and only probes (``EAMPrefetch.probe_every``): it is on-demand. The
@@ -50,6 +55,13 @@ from moe_runtime.prefetch import kernels
 
 # Weight of the past in the per-step link figures (b, q): they follow the load within a few steps.
 LINK_DECAY = 0.8
+# A planning layer's host time counts at most this many times the running mean (a cold or
+# preempted plan moves the mean by at most (HOST_CLIP - 1) x (1 - LINK_DECAY) of itself).
+HOST_CLIP = 4.0
+# Factor on the running host time per decode step without plans (PrefetchGate.forget_host_time):
+# half-life of about 69 steps, after which the measured trial may try prefetching again and time
+# fresh plans.
+HOST_FORGET = 0.99
 
 
 class PrefetchGate:
@@ -206,9 +218,19 @@ class PrefetchGate:
         return self.force_open or net_s > self.host_s
 
     def note_host_time(self, seconds: float) -> None:
-        """A planning layer cost the compute thread ``seconds`` (planning and router lookahead;
-        measured by the runtime's policy, never by the simulator): updates :attr:`host_s`."""
-        self.host_s = seconds if self.host_s == 0 else LINK_DECAY * self.host_s + (1 - LINK_DECAY) * seconds
+        """A decode layer's plan cost the compute thread ``seconds`` (planning and router
+        lookahead; measured by the runtime's policy, never by the simulator): updates
+        :attr:`host_s`, the sample clipped at :data:`HOST_CLIP` times it."""
+        if self.host_s == 0:
+            self.host_s = seconds
+            return
+        seconds = min(seconds, HOST_CLIP * self.host_s)
+        self.host_s = LINK_DECAY * self.host_s + (1 - LINK_DECAY) * seconds
+
+    def forget_host_time(self) -> None:
+        """A decode step ran without plans: :attr:`host_s` fades by :data:`HOST_FORGET` (it is
+        not re-measured while nothing plans, and the host's speed drifts)."""
+        self.host_s *= HOST_FORGET
 
 
 def clock(buffer: Any) -> float:
