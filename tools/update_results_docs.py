@@ -11,6 +11,7 @@ The tables come from ``moeserve bench render``'s code; every figure in the prose
 from the same files. Leaves docs/results.md as it is when runs/bench/policies.json is absent.
 """
 
+import argparse
 import json
 import re
 import sys
@@ -28,12 +29,10 @@ from moe_runtime.bench.policy_summary import (  # noqa: E402
 from moe_runtime.bench.render import fmt_key, fmt_spread, render_policies  # noqa: E402
 
 bench = root / "runs/bench"
-previous_note = ""
-if "--previous-note" in sys.argv:
-    i = sys.argv.index("--previous-note")
-    if i + 1 >= len(sys.argv):
-        raise SystemExit("--previous-note: give the text")
-    previous_note = sys.argv[i + 1].strip() + "\n\n"
+ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+ap.add_argument("--previous-note", default="", help="what changed since runs/bench/policies-previous.json")
+previous_note = ap.parse_args().previous_note.strip()
+previous_note = previous_note + "\n\n" if previous_note else ""
 if not (bench / "policies.json").exists():
     print("runs/bench/policies.json absent: docs/results.md left as it is")
     raise SystemExit(0)
