@@ -122,6 +122,41 @@ def test_gate_plan_equals_the_numpy_gate(seed: int) -> None:
     assert forced.all()
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_least_used_is_the_sorted_smallest_use_of_the_evictable_held_experts(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    L, E = int(rng.integers(1, 12)), 16
+    held = rng.random(L * E) < rng.random()
+    p_use = _ties(rng, (L * E,)) if seed % 2 else rng.random(L * E)  # float32 with ties, float64
+    layer, cap = int(rng.integers(0, L)), int(rng.integers(0, 40))
+    n_held, m_avail, least = kernels.least_used(held, p_use, layer * E, (layer + 1) * E, cap)
+    evictable = held.copy()
+    evictable[layer * E : (layer + 1) * E] = False  # the running layer's experts are pinned
+    assert n_held == held.sum() and m_avail == evictable.sum()
+    want = np.sort(p_use[evictable].astype(np.float64))[:cap]
+    np.testing.assert_array_equal(least, want)
+    assert least.dtype == np.float64
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_score_candidates_equals_the_fancy_indexed_update(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    D, E, T, k = 3, 16, int(rng.integers(1, 6)), 2
+    hits, trials = rng.random((D, E)), rng.random((D, E)) + 1
+    row, n = int(rng.integers(0, D)), int(rng.integers(1, E))
+    experts = rng.permutation(E)[:n].astype(np.int64)
+    ranks = rng.permutation(E)[:n].astype(np.int64)  # distinct within a group, as noted
+    ids = rng.integers(-1, E, size=T * k).astype(np.int64)
+    used = np.zeros(E, dtype=bool)
+    used[ids[ids >= 0]] = True
+    want_h, want_t = hits.copy(), trials.copy()  # PrefetchGate.observe's numpy form
+    want_h[row, ranks] = 0.9 * want_h[row, ranks] + used[experts]
+    want_t[row, ranks] = 0.9 * want_t[row, ranks] + 1.0
+    kernels.score_candidates(hits, trials, row, experts, ranks, ids, E, 0.9)
+    np.testing.assert_array_equal(hits, want_h)
+    np.testing.assert_array_equal(trials, want_t)
+
+
 def test_idle_link_candidates_pay_when_used_more_often_than_their_victims() -> None:
     """On a link the demand copies keep busy (q = 1) no candidate pays; with idle link time for
     two copies the best two pay when their chance of use beats their victims' reuse."""
@@ -209,6 +244,7 @@ def test_the_python_kernels_equal_the_compiled_ones() -> None:
         (kernels.own_plus_eamc, (rows, scores)),
         (kernels.match_counts, (scores, 3)),
         (kernels.row_probs, ((rng.random((2, 300)) * 9).astype(np.float32),)),
+        (kernels.least_used, (held, rng.random(6 * E).astype(np.float32), E, 2 * E, 7)),
     ):
         compiled, plain = fn(*a), fn.py_func(*a)
         for x, y in zip(compiled if isinstance(compiled, tuple) else (compiled,),

@@ -136,13 +136,11 @@ class PrefetchGate:
         pending = self._pending.pop(layer, None)
         if not pending:
             return
-        used = np.zeros(self.num_experts, dtype=bool)
-        ids = topk_ids.reshape(-1)
-        used[ids[ids >= 0]] = True
-        keep = self.decay
-        for d, experts, ranks in pending:
-            self.hits[d - 1, ranks] = keep * self.hits[d - 1, ranks] + used[experts]
-            self.trials[d - 1, ranks] = keep * self.trials[d - 1, ranks] + 1.0
+        ids = np.ascontiguousarray(topk_ids, dtype=np.int64).reshape(-1)
+        for d, experts, ranks in pending:  # one compiled call per noted group (usually one)
+            kernels.score_candidates(
+                self.hits, self.trials, d - 1, experts, ranks, ids, self.num_experts, self.decay
+            )
             self.checked += len(experts)
 
     _layer = -1
