@@ -59,9 +59,10 @@ LINK_DECAY = 0.8
 # preempted plan moves the mean by at most (HOST_CLIP - 1) x (1 - LINK_DECAY) of itself).
 HOST_CLIP = 4.0
 # Factor on the running host time per decode step without plans (PrefetchGate.forget_host_time):
-# half-life of about 69 steps, after which the measured trial may try prefetching again and time
-# fresh plans.
-HOST_FORGET = 0.99
+# half-life of about 350 steps, after which the measured trial may try prefetching again and time
+# fresh plans. Each such try costs a window of plans: at 0.99 (half-life 69) the bundled model
+# without a link re-tried every few hundred decode steps, 11 steps of plans each time.
+HOST_FORGET = 0.998
 
 
 class PrefetchGate:
