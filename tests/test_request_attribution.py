@@ -37,3 +37,38 @@ def test_requests_sharing_steps_are_charged_their_own_experts():
         charged = [o.expert_stats.lookups for o in outs]
         # a step's expert counts once in the buffer, once per request whose tokens used it
         assert all(0 < c < total for c in charged) and sum(charged) >= total
+
+
+@pytest.mark.parametrize("num_new", [[1], [4], [1, 1, 1, 1], [3, 1, 2]])
+def test_one_reduction_per_step_charges_what_the_per_layer_form_did(num_new):
+    """``StepContext.expert_attribution`` against the per-layer form it replaced: for each MoE
+    layer, a sequence is charged the distinct experts its tokens chose, their hits and blocking."""
+    import numpy as np
+    import torch
+
+    from moe_runtime.engine.context import StepContext
+
+    rng = np.random.default_rng(len(num_new) * 10 + sum(num_new))
+    E, k, L = 16, 2, 5
+    S = len(num_new)
+    step = StepContext.build(
+        [f"r{i}" for i in range(S)], list(range(S)), [3] * S, num_new, [True] * S, torch.device("cpu")
+    )
+    want = np.zeros((3, S))
+    for _ in range(L):
+        ids = np.stack([rng.choice(E, size=k, replace=False) for _ in range(sum(num_new))])
+        needed = np.unique(ids)
+        hit = np.zeros(E, dtype=bool)
+        hit[needed] = rng.random(needed.size) < 0.5
+        blocked = np.zeros(E)
+        blocked[needed[~hit[needed]]] = rng.random(int((~hit[needed]).sum())) * 1e-3
+        step.moe_layers.append((ids, hit, blocked))
+        for s in range(S):  # the per-layer form
+            mine = np.unique(ids[step.token_seq == s])
+            want[:, s] += (mine.size, hit[mine].sum(), blocked[mine].sum())
+    lookups, hits, blocking = step.expert_attribution(E)
+    assert lookups.dtype == hits.dtype == np.int64
+    np.testing.assert_array_equal(lookups, want[0])
+    np.testing.assert_array_equal(hits, want[1])
+    np.testing.assert_allclose(blocking, want[2], rtol=1e-12, atol=1e-18)
+    assert (lookups > 0).all() and blocking.sum() > 0

@@ -311,6 +311,7 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         now = time.monotonic()
         outputs = []
+        lookups, hits, blocking = step.expert_attribution(self.config.num_experts)
         for i, s in enumerate(scheduled):
             seq = s.seq
             if seq.status == SequenceStatus.FINISHED:  # aborted by a hook during the step
@@ -319,9 +320,9 @@ class LLMEngine:
                 self.stats.prompt_tokens += s.num_new
             seq.num_computed += s.num_new
             es = seq.expert_stats
-            es.lookups += int(step.seq_lookups[i])
-            es.hits += int(step.seq_hits[i])
-            es.blocking_s += float(step.seq_blocking_s[i])
+            es.lookups += int(lookups[i])
+            es.hits += int(hits[i])
+            es.blocking_s += float(blocking[i])
             if not s.sample:
                 continue
             try:

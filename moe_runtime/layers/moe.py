@@ -82,7 +82,7 @@ def moe_block(
         out, hit, blocked = run_experts(x, weights, ids_host, run, num_experts, path, ffn, launched=plan)
     finally:
         run.close()
-    _attribute(step, ids_host, needed, hit, blocked, num_experts)
+    step.moe_layers.append((ids_host, hit, blocked))  # per-request figures: reduced at the step's end
     if cfg.shared_expert_intermediate_size:
         shared = F.linear(
             F.silu(F.linear(x, w[p + "shared_gate_proj"])) * F.linear(x, w[p + "shared_up"]),
@@ -123,27 +123,3 @@ def _to_host(
     if ahead is not None:
         ahead_host = flat[n:].reshape(ahead.shape)
     return ids_host, weights_host, ahead_host
-
-
-def _attribute(
-    step: StepContext,
-    ids_host: np.ndarray,
-    needed: list[int],
-    hit: np.ndarray,
-    blocked: np.ndarray,
-    num_experts: int,
-) -> None:
-    """Charge each sequence the lookups, hits and blocking of the experts its tokens used
-    (``needed``: the layer's distinct experts, ascending)."""
-    if step.num_seqs == 1:  # one sequence used every needed expert: no [S, E] table
-        step.seq_lookups[0] += len(needed)
-        step.seq_hits[0] += int(hit[needed].sum())
-        if blocked.any():
-            step.seq_blocking_s[0] += float(blocked[needed].sum())
-        return
-    use = np.zeros((step.num_seqs, num_experts), dtype=bool)
-    use[step.token_seq[:, None], ids_host] = True
-    step.seq_lookups += use.sum(axis=1)
-    step.seq_hits += use[:, hit].sum(axis=1)
-    if blocked.any():
-        step.seq_blocking_s += use @ blocked
