@@ -137,26 +137,6 @@ def test_resident_experts_compute_while_the_miss_loads() -> None:
     assert state.buffer.now - t0 == pytest.approx(2.4 + 1.4)
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_eam_incremental_matching_plans_like_full_searches(seed: int, monkeypatch) -> None:
-    """The prefetch policy's incremental EAMC matching (PrefixMatcher) and one full search per
-    layer pick the same matches: the whole simulated run comes out the same."""
-    import moe_runtime.prefetch.eam as eam
-    from moe_runtime.prefetch.gate import PrefetchGate
-
-    # every candidate pays, so that the plans themselves reach the buffer and are compared
-    monkeypatch.setattr(PrefetchGate, "pays", lambda self, p, t, reuse: np.ones(len(p), dtype=bool))
-    reqs = random_requests(seed, 44, 6, 8, 2, 6)  # more finished requests than matches (16)
-    sim = sim_for(layers=6, experts=8, slots=12, batch=3)
-    runs = []
-    for threshold in (0, 1 << 62):  # always incremental, never incremental
-        monkeypatch.setattr(eam, "INCREMENTAL_MIN_MACS", threshold)
-        run = sim.run("eam", "eam", reqs[:24], reqs[24:])
-        runs.append((run.stats, run.tpot_s))
-    assert runs[0] == runs[1]
-    assert runs[0][0]["prefetch_issued"] > 0
-
-
 def test_layer_jitter_is_seeded_and_keeps_the_mean_layer_time() -> None:
     """Layer-time noise: off by default, the same draws for a seed, other draws for another seed,
     and the simulated time stays near the noiseless one (zero-mean noise; few clip at 0)."""

@@ -30,13 +30,14 @@ from moe_runtime.errors import ConfigError
 from moe_runtime.prefetch import kernels
 from moe_runtime.prefetch.base import PrefetchPolicy
 from moe_runtime.prefetch.gate import ModeTrial, PrefetchGate, clock
-from tracer.eam import normalize_rows
 from tracer.prefix_match import PrefixMatcher
 
-# Per-layer matching cost (us), full search vs incremental, measured on this 2-core host:
-# B=1 L=32 E=8 n=1000 (256k multiply-adds): 21 vs 33; B=4, same (1.0M): 79 vs 36;
-# B=8 L=48 E=128 n=16 (786k): 66 vs 31; B=1 L=48 E=128 n=16 (98k): 15 vs 16.
-INCREMENTAL_MIN_MACS = 512 * 1024
+# Matching is always incremental (EAMPrefetch._match). A full EAMC search per layer ran below
+# 512k multiply-adds (B * n * L * E) until the incremental matcher beat it at every shape measured
+# (bench overhead's workload, _match p50 in us, full vs incremental, batch B, n EAMC entries):
+# qwen3-30b-a3b B=1 n=32: 56-65 vs 36, B=2 n=32: 80 vs 61; mixtral-8x7b B=1 n=32: 42 vs 33,
+# n=256: 38 vs 35, n=1000: 50 vs 37; switch-base-128 B=1 n=32: 34 vs 31, B=4: 50 vs 38;
+# deepseek-v3 B=1 n=32: 80 vs 38; tools/sim_fingerprint.py: 0 of 40 runs differ.
 # The policy's modes (set_arm): prefetching, caching alone, on-demand + LRU.
 MODES = ("prefetch", "cache", "lean")
 # The runtime trial's default arms (gate.ModeTrial), the prefetching one first, the reference last.
@@ -217,39 +218,21 @@ class EAMPrefetch(PrefetchPolicy):
             self._eamc_key = None
             self._match_ids = None  # the incremental matcher starts from the full query
             self._unmatched = []
-            # the small search's normalised query of the step and its last routed row (_match)
-            self._search_query: tuple[np.ndarray, int] | None = None
         self._last_layer = layer
 
     def _match(self, layer: int, request_ids: list[str], k: int) -> np.ndarray:
         """``[n]`` how many requests have each EAMC entry among their ``k`` best matches of the
         EAM so far (prefix matching, §5.1).
 
-        Large searches (``B * n * L * E >= INCREMENTAL_MIN_MACS``) are incremental
-        (:class:`tracer.prefix_match.PrefixMatcher`): from one routed layer to the next only that
-        layer's row of each query changes, so only its cosines are recomputed (from the
-        recorder's rows of those layers, ``query_rows``) and one compiled call takes each
-        request's top ``k`` (``kernels.match_counts``, faiss's heap); a new step or batch
-        (:meth:`_begin_layer`) or a new ``k`` starts from the full query. Small ones are one
-        :meth:`tracer.eamc.EAMC.search` of the step's normalised query, whose rows routed since
-        the last search are read and normalised alone. Both give the same matches up to float
-        rounding; each gives exactly the matches of its from-scratch form (the full query each
-        layer).
+        Incremental (:class:`tracer.prefix_match.PrefixMatcher`): from one routed layer to the
+        next only that layer's row of each query changes, so only its cosines are recomputed
+        (from the recorder's rows of those layers, ``query_rows``) and one compiled call takes
+        each request's top ``k`` (``kernels.match_counts``, faiss's heap); a new step or batch
+        (:meth:`_begin_layer`) or a new ``k`` starts from the full query. It gives exactly the
+        matches of its from-scratch form (the full query searched each layer), and was cheaper
+        than one full search per layer at every shape measured (the note at the module's top).
         """
         rec = self.recorder
-        if len(request_ids) * len(self.eamc) * self.num_layers * self.num_experts < INCREMENTAL_MIN_MACS:
-            self._match_ids = None  # the incremental state is not kept up to date meanwhile
-            if self._search_query is None:
-                query = normalize_rows(rec.query(request_ids, layer))  # [B, L, E]
-            else:  # rows after the last search's layer: only those routed since changed
-                query, done = self._search_query
-                if layer > done:
-                    query[:, done + 1 : layer + 1] = normalize_rows(
-                        rec.query_rows(request_ids, done + 1, layer + 1)
-                    )
-            self._search_query = (query, layer)
-            idx = self.eamc.search(query, k=k, normalized=True)[1]
-            return np.bincount(idx[idx >= 0], minlength=len(self.eamc))
         m = self._matcher
         if m is None or m.k != k:
             m = self._matcher = PrefixMatcher(self.eamc, k=k)
