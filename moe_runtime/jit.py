@@ -1,29 +1,9 @@
-"""``njit``: numba's compiler where numba is installed, else the function as written.
-
-numba is a dependency (``pyproject.toml``), but a machine that installs the package without its
-dependencies (the lent GPU machine, ``docs/benchmarks.md``: numba's llvmlite alone is larger than
-what a device run may carry) still imports and runs everything: the kernels are plain
-numpy-and-loops Python that numba compiles, and run as that Python, with the same results
-(``tests/test_prefetch_kernels.py`` checks both), only slower.
-"""
+"""``njit`` for the runtime's kernels: :mod:`tracer.jit`'s (numba's compiler where numba is
+installed, else the function as written). It lives in ``tracer``, the lowest package, so the
+tracer's own kernels can use it too (dependencies point ``tracer`` <- ``moe_runtime``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
-try:
-    from numba import njit
-except ImportError:  # pragma: no cover - exercised where numba is missing
-
-    def njit(*args: Any, **_: Any) -> Any:  # noqa: D103 - numba's signature: @njit or @njit(...)
-        if len(args) == 1 and callable(args[0]):
-            return args[0]
-
-        def keep(fn: Callable[..., Any]) -> Callable[..., Any]:
-            return fn
-
-        return keep
-
+from tracer.jit import njit
 
 __all__ = ["njit"]
