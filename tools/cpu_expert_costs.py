@@ -45,28 +45,24 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
-from moe_runtime.layers.experts import MAX_GAP, LayerPlan, _grouped  # noqa: E402
+from moe_runtime.buffer.cache_policy import make_cache_policy  # noqa: E402
+from moe_runtime.buffer.layer_run import handle  # noqa: E402
+from moe_runtime.buffer.partition import Partition  # noqa: E402
+from moe_runtime.layers.experts import MAX_GAP, LayerPlan, _expert_on_rows, _grouped  # noqa: E402
+from moe_runtime.stats import ExpertStats  # noqa: E402
 
 DOC = ROOT / "docs" / "bench-experts.md"
 
 
-class _Handle:
-    """The fields of an ``ExpertHandle`` that ``LayerPlan.calls`` reads."""
-
-    def __init__(self, expert: int, slot: int, part: object) -> None:
-        self.expert, self.slot, self.part = expert, slot, part
-
-
-class _Part:
-    """A partition's slot views, as ``Partition`` lays them out (``[gate | up]`` then ``down``)."""
-
-    def __init__(self, slots: torch.Tensor, hidden: int, inter: int) -> None:
-        n = slots.shape[0]
-        self.gate_up = slots[:, : 2 * inter * hidden].view(n, 2 * inter, hidden)
-        self.down = slots[:, 2 * inter * hidden :].view(n, hidden, inter)
-        self.gate_up_t, self.down_t = self.gate_up.transpose(1, 2), self.down.transpose(1, 2)
+def _partition(slots: torch.Tensor, hidden: int, inter: int) -> Partition:
+    """The runtime's partition over ``slots [S, 3 * I * H]`` (its slot views, as the experts read
+    them; one MoE layer of ``S`` experts)."""
+    n = slots.shape[0]
+    policy = make_cache_policy("lru", n, n)
+    return Partition(
+        0, n, n, slots[0].nbytes, policy, ExpertStats(1), torch.device("cpu"), slots, hidden, inter
+    )
 
 
 def _stats(samples: list[float]) -> dict:
@@ -79,14 +75,12 @@ def copy_costs(hidden: int, inter: int, rows: int, calls: int, repeats: int, war
     slot, right after this thread did, and hot; the median per call of each repeat."""
     gen = torch.Generator().manual_seed(0)
     sources = [torch.randn(3 * inter * hidden, generator=gen) for _ in range(64)]
-    slot = torch.empty(3 * inter * hidden)
-    gate_up = slot[: 2 * inter * hidden].view(2 * inter, hidden)
-    down = slot[2 * inter * hidden :].view(hidden, inter)
+    part = _partition(torch.empty(1, 3 * inter * hidden), hidden, inter)
+    slot, h, cpu = part.slots[0], handle(0, part, 0, False, 0.0), torch.device("cpu")
     x = torch.randn(rows, hidden, generator=gen)
 
-    def expert() -> torch.Tensor:
-        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, down)
+    def expert() -> torch.Tensor:  # a one-expert batch's two projections (the runtime's own)
+        return _expert_on_rows(x, h, None, cpu)
 
     todo: queue.Queue = queue.Queue()
     done: queue.Queue = queue.Queue()
@@ -132,7 +126,7 @@ def span_costs(
     """The grouped path for ``used`` experts of ``rows`` tokens each, in adjacent slots and spread
     evenly over all ``slots``: µs per layer batch (index work and both projections)."""
     gen = torch.Generator().manual_seed(0)
-    part = _Part(torch.randn(slots, 3 * inter * hidden, generator=gen), hidden, inter)
+    part = _partition(torch.randn(slots, 3 * inter * hidden, generator=gen), hidden, inter)
     tokens = used * rows // 4  # top-4 routing, each expert chosen by ``rows`` tokens
     ids = (np.arange(tokens * 4).reshape(tokens, 4) % used).astype(np.int64)
     x = torch.randn(tokens, hidden, generator=gen)
@@ -142,9 +136,9 @@ def span_costs(
     }
     out = {}
     for name, where in layouts.items():
-        batch = [_Handle(e, s, part) for e, s in enumerate(where)]
+        batch = [handle(e, part, s, True, 0.0) for e, s in enumerate(where)]
 
-        def layer(batch: list[_Handle] = batch) -> None:
+        def layer(batch: list = batch) -> None:
             plan = LayerPlan(ids, used, MAX_GAP["cpu"])
             for _, pos, segments, offs in plan.calls(batch):
                 xs = x.index_select(0, torch.from_numpy(pos // 4))
