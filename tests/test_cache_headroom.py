@@ -4,22 +4,16 @@ expert the generated tokens use when the prompt favoured another."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
+from tool_module import load_tool
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
 L, E, K = 3, 8, 2
 
 
 @pytest.fixture(scope="module")
 def headroom():
-    spec = importlib.util.spec_from_file_location("cache_headroom", TOOLS / "cache_headroom.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("cache_headroom")
 
 
 def _routing(seed: int, batches: int = 3, batch: int = 3, prompt: int = 5, decode: int = 8):

@@ -3,20 +3,13 @@ figures have the benchmark's shape, and ``--doc`` replaces its block in place.""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
+from tool_module import load_tool
 
 
 @pytest.fixture(scope="module")
 def costs():
-    spec = importlib.util.spec_from_file_location("cpu_expert_costs", TOOLS / "cpu_expert_costs.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("cpu_expert_costs")
 
 
 def test_spread_experts_span_the_partition_and_adjacent_ones_one_call(costs) -> None:

@@ -4,36 +4,22 @@ marked block in docs/results.md) on small hand-built ``bench policies --json`` o
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
-
-
-def _load(name: str):
-    sys.path.insert(0, str(TOOLS))  # the renderer imports policy_grid from its own folder
-    try:
-        spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(TOOLS))
-    return mod
+from tool_module import TOOLS, load_tool
 
 
 @pytest.fixture(scope="module")
 def grid():
-    return _load("policy_grid")
+    return load_tool("policy_grid")
 
 
 @pytest.fixture(scope="module")
 def docs():
-    return _load("update_policy_grid_docs")
+    return load_tool("update_policy_grid_docs")
 
 
 def _row(fraction: float, policy: str, tpot: float, ratio: tuple[float, float, float], **extra) -> dict:
