@@ -143,13 +143,9 @@ async def _http_error(_: Request, exc: Exception) -> JSONResponse:
     )
 
 
-def _internal_response() -> JSONResponse:
-    return error_response(500, "the server had an error while processing the request", "server_error")
-
-
-async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+async def _internal_error(_: Request | None, exc: Exception) -> JSONResponse:
     log.exception("internal error while serving a request", exc_info=exc)
-    return _internal_response()
+    return error_response(500, "the server had an error while processing the request", "server_error")
 
 
 class InternalErrorMiddleware:
@@ -185,8 +181,7 @@ class InternalErrorMiddleware:
         except Exception as exc:
             if started:
                 raise
-            log.exception("internal error while serving a request", exc_info=exc)
-            await _internal_response()(scope, receive, send)
+            await (await _internal_error(None, exc))(scope, receive, send)
 
 
 def install_error_handlers(app: FastAPI) -> None:
