@@ -15,6 +15,17 @@ def _zeros(n: int) -> list:
     return [0] * n
 
 
+# the per-layer integer counters of ExpertStats
+_PER_LAYER_COUNTS = (
+    "lookups",
+    "hits",
+    "hits_prefetched",
+    "late_prefetches",
+    "demand_fetches",
+    "expert_batches",
+)
+
+
 @dataclass
 class ExpertStats:
     """Expert-buffer counters, per MoE layer (lists of length L) and per device."""
@@ -36,9 +47,14 @@ class ExpertStats:
     prefetch_used: int = 0
     prefetch_cancelled: int = 0
     prefetch_wasted_bytes: int = 0  # prefetched, then evicted or dropped unused
+    # expert batches the compute thread ran per layer: a layer run's resident experts as one batch,
+    # then each group of experts that landed together (a GPU launches each batch's kernels apart;
+    # on the CPU each costs the index work and ops of a grouped call). Counted by the runtime's
+    # layer runs; not in :meth:`summary` (the simulator has no batches).
+    expert_batches: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        for name in ("lookups", "hits", "hits_prefetched", "late_prefetches", "demand_fetches"):
+        for name in _PER_LAYER_COUNTS:
             if not getattr(self, name):
                 setattr(self, name, _zeros(self.num_layers))
         if not self.blocking_s:

@@ -127,3 +127,35 @@ def test_json_has_medians_spreads_settings_and_verdicts(small_run: dict) -> None
     assert v["tpot_ratio_verdict"] in ("met", "not met", "within noise")
     md = render_policies(small_run)
     assert "| eam | " in md and "`repeats=3`" in md and "TPOT eam / on-demand" in md
+    assert "| CPU ms/step | expert batches/step |" in md
+
+
+def test_json_has_cpu_time_and_expert_batches_per_step(small_run: dict) -> None:
+    """What TPOT is made of: the compute thread's CPU time per decode step (at most the step's
+    wall time, which also holds its waits) and the expert batches it ran per step."""
+    rows = {r["policy"]: r for r in small_run["results"]}
+    layers = 8  # the bundled model's MoE layers
+    for r in rows.values():
+        assert len(r["runs"]["cpu_ms"]) == 3 and r["cpu_ms_min"] <= r["cpu_ms"] <= r["cpu_ms_max"]
+        for cpu, tpot in zip(r["runs"]["cpu_ms"], r["runs"]["tpot_ms"], strict=True):
+            assert 0 < cpu <= tpot * 1.05  # thread CPU time of the step within its wall time
+    # every expert resident: one batch per MoE layer per step, exactly
+    assert rows["all-resident"]["runs"]["expert_batches_per_step"] == [float(layers)] * 3
+    # a 25% buffer: the misses land in batches of their own, so more batches than layers, and
+    # the oracle's prefetches leave fewer of them than on-demand's misses
+    od, oracle = rows["on-demand+lru"], rows["oracle"]
+    assert od["expert_batches_per_step"] > layers
+    assert oracle["expert_batches_per_step"] < od["expert_batches_per_step"]
+
+
+def test_summarise_keeps_optional_figures_only_where_every_round_has_them() -> None:
+    rounds = _rounds(od=[20.0, 22.0, 30.0], eam=[16.0, 23.1, 18.0], oracle=[10.0, 12.0, 14.0])
+    for i, rnd in enumerate(rounds):
+        for r in rnd:
+            r.cpu_ms, r.expert_batches_per_step = 10.0 + i, 8.0 + 2 * i
+    rounds[1][2].expert_batches_per_step = None  # an older result file's row
+    rows = {r.policy: r for r in summarise(rounds)}
+    assert (rows["eam"].cpu_ms, rows["eam"].cpu_ms_min, rows["eam"].cpu_ms_max) == (11.0, 10.0, 12.0)
+    assert rows["eam"].runs["expert_batches_per_step"] == [8.0, 10.0, 12.0]
+    assert rows["oracle"].cpu_ms == 11.0 and rows["oracle"].expert_batches_per_step is None
+    assert "expert_batches_per_step" not in rows["oracle"].runs

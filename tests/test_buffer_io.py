@@ -437,3 +437,27 @@ def test_a_layers_demand_fetches_land_in_one_round_without_a_link():
         assert buf.stats.demand_bytes == (5 + E) * buf.store.expert_nbytes
     finally:
         buf.close()
+
+
+def test_expert_batches_count_the_resident_batch_and_each_landed_group() -> None:
+    """``ExpertStats.expert_batches``: per layer run, one batch for the resident experts and one
+    per group of experts that landed together; an all-resident buffer runs one batch per layer."""
+    buf = ExpertBuffer(make_store(), [torch.device("cpu")], 4)
+    try:
+        consume(buf, 0, [0, 1])  # two misses: they land in one or two batches
+        first = buf.stats.expert_batches[0]
+        assert 1 <= first <= 2
+        run = buf.start_layer(0, [0, 1, 2])  # 0 and 1 resident now, 2 missing
+        batches = [[h.expert for h in b] for b in run.batches()]
+        assert batches == [[0, 1], [2]]
+        assert buf.stats.expert_batches[0] == first + 2
+        assert buf.stats.expert_batches[1:] == [0, 0]
+    finally:
+        buf.close()
+    resident = ExpertBuffer(make_store(), [torch.device("cpu")], L * E)
+    try:
+        consume(resident, 2, [0, 3, 5])
+        consume(resident, 2, [])
+        assert resident.stats.expert_batches == [0, 0, 1]
+    finally:
+        resident.close()

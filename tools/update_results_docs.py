@@ -241,7 +241,14 @@ with other work). The workload defaults are those of the single-run command befo
 {render_policies(pol)}
 "Blocking" is the time the compute thread waited for expert copies (the paper's GPU blocking time),
 per generated token; "prefetch precision" is prefetches used / prefetches that landed in a slot
-(medians).
+(medians). "CPU ms/step" is the compute thread's CPU time per decode step (TPOT is a step's wall
+time: TPOT minus CPU is what the step waited for, expert copies, locks or the GIL); "expert
+batches/step" counts the batches the experts ran in per decode step (per MoE layer the resident
+experts as one, then each group of experts that landed together). On this CPU a batch costs its
+index work and a grouped call whatever its size, and a landed expert computes slower right after
+the I/O thread's copy (`docs/bench-experts.md`, `cpu_expert_costs.py`): a policy's misses cost
+the compute thread CPU time as well as blocking, which is why the CPU column moves with the hit
+rate.
 
 ### `eam` against on-demand+LRU: issue #15's targets, measured in this run
 

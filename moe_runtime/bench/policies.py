@@ -8,7 +8,9 @@ the same warm-then-eval sequence runs on a fresh buffer with the emulated link (
 every expert resident, the reference for TPOT); the oracle replays
 the expert-access log recorded during the on-demand run's eval part (outputs, hence accesses, are
 identical across policies — the run checks it). Reported per policy: buffer hit rate, blocking
-time per token, bytes moved per token, TPOT (median over eval batches of the mean decode-step time).
+time per token, bytes moved per token, TPOT (median over eval batches of the mean decode-step time),
+and beside it the compute thread's CPU time and expert batches per decode step (what TPOT is made
+of: ``TPOT - CPU`` is the step's waiting, for expert copies, locks or the GIL).
 
 Every row runs ``--repeats`` (>= 3) times after one warm-up run, interleaved round-robin (each round
 runs every row once, so slow drift of a shared host hits every policy alike); the report gives the
@@ -26,7 +28,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -65,6 +67,10 @@ class PolicyResult:
     prefetch_on_share: float | None = None
     # the same per arm of the trial (prefetch, cache, lean): {arm: share}; None without a trial
     arm_shares: dict[str, float] | None = None
+    # compute-thread CPU ms per decode step and expert batches per decode step (DecodeTimes),
+    # medians over the eval batches as TPOT is; None in results written before they existed
+    cpu_ms: float | None = None
+    expert_batches_per_step: float | None = None
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
@@ -142,11 +148,28 @@ def load_workload(
     return warm_ids, eval_ids, chosen
 
 
-def _run_batches(engine, prompts: list[list[int]], batch: int, new_tokens: int) -> tuple[list[float], list]:
-    """Decode ``prompts`` in batches; returns per-batch TPOT (s) and the outputs."""
+@dataclass
+class DecodeTimes:
+    """Per eval batch of :func:`_run_batches`, the mean over its decode steps of: the step's wall
+    time (TPOT, s), the compute thread's CPU time (``time.thread_time``, s: everything the step
+    ran on it, its waits for expert copies, locks and the GIL excluded) and the expert batches the
+    step ran (``ExpertStats.expert_batches``: the resident batch and each group of landed experts
+    per MoE layer)."""
+
+    tpot_s: list[float] = field(default_factory=list)
+    cpu_s: list[float] = field(default_factory=list)
+    expert_batches: list[float] = field(default_factory=list)
+
+
+def _run_batches(
+    engine, prompts: list[list[int]], batch: int, new_tokens: int, times: DecodeTimes | None = None
+) -> tuple[list[float], list]:
+    """Decode ``prompts`` in batches; returns per-batch TPOT (s) and the outputs. With ``times``,
+    also appends each batch's figures there (the engine's steps run on this thread)."""
     from moe_runtime.engine.request import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    counts = engine.buffer.stats.expert_batches
     tpots, outputs = [], []
     for i in range(0, len(prompts), batch):
         for j, p in enumerate(prompts[i : i + batch]):
@@ -154,13 +177,20 @@ def _run_batches(engine, prompts: list[list[int]], batch: int, new_tokens: int) 
         engine.step()  # prefill + first token
         steps = []
         done = {}
+        cpu, n0 = 0.0, sum(counts)
         while engine.has_unfinished():
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             for o in engine.step():
                 if o.finished:
                     done[o.request_id] = o.output_token_ids
             steps.append(time.perf_counter() - t0)
-        tpots.append(sum(steps) / max(1, len(steps)))
+            cpu += time.thread_time() - c0
+        n = max(1, len(steps))
+        tpots.append(sum(steps) / n)
+        if times is not None:
+            times.tpot_s.append(tpots[-1])
+            times.cpu_s.append(cpu / n)
+            times.expert_batches.append((sum(counts) - n0) / n)
         outputs += [done[k] for k in sorted(done)]
     return tpots, outputs
 
@@ -305,7 +335,8 @@ class _Runs:
             st0 = engine.buffer.stats.snapshot()
             trial = getattr(engine.prefetcher, "trial", None)
             steps0 = list(trial.decode_steps_by_arm) if trial is not None else None
-            tpots, outputs = _run_batches(engine, self.evals, batch, new_tokens)
+            times = DecodeTimes()
+            tpots, outputs = _run_batches(engine, self.evals, batch, new_tokens, times)
             st1 = engine.buffer.stats
             access_log = engine.buffer.access_log if prefetch == "on-demand" else None
             if self.reference is None:
@@ -330,6 +361,8 @@ class _Runs:
                 tokens,
                 None if shares is None else shares[trial.arms[0]],
                 shares,
+                1e3 * statistics.median(times.cpu_s),
+                statistics.median(times.expert_batches),
             )
         return res, access_log
 
@@ -352,6 +385,8 @@ def print_tables(settings: dict, rows: list[PolicyRow], comparisons: list[dict])
         "KiB/tok",
         "bytes vs on-demand",
         "TPOT ms",
+        "CPU ms/step",
+        "batches/step",
         "TPOT vs on-demand",
         "gap closed",
         "bytes vs oracle",
@@ -376,6 +411,13 @@ def print_tables(settings: dict, rows: list[PolicyRow], comparisons: list[dict])
                 ),
                 f"{r.bytes_per_token / base.bytes_per_token:.2f}" if base and base.bytes_per_token else "",
                 fmt_spread(r.tpot_ms, r.tpot_ms_min, r.tpot_ms_max),
+                fmt_spread(r.cpu_ms, r.cpu_ms_min, r.cpu_ms_max),
+                fmt_spread(
+                    r.expert_batches_per_step,
+                    r.expert_batches_per_step_min,
+                    r.expert_batches_per_step_max,
+                    "{:.1f}",
+                ),
                 fmt_spread(r.tpot_vs_on_demand, r.tpot_vs_on_demand_min, r.tpot_vs_on_demand_max, "{:.3f}"),
                 fmt_spread(r.gap_closed, r.gap_closed_min, r.gap_closed_max),
                 f"{r.bytes_vs_oracle:.2f}x" if r.bytes_vs_oracle is not None else "",

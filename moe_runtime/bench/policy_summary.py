@@ -17,6 +17,9 @@ from moe_runtime.sim.report import add_relative, gap_closed
 
 #: Figures summarised per row: median, min and max over repeats.
 METRICS = ("hit_rate", "blocking_ms_per_token", "bytes_per_token", "tpot_ms")
+#: Figures summarised as :data:`METRICS` are where every repeat has them (results written before
+#: they existed lack them): compute-thread CPU ms and expert batches per decode step.
+OPTIONAL_METRICS = ("cpu_ms", "expert_batches_per_step")
 #: Counters reported as the median over repeats.
 COUNTS = ("prefetch_issued", "prefetch_landed", "prefetch_used", "tokens")
 BASELINE, ORACLE, DEFAULT = "on-demand+lru", "oracle", "eam"
@@ -63,6 +66,14 @@ class PolicyRow:
     prefetch_on_share: float | None = None
     # median share of measured decode steps per arm of that trial ({arm: share})
     arm_shares: dict[str, float] | None = None
+    # OPTIONAL_METRICS, median and spread where every repeat has them: compute-thread CPU ms per
+    # decode step, expert batches per decode step
+    cpu_ms: float | None = None
+    cpu_ms_min: float | None = None
+    cpu_ms_max: float | None = None
+    expert_batches_per_step: float | None = None
+    expert_batches_per_step_min: float | None = None
+    expert_batches_per_step_max: float | None = None
 
 
 def _get(r: Any, key: str) -> Any:
@@ -111,6 +122,11 @@ def summarise(repeats: list[list[Any]]) -> list[PolicyRow]:
         figures = {}
         for m in METRICS:
             figures[m], figures[m + "_min"], figures[m + "_max"] = spread(runs[m])
+        for m in OPTIONAL_METRICS:
+            values = [_get_optional(r, m) for r in per]
+            if all(v is not None for v in values):
+                runs[m] = [float(v) for v in values]
+                figures[m], figures[m + "_min"], figures[m + "_max"] = spread(runs[m])
         counts = {c: statistics.median(_get(r, c) for r in per) for c in COUNTS}
         shares = [v for r in per if (v := _get_optional(r, "prefetch_on_share")) is not None]
         share = statistics.median(shares) if shares else None

@@ -150,9 +150,9 @@ def render_policies(data: dict) -> str:
         out.append(
             "| policy | hit rate | vs oracle (points) | vs lru (x) | blocking ms/token "
             "| blocking vs on-demand | KiB/token | bytes vs on-demand | prefetch precision | TPOT ms "
-            "| TPOT vs on-demand | gap closed | bytes vs oracle |"
+            "| CPU ms/step | expert batches/step | TPOT vs on-demand | gap closed | bytes vs oracle |"
         )
-        out.append("|" + "---|" * 13)
+        out.append("|" + "---|" * 15)
         for r in group:
             vs_oracle = f"{100 * (r['hit_rate'] - oracle['hit_rate']):+.1f}" if oracle else ""
             vs_lru = f"{r['hit_rate'] / lru['hit_rate']:.2f}" if lru and lru["hit_rate"] else ""
@@ -173,7 +173,9 @@ def render_policies(data: dict) -> str:
             out.append(
                 f"| {r['policy']} | {fmt_key(r, 'hit_rate', '{:.3f}')} | {vs_oracle} | {vs_lru} | "
                 f"{fmt_key(r, 'blocking_ms_per_token')} | {blk} | {kib} | {byt} | "
-                f"{prec} | {fmt_key(r, 'tpot_ms')} | {fmt_key(r, 'tpot_vs_on_demand', '{:.3f}')} | "
+                f"{prec} | {fmt_key(r, 'tpot_ms')} | {fmt_key(r, 'cpu_ms')} | "
+                f"{fmt_key(r, 'expert_batches_per_step', '{:.1f}')} | "
+                f"{fmt_key(r, 'tpot_vs_on_demand', '{:.3f}')} | "
                 f"{fmt_key(r, 'gap_closed')} | {bvo} |"
             )
         out.append("")

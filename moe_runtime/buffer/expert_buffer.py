@@ -242,6 +242,7 @@ class ExpertBuffer:
         with self.cond:
             st.lookups[layer] += n
             st.hits[layer] += n
+            st.expert_batches[layer] += 1 if n else 0  # a ResidentRun is one batch
             if len(self.parts) == 1:
                 st.device_lookups[0] += n
                 st.device_hits[0] += n

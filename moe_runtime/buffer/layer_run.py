@@ -64,6 +64,7 @@ class LayerRun:
         key0 = layer * buf.num_experts
         try:
             if self.ready:  # still listed while in use: close() releases them
+                st.expert_batches[layer] += 1
                 yield [handle(e, part, s, True, 0.0) for e, part, s in self.ready]
                 ready, self.ready = self.ready, []
                 buf._release_all([(part, s) for _, part, s in ready])
@@ -80,6 +81,7 @@ class LayerRun:
                     slots = [part.key_slot[key0 + e] for e, part in landed]
                     st.blocking_s[layer] += blocked
                     st.device_blocking_s[landed[0][1].index] += blocked
+                    st.expert_batches[layer] += 1
                 self._current = [(part, s) for (_, part), s in zip(landed, slots)]
                 # the batch's wait is charged to its first expert (the one waited for)
                 yield [
