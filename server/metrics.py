@@ -105,6 +105,15 @@ class RuntimeCollector(Collector):
                 for index, value in enumerate(values):
                     fam.add_metric([str(index)], value)
                 yield fam
+        batches = CounterMetricFamily(
+            PREFIX + "expert_batches",
+            "Expert batches the compute thread ran: per layer run the resident experts as one, then "
+            "each group of experts that landed together (each launches its own kernels). Per layer.",
+            labels=["layer"],
+        )
+        for index, value in enumerate(st.expert_batches):
+            batches.add_metric([str(index)], value)
+        yield batches
         transfer = CounterMetricFamily(
             PREFIX + "expert_transfer_bytes", "Bytes copied host->device by kind.", labels=["kind"]
         )
