@@ -52,6 +52,10 @@ class ExpertStats:
     # on the CPU each costs the index work and ops of a grouped call). Counted by the runtime's
     # layer runs; not in :meth:`summary` (the simulator has no batches).
     expert_batches: list[int] = field(default_factory=list)
+    # copies landed and their seconds as the I/O threads timed them (the copy engine's own timing:
+    # CUDA copy-stream events, the memcpy, or an emulated link's time); not in :meth:`summary`
+    copies: int = 0
+    copy_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in _PER_LAYER_COUNTS:

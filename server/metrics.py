@@ -120,6 +120,15 @@ class RuntimeCollector(Collector):
         transfer.add_metric(["prefetch"], st.prefetch_bytes)
         transfer.add_metric(["demand"], st.demand_bytes)
         yield transfer
+        yield _counter("expert_copies", "Expert copies landed (timed: expert_copy_seconds).", st.copies)
+        copy_s = CounterMetricFamily(
+            PREFIX + "expert_copy_seconds",
+            "Seconds of the landed expert copies by the I/O threads' own timing (CUDA copy-stream "
+            "events, the memcpy, or an emulated link's time): rate(bytes) / rate(this) is the link's "
+            "measured bandwidth.",
+        )
+        copy_s.add_metric([], st.copy_s)
+        yield copy_s
         yield _counter("prefetch_issued", "Prefetches queued.", st.prefetch_issued)
         yield _counter("prefetch_used", "Prefetched experts used before eviction.", st.prefetch_used)
         yield _counter("prefetch_cancelled", "Queued prefetches cancelled.", st.prefetch_cancelled)

@@ -461,3 +461,26 @@ def test_expert_batches_count_the_resident_batch_and_each_landed_group() -> None
         assert resident.stats.expert_batches == [0, 0, 1]
     finally:
         resident.close()
+
+
+def test_copies_are_timed_by_the_io_thread() -> None:
+    """Every landed copy is counted with its seconds as the I/O thread timed it: the memcpy
+    without a link; with an emulated link its own time per copy, exactly (the gate's link time)."""
+    buf = ExpertBuffer(make_store(), [torch.device("cpu")], 4)
+    try:
+        assert buf.copy_seconds is None  # nothing copied yet
+        consume(buf, 0, [0, 1, 2])
+        st = buf.stats
+        assert st.copies == 3 == sum(st.demand_fetches)
+        assert 0 < st.copy_s < 1.0 and 0 < buf.copy_seconds < 1.0
+    finally:
+        buf.close()
+    buf = ExpertBuffer(make_store(), [torch.device("cpu")], 4, link=(1.0, 20.0))
+    try:
+        consume(buf, 1, [0, 1])
+        consume(buf, 2, [3])
+        per = buf.parts[0].link.transfer_seconds(buf.store.expert_nbytes)
+        assert buf.copy_seconds == per and buf.stats.copies == 3
+        assert buf.stats.copy_s == pytest.approx(3 * per)
+    finally:
+        buf.close()

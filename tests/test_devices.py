@@ -41,6 +41,9 @@ def test_cuda_matches_cpu_with_eviction(tiny_checkpoints, family):
     got, stats = _tokens(path, device="cuda", buffer_slots=2)
     assert got == ref
     assert stats.demand_bytes > 0
+    # every copy timed on the copy stream (events): a positive time, under a second each
+    assert stats.copies > 0
+    assert 0 < stats.copy_s / stats.copies < 1.0
 
 
 @pytest.mark.gpu

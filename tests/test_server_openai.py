@@ -185,6 +185,8 @@ def test_metrics_match_engine_stats(client, running):
         assert m[f'moeserve_expert_lookups_total{{layer="{layer}"}}'] == lookups
         assert m[f'moeserve_expert_hits_total{{layer="{layer}"}}'] == hits
     assert m['moeserve_device_expert_lookups_total{device="0"}'] == es.total_lookups
+    assert m["moeserve_expert_copies_total"] == es.copies
+    assert m["moeserve_expert_copy_seconds_total"] == es.copy_s
     for layer, batches in enumerate(es.expert_batches):  # a layer runs at least one batch per step
         assert m[f'moeserve_expert_batches_total{{layer="{layer}"}}'] == batches > 0
     # one aggregation level per family: no series carries both labels

@@ -171,6 +171,14 @@ class ExpertBuffer:
     def num_slots(self) -> int:
         return sum(p.num_slots for p in self.parts)
 
+    @property
+    def copy_seconds(self) -> float | None:
+        """Seconds one expert copy takes, as the I/O threads timed them (the devices' running
+        means averaged; ``Partition.copy_s_mean``), or None before any copy landed. The prefetch
+        gate's link time per copy (issue #15: the link measured from the I/O thread's own timings)."""
+        means = [p.copy_s_mean for p in self.parts if p.copy_s_mean is not None]
+        return sum(means) / len(means) if means else None
+
     def partition_of(self, key: int) -> Partition:
         return self.parts[self.home[key]]
 
@@ -351,16 +359,17 @@ class ExpertBuffer:
             pending = [copier.start(part.slots[s], store.expert(t.key), after) for t, s, after in batch]
             if memcpy:  # every copy is done: land them together, one wake-up
                 with self.cond:
-                    for t, s, _ in batch:
-                        part.land(s, t)
+                    for (t, s, _), seconds in zip(batch, pending):
+                        part.land(s, t, copier.wait(seconds))
                     self.cond.notify_all()
                 continue
             for i, ((t, s, _), done) in enumerate(zip(batch, pending)):
-                copier.wait(done)
+                seconds = copier.wait(done)
                 if part.link is not None:
                     # straight on from the previous copy: this one was ready when it was queued,
                     # or when the previous one's link time ended, whichever is later
                     part.link.hold(nbytes, started, None if waited and i == 0 else t.queued_at)
+                    seconds = part.link.transfer_seconds(nbytes)  # the emulated link's time
                 with self.cond:
-                    part.land(s, t)
+                    part.land(s, t, seconds)
                     self.cond.notify_all()

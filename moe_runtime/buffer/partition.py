@@ -35,6 +35,8 @@ from moe_runtime.quant.layout import DequantSlots, ExpertLayout
 from moe_runtime.stats import ExpertStats
 
 FREE, LOADING, READY = 0, 1, 2
+# weight of the past in a partition's running mean of its copies' seconds (``Partition.land``)
+COPY_DECAY = 0.9
 # evictability of a slot (``Partition._ev``): not at all, by a demand only (an unused prefetch), by any
 _NO, _DEMAND_ONLY, _ANY = 0, 1, 2
 
@@ -118,6 +120,9 @@ class Partition:
         self.stats = stats
         self.link = link
         self.copier = CopyEngine(device) if device is not None else None
+        # running mean of this device's copies' seconds, timed by its I/O thread (land); None
+        # before the first
+        self.copy_s_mean: float | None = None
         # evictable-slot bookkeeping (see the module note)
         self._ev: list[int] = [_NO] * num_slots
         self._n_ev = [0, 0, 0]  # slots per evictability (_NO entry unused)
@@ -271,8 +276,16 @@ class Partition:
         self._refresh(s, False)
         return s
 
-    def land(self, s: int, t: Transfer) -> None:
-        """The copy of transfer ``t`` into ``s`` completed."""
+    def land(self, s: int, t: Transfer, copy_s: float | None = None) -> None:
+        """The copy of transfer ``t`` into ``s`` completed, taking ``copy_s`` seconds by the I/O
+        thread's own timing (:class:`~moe_runtime.io.copy_engine.CopyEngine`; the emulated link's
+        time with one; None: not timed, the simulator)."""
+        if copy_s is not None:
+            self.stats.copies += 1
+            self.stats.copy_s += copy_s
+            m = self.copy_s_mean
+            # a running mean; a repeated figure (an emulated link's) leaves it exactly as it is
+            self.copy_s_mean = copy_s if m is None else m + (1 - COPY_DECAY) * (copy_s - m)
         self.state[s] = READY
         prefetch = not t.demand
         self.prefetched[s] = self.unused[s] = prefetch

@@ -5,9 +5,17 @@ records an event and waits on it (in the I/O thread, never the compute thread), 
 complete before it is marked ready. Before overwriting a slot it makes the copy stream wait on the
 event the compute stream recorded when it last released that slot, so an evicted expert is never
 overwritten while a queued kernel may still read it.
+
+Each copy is timed by the I/O thread itself (:meth:`CopyEngine.wait` returns its seconds): on
+CUDA, the copy stream's own time between an event recorded after the slot's release event has
+passed and the copy's done event (the transfer alone, not the wait for the slot); on the CPU, the
+``memcpy``. The prefetch gate takes its link time per copy from these (issue #15).
 """
 
 from __future__ import annotations
+
+import time
+from typing import Any
 
 import torch
 
@@ -23,32 +31,38 @@ class CopyEngine:
         if self.cuda:
             torch.cuda.set_device(self.device)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: torch.cuda.Event | None) -> None:
-        """Copy ``src`` (host) into ``dst`` (a device slot) and return once it has landed."""
-        self.wait(self.start(dst, src, after))
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: torch.cuda.Event | None) -> float:
+        """Copy ``src`` (host) into ``dst`` (a device slot); return once it has landed, with the
+        copy's seconds (:meth:`wait`)."""
+        return self.wait(self.start(dst, src, after))
 
-    def start(
-        self, dst: torch.Tensor, src: torch.Tensor, after: torch.cuda.Event | None
-    ) -> torch.cuda.Event | None:
+    def start(self, dst: torch.Tensor, src: torch.Tensor, after: torch.cuda.Event | None) -> Any:
         """Begin copying ``src`` (host) into ``dst`` (a device slot) once ``after`` (the event the
         compute stream recorded when it last released the slot) has passed; returns what
         :meth:`wait` takes. Several started copies run back to back on the copy stream. CPU: the
-        memcpy is done on return (None)."""
+        memcpy is done on return (its seconds)."""
         if not self.cuda:
+            t0 = time.perf_counter()
             dst.copy_(src)
-            return None
+            return time.perf_counter() - t0
         with torch.cuda.stream(self._stream):
             if after is not None:
                 self._stream.wait_event(after)
+            begun = torch.cuda.Event(enable_timing=True)  # after the slot's release: the copy alone
+            begun.record(self._stream)
             dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=True)
             done.record(self._stream)
-        return done
+        return begun, done
 
-    def wait(self, done: torch.cuda.Event | None) -> None:
-        """Return once the copy :meth:`start` returned ``done`` for has landed."""
-        if done is not None:
-            done.synchronize()
+    def wait(self, started: Any) -> float:
+        """Return once the copy :meth:`start` returned ``started`` for has landed: its seconds on
+        the copy stream (CUDA events' elapsed time) or of the memcpy (CPU)."""
+        if not self.cuda:
+            return float(started)
+        begun, done = started
+        done.synchronize()
+        return begun.elapsed_time(done) * 1e-3  # ms -> s
 
     def release_event(self) -> torch.cuda.Event | None:
         """Compute side: mark the point after which a released slot may be overwritten."""

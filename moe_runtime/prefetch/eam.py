@@ -442,11 +442,16 @@ class EAMPrefetch(PrefetchPolicy):
         self.trial.bar("prefetch", plans_s > 0 and self._unplanned_blocking_s < plans_s)
 
     def _transfer_s(self) -> float:
-        """One expert copy's link time: the simulator's, else the emulated link's, else the
-        measured blocking per miss (a copy on an unemulated link is timed only there)."""
+        """One expert copy's link time: the simulator's; else as the I/O threads timed the copies
+        (``ExpertBuffer.copy_seconds``: the copy stream's time on CUDA, the memcpy on the CPU, an
+        emulated link's own time); before the first copy the emulated link's, else the measured
+        blocking per miss."""
         t = getattr(self.buffer, "transfer_s", None)
         if t is not None:
             return float(t)
+        measured = getattr(self.buffer, "copy_seconds", None)
+        if measured is not None:
+            return measured
         part = self.buffer.parts[0]
         link = getattr(part, "link", None)
         if link is not None:
