@@ -11,12 +11,13 @@ NOTE: the terms (issue #15), all measured online, none typed in:
   mean of the buffer's blocking seconds per miss (before any miss: one copy's link time). A right
   prefetch saves it only out of link time demand fetches leave idle: on a link the demand copies
   keep busy (share ``q``) the copy merely moves ahead of a demand copy that then waits instead.
-* cost ``= (1 - P) * q * t + R * b``: a wrong prefetch holds the link for one copy's time ``t``,
-  which demand fetches queue behind with the chance ``q`` that the link is busy with demand (the
-  running share of time the demand copies take); and it evicts a resident expert that is used
-  again in the next step with probability ``R`` (no eviction while slots are free). ``R`` comes
-  from the running requests' request EAMs, as the ``eam-reuse`` cache scores slots: ``p = 1 - (1 -
-  share)^T``, the victims taken lowest first.
+* cost ``= (1 - P) * q * t + R * b``: a wrong prefetch holds the link for one copy's time ``t``
+  (the I/O threads' own timing of their copies, ``ExpertBuffer.copy_seconds``: copy-stream events
+  on CUDA; the simulator's link time there), which demand fetches queue behind with the chance
+  ``q`` that the link is busy with demand (the running share of time the demand copies take); and
+  it evicts a resident expert that is used again in the next step with probability ``R`` (no
+  eviction while slots are free). ``R`` comes from the running requests' request EAMs, as the
+  ``eam-reuse`` cache scores slots: ``p = 1 - (1 - share)^T``, the victims taken lowest first.
 
 * The plan's own host time (runtime only): the compute thread's CPU seconds that planning a
   layer and computing its router lookahead take (thread CPU time, so other processes preempting
