@@ -81,8 +81,15 @@ def _plans(monkeypatch: pytest.MonkeyPatch, experts: int, seed: int) -> tuple[st
         digest.update(b"-" if rows is None else rows.tobytes())
         return rows
 
+    steps: dict[int, tuple] = {}
+
     def checked_match(self, layer, request_ids, k):
         fresh = self._match_ids is None or self._matcher is None or self._matcher.k != k
+        # a step's first match: the reference starts from the full query (the policy may resume
+        # its matcher from the last step instead, and must land on the same state)
+        step = (self.recorder.epoch, tuple(request_ids))
+        fresh = fresh or steps.get(id(self)) != step
+        steps[id(self)] = step
         layers = [*self._unmatched, layer]
         got = match(self, layer, request_ids, k)
         query = self.recorder.query(request_ids, layer)  # [B, L, E], from scratch

@@ -99,3 +99,41 @@ def test_update_rows_sums_equal_updates_bit_for_bit(width: int, seed: int) -> No
             faiss.swig_ptr(want[b]), faiss.swig_ptr(q[b]), faiss.swig_ptr(slab), width, len(eamc)
         )
     np.testing.assert_array_equal(rows._cos[2], want)
+
+
+@pytest.mark.parametrize("width", [8, 16])  # faiss's own _ny kernel, and the one-call form
+@pytest.mark.parametrize("eamc_changes", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_resume_step_equals_a_fresh_begin_bit_for_bit(width: int, eamc_changes: bool, seed: int) -> None:
+    """A step started from the last one's rows (``resume_step`` on the rows that changed, then the
+    current row updated) holds the state ``begin_step`` on the full queries makes, bit for bit,
+    also when the EAMC changed in between (the whole table is rebuilt then)."""
+    eamc = EAMC(L, width, capacity=64)
+    for eam in synthetic_eams(30, L, width, tokens=(2, 30), groups=6, seed=seed):
+        eamc.add(eam)
+    rng = np.random.default_rng(seed)
+    batch = 3
+    query = synthetic_eams(batch, L, width, tokens=(1, 20), groups=6, seed=seed, request_seed=3)
+    query = query.astype(np.float32)
+    m = PrefixMatcher(eamc, k=4)
+    m.begin_step(query)
+    fed = [0, 1, 3]  # rows taken in after their layer routed in the last step (2 and 4 were not)
+    for layer in fed:
+        query[:, layer] += rng.integers(0, 3, size=(batch, width))
+        m.update_rows([layer], query[:, layer : layer + 1])
+    query[:, [2, 4]] += rng.integers(0, 3, size=(batch, 2, width))  # routed, not taken in
+    if eamc_changes:
+        eamc.add(np.ones((L, width)))
+    layer = 1  # the next step's first match: rows 0 and 1 routed again
+    query[:, : layer + 1] += rng.integers(0, 3, size=(batch, layer + 1, width))
+    stale = [2, 4]
+    rows = sorted({*stale, *range(layer + 1)})
+    m.resume_step(rows, query[:, rows])
+    m.update_rows([layer], query[:, layer : layer + 1])
+    fresh = PrefixMatcher(eamc, k=4)
+    fresh.begin_step(query)
+    fresh.update_rows([layer], query[:, layer : layer + 1])
+    np.testing.assert_array_equal(m.scores, fresh.scores)
+    np.testing.assert_array_equal(m._cos, fresh._cos)
+    with pytest.raises(ValueError, match="rows must be"):
+        m.resume_step([0], query[:, :2])

@@ -183,6 +183,39 @@ class PrefixMatcher:
             if prev != threads:
                 faiss.omp_set_num_threads(prev)
 
+    def resume_step(self, layers: list[int], rows: np.ndarray) -> None:
+        """Start a step from the last one's state: rows ``layers`` of the queries changed to
+        ``rows`` (raw counts), every other row is current (it was set after its layer routed in
+        the step before, so it already holds the earlier steps' counts). Their cosines are
+        recomputed and the running sums re-added from the per-layer cosines, so the state is
+        bit for bit what :meth:`begin_step` on the full queries makes, at the cost of the changed
+        rows only (a decode step changes every row, but the caller took most of them in one by
+        one as the last step routed them).
+
+        Raises:
+            ValueError: ``rows`` is not ``(B, len(layers), E)`` for the batch of the last step.
+        """
+        rows = np.asarray(rows)
+        shape = (self._q.shape[1], len(layers), self.eamc.num_experts)
+        if rows.shape != shape:
+            raise ValueError(f"rows must be {shape}, got {rows.shape}")
+        normed = normalize_rows(rows)  # rows are normalised one by one, as begin_step's
+        threads, prev = self.eamc.threads, faiss.omp_get_max_threads()
+        if prev != threads:
+            faiss.omp_set_num_threads(threads)
+        try:
+            for i, lay in enumerate(layers):
+                self._q[lay] = normed[:, i]
+            if self._version != self.eamc.version:
+                self._rebuild()
+                return
+            for lay in layers:
+                self._layer_cos(self._by_layer, lay, self._cos[lay])
+            self._sum = self._cos.sum(axis=0)  # [B, n], as _rebuild sums them
+        finally:
+            if prev != threads:
+                faiss.omp_set_num_threads(prev)
+
     @property
     def scores(self) -> np.ndarray:
         """``(B, n)`` float32 running sums of per-layer cosines of each query with every entry

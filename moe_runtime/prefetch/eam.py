@@ -111,6 +111,14 @@ class EAMPrefetch(PrefetchPolicy):
         self._matcher: PrefixMatcher | None = None  # incremental EAMC matching of the running batch
         self._match_ids: list[str] | None = None  # the batch the matcher's step began with
         self._unmatched: list[int] = []  # routed layers the matcher has not taken in yet
+        # Resuming the matcher across steps (_match): the engine steps ended so far, the one the
+        # matcher last matched in, the rows it took in after their layer routed in that step,
+        # whether the next match resumes from that state, and then which rows it must refresh
+        self._steps = 0
+        self._match_step = -1
+        self._fed = np.zeros(self.num_layers, dtype=bool)
+        self._resume = False
+        self._stale: list[int] = []
         # per-step state (see predict): the step's batch, the last routed layer, the own term,
         # the EAMC term and its key, their normalised sum and its capped form
         self._epoch = -1  # the recorder's epoch the state below belongs to
@@ -216,7 +224,17 @@ class EAMPrefetch(PrefetchPolicy):
             self._epoch, self._step_ids = epoch, list(request_ids)
             self._own = self._final = self._eamc_block = None
             self._eamc_key = None
-            self._match_ids = None  # the incremental matcher starts from the full query
+            # the same batch, matched in the step just ended: the matcher resumes from that
+            # step's rows (_match); else it starts from the full query
+            self._resume = (
+                self._match_ids is not None
+                and self._match_step == self._steps - 1
+                and request_ids == self._match_ids
+            )
+            if self._resume:
+                self._stale = np.flatnonzero(~self._fed).tolist()
+            else:
+                self._match_ids = None
             self._unmatched = []
         self._last_layer = layer
 
@@ -231,6 +249,13 @@ class EAMPrefetch(PrefetchPolicy):
         (:meth:`_begin_layer`) or a new ``k`` starts from the full query. It gives exactly the
         matches of its from-scratch form (the full query searched each layer), and was cheaper
         than one full search per layer at every shape measured (the note at the module's top).
+
+        Across steps: when the same batch matched in the step just ended, the rows the matcher
+        took in after their layer routed there already hold this step's earlier-step counts, so
+        the step's first match refreshes only the others and the rows routed so far
+        (``PrefixMatcher.resume_step``), then updates the current row as a fresh start does: the
+        same state bit for bit as starting from the full query, without reading and matching
+        every row again (the last layer, which never plans, is always among those refreshed).
         """
         rec = self.recorder
         m = self._matcher
@@ -242,12 +267,27 @@ class EAMPrefetch(PrefetchPolicy):
             m.begin_step(so_far)
             self._match_ids = self._step_ids
             m.update_rows([layer], so_far[:, layer : layer + 1])
+            self._fed[:] = False
+            self._fed[: layer + 1] = True
+        elif self._resume:
+            layers = sorted({*self._stale, *range(layer + 1)})  # ascending
+            rows = rec.query_rows(request_ids, layers[0], layers[-1] + 1)  # [B, span, E]
+            if len(layers) < rows.shape[1]:  # rows current since the last step in between
+                rows = rows[:, [lay - layers[0] for lay in layers]]
+            m.resume_step(layers, rows)
+            i = layers.index(layer)
+            m.update_rows([layer], rows[:, i : i + 1])
+            self._fed[:] = False
+            self._fed[: layer + 1] = True
         else:
             layers = [*self._unmatched, layer]  # ascending: routed in this order
             rows = rec.query_rows(request_ids, layers[0], layer + 1)  # [B, span, E]
             if len(layers) < rows.shape[1]:  # layers skipped in between
                 rows = rows[:, [lay - layers[0] for lay in layers]]
             m.update_rows(layers, rows)
+            self._fed[layers] = True
+        self._resume = False
+        self._match_step = self._steps
         self._unmatched = []
         return kernels.match_counts(m.scores, k)
 
@@ -459,6 +499,7 @@ class EAMPrefetch(PrefetchPolicy):
         return self.gate.block_per_miss_s or 0.0
 
     def end_step(self) -> None:
+        self._steps += 1
         gate = self.gate
         if gate is not None:
             now = clock(self.buffer)
