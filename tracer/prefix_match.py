@@ -164,15 +164,7 @@ class PrefixMatcher:
         Raises:
             ValueError: ``rows`` has the wrong shape.
         """
-        rows = np.asarray(rows)
-        shape = (self._q.shape[1], len(layers), self.eamc.num_experts)
-        if rows.shape != shape:
-            raise ValueError(f"rows must be {shape}, got {rows.shape}")
-        normed = normalize_rows(rows)  # rows are normalised one by one
-        if len(layers) == 1:
-            self._q[layers[0]] = normed[:, 0]
-        else:
-            self._q[layers] = normed.transpose(1, 0, 2)
+        self._set_rows(layers, rows)
         # inline _omp_threads (a context manager costs a few us on this per-layer path)
         threads, prev = self.eamc.threads, faiss.omp_get_max_threads()
         if prev != threads:
@@ -195,26 +187,31 @@ class PrefixMatcher:
         Raises:
             ValueError: ``rows`` is not ``(B, len(layers), E)`` for the batch of the last step.
         """
-        rows = np.asarray(rows)
-        shape = (self._q.shape[1], len(layers), self.eamc.num_experts)
-        if rows.shape != shape:
-            raise ValueError(f"rows must be {shape}, got {rows.shape}")
-        normed = normalize_rows(rows)  # rows are normalised one by one, as begin_step's
-        threads, prev = self.eamc.threads, faiss.omp_get_max_threads()
-        if prev != threads:
-            faiss.omp_set_num_threads(threads)
-        try:
-            for i, lay in enumerate(layers):
-                self._q[lay] = normed[:, i]
+        self._set_rows(layers, rows)
+        with _omp_threads(self.eamc.threads):  # once per step: the context manager's cost is fine
             if self._version != self.eamc.version:
                 self._rebuild()
                 return
             for lay in layers:
                 self._layer_cos(self._by_layer, lay, self._cos[lay])
             self._sum = self._cos.sum(axis=0)  # [B, n], as _rebuild sums them
-        finally:
-            if prev != threads:
-                faiss.omp_set_num_threads(prev)
+
+    def _set_rows(self, layers: list[int], rows: np.ndarray) -> None:
+        """Rows ``layers`` of the queries (``_q``) set to ``rows (B, len(layers), E)`` (raw counts),
+        normalised one by one as :meth:`begin_step` normalises them.
+
+        Raises:
+            ValueError: ``rows`` has the wrong shape.
+        """
+        rows = np.asarray(rows)
+        shape = (self._q.shape[1], len(layers), self.eamc.num_experts)
+        if rows.shape != shape:
+            raise ValueError(f"rows must be {shape}, got {rows.shape}")
+        normed = normalize_rows(rows)
+        if len(layers) == 1:
+            self._q[layers[0]] = normed[:, 0]
+        else:
+            self._q[layers] = normed.transpose(1, 0, 2)
 
     @property
     def scores(self) -> np.ndarray:
