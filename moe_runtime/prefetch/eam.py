@@ -113,12 +113,11 @@ class EAMPrefetch(PrefetchPolicy):
         self._unmatched: list[int] = []  # routed layers the matcher has not taken in yet
         # Resuming the matcher across steps (_match): the engine steps ended so far, the one the
         # matcher last matched in, the rows it took in after their layer routed in that step,
-        # whether the next match resumes from that state, and then which rows it must refresh
+        # and whether the next match resumes from that state
         self._steps = 0
         self._match_step = -1
         self._fed = np.zeros(self.num_layers, dtype=bool)
         self._resume = False
-        self._stale: list[int] = []
         # per-step state (see predict): the step's batch, the last routed layer, the own term,
         # the EAMC term and its key, their normalised sum and its capped form
         self._epoch = -1  # the recorder's epoch the state below belongs to
@@ -231,9 +230,7 @@ class EAMPrefetch(PrefetchPolicy):
                 and self._match_step == self._steps - 1
                 and request_ids == self._match_ids
             )
-            if self._resume:
-                self._stale = np.flatnonzero(~self._fed).tolist()
-            else:
+            if not self._resume:
                 self._match_ids = None
             self._unmatched = []
         self._last_layer = layer
@@ -262,34 +259,37 @@ class EAMPrefetch(PrefetchPolicy):
         if m is None or m.k != k:
             m = self._matcher = PrefixMatcher(self.eamc, k=k)
             self._match_ids = None
-        if self._match_ids is None:
-            so_far = rec.query(request_ids, layer)  # [B, L, E]
-            m.begin_step(so_far)
-            self._match_ids = self._step_ids
-            m.update_rows([layer], so_far[:, layer : layer + 1])
-            self._fed[:] = False
-            self._fed[: layer + 1] = True
-        elif self._resume:
-            layers = sorted({*self._stale, *range(layer + 1)})  # ascending
-            rows = rec.query_rows(request_ids, layers[0], layers[-1] + 1)  # [B, span, E]
-            if len(layers) < rows.shape[1]:  # rows current since the last step in between
-                rows = rows[:, [lay - layers[0] for lay in layers]]
-            m.resume_step(layers, rows)
-            i = layers.index(layer)
-            m.update_rows([layer], rows[:, i : i + 1])
+        if self._match_ids is None or self._resume:  # the step's first match
+            if self._match_ids is None:
+                so_far = rec.query(request_ids, layer)  # [B, L, E]
+                m.begin_step(so_far)
+                self._match_ids = self._step_ids
+                row = so_far[:, layer : layer + 1]
+            else:  # the rows not taken in after routing in the last step, and those routed so far
+                layers = sorted({*np.flatnonzero(~self._fed).tolist(), *range(layer + 1)})
+                rows = self._read_rows(request_ids, layers)
+                m.resume_step(layers, rows)
+                i = layers.index(layer)
+                row = rows[:, i : i + 1]
+            m.update_rows([layer], row)
             self._fed[:] = False
             self._fed[: layer + 1] = True
         else:
             layers = [*self._unmatched, layer]  # ascending: routed in this order
-            rows = rec.query_rows(request_ids, layers[0], layer + 1)  # [B, span, E]
-            if len(layers) < rows.shape[1]:  # layers skipped in between
-                rows = rows[:, [lay - layers[0] for lay in layers]]
-            m.update_rows(layers, rows)
+            m.update_rows(layers, self._read_rows(request_ids, layers))
             self._fed[layers] = True
         self._resume = False
         self._match_step = self._steps
         self._unmatched = []
         return kernels.match_counts(m.scores, k)
+
+    def _read_rows(self, request_ids: list[str], layers: list[int]) -> np.ndarray:
+        """``(B, len(layers), E)`` the recorder's rows of ``layers`` (ascending) for the batch, read
+        as one span (``query_rows``) and the rows in between dropped."""
+        rows = self.recorder.query_rows(request_ids, layers[0], layers[-1] + 1)  # [B, span, E]
+        if len(layers) < rows.shape[1]:
+            rows = rows[:, [lay - layers[0] for lay in layers]]
+        return rows
 
     def observe_lookahead(self, layer: int, scores: np.ndarray) -> None:
         """Router lookahead scores ``[D, E]`` of MoE layers ``layer + 1 .. layer + D``, handed over
