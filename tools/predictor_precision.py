@@ -124,7 +124,8 @@ def measure(model_dir: Path, args: argparse.Namespace) -> dict:
                 "chance": set(rng.choice(E, c, replace=False).tolist()),
             }
             if spec is not None and own is not None:
-                own_row = kernels.row_probs(np.ascontiguousarray(own[None], dtype=np.float32))
+                # the policy's path with no EAMC rows (own_plus_eamc normalises), then its blend
+                own_row = kernels.own_plus_eamc(pol._own[lo : lo + 1], pol._own[:0])[0]
                 mixed = kernels.blend(
                     own_row, np.ascontiguousarray(spec, dtype=np.float32), pol.lookahead_weight
                 )

@@ -150,13 +150,12 @@ def load_workload(
 
 @dataclass
 class DecodeTimes:
-    """Per eval batch of :func:`_run_batches`, the mean over its decode steps of: the step's wall
-    time (TPOT, s), the compute thread's CPU time (``time.thread_time``, s: everything the step
-    ran on it, its waits for expert copies, locks and the GIL excluded) and the expert batches the
-    step ran (``ExpertStats.expert_batches``: the resident batch and each group of landed experts
-    per MoE layer)."""
+    """Per eval batch of :func:`_run_batches` (beside its TPOT), the mean over its decode steps of:
+    the compute thread's CPU time (``time.thread_time``, s: everything the step ran on it, its
+    waits for expert copies, locks and the GIL excluded) and the expert batches the step ran
+    (``ExpertStats.expert_batches``: the resident batch and each group of landed experts per MoE
+    layer)."""
 
-    tpot_s: list[float] = field(default_factory=list)
     cpu_s: list[float] = field(default_factory=list)
     expert_batches: list[float] = field(default_factory=list)
 
@@ -188,7 +187,6 @@ def _run_batches(
         n = max(1, len(steps))
         tpots.append(sum(steps) / n)
         if times is not None:
-            times.tpot_s.append(tpots[-1])
             times.cpu_s.append(cpu / n)
             times.expert_batches.append((sum(counts) - n0) / n)
         outputs += [done[k] for k in sorted(done)]
