@@ -66,19 +66,27 @@ def test_bad_shapes() -> None:
     assert m.update(0, np.ones((2, E)))[0].shape == (2, 0)  # empty collection
 
 
+def _collection_and_queries(
+    width: int, seed: int, entries: int, batch: int, tokens: tuple[int, int], request_seed: int
+) -> tuple[EAMC, np.ndarray]:
+    """An EAMC of ``entries`` synthetic request EAMs and ``batch`` float32 queries ``(B, L, width)``
+    drawn from the same task groups."""
+    eamc = EAMC(L, width, capacity=64)
+    for eam in synthetic_eams(entries, L, width, tokens=(2, 30), groups=6, seed=seed):
+        eamc.add(eam)
+    query = synthetic_eams(batch, L, width, tokens=tokens, groups=6, seed=seed, request_seed=request_seed)
+    return eamc, query.astype(np.float32)
+
+
 @pytest.mark.parametrize("width", [8, 12, 16, 60, 128])  # faiss's own _ny kernels, then the one-call form
 @pytest.mark.parametrize("seed", range(3))
 def test_update_rows_sums_equal_updates_bit_for_bit(width: int, seed: int) -> None:
     """Fed the changed rows only, the running sums are those of :meth:`update` on full queries
     (bit for bit, so the same top k), also across an EAMC change mid-step; and the one-call
     cosines of a layer equal one ``fvec_inner_products_ny`` per query."""
-    eamc = EAMC(L, width, capacity=64)
-    for eam in synthetic_eams(40, L, width, tokens=(2, 30), groups=6, seed=seed):
-        eamc.add(eam)
-    rng = np.random.default_rng(seed)
     batch = 5
-    query = synthetic_eams(batch, L, width, tokens=(0, 20), groups=6, seed=seed, request_seed=5)
-    query = query.astype(np.float32)
+    eamc, query = _collection_and_queries(width, seed, 40, batch, (0, 20), request_seed=5)
+    rng = np.random.default_rng(seed)
     query[1] = 0  # a query with nothing seen yet
     full, rows = PrefixMatcher(eamc, k=4), PrefixMatcher(eamc, k=4)
     full.begin_step(query)
@@ -108,13 +116,9 @@ def test_resume_step_equals_a_fresh_begin_bit_for_bit(width: int, eamc_changes: 
     """A step started from the last one's rows (``resume_step`` on the rows that changed, then the
     current row updated) holds the state ``begin_step`` on the full queries makes, bit for bit,
     also when the EAMC changed in between (the whole table is rebuilt then)."""
-    eamc = EAMC(L, width, capacity=64)
-    for eam in synthetic_eams(30, L, width, tokens=(2, 30), groups=6, seed=seed):
-        eamc.add(eam)
-    rng = np.random.default_rng(seed)
     batch = 3
-    query = synthetic_eams(batch, L, width, tokens=(1, 20), groups=6, seed=seed, request_seed=3)
-    query = query.astype(np.float32)
+    eamc, query = _collection_and_queries(width, seed, 30, batch, (1, 20), request_seed=3)
+    rng = np.random.default_rng(seed)
     m = PrefixMatcher(eamc, k=4)
     m.begin_step(query)
     fed = [0, 1, 3]  # rows taken in after their layer routed in the last step (2 and 4 were not)
