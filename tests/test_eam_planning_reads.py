@@ -14,6 +14,7 @@ import pytest
 import moe_runtime.prefetch.eam as eam
 from moe_runtime.prefetch import kernels
 from moe_runtime.prefetch.gate import PrefetchGate
+from moe_runtime.prefetch.term_value import TermValue
 from tests.test_sim_engine import random_requests, sim_for
 from tracer import prefix_match
 from tracer.prefix_match import PrefixMatcher
@@ -65,10 +66,22 @@ def _from_scratch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(prefix_match, "_NY_KERNELS", _AllWidths())
 
 
-def _plans(monkeypatch: pytest.MonkeyPatch, experts: int, seed: int) -> tuple[str, dict, int]:
+class _EveryThirdPlan(TermValue):
+    """The EAMC term weighed as the runtime does, but computed at every third plan only (the
+    simulator weighs nothing: its host time is 0), so the matcher must catch up on skipped rows."""
+
+    def wanted(self, block_s: float) -> bool:
+        self._since += 1
+        return self._since % 3 == 1
+
+
+def _plans(
+    monkeypatch: pytest.MonkeyPatch, experts: int, seed: int, skip: bool = False
+) -> tuple[str, dict, int]:
     """Hash of every prediction and every issued plan of a simulated run, its counters, and how
     many planning layers matched against the EAMC; each match is checked against the full query
-    (one ``EAMC.search``, or a ``PrefixMatcher`` fed full queries) as it is made."""
+    (one ``EAMC.search``, or a ``PrefixMatcher`` fed full queries) as it is made. ``skip``: the
+    EAMC term is left out of two plans in three (:class:`_EveryThirdPlan`)."""
     reqs = random_requests(seed, 40, 6, experts, 2, 6)  # more finished requests than matches (16)
     sim = sim_for(layers=6, experts=experts, slots=2 * experts, batch=3)
     digest = hashlib.sha256()
@@ -76,8 +89,9 @@ def _plans(monkeypatch: pytest.MonkeyPatch, experts: int, seed: int) -> tuple[st
     refs: dict[int, PrefixMatcher] = {}
     predict_rows, match, issue = eam.EAMPrefetch._predict_rows, eam.EAMPrefetch._match, eam.EAMPrefetch.issue
 
-    def logged_predict(self, layer, request_ids):
-        rows = predict_rows(self, layer, request_ids)
+    def logged_predict(self, layer, request_ids, eamc=True):
+        assert eamc or skip  # the simulator never leaves the EAMC term out (term_value)
+        rows = predict_rows(self, layer, request_ids, eamc)
         digest.update(b"-" if rows is None else rows.tobytes())
         return rows
 
@@ -110,7 +124,16 @@ def _plans(monkeypatch: pytest.MonkeyPatch, experts: int, seed: int) -> tuple[st
         digest.update(np.ascontiguousarray(scores).tobytes() + bytes([first_layer]))
         return issue(self, scores, first_layer=first_layer, **kwargs)
 
+    init = eam.EAMPrefetch.__init__
+
+    def init_skipping(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        assert self.eamc_term is None  # the simulator's clock: nothing weighed
+        self.eamc_term = _EveryThirdPlan()
+
     with monkeypatch.context() as m:
+        if skip:
+            m.setattr(eam.EAMPrefetch, "__init__", init_skipping)
         m.setattr(eam.EAMPrefetch, "_predict_rows", logged_predict)
         m.setattr(eam.EAMPrefetch, "_match", checked_match)
         m.setattr(eam.EAMPrefetch, "issue", logged_issue)
@@ -118,10 +141,13 @@ def _plans(monkeypatch: pytest.MonkeyPatch, experts: int, seed: int) -> tuple[st
     return digest.hexdigest(), dict(run.stats), matched[0]
 
 
-@pytest.mark.parametrize("experts", [8, 16])  # faiss's own 8-wide kernel, and the one-call form
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize(
+    ("experts", "seed", "skip"),
+    # faiss's own 8-wide kernel, and the one-call form; with the EAMC term skipped at some plans
+    [(e, s, False) for e in (8, 16) for s in range(4)] + [(e, s, True) for e in (8, 16) for s in range(2)],
+)
 def test_plans_equal_the_from_scratch_computation(
-    experts: int, seed: int, monkeypatch: pytest.MonkeyPatch
+    experts: int, seed: int, skip: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # the gate issues every candidate, so that the plans themselves reach the buffer and are compared
     init = PrefetchGate.__init__
@@ -131,9 +157,9 @@ def test_plans_equal_the_from_scratch_computation(
         self.force_open = True
 
     monkeypatch.setattr(PrefetchGate, "__init__", open_gate)
-    new = _plans(monkeypatch, experts, seed)
+    new = _plans(monkeypatch, experts, seed, skip)
     _from_scratch(monkeypatch)
-    old = _plans(monkeypatch, experts, seed)
+    old = _plans(monkeypatch, experts, seed, skip)
     assert new == old
     assert new[2] > 20 and new[1]["prefetch_issued"] > 0  # the runs matched and prefetched
 

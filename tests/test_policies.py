@@ -32,6 +32,9 @@ class FakeRecorder:
     def query(self, request_ids, upto_layer):
         return np.stack([self.eam for _ in request_ids])
 
+    def query_rows(self, request_ids, lo, hi):
+        return self.query(request_ids, hi - 1)[:, lo:hi]
+
     def query_sum(self, request_ids, upto_layer, prefill_weight=1.0):
         return self.query(request_ids, upto_layer).sum(axis=0)
 

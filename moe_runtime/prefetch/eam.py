@@ -30,6 +30,7 @@ from moe_runtime.errors import ConfigError
 from moe_runtime.prefetch import kernels
 from moe_runtime.prefetch.base import PrefetchPolicy
 from moe_runtime.prefetch.gate import ModeTrial, PrefetchGate, clock
+from moe_runtime.prefetch.term_value import TermValue, candidates
 from tracer.prefix_match import PrefixMatcher
 
 # Matching is always incremental (EAMPrefetch._match). A full EAMC search per layer ran below
@@ -62,7 +63,10 @@ class EAMPrefetch(PrefetchPolicy):
     simulator), with ``cost_aware``, also run the measured comparison of prefetching and caching
     alone (:class:`moe_runtime.prefetch.gate.ModeTrial`; default True); trial_arms: its arms, a
     subset of :data:`MODES` in that order with ``prefetch`` first and at least two (default
-    :data:`ARMS`; add ``lean``, on-demand + LRU, to measure LRU as well).
+    :data:`ARMS`; add ``lean``, on-demand + LRU, to measure LRU as well); weigh_eamc: in the
+    runtime, with ``cost_aware``, compute the EAMC term of a plan only while its measured gain
+    beats its host time, probing every ``probe_every``-th plan otherwise
+    (:mod:`moe_runtime.prefetch.term_value`; default True).
 
     Each later layer keeps at most ``tokens x top_k`` candidates (what this step can route there):
     on the bundled model at a 50% buffer this cut the bytes moved 1.4-6x (emulated link / memcpy)
@@ -85,6 +89,7 @@ class EAMPrefetch(PrefetchPolicy):
         probe_every: int = 4,
         trial: bool = True,
         trial_arms: tuple[str, ...] = ARMS,
+        weigh_eamc: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -155,6 +160,8 @@ class EAMPrefetch(PrefetchPolicy):
         self._step_lookups = 0  # and its expert lookups
         self._unplanned_blocking_s: float | None = None  # running blocking of decode steps without plans
         self._p_use: tuple[np.ndarray, int, np.ndarray] | None = None  # (own term, T, [L * E] p)
+        # the EAMC term's measured gain against its host time (term_value); None: always computed
+        self.eamc_term = TermValue(probe_every) if cost_aware and self._timed and weigh_eamc else None
 
     def predict(self, layer: int, request_ids: list[str]) -> np.ndarray | None:
         """Activation probabilities ``[L, E]`` for the running batch, or None without evidence.
@@ -178,9 +185,10 @@ class EAMPrefetch(PrefetchPolicy):
         prob[layer + 1 : layer + 1 + len(rows)] = rows
         return prob
 
-    def _predict_rows(self, layer: int, request_ids: list[str]) -> np.ndarray | None:
+    def _predict_rows(self, layer: int, request_ids: list[str], eamc: bool = True) -> np.ndarray | None:
         """:meth:`predict`'s rows ``layer + 1 .. layer + depth`` only, ``[D, E]`` (read-only: the
-        step's cached rows), or None."""
+        step's cached rows), or None. ``eamc=False`` leaves the EAMC term out (the own term
+        alone; the matcher takes this layer's row in at its next use)."""
         lo, hi = layer + 1, min(self.num_layers, layer + 1 + self.depth)
         if not request_ids or lo >= hi:
             return None
@@ -194,7 +202,15 @@ class EAMPrefetch(PrefetchPolicy):
         w0, w1 = self._window
         covered = self._final is not None and w0 <= lo and hi <= w1
         n = len(self.eamc)
-        if n:
+        if n and not eamc:
+            if self._match_ids is not None:  # the incremental matcher takes this row later
+                self._unmatched.append(layer)
+            if self._eamc_key is not None:  # the cached rows hold the EAMC term: recompute them
+                self._eamc_block = self._eamc_key = None
+                covered = False
+        elif n:
+            term = self.eamc_term
+            t0 = 0.0 if term is None else time.thread_time()
             k = min(self.matches, n)
             if n <= k and self.eamc.index_kind == "flat":  # an exact top-k of all: every entry
                 times = np.full(n, len(request_ids), dtype=np.int64)
@@ -205,6 +221,8 @@ class EAMPrefetch(PrefetchPolicy):
                 block, matched = kernels.matched_row_probs(self.eamc.entries(), times, lo, hi)  # [D, E]
                 self._eamc_block = block if matched else None
                 self._eamc_key, covered = key, False
+            if term is not None:
+                term.note_host_time(time.thread_time() - t0)
         if not covered:
             # [D, E] own + EAMC term normalised, [D] rows with any evidence
             block = self._own[:0] if self._eamc_block is None else self._eamc_block  # no rows: none
@@ -311,6 +329,13 @@ class EAMPrefetch(PrefetchPolicy):
         """:meth:`blend_lookahead` on the plan's rows ``[D, E]`` (layers ``layer + 1 ..``): ``rows``
         itself without a lookahead for ``layer``, else a new array."""
         ahead, self._ahead = self._ahead, None
+        return self._blend_ahead(layer, rows, ahead)
+
+    def _blend_ahead(
+        self, layer: int, rows: np.ndarray | None, ahead: tuple[int, np.ndarray] | None
+    ) -> np.ndarray | None:
+        """:meth:`_blend_rows` with the router lookahead ``ahead`` (``(layer, [D, E] scores)``,
+        as :meth:`observe_lookahead` keeps it, or None)."""
         if ahead is None or ahead[0] != layer or self.lookahead_weight == 0:
             return rows
         n = min(self.num_layers, layer + 1 + self.depth) - layer - 1  # rows of the plan
@@ -354,6 +379,8 @@ class EAMPrefetch(PrefetchPolicy):
                 self._lookahead_s = 0.0
                 return
             gate.observe(layer, topk_ids)  # score the earlier plans' candidates for this layer
+            if self.eamc_term is not None:
+                self.eamc_term.observe(layer, topk_ids)
             if not self.wants_lookahead(layer):
                 # On-demand for now (the last plan kept nothing): only every probe_every-th layer
                 # predicts, to keep the precision current and to notice when prefetching pays again.
@@ -378,7 +405,17 @@ class EAMPrefetch(PrefetchPolicy):
         """Predict, limit, test and issue the plan of the layers after ``layer``."""
         gate = self.gate
         self.plans += 1
-        base = self._predict_rows(layer, request_ids)
+        term = self.eamc_term
+        # a plan with rows to predict and an EAMC to match asks the term's test (term_value)
+        with_eamc = (
+            term is None
+            or not request_ids
+            or layer + 1 >= self.num_layers
+            or not len(self.eamc)
+            or term.wanted(self._block_per_miss_s())
+        )
+        ahead = self._ahead
+        base = self._predict_rows(layer, request_ids, eamc=with_eamc)
         probs = self._blend_rows(layer, base)  # [D, E] rows of layers lo .. lo + D - 1
         lo = layer + 1
         self._last = None if probs is None else (lo, probs)
@@ -387,6 +424,8 @@ class EAMPrefetch(PrefetchPolicy):
         # A later layer will need at most as many experts as this step routes (tokens x top-k):
         # keep only that many of its most likely experts, so the plan does not flood the link.
         cap = min(self.num_experts, topk_ids.size)
+        if term is not None and with_eamc and len(self.eamc):
+            self._note_eamc_term(term, layer, ahead, probs, cap)
         weights = self.proximity(layer)[lo : lo + len(probs)]
         if probs is base:  # the step's cached rows: limit them once per step
             if self._limited is None or self._limited[0] != cap:
@@ -401,6 +440,28 @@ class EAMPrefetch(PrefetchPolicy):
             if scores is None:  # nothing pays and nothing of ours is queued: on-demand
                 return
         self.issue(scores, first_layer=lo)
+
+    def _note_eamc_term(
+        self, term: TermValue, layer: int, ahead: tuple[int, np.ndarray] | None, probs: np.ndarray, cap: int
+    ) -> None:
+        """Note for ``term`` (:mod:`moe_runtime.prefetch.term_value`) the next layer's candidates
+        of this plan (``probs [D, E]``, the EAMC term in) and of the plan without the EAMC term
+        (the own term alone, blended with the same router lookahead ``ahead``): the ``cap`` best
+        experts of each that the buffer does not hold."""
+        own = self._own
+        if own is None:
+            return
+        lo, E = layer + 1, self.num_experts
+        rows = kernels.own_plus_eamc(own[lo : lo + len(probs)], own[:0])[0]
+        rows = self._blend_ahead(layer, rows, ahead)
+        held = self.buffer.held[lo * E : (lo + 1) * E]
+        term.note(lo, candidates(probs[0], held, cap), candidates(rows[0], held, cap))
+
+    def _block_per_miss_s(self) -> float:
+        """Seconds one avoided miss saves: the gate's running blocking per miss ``b``, before
+        any miss one copy's link time."""
+        b = None if self.gate is None else self.gate.block_per_miss_s
+        return self._transfer_s() if b is None else b
 
     def _paying(
         self, gate: PrefetchGate, layer: int, lo: int, rows: np.ndarray, scores: np.ndarray, tokens: int
@@ -505,6 +566,8 @@ class EAMPrefetch(PrefetchPolicy):
             now = clock(self.buffer)
             gate.update_link(self.buffer.stats, now, self._transfer_s())
             gate.new_step()
+            if self.eamc_term is not None:
+                self.eamc_term.new_step()
             if self.trial is not None:
                 # the step's blocking on expert copies plus the compute thread's CPU time (plans,
                 # router lookahead, cache policy, the experts' batches: all the arms change), per
