@@ -17,6 +17,7 @@ def test_json_reports_every_hook_with_spread_and_settings(capsys: pytest.Capture
     doc = json.loads(capsys.readouterr().out)
     assert doc["settings"]["model_profile"] == "mixtral-8x7b" and doc["settings"]["repeats"] == 2
     assert doc["settings"]["policies"].startswith("prefetch eam + cache ")
+    assert doc["settings"]["eamc_term"] == "weighed"  # as the runtime: its gain against its host time
     assert [r["batch"] for r in doc["results"]] == [1, 2]
     for row in doc["results"]:
         assert row["layers_timed"] == 2 * 32  # (3 tokens - 1 warm-up step) x 32 layers
@@ -26,6 +27,7 @@ def test_json_reports_every_hook_with_spread_and_settings(capsys: pytest.Capture
                 assert 0 <= lo <= row[f"{prefix}{name}_p50_us"] <= hi
                 assert row[f"{prefix}{name}_p50_us"] <= row[f"{prefix}{name}_p90_us"]
         assert 0 < row["planned_share"] <= 1
+        assert 0 < row["eamc_term_share"] <= 1 and 0 < row["open_eamc_term_share"] <= 1
         # forced open, every layer plans: its median layer costs what a planning layer costs,
         # more than the median layer of a gate that is mostly closed
         assert row["open_plan_p50_us"] > row["plan_p50_us"] or row["planned_share"] == 1
@@ -38,8 +40,9 @@ def test_json_reports_every_hook_with_spread_and_settings(capsys: pytest.Capture
 def test_sections_split_a_planning_layers_plan(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["bench", "overhead", "--model-profile", "mixtral-8x7b", "--batch", "2", "--tokens", "3"]
     args += ["--warm-requests", "2", "--warmup-steps", "1", "--repeats", "1"]
-    assert main([*args, "--sections", "--json"]) == 0
+    assert main([*args, "--sections", "--eamc-term", "always", "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)["results"]
+    assert row["open_eamc_term_share"] == 1.0  # --eamc-term always: every plan matches, as the simulator
     parts = [row[f"open_section_{name}_p50_us"] for name in ("predict", "blend", "gate", "queue")]
     assert all(p >= 0 for p in parts) and parts[0] > 0 and parts[3] > 0  # every plan predicts and queues
     # p50s of parts need not add up, but no part of a plan costs more than the whole plan's p90

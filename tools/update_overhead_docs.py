@@ -1,8 +1,11 @@
 """Run ``moeserve bench overhead`` and write its output into docs/simulator.md.
 
-The block between ``<!-- BEGIN overhead -->`` and ``<!-- END overhead -->`` is the command's
-own stdout (settings line, per-batch figures, budget verdicts), so the doc never holds a typed
-figure. Extra arguments are passed to the command (e.g. ``--repeats 5``); the doc shows them.
+Two blocks, each the command's own stdout (settings line, per-batch figures, budget verdicts),
+so the doc never holds a typed figure: between ``<!-- BEGIN overhead -->`` and ``<!-- END
+overhead -->`` the command as given (the EAMC term weighed, as the runtime does), and between
+``<!-- BEGIN overhead_always -->`` and ``<!-- END overhead_always -->`` the same with
+``--eamc-term always`` (the term computed at every plan, as before it was weighed), side by
+side. Extra arguments are passed to both runs (e.g. ``--repeats 5``); the doc shows them.
 """
 
 import re
@@ -13,20 +16,23 @@ from pathlib import Path
 root = Path(__file__).resolve().parents[1]
 doc = root / "docs/simulator.md"
 args = sys.argv[1:]
-out = subprocess.run(
-    [sys.executable, "-m", "moeserve", "bench", "overhead", *args],
-    cwd=root,
-    capture_output=True,
-    text=True,
-    check=True,
-).stdout.strip()
+if "--eamc-term" in args:
+    raise SystemExit("--eamc-term: this tool writes both settings itself")
 text = doc.read_text()
-pattern = re.compile(
-    r"(\$ moeserve bench overhead[^\n]*\n<!-- BEGIN overhead -->\n).*?(<!-- END overhead -->)", re.S
-)
-if not pattern.search(text):
-    raise SystemExit(f"{doc}: no '$ moeserve bench overhead' block with BEGIN/END overhead markers")
-shown = " ".join(["$ moeserve bench overhead", *args])
-text = pattern.sub(lambda m: f"{shown}\n<!-- BEGIN overhead -->\n{out}\n{m.group(2)}", text)
+for block, extra in (("overhead", []), ("overhead_always", ["--eamc-term", "always"])):
+    out = subprocess.run(
+        [sys.executable, "-m", "moeserve", "bench", "overhead", *args, *extra],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    pattern = re.compile(
+        rf"(\$ moeserve bench overhead[^\n]*\n<!-- BEGIN {block} -->\n).*?(<!-- END {block} -->)", re.S
+    )
+    if not pattern.search(text):
+        raise SystemExit(f"{doc}: no '$ moeserve bench overhead' block with BEGIN/END {block} markers")
+    shown = " ".join(["$ moeserve bench overhead", *args, *extra])
+    text = pattern.sub(lambda m, s=shown, o=out, b=block: f"{s}\n<!-- BEGIN {b} -->\n{o}\n{m.group(2)}", text)
 doc.write_text(text)
 print(f"wrote {doc.relative_to(root)}")

@@ -16,6 +16,11 @@ summed per routed layer. The lookahead scores are the simulator's modelled route
 (``SimConfig.lookahead_precision``), handed over as a ``torch`` tensor as the model does. The
 first ``--warmup-steps`` steps of each repeat are dropped; each repeat starts from fresh objects;
 figures are the median over repeats with the min-max spread.
+
+The EAMC term of a plan is weighed as the runtime weighs it (``--eamc-term weighed``, the
+default: ``moe_runtime.prefetch.term_value``, its host time on this host's clock against its
+measured gain times the simulated blocking per miss), or computed at every plan as the
+simulator does (``always``: the figures before the term was weighed).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import numpy as np
 import torch
 
 from moe_runtime.bench.policies import COMBOS
+from moe_runtime.prefetch.term_value import TermValue
 
 HOOKS = ("record", "cache", "lookahead", "plan")
 HOOKS_TOTAL = ("total", *HOOKS)
@@ -87,12 +93,15 @@ def measure(
     cache: str = "eam-reuse",
     gate_open: bool = False,
     sections: bool = False,
+    eamc_term: str = "weighed",
 ) -> dict[str, Any]:
     """One repeat: p50/p90 per hook and in total (us per routed layer), fresh objects.
     ``gate_open``: the cost-aware gate issues every candidate (``PrefetchGate.force_open``), so
     every layer plans, tests and issues. ``sections``: also time the parts of a plan
     (``SECTIONS``; their timers add to the ``plan`` figure) and return their p50 over the layers
-    that planned as ``sections``.
+    that planned as ``sections``. ``eamc_term``: ``weighed`` (as the runtime) or ``always``
+    (as the simulator); the share of plans that computed the term is returned as
+    ``eamc_term_share`` (1.0 with ``always``).
 
     Raises:
         ConfigError: unknown profile or hardware.
@@ -112,6 +121,7 @@ def measure(
     config = SimConfig(slots=slots, batch=batch, lookahead_precision=LOOKAHEAD_PRECISION[:lookahead])
     sim = Simulator(L, E, k, model.expert_bytes, CostModel.roofline(model, hw), config)
     timer = _Timer()
+    terms: list[TermValue] = []
     eval_names = {r.request_id for r in evals}
     mark: list[int] = []  # routed layers before the first measured step
     orig_make_state, orig_step = sim.make_state, sim._step
@@ -121,6 +131,9 @@ def measure(
         pf, rec, buf = state.prefetcher, state.recorder, state.buffer
         if gate_open and pf.gate is not None:
             pf.gate.force_open = True
+        if eamc_term == "weighed" and pf.gate is not None:  # the runtime's test, on the host's clock
+            pf.eamc_term = TermValue(pf.probe_every)
+            terms.append(pf.eamc_term)
         if sections:
             for i, method in enumerate(SECTIONS.values()):
                 setattr(pf, method, timer.wrap(i, getattr(pf, method), section=True))
@@ -167,6 +180,8 @@ def measure(
         out[name] = {"p50": float(np.percentile(col, 50)), "p90": float(np.percentile(col, 90))}
     # the layers that predicted a plan (all of them while prefetching pays; one in probe_every else)
     out["planned_share"] = float(planned.mean())
+    used = sum(t.used for t in terms)
+    out["eamc_term_share"] = used / max(1, used + sum(t.skipped for t in terms)) if terms else 1.0
     full = total[planned] if planned.any() else total[:0]
     out["planned_total"] = {
         q: float(np.percentile(full, v)) if len(full) else 0.0 for q, v in (("p50", 50), ("p90", 90))
@@ -197,6 +212,13 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache-policy", default=EAM_CACHE, help=f"cache policy (default: {EAM_CACHE})")
     p.add_argument(
+        "--eamc-term",
+        choices=("weighed", "always"),
+        default="weighed",
+        help="weigh the EAMC term's gain against its host time as the runtime does, or compute it "
+        "at every plan as the simulator does (default: weighed)",
+    )
+    p.add_argument(
         "--sections",
         action="store_true",
         help="also time the parts of a planning layer (gate open; the timers add to its figures)",
@@ -220,6 +242,7 @@ def run(args: argparse.Namespace) -> int:
         "hardware": args.hardware,
         "policies": f"prefetch eam + cache {args.cache_policy}",
         "router_lookahead": args.lookahead,
+        "eamc_term": args.eamc_term,
         "buffer": args.buffer,
         "tokens": args.tokens,
         "warm_requests": args.warm_requests,
@@ -245,6 +268,7 @@ def run(args: argparse.Namespace) -> int:
                 args.cache_policy,
                 gate_open,
                 args.sections and gate_open,
+                args.eamc_term,
             )  # fmt: skip
             for gate_open in (False, True)
             for r in range(args.repeats)
@@ -252,6 +276,9 @@ def run(args: argparse.Namespace) -> int:
         auto, forced = reps[: args.repeats], reps[args.repeats :]
         row: dict[str, Any] = {"batch": batch, "layers_timed": auto[0]["layers_timed"]}
         row["planned_share"] = round(statistics.median(r["planned_share"] for r in auto), 3)
+        # the share of plans that computed the EAMC term, gate as is and open
+        row["eamc_term_share"] = round(statistics.median(r["eamc_term_share"] for r in auto), 3)
+        row["open_eamc_term_share"] = round(statistics.median(r["eamc_term_share"] for r in forced), 3)
         for prefix, runs, names in (("", auto, FIGURES), ("open_", forced, HOOKS_TOTAL)):
             for name in names:
                 for q in ("p50", "p90"):
@@ -284,6 +311,7 @@ def run(args: argparse.Namespace) -> int:
                 parts.append(f"{name} p50 {p50:.1f} [{lo:.1f}-{hi:.1f}] p90 {p90:.1f}")
             if not prefix:
                 parts.append(f"planned {r['planned_share']:.0%} of layers")
+            parts.append(f"EAMC term in {r[prefix + 'eamc_term_share']:.0%} of plans")
             print(" | ".join(parts))
         if args.sections:
             parts = [f"{name} p50 {r[f'open_section_{name}_p50_us']:.1f}" for name in SECTIONS]
