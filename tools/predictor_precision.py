@@ -90,6 +90,7 @@ def measure(model_dir: Path, args: argparse.Namespace) -> dict:
         pol = engine.prefetcher
         pol.trial = None  # every decode layer plans: the gate is forced open below
         pol.gate.force_open = True
+        pol.eamc_term = None  # every plan computes the EAMC term (the runtime weighs it: term_value)
         after_routing, blend_rows = pol.after_routing, pol._blend_rows
         E, L = pol.num_experts, pol.num_layers
 
