@@ -85,6 +85,7 @@ class RuntimeCollector(Collector):
             success.add_metric([reason], snap.stats.requests_finished.get(reason, 0))
         yield success
         yield from self._expert_metrics()
+        yield from self._eamc_term_metrics()
         yield from self._eamc_metrics()
 
     def _expert_metrics(self) -> Iterator[Metric]:
@@ -132,6 +133,32 @@ class RuntimeCollector(Collector):
         yield _counter("prefetch_issued", "Prefetches queued.", st.prefetch_issued)
         yield _counter("prefetch_used", "Prefetched experts used before eviction.", st.prefetch_used)
         yield _counter("prefetch_cancelled", "Queued prefetches cancelled.", st.prefetch_cancelled)
+
+    def _eamc_term_metrics(self) -> Iterator[Metric]:
+        """The ``eam`` policy's weighing of its EAMC term (``moe_runtime.prefetch.term_value``),
+        when the runtime weighs it: plans with and without the term, its measured gain and
+        host time. Counters the engine thread bumps; read without its lock (single ints and
+        floats, a scrape may see one plan's update half-way between two of them)."""
+        term = getattr(getattr(self.client.engine, "prefetcher", None), "eamc_term", None)
+        if term is None:
+            return
+        plans = CounterMetricFamily(
+            PREFIX + "eamc_term_plans",
+            "Prefetch plans that computed the EAMC term (computed=true) or left it out while its "
+            "measured gain did not beat its host time (computed=false).",
+            labels=["computed"],
+        )
+        plans.add_metric(["true"], term.used)
+        plans.add_metric(["false"], term.skipped)
+        yield plans
+        yield _gauge(
+            "eamc_term_gain_candidates",
+            "Running mean of the extra next-layer candidates used per plan with the EAMC term.",
+            term.gain_hits,
+        )
+        yield _gauge(
+            "eamc_term_host_seconds", "Running mean host seconds of the EAMC term per plan.", term.host_s
+        )
 
     def _eamc_metrics(self) -> Iterator[Metric]:
         if self.trace is None:

@@ -193,6 +193,10 @@ def test_metrics_match_engine_stats(client, running):
     assert not [k for k in m if "layer=" in k and "device=" in k]
     assert m['moeserve_expert_transfer_bytes_total{kind="demand"}'] == es.demand_bytes
     assert m["moeserve_prefetch_issued_total"] == es.prefetch_issued
+    term = engine.prefetcher.eamc_term  # the default eam policy weighs its EAMC term
+    assert m['moeserve_eamc_term_plans_total{computed="true"}'] == term.used
+    assert m['moeserve_eamc_term_plans_total{computed="false"}'] == term.skipped
+    assert m["moeserve_eamc_term_host_seconds"] == term.host_s
     assert m["moeserve_requests_running"] == 0 and m["moeserve_requests_waiting"] == 0
     finished = sum(n for r, n in engine.stats.requests_finished.items() if r != "abort")
     assert m["moeserve_e2e_request_latency_seconds_count"] == finished
