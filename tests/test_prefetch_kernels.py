@@ -128,6 +128,8 @@ def test_least_used_is_the_sorted_smallest_use_of_the_evictable_held_experts(see
     L, E = int(rng.integers(1, 12)), 16
     held = rng.random(L * E) < rng.random()
     p_use = _ties(rng, (L * E,)) if seed % 2 else rng.random(L * E)  # float32 with ties, float64
+    if seed % 3 == 0:  # experts no request uses (p 0), often more than cap: the zeros' short cut
+        p_use[rng.random(L * E) < rng.random()] = 0
     layer, cap = int(rng.integers(0, L)), int(rng.integers(0, 40))
     n_held, m_avail, least = kernels.least_used(held, p_use, layer * E, (layer + 1) * E, cap)
     evictable = held.copy()

@@ -252,24 +252,35 @@ def pays(
 def least_used(
     held: np.ndarray, p_use: np.ndarray, lo: int, hi: int, cap: int
 ) -> tuple[int, int, np.ndarray]:
-    """One pass over ``held [L * E]`` (bool): ``(held count, evictable count, the min(cap,
-    evictable) smallest ``p_use`` of the held experts outside keys ``lo:hi``, ascending, float64)``.
+    """Over ``held [L * E]`` (bool): ``(held count, evictable count, the min(cap, evictable)
+    smallest ``p_use`` of the held experts outside keys ``lo:hi``, ascending, float64)``.
 
-    A bounded max-heap of the ``cap`` smallest so far (``O(L E log cap)``), so a plan of ``n``
-    candidates reads the whole mask once: the pass that counted the held experts and the one that
+    A branch-free pass counts the held experts and those of them no running request uses
+    (``p_use`` 0); when the evictable ones include at least ``min(cap, evictable)`` such, the
+    answer is that many zeros. Otherwise a second pass keeps a bounded max-heap of the ``cap``
+    smallest so far (``O(L E log cap)``): the pass that counted the held experts and the one that
     gathered their use into a partition of every held expert cost 30 us per planning layer at the
-    Qwen3-30B-A3B shape (6144 keys, 1536 held)."""
+    Qwen3-30B-A3B shape (6144 keys, 1536 held); the heap pass about 7 us at batch 1 (cap 8),
+    the short cut 1.9 us (median over 200 plans' arguments of ``bench overhead``, gate open)."""
+    n_held = 0
+    zeros = 0
+    for i in range(held.size):
+        h = np.int64(held[i])
+        n_held += h
+        zeros += h * np.int64(p_use[i] == 0)
+    pinned = 0
+    for i in range(max(lo, 0), min(hi, held.size)):
+        if held[i]:
+            pinned += 1
+            zeros -= np.int64(p_use[i] == 0)
+    m_avail = n_held - pinned
+    if zeros >= min(cap, m_avail):
+        return n_held, m_avail, np.zeros(max(0, min(cap, m_avail)))
     heap = np.empty(max(cap, 1))  # max-heap: heap[0] is the largest of the smallest kept
     k = 0
-    n_held = 0
-    m_avail = 0
     for i in range(held.size):
-        if not held[i]:
+        if not held[i] or lo <= i < hi:
             continue
-        n_held += 1
-        if lo <= i < hi:
-            continue
-        m_avail += 1
         v = np.float64(p_use[i])
         if k < cap:  # sift up
             j = k
