@@ -98,6 +98,7 @@ class PrefetchGate:
         self.num_layers, self.num_experts, self.depth, self.decay = num_layers, num_experts, depth, decay
         self.hits = np.full((depth, num_experts), float(prior[0]))  # [D, rank]
         self.trials = np.full((depth, num_experts), float(prior[1]))
+        self._precision: np.ndarray | None = None  # hits / trials until the next observation
         self._pending: dict[
             int, list[tuple[int, np.ndarray, np.ndarray]]
         ] = {}  # layer -> (d, experts, ranks)
@@ -112,8 +113,11 @@ class PrefetchGate:
 
     # ------------------------------------------------------------------ precision
     def precision(self) -> np.ndarray:
-        """``[D, E]`` running precision by layer distance (row ``d - 1``) and rank (column)."""
-        return self.hits / self.trials
+        """``[D, E]`` running precision by layer distance (row ``d - 1``) and rank (column);
+        read-only for callers (kept until :meth:`observe` scores candidates)."""
+        if self._precision is None:
+            self._precision = self.hits / self.trials
+        return self._precision
 
     def note(self, distance0: int, first_layer: int, r: np.ndarray, c: np.ndarray, rank: np.ndarray) -> None:
         """Remember a plan's candidates for checking when their layers route: entry ``i`` is
@@ -125,8 +129,12 @@ class PrefetchGate:
         """
         if not r.size:
             return
-        # one layer (the default plan depth of 1): one group, no search for the row bounds
-        bounds = np.flatnonzero(r[1:] != r[:-1]) + 1 if r[0] != r[-1] else ()
+        if r[0] == r[-1]:  # one layer (the default plan depth of 1): one group as it is
+            d = distance0 + int(r[0])
+            if 1 <= d <= self.depth:
+                self._pending.setdefault(first_layer + int(r[0]), []).append((d, c, rank))
+            return
+        bounds = np.flatnonzero(r[1:] != r[:-1]) + 1
         for lo, hi in zip((0, *bounds), (*bounds, r.size), strict=True):
             d = distance0 + int(r[lo])
             if 1 <= d <= self.depth:
@@ -144,6 +152,7 @@ class PrefetchGate:
                 self.hits, self.trials, d - 1, experts, ranks, ids, self.num_experts, self.decay
             )
             self.checked += len(experts)
+        self._precision = None
 
     _layer = -1
 
