@@ -17,6 +17,11 @@ applied to the current residual stream, Mixtral-Offloading's speculative loading
 token counts, row-normalised, are added with weight ``lookahead_weight`` to the EAMC probabilities
 of those layers. The EAMC alone still plans the layers further away; without lookahead scores (the
 simulator replays routing only) the policy is the paper's.
+
+In the runtime the EAMC term is weighed (``moe_runtime.prefetch.term_value``, ours): a plan
+computes it only while its measured gain (extra used next-layer candidates times the blocking
+per miss) beats its measured host time, and as a probe at doubling intervals otherwise; the
+matcher catches up on the rows it skipped at its next use. The simulator never skips it.
 """
 
 from __future__ import annotations
