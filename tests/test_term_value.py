@@ -99,6 +99,12 @@ def test_the_runtime_leaves_out_an_eamc_term_that_adds_nothing(monkeypatch: pyte
         assert pol.eamc_term is not None and pol.trial is not None
         pol.trial = None  # plans at every layer: the arm stays prefetching
         pol.gate.force_open = True
+        for layer in range(4):  # a prompt of 3 tokens: prefill plans always match, unweighed
+            pol.after_routing(layer, ["a"], np.array([[0, 1], [2, 3], [1, 4]]))
+        pol.end_step()
+        assert matched[0] == 3 and pol.eamc_term.used == pol.eamc_term.skipped == 0
+        assert pol.eamc_term.host_s == 0.0
+        matched[0] = 0
         ids = np.array([[0, 1]])
         for _ in range(40):
             for layer in range(4):

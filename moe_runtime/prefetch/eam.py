@@ -167,6 +167,7 @@ class EAMPrefetch(PrefetchPolicy):
         self._p_use: tuple[np.ndarray, int, np.ndarray] | None = None  # (own term, T, [L * E] p)
         # the EAMC term's measured gain against its host time (term_value); None: always computed
         self.eamc_term = TermValue(probe_every) if cost_aware and self._timed and weigh_eamc else None
+        self._eamc_s = 0.0  # host seconds of the EAMC term in the latest prediction (with eamc_term)
 
     def predict(self, layer: int, request_ids: list[str]) -> np.ndarray | None:
         """Activation probabilities ``[L, E]`` for the running batch, or None without evidence.
@@ -214,8 +215,7 @@ class EAMPrefetch(PrefetchPolicy):
                 self._eamc_block = self._eamc_key = None
                 covered = False
         elif n:
-            term = self.eamc_term
-            t0 = 0.0 if term is None else time.thread_time()
+            t0 = 0.0 if self.eamc_term is None else time.thread_time()
             k = min(self.matches, n)
             if n <= k and self.eamc.index_kind == "flat":  # an exact top-k of all: every entry
                 times = np.full(n, len(request_ids), dtype=np.int64)
@@ -226,8 +226,8 @@ class EAMPrefetch(PrefetchPolicy):
                 block, matched = kernels.matched_row_probs(self.eamc.entries(), times, lo, hi)  # [D, E]
                 self._eamc_block = block if matched else None
                 self._eamc_key, covered = key, False
-            if term is not None:
-                term.note_host_time(time.thread_time() - t0)
+            if self.eamc_term is not None:  # the term's host time, for _plan to weigh
+                self._eamc_s = time.thread_time() - t0
         if not covered:
             # [D, E] own + EAMC term normalised, [D] rows with any evidence
             block = self._own[:0] if self._eamc_block is None else self._eamc_block  # no rows: none
@@ -411,14 +411,16 @@ class EAMPrefetch(PrefetchPolicy):
         gate = self.gate
         self.plans += 1
         term = self.eamc_term
-        # a plan with rows to predict and an EAMC to match asks the term's test (term_value)
-        with_eamc = (
-            term is None
-            or not request_ids
-            or layer + 1 >= self.num_layers
-            or not len(self.eamc)
-            or term.wanted(self._block_per_miss_s())
+        # A decode plan with rows to predict and an EAMC to match asks the term's test
+        # (term_value); a prefill plan, which ranks a whole prompt's routing, always computes the
+        # term and is neither timed nor scored for it (as the gate times only decode plans).
+        weigh = (
+            term is not None
+            and topk_ids.shape[0] == len(request_ids) > 0
+            and layer + 1 < self.num_layers
+            and len(self.eamc) > 0
         )
+        with_eamc = not weigh or term.wanted(self._block_per_miss_s())
         ahead = self._ahead
         base = self._predict_rows(layer, request_ids, eamc=with_eamc)
         probs = self._blend_rows(layer, base)  # [D, E] rows of layers lo .. lo + D - 1
@@ -429,7 +431,8 @@ class EAMPrefetch(PrefetchPolicy):
         # A later layer will need at most as many experts as this step routes (tokens x top-k):
         # keep only that many of its most likely experts, so the plan does not flood the link.
         cap = min(self.num_experts, topk_ids.size)
-        if term is not None and with_eamc and len(self.eamc):
+        if weigh and with_eamc:
+            term.note_host_time(self._eamc_s)
             self._note_eamc_term(term, layer, ahead, probs, cap)
         weights = self.proximity(layer)[lo : lo + len(probs)]
         if probs is base:  # the step's cached rows: limit them once per step

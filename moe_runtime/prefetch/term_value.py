@@ -22,6 +22,10 @@ figures measured in the same run:
 * cost per plan: the running mean of the term's host time (thread CPU time of the matching and
   the probabilities, catching up the rows skipped in between included).
 
+Only decode plans are weighed, timed and scored: a prefill plan ranks a whole prompt's routing
+and its first match runs cold (the gate times only decode plans for the same reason), so it
+always computes the term.
+
 The term is computed at a plan while ``G * b`` beats its cost, before :data:`MIN_SCORED` plans
 were scored, and otherwise once every ``probe_every`` plans, an interval that doubles with each
 probe that finds the term still not paying, up to ``2 ** MAX_BACKOFF`` times (a probe after a
