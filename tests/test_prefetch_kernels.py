@@ -107,7 +107,9 @@ def test_gate_plan_equals_the_numpy_gate(seed: int) -> None:
     slots = int(rng.integers(1, L * E))
     idle = float(rng.choice([0.0, 0.5, 2.7, 100.0]))  # copies that fit in idle link time
     save = float(rng.random())
-    args = (b, q, t, False, held, p_use, layer, E, slots, idle, save)
+    # victims by the heap, or (even seeds) by the walk of p_use's sort (kernels.least_used)
+    order = np.zeros(L * E if seed % 2 == 0 else 0, dtype=np.int64)
+    args = (b, q, t, False, held, p_use, layer, E, slots, idle, save, order, _sort_now())
     r, c, rank, keep, paying, net = kernels.gate_plan(rows, scores, held_rows, 1, prec, *args)
     np.testing.assert_array_equal(np.stack([r, c, rank]), np.stack(kernels.ranked_free(rows, held_rows)))
     want, want_net = _gate_keep_numpy(
@@ -131,13 +133,26 @@ def test_least_used_is_the_sorted_smallest_use_of_the_evictable_held_experts(see
     if seed % 3 == 0:  # experts no request uses (p 0), often more than cap: the zeros' short cut
         p_use[rng.random(L * E) < rng.random()] = 0
     layer, cap = int(rng.integers(0, L)), int(rng.integers(0, 40))
-    n_held, m_avail, least = kernels.least_used(held, p_use, layer * E, (layer + 1) * E, cap)
     evictable = held.copy()
     evictable[layer * E : (layer + 1) * E] = False  # the running layer's experts are pinned
-    assert n_held == held.sum() and m_avail == evictable.sum()
     want = np.sort(p_use[evictable].astype(np.float64))[:cap]
-    np.testing.assert_array_equal(least, want)
-    assert least.dtype == np.float64
+    order = np.zeros(L * E, dtype=np.int64)
+    # the heap; then the heap while passes are counted, and the walk of p_use's sort
+    for use_order, state in ((order[:0], _sort_now()), (order, np.zeros(2, dtype=np.int64))):
+        for _ in range(kernels.SORT_AFTER + 2):
+            n_held, m_avail, least = kernels.least_used(
+                held, p_use, layer * E, (layer + 1) * E, cap, use_order, state
+            )
+            assert n_held == held.sum() and m_avail == evictable.sum()
+            np.testing.assert_array_equal(least, want)
+            assert least.dtype == np.float64
+    if state[0] == kernels.SORT_AFTER:  # heap passes ran (no zeros' short cut): then it sorted
+        assert state[1] == 1 and (np.diff(p_use[order]) >= 0).all()
+
+
+def _sort_now() -> np.ndarray:
+    """A ``least_used`` state that sorts at its next heap pass (when it is given an order)."""
+    return np.array([kernels.SORT_AFTER, 0], dtype=np.int64)
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -167,8 +182,9 @@ def test_idle_link_candidates_pay_when_used_more_often_than_their_victims() -> N
     prec = np.array([[0.8, 0.6, 0.4, 0.2]])  # by rank
     held = np.zeros(8, dtype=bool)
     args = (1e-3, 1.0, 1e-3, False, held, np.zeros(0), 0, 4, 8)
-    assert not kernels.gate_plan(rows, rows, held_rows, 1, prec, *args, 0.0, 1e-3)[3].any()
-    keep, net = kernels.gate_plan(rows, rows, held_rows, 1, prec, *args, 2.0, 1e-3)[3::2]
+    none = (np.zeros(0, dtype=np.int64), np.zeros(2, dtype=np.int64))  # no sort of p_use
+    assert not kernels.gate_plan(rows, rows, held_rows, 1, prec, *args, 0.0, 1e-3, *none)[3].any()
+    keep, net = kernels.gate_plan(rows, rows, held_rows, 1, prec, *args, 2.0, 1e-3, *none)[3::2]
     np.testing.assert_array_equal(keep, [True, True, False])
     assert net == pytest.approx((0.8 + 0.6) * 1e-3)
 
@@ -236,7 +252,7 @@ def test_the_python_kernels_equal_the_compiled_ones() -> None:
     scores = (rows * 0.9).astype(np.float32)
     held = rng.random(6 * E) < 0.3
     args = (rows, scores, held[2 * E : 4 * E].reshape(2, E), 1, rng.random((2, E)), 0.5, 0.2, 0.3)
-    args += (False, held, rng.random(6 * E), 1, E, 40, 2.0, 0.4)
+    args += (False, held, rng.random(6 * E), 1, E, 40, 2.0, 0.4, np.zeros(6 * E, dtype=np.int64), _sort_now())
     for fn, a in (
         (kernels.gate_plan, args),
         (kernels.best_free, (scores.reshape(-1), held[: 2 * E], 5)),
@@ -246,7 +262,10 @@ def test_the_python_kernels_equal_the_compiled_ones() -> None:
         (kernels.own_plus_eamc, (rows, scores)),
         (kernels.match_counts, (scores, 3)),
         (kernels.row_probs, ((rng.random((2, 300)) * 9).astype(np.float32),)),
-        (kernels.least_used, (held, rng.random(6 * E).astype(np.float32), E, 2 * E, 7)),
+        (
+            kernels.least_used,  # the walk of p_use's sort (it sorts at once)
+            (held, rng.random(6 * E).astype(np.float32), E, 2 * E, 7, np.zeros(6 * E, np.int64), _sort_now()),
+        ),
     ):
         compiled, plain = fn(*a), fn.py_func(*a)
         for x, y in zip(compiled if isinstance(compiled, tuple) else (compiled,),

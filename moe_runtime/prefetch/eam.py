@@ -165,6 +165,9 @@ class EAMPrefetch(PrefetchPolicy):
         self._step_lookups = 0  # and its expert lookups
         self._unplanned_blocking_s: float | None = None  # running blocking of decode steps without plans
         self._p_use: tuple[np.ndarray, int, np.ndarray] | None = None  # (own term, T, [L * E] p)
+        # kernels.least_used's sort of that p (reset with it): [L * E] order, [2] passes / sorted
+        self._use_order = np.zeros(self.num_layers * self.num_experts, dtype=np.int64)
+        self._use_state = np.zeros(2, dtype=np.int64)
         # the EAMC term's measured gain against its host time (term_value); None: always computed
         self.eamc_term = TermValue(probe_every) if cost_aware and self._timed and weigh_eamc else None
         self._eamc_s = 0.0  # host seconds of the EAMC term in the latest prediction (with eamc_term)
@@ -488,7 +491,7 @@ class EAMPrefetch(PrefetchPolicy):
         r, c, rank, keep, out, net = kernels.gate_plan(
             rows, scores, held, lo - layer, gate.precision(), t if b is None else b, gate.demand_busy,
             t, gate.force_open, buf.held, self._victim_use(tokens), layer, E, buf.num_slots,
-            gate.idle_copies, gate.idle_save(t),
+            gate.idle_copies, gate.idle_save(t), self._use_order, self._use_state,
         )  # fmt: skip
         gate.note(lo - layer, lo, r, c, rank)
         # the plan's host time is spent: what pays is issued; planning goes on at every layer
@@ -513,6 +516,7 @@ class EAMPrefetch(PrefetchPolicy):
             weight = self.own_weight if self.own_weight > 0 else 1.0
             share = np.minimum(own.reshape(-1) * (self.top_k / weight), 1.0)
             self._p_use = (own, tokens, 1.0 - (1.0 - share) ** tokens)  # [L * E]
+            self._use_state[:] = 0  # a new p: not sorted yet
         return self._p_use[2]
 
     def set_arm(self, arm: str) -> None:
