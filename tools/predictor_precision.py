@@ -38,7 +38,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from moe_runtime.bench.policies import _run_batches, load_model_and_workload, register_workload_args  # noqa: E402
-from moe_runtime.prefetch import kernels  # noqa: E402
 
 DOC = ROOT / "docs" / "results.md"
 # row label -> description, in table order
@@ -124,13 +123,8 @@ def measure(model_dir: Path, args: argparse.Namespace) -> dict:
                 "blend": None if out is None else _top(out[0], c),
                 "chance": set(rng.choice(E, c, replace=False).tolist()),
             }
-            if spec is not None and own is not None:
-                # the policy's path with no EAMC rows (own_plus_eamc normalises), then its blend
-                own_row = kernels.own_plus_eamc(pol._own[lo : lo + 1], pol._own[:0])[0]
-                mixed = kernels.blend(
-                    own_row, np.ascontiguousarray(spec, dtype=np.float32), pol.lookahead_weight
-                )
-                guesses["lookahead+own"] = _top(mixed[0], c)
+            if spec is not None and own is not None:  # the policy's own plan without the EAMC term
+                guesses["lookahead+own"] = _top(pol._without_eamc(layer, ahead, len(out))[0], c)
             pending[lo] = {k: v for k, v in guesses.items() if v is not None}
             return out
 

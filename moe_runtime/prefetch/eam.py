@@ -459,14 +459,22 @@ class EAMPrefetch(PrefetchPolicy):
         of this plan (``probs [D, E]``, the EAMC term in) and of the plan without the EAMC term
         (the own term alone, blended with the same router lookahead ``ahead``): the ``cap`` best
         experts of each that the buffer does not hold."""
-        own = self._own
-        if own is None:
+        rows = self._without_eamc(layer, ahead, len(probs))
+        if rows is None:
             return
         lo, E = layer + 1, self.num_experts
-        rows = kernels.own_plus_eamc(own[lo : lo + len(probs)], own[:0])[0]
-        rows = self._blend_ahead(layer, rows, ahead)
         held = self.buffer.held[lo * E : (lo + 1) * E]
         term.note(lo, candidates(probs[0], held, cap), candidates(rows[0], held, cap))
+
+    def _without_eamc(self, layer: int, ahead: tuple[int, np.ndarray] | None, n: int) -> np.ndarray | None:
+        """The plan's ``n`` rows ``[n, E]`` from ``layer + 1`` without the EAMC term: the step's
+        own term alone, normalised as :meth:`_predict_rows` does, blended with the router
+        lookahead ``ahead``; None before the step's own term exists."""
+        own = self._own
+        if own is None:
+            return None
+        rows = kernels.own_plus_eamc(own[layer + 1 : layer + 1 + n], own[:0])[0]
+        return self._blend_ahead(layer, rows, ahead)
 
     def _block_per_miss_s(self) -> float:
         """Seconds one avoided miss saves: the gate's running blocking per miss ``b``, before

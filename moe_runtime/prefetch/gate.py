@@ -129,12 +129,8 @@ class PrefetchGate:
         """
         if not r.size:
             return
-        if r[0] == r[-1]:  # one layer (the default plan depth of 1): one group as it is
-            d = distance0 + int(r[0])
-            if 1 <= d <= self.depth:
-                self._pending.setdefault(first_layer + int(r[0]), []).append((d, c, rank))
-            return
-        bounds = np.flatnonzero(r[1:] != r[:-1]) + 1
+        # one layer (the default plan depth of 1): one group, no search for the row bounds
+        bounds = np.flatnonzero(r[1:] != r[:-1]) + 1 if r[0] != r[-1] else ()
         for lo, hi in zip((0, *bounds), (*bounds, r.size), strict=True):
             d = distance0 + int(r[lo])
             if 1 <= d <= self.depth:

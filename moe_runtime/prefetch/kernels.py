@@ -297,10 +297,11 @@ def least_used(
     want = max(0, min(cap, m_avail))
     if zeros >= want:
         return n_held, m_avail, np.zeros(want)
-    if order.size == held.size and state[1] == 0 and state[0] >= SORT_AFTER:
+    sortable = order.size == held.size
+    if sortable and state[1] == 0 and state[0] >= SORT_AFTER:
         order[:] = np.argsort(p_use)
         state[1] = 1
-    if order.size == held.size and state[1] == 1:  # walk the sorted use
+    if sortable and state[1] == 1:  # walk the sorted use
         out = np.empty(want)
         j = 0
         for idx in order:
