@@ -304,6 +304,40 @@ def test_queue_replan_pops_like_one_push_per_entry(seed: int, by_priority: bool)
     assert _drain(bulk) == _drain(ref)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("seed", range(12))
+def test_queue_replan_best_is_best_free_then_replan(seed: int, dtype: type) -> None:
+    """The fused selection and re-plan (one compiled call per planning layer) leaves the queue as
+    ``best_free`` then ``replan`` do, returns the same plan, and counts the same prefetches."""
+    from moe_runtime.io.transfer_queue import best_free
+
+    rng = np.random.default_rng(seed)
+    fused, ref = TransferQueue(num_keys=48), TransferQueue(num_keys=48)
+    for step in range(10):
+        if rng.random() < 0.3:  # a demand, sometimes for a queued prefetch's key
+            key = int(rng.integers(0, 48))
+            for q in (fused, ref):
+                q.push(Transfer(key, demand=True))
+        base = int(rng.integers(0, 3)) * 16
+        flat = (rng.integers(0, 4, size=16) / 4).astype(dtype)  # ties and zeros
+        held = rng.random(16) < 0.3
+        limit = int(rng.integers(0, 8))
+        keys, scores, issued, cancelled = fused.replan_best(flat, held, limit, base, True, now=float(step))
+        want_keys, want_scores = best_free(flat, held, limit)
+        want_keys = want_keys + base
+        np.testing.assert_array_equal(keys, want_keys)
+        np.testing.assert_array_equal(scores, want_scores)
+        assert (issued, cancelled) == ref.replan(want_keys, want_scores, True, now=float(step))
+        assert fused.queued_prefetch_keys() == ref.queued_prefetch_keys()
+        if rng.random() < 0.3:  # the I/O thread takes one
+            a, b = fused.pop(), ref.pop()
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert (a.key, a.demand, a.priority) == (b.key, b.demand, b.priority)
+                assert a.demand or a.queued_at == b.queued_at  # a prefetch's queue time is the plan's
+    assert _drain(fused) == _drain(ref)
+
+
 def test_queue_grows_past_its_key_space_and_keeps_order() -> None:
     q = TransferQueue(num_keys=4)
     q.replan(np.array([3, 40]), np.array([0.5, 0.9]), replace=True)

@@ -91,6 +91,43 @@ def _gate_keep_numpy(r, c, rank, scores, d0, prec, b, q, t, held, p_use, layer, 
     return pays(reuse)
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_limit_gate_plan_is_limit_scores_then_gate_plan(seed: int) -> None:
+    """The planning layer's one call equals its two kernels in turn, packed: candidates
+    ``[3, n]``, the paying count, the paying scores and the net."""
+    rng = np.random.default_rng(seed)
+    L, E, D = 6, 16, int(rng.integers(1, 3))
+    layer = int(rng.integers(0, L - D))
+    lo = layer + 1
+    probs = _ties(rng, (D, E))
+    cap, min_prob = int(rng.integers(1, E + 1)), float(rng.choice([0.0, 0.3]))
+    if seed % 3 == 0:  # rows already limited: weights only
+        cap, min_prob = 0, 0.0
+    weights = rng.random(D)
+    held = rng.random(L * E) < rng.random()
+    prec = rng.random((D, E))
+    b, q, t = float(rng.random()), float(rng.random()), float(rng.random())
+    p_use = rng.random(L * E).astype(np.float32) if seed % 2 else np.zeros(0)
+    slots = int(rng.integers(1, L * E))
+    idle, save = float(rng.choice([0.0, 2.7])), float(rng.random())
+    force = seed % 4 == 1
+    rows, scores = kernels.limit_scores(probs, cap, min_prob, weights)
+    held_rows = held[lo * E : (lo + D) * E].reshape(D, E)
+    tail = (layer, E, slots, idle, save)
+    r, c, rank, keep, paying, net = kernels.gate_plan(
+        rows, scores, held_rows, 1, prec, b, q, t, force, held, p_use, *tail,
+        np.zeros(L * E, dtype=np.int64), _sort_now(),
+    )  # fmt: skip
+    cand, n_keep, paying2, net2 = kernels.limit_gate_plan(
+        probs, cap, min_prob, weights, held, lo * E, 1, prec, b, q, t, force, p_use, *tail,
+        np.zeros(L * E, dtype=np.int64), _sort_now(),
+    )  # fmt: skip
+    np.testing.assert_array_equal(cand, np.stack([r, c, rank]))
+    assert n_keep == int(keep.sum())
+    np.testing.assert_array_equal(paying2, paying)
+    assert net2 == net
+
+
 @pytest.mark.parametrize("seed", range(30))
 def test_gate_plan_equals_the_numpy_gate(seed: int) -> None:
     rng = np.random.default_rng(seed)

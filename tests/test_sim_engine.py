@@ -155,3 +155,37 @@ def test_layer_jitter_is_seeded_and_keeps_the_mean_layer_time() -> None:
     a, b, c = run(0.3), run(0.3), run(0.3, seed=1)
     assert a == b and a != base and a != c
     assert abs(a[0] - base[0]) < 0.1 * base[0]
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_prefetch_best_queues_what_best_free_then_prefetch_queue(devices: int) -> None:
+    """``SimBuffer.prefetch_best`` (``partition.apply_best_plan``: one fused call on one device,
+    select then re-plan per device on several) leaves the queues, the counters and the I/O as
+    selecting with ``best_free`` and handing the plan to ``prefetch`` does."""
+    from moe_runtime.io.transfer_queue import best_free
+    from moe_runtime.sim.buffer import SimBuffer
+
+    L, E = 4, 8
+    bufs = [SimBuffer(L, E, 6, devices, 1000, 1e-3) for _ in range(2)]
+    rng = np.random.default_rng(devices)
+    for step in range(12):
+        layer = step % (L - 1)
+        scores = (rng.integers(0, 4, size=(1, E)) / 4).astype(np.float32)
+        limit = int(rng.integers(0, 6))
+        base = (layer + 1) * E
+        fused, ref = bufs
+        with fused.cond:
+            keys, best = fused.prefetch_best(scores.reshape(-1), base, limit)
+        with ref.cond:
+            want_keys, want_best = best_free(scores.reshape(-1), ref.held[base : base + E], limit)
+            ref.prefetch(want_keys + base, want_best, replace=True)
+        np.testing.assert_array_equal(keys, want_keys + base)
+        np.testing.assert_array_equal(best, want_best)
+        for a, b in zip(fused.parts, ref.parts, strict=True):
+            assert a.queue.queued_prefetch_keys() == b.queue.queued_prefetch_keys()
+        assert fused.stats.prefetch_issued == ref.stats.prefetch_issued
+        assert fused.stats.prefetch_cancelled == ref.stats.prefetch_cancelled
+        needed = sorted(rng.choice(E, size=2, replace=False).tolist())
+        for buf in bufs:  # the layer runs: copies land, slots fill
+            buf.run_layer(layer, needed, lambda e: 2e-3)
+        np.testing.assert_array_equal(fused.held, ref.held)

@@ -38,7 +38,7 @@ import torch
 
 from moe_runtime.buffer.cache_policy import make_cache_policy
 from moe_runtime.buffer.layer_run import IOThreadError, LayerRun, ResidentRun, handle
-from moe_runtime.buffer.partition import Partition, apply_prefetch_plan, look_up_layer
+from moe_runtime.buffer.partition import Partition, apply_best_plan, apply_prefetch_plan, look_up_layer
 from moe_runtime.buffer.placement import home_devices
 from moe_runtime.device import normalize_device
 from moe_runtime.io.link import LinkModel
@@ -306,6 +306,20 @@ class ExpertBuffer:
         with self.cond:
             apply_prefetch_plan(self.parts, self.home, keys, priorities, replace, self.stats)
             self.cond.notify_all()
+
+    def prefetch_best(self, scores: np.ndarray, first_key: int, limit: int) -> tuple[np.ndarray, np.ndarray]:
+        """Queue as the prefetch plan (replacing the queued one, as :meth:`prefetch` with
+        ``replace``) the best ``limit`` positive entries of ``scores [n]`` (flat keys
+        ``first_key ..``) that are not resident or loading (``partition.apply_best_plan``).
+        Returns ``(keys [m], scores [m])``, best first. The I/O threads are woken only when a
+        prefetch was queued or cancelled. Caller may hold ``cond``."""
+        with self.cond:
+            keys, best, changed = apply_best_plan(
+                self.parts, self.home, self.held, scores, first_key, limit, self.stats
+            )
+            if changed:
+                self.cond.notify_all()
+        return keys, best
 
     # ------------------------------------------------------------------ I/O thread
     def _io_loop(self, part: Partition) -> None:

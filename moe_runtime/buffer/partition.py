@@ -30,7 +30,7 @@ import torch
 from moe_runtime.buffer.cache_policy import CachePolicy
 from moe_runtime.io.copy_engine import CopyEngine
 from moe_runtime.io.link import LinkModel
-from moe_runtime.io.transfer_queue import Transfer, TransferQueue
+from moe_runtime.io.transfer_queue import Transfer, TransferQueue, best_free
 from moe_runtime.quant.layout import DequantSlots, ExpertLayout
 from moe_runtime.stats import ExpertStats
 
@@ -437,3 +437,34 @@ def apply_prefetch_plan(
         issued, cancelled = part.queue.replan(k, p, replace, now)
         stats.prefetch_issued += issued
         stats.prefetch_cancelled += cancelled
+
+
+def apply_best_plan(
+    parts: list[Partition],
+    home: np.ndarray,
+    held: np.ndarray,
+    flat: np.ndarray,
+    base: int,
+    limit: int,
+    stats: ExpertStats,
+    now: float | None = None,
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Queue the best ``limit`` positive entries of ``flat [n]`` (scores of flat keys ``base ..
+    base + n - 1``) whose key is not ``held [L * E]`` (resident or loading anywhere) as the
+    plan of :func:`apply_prefetch_plan` with ``replace`` (MoE-Infinity §5.1). One partition
+    selects and re-plans in one compiled call (:meth:`TransferQueue.replan_best`); several select
+    first (``best_free``) and re-plan per device. Returns ``(keys [m] best first, scores [m],
+    changed)``: ``changed`` counts the prefetches queued or cancelled (0: the I/O threads have
+    nothing new to do)."""
+    window = held[base : base + flat.size]
+    if len(parts) == 1:
+        keys, scores, issued, cancelled = parts[0].queue.replan_best(flat, window, limit, base, True, now)
+    else:
+        keys, scores = best_free(flat, window, limit)
+        keys += base
+        issued0, cancelled0 = stats.prefetch_issued, stats.prefetch_cancelled
+        apply_prefetch_plan(parts, home, keys, scores, True, stats, now)
+        return keys, scores, stats.prefetch_issued - issued0 + stats.prefetch_cancelled - cancelled0
+    stats.prefetch_issued += issued
+    stats.prefetch_cancelled += cancelled
+    return keys, scores, issued + cancelled

@@ -140,6 +140,34 @@ class TransferQueue:
             self._order, self._cursor, self._order_ok = order, 0, True
         return issued, cancelled
 
+    def replan_best(
+        self,
+        flat: np.ndarray,
+        held: np.ndarray,
+        limit: int,
+        base: int,
+        replace: bool,
+        now: float | None = None,
+    ) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """Select and apply a plan in one compiled call: the best ``limit`` positive entries of
+        ``flat [n]`` (scores of keys ``base .. base + n - 1``) not ``held [n]``
+        (:func:`best_free`), queued as :meth:`replan` queues them, with their scores as
+        priorities. Returns ``(keys [m] int64, scores [m], new prefetches, cancelled
+        prefetches)``, the keys best first. The same queue as :func:`best_free` then
+        :meth:`replan` give (tests check it), without the per-call Python in between: this runs
+        once per planning MoE layer (issue #15's host budget)."""
+        self._head = None
+        if base + flat.size > self._queued.size:  # past the key space: grow (rare; sized by the owner)
+            self._fit(base + flat.size - 1)
+        keys, scores, issued, cancelled, self._next_seq, self._n_prefetch, resorted, order = _replan_best(
+            flat, held, limit, base, self._queued, self._prio, self._seq, self._queued_at, self._is_demand,
+            bool(self._demand), replace, time.perf_counter() if now is None else now, self._next_seq,
+            self._n_prefetch,
+        )  # fmt: skip
+        if resorted:
+            self._order, self._cursor, self._order_ok = order, 0, True
+        return keys, scores, issued, cancelled
+
     def _sort(self) -> None:
         """Fix the pop order of the queued prefetches: priority descending, then FIFO."""
         keys = self._queued.nonzero()[0]
@@ -201,6 +229,32 @@ class TransferQueue:
     def queued_prefetch_keys(self) -> list[int]:
         """Keys queued as prefetches (ascending)."""
         return np.flatnonzero(self._queued).tolist()
+
+
+@njit(cache=True)
+def best_free(flat: np.ndarray, held: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray]:
+    """The best ``limit`` positive entries of ``flat [n]`` (float32) not ``held [n]``, best first.
+
+    Returns ``(positions [m] int64, values [m] float32)``, ``m <= limit``; equal values keep
+    ascending position order (a stable descending sort).
+    """
+    n = flat.size
+    cand = np.empty(n, dtype=np.int64)
+    m = 0
+    for i in range(n):
+        if flat[i] > 0 and not held[i]:
+            cand[m] = i
+            m += 1
+    cand = cand[:m]
+    neg = np.empty(m, dtype=flat.dtype)
+    for j in range(m):
+        neg[j] = -flat[cand[j]]
+    order = np.argsort(neg, kind="mergesort")[:limit]
+    keys = cand[order]
+    vals = np.empty(keys.size, dtype=flat.dtype)
+    for j in range(keys.size):
+        vals[j] = flat[keys[j]]
+    return keys, vals
 
 
 @njit(cache=True)
@@ -289,6 +343,48 @@ def _replan(
     return issued, cancelled, next_seq, n_prefetch, True, _pop_order(keys, priorities, seq)
 
 
+@njit(cache=True)
+def _replan_best(
+    flat: np.ndarray,
+    held: np.ndarray,
+    limit: int,
+    base: int,
+    queued: np.ndarray,
+    prio: np.ndarray,
+    seq: np.ndarray,
+    queued_at: np.ndarray,
+    is_demand: np.ndarray,
+    any_demand: bool,
+    replace: bool,
+    now: float,
+    next_seq: int,
+    n_prefetch: int,
+) -> tuple[np.ndarray, np.ndarray, int, int, int, int, bool, np.ndarray]:
+    """:meth:`TransferQueue.replan_best`: :func:`best_free` then :func:`_replan` with the chosen
+    keys (offset by ``base``) and their scores as float64 priorities. Returns ``(keys, scores,
+    *_replan's result)``."""
+    keys, scores = best_free(flat, held, limit)
+    keys += base
+    priorities = np.empty(keys.size)
+    for i in range(keys.size):
+        priorities[i] = scores[i]
+    out = _replan(
+        queued,
+        prio,
+        seq,
+        queued_at,
+        is_demand,
+        any_demand,
+        keys,
+        priorities,
+        replace,
+        now,
+        next_seq,
+        n_prefetch,
+    )
+    return keys, scores, out[0], out[1], out[2], out[3], out[4], out[5]
+
+
 _warm_done = False
 
 
@@ -302,4 +398,7 @@ def _warm() -> None:
     for replace in (False, True):
         _replan(flags, values.copy(), np.zeros(2, dtype=np.int64), values.copy(), flags.copy(), False,
                 np.array([1, 0]), np.array([0.5, 1.0]), replace, 0.0, 0, 0)  # fmt: skip
+        for scores in (values.astype(np.float32), values):  # the eam plan's scores, the baselines'
+            _replan_best(scores, flags.copy(), 1, 0, flags.copy(), values.copy(), np.zeros(2, dtype=np.int64),
+                         values.copy(), flags.copy(), False, replace, 0.0, 0, 0)  # fmt: skip
     _warm_done = True

@@ -14,8 +14,6 @@ from typing import Any
 
 import numpy as np
 
-from moe_runtime.prefetch import kernels
-
 
 class PrefetchPolicy:
     """Base class and the ``on-demand`` baseline: never prefetch (Mixtral-Offloading style).
@@ -79,17 +77,13 @@ class PrefetchPolicy:
         queued prefetches not in it are cancelled.
         """
         # The plan is the best ``k`` candidates (score > 0, stably sorted: equal scores in ascending
-        # key order) that are not resident or loading (the buffer's ``held`` mask): one compiled
-        # call (``kernels.best_free``), as this runs once per planning MoE layer.
-        flat = scores.reshape(-1)
-        base = first_layer * self.num_experts  # flat key of the window's first entry
+        # key order) that are not resident or loading (the buffer's ``held`` mask), selected and
+        # queued in one compiled call (``TransferQueue.replan_best``), as this runs once per
+        # planning MoE layer.
         buf = self.buffer
         with buf.cond:
             k = buf.prefetch_capacity() if limit is None else limit
-            if k > 0:
-                keys, priorities = kernels.best_free(flat, buf.held[base : base + flat.size], k)
-                keys += base
-            else:
-                keys, priorities = np.zeros(0, dtype=np.int64), flat[:0]
-            buf.prefetch(keys, priorities, replace=True)
+            keys, priorities = buf.prefetch_best(
+                scores.reshape(-1), first_layer * self.num_experts, max(k, 0)
+            )
         return keys, priorities

@@ -442,12 +442,14 @@ class EAMPrefetch(PrefetchPolicy):
             if self._limited is None or self._limited[0] != cap:
                 self._limited = (cap, _limit(self._final, cap, self.min_prob))
             w0 = self._window[0]
-            cached = self._limited[1][lo - w0 : lo - w0 + len(probs)]
-            rows, scores = kernels.limit_scores(cached, 0, 0.0, weights)  # already limited: weights only
+            # already limited: weights only
+            probs, cap, min_prob = self._limited[1][lo - w0 : lo - w0 + len(probs)], 0, 0.0
         else:
-            rows, scores = kernels.limit_scores(probs, cap, self.min_prob, weights)
-        if gate is not None:
-            scores = self._paying(gate, layer, lo, rows, scores, topk_ids.shape[0])
+            min_prob = self.min_prob
+        if gate is None:
+            scores = kernels.limit_scores(probs, cap, min_prob, weights)[1]
+        else:
+            scores = self._paying(gate, layer, lo, probs, cap, min_prob, weights, topk_ids.shape[0])
             if scores is None:  # nothing pays and nothing of ours is queued: on-demand
                 return
         self.issue(scores, first_layer=lo)
@@ -483,29 +485,38 @@ class EAMPrefetch(PrefetchPolicy):
         return self._transfer_s() if b is None else b
 
     def _paying(
-        self, gate: PrefetchGate, layer: int, lo: int, rows: np.ndarray, scores: np.ndarray, tokens: int
+        self,
+        gate: PrefetchGate,
+        layer: int,
+        lo: int,
+        probs: np.ndarray,
+        cap: int,
+        min_prob: float,
+        weights: np.ndarray,
+        tokens: int,
     ) -> np.ndarray | None:
-        """``scores [D, E]`` with the candidates whose expected gain does not beat their expected
-        cost zeroed (``moe_runtime.prefetch.gate``); None when none pays and no plan of ours is
-        queued (nothing to hand the buffer). One compiled call ranks the candidates, tests them
-        and finds their victims (``moe_runtime.prefetch.kernels``)."""
+        """The plan's scores ``[D, E]`` (``probs [D, E]`` of layers ``lo ..`` limited to each row's
+        ``cap`` largest at or above ``min_prob``, times ``weights [D]``) with the candidates whose
+        expected gain does not beat their expected cost zeroed (``moe_runtime.prefetch.gate``);
+        None when none pays and no plan of ours is queued (nothing to hand the buffer). One
+        compiled call limits, ranks and tests the candidates and finds their victims
+        (``kernels.limit_gate_plan``)."""
         E = self.num_experts
         buf = self.buffer
-        held = buf.held[lo * E : lo * E + rows.size].reshape(rows.shape)
         b = gate.block_per_miss_s
         t = self._transfer_s()
         # the predictor's candidates a prefetch would copy, ranked within their row, and those of
         # them that pay
-        r, c, rank, keep, out, net = kernels.gate_plan(
-            rows, scores, held, lo - layer, gate.precision(), t if b is None else b, gate.demand_busy,
-            t, gate.force_open, buf.held, self._victim_use(tokens), layer, E, buf.num_slots,
-            gate.idle_copies, gate.idle_save(t), self._use_order, self._use_state,
+        cand, n_keep, out, net = kernels.limit_gate_plan(
+            probs, cap, min_prob, weights, buf.held, lo * E, lo - layer, gate.precision(),
+            t if b is None else b, gate.demand_busy, t, gate.force_open, self._victim_use(tokens), layer, E,
+            buf.num_slots, gate.idle_copies, gate.idle_save(t), self._use_order, self._use_state,
         )  # fmt: skip
-        gate.note(lo - layer, lo, r, c, rank)
+        gate.note(lo - layer, lo, cand[0], cand[1], cand[2])
         # the plan's host time is spent: what pays is issued; planning goes on at every layer
         # only while it wins that time back (else every probe_every-th layer probes)
         self._planning = gate.plans_pay(net)
-        queued, self._queued = self._queued, bool(keep.any())
+        queued, self._queued = self._queued, n_keep > 0
         if not self._queued and not queued:
             return None
         return out

@@ -129,8 +129,13 @@ class PrefetchGate:
         """
         if not r.size:
             return
-        # one layer (the default plan depth of 1): one group, no search for the row bounds
-        bounds = np.flatnonzero(r[1:] != r[:-1]) + 1 if r[0] != r[-1] else ()
+        r0 = int(r[0])
+        if r0 == r[-1]:  # one layer (the default plan depth of 1): one group, kept whole
+            d = distance0 + r0
+            if 1 <= d <= self.depth:
+                self._pending.setdefault(first_layer + r0, []).append((d, c, rank))
+            return
+        bounds = np.flatnonzero(r[1:] != r[:-1]) + 1
         for lo, hi in zip((0, *bounds), (*bounds, r.size), strict=True):
             d = distance0 + int(r[lo])
             if 1 <= d <= self.depth:

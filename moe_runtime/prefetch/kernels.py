@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from moe_runtime.io.transfer_queue import best_free  # noqa: F401  (the plan's best-k: the queue's)
 from moe_runtime.jit import njit
 
 
@@ -136,32 +137,6 @@ def own_plus_eamc(own: np.ndarray, eamc: np.ndarray) -> tuple[np.ndarray, np.nda
                 evidence[d] = True
                 break
     return row_probs(total), evidence
-
-
-@njit(cache=True)
-def best_free(flat: np.ndarray, held: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray]:
-    """The best ``limit`` positive entries of ``flat [n]`` (float32) not ``held [n]``, best first.
-
-    Returns ``(positions [m] int64, values [m] float32)``, ``m <= limit``; equal values keep
-    ascending position order (a stable descending sort).
-    """
-    n = flat.size
-    cand = np.empty(n, dtype=np.int64)
-    m = 0
-    for i in range(n):
-        if flat[i] > 0 and not held[i]:
-            cand[m] = i
-            m += 1
-    cand = cand[:m]
-    neg = np.empty(m, dtype=flat.dtype)
-    for j in range(m):
-        neg[j] = -flat[cand[j]]
-    order = np.argsort(neg, kind="mergesort")[:limit]
-    keys = cand[order]
-    vals = np.empty(keys.size, dtype=flat.dtype)
-    for j in range(keys.size):
-        vals[j] = flat[keys[j]]
-    return keys, vals
 
 
 @njit(cache=True)
@@ -421,6 +396,49 @@ def gate_plan(
 
 
 @njit(cache=True)
+def limit_gate_plan(
+    probs: np.ndarray,
+    cap: int,
+    min_prob: float,
+    weights: np.ndarray,
+    held: np.ndarray,
+    first_key: int,
+    distance0: int,
+    precision: np.ndarray,
+    block_s: float,
+    busy: float,
+    transfer_s: float,
+    force_open: bool,
+    p_use: np.ndarray,
+    layer: int,
+    num_experts: int,
+    num_slots: int,
+    idle_copies: float,
+    idle_save_s: float,
+    use_order: np.ndarray,
+    use_state: np.ndarray,
+) -> tuple[np.ndarray, int, np.ndarray, float]:
+    """:func:`limit_scores` then :func:`gate_plan` in one call (a planning layer's one compiled
+    call between prediction and the queue): ``probs [D, E]`` limited to each row's ``cap``
+    largest at or above ``min_prob`` (``cap`` 0, ``min_prob`` 0: already limited) and weighted
+    by ``weights [D]``; the plan's rows are flat keys ``first_key .. first_key + D * E - 1``, whose
+    ``held`` entries (``held [L * E]``) are the rows' held mask.
+
+    Returns ``(candidates [3, n] int64, paying count, paying [D, E], net)``: :func:`gate_plan`'s
+    ``r``, ``c`` and ``rank`` stacked and the count of its ``keep``, as four returned objects
+    rather than six: each array handed back to Python costs about a microsecond."""
+    rows, scores = limit_scores(probs, cap, min_prob, weights)
+    held_rows = held[first_key : first_key + rows.size].reshape(rows.shape)
+    r, c, rank, keep, paying, net = gate_plan(
+        rows, scores, held_rows, distance0, precision, block_s, busy, transfer_s, force_open, held, p_use,
+        layer, num_experts, num_slots, idle_copies, idle_save_s, use_order, use_state,
+    )  # fmt: skip
+    cand = np.empty((3, r.size), dtype=np.int64)
+    cand[0], cand[1], cand[2] = r, c, rank
+    return cand, int(np.count_nonzero(keep)), paying, net
+
+
+@njit(cache=True)
 def _heap_less(v1: float, v2: float, i1: int, i2: int) -> bool:
     """faiss ``CMin::cmp2``: ``(v1, i1)`` before ``(v2, i2)`` in a min-heap (ties: lower id)."""
     return v1 < v2 or (v1 == v2 and i1 < i2)
@@ -532,6 +550,7 @@ def warm() -> None:
     for p_use in (np.zeros(0), np.zeros(2, dtype=np.float32)):
         args = (1.0, 0.0, 1.0, False, held, p_use, 0, 2, 1, 0.0, 1.0, no_order, state)
         gate_plan(rows, rows, held.reshape(1, 2), 1, one.reshape(1, 1), *args)
+        limit_gate_plan(rows, 1, 0.0, one, held, 0, 1, one.reshape(1, 1), *args[:4], *args[5:])
     blend(rows, rows, 2.0)
     match_counts(rows, 1)
     for p_use in (np.zeros(2), np.zeros(2, dtype=np.float32)):

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from moe_runtime.buffer.cache_policy import make_cache_policy
-from moe_runtime.buffer.partition import Partition, apply_prefetch_plan, look_up_layer
+from moe_runtime.buffer.partition import Partition, apply_best_plan, apply_prefetch_plan, look_up_layer
 from moe_runtime.buffer.placement import home_devices
 from moe_runtime.io.transfer_queue import Transfer
 from moe_runtime.stats import ExpertStats
@@ -191,6 +191,18 @@ class SimBuffer:
         for i, io in enumerate(self._io):
             if io.transfer is None:  # ``_kick``
                 self._start(i, self.now)
+
+    def prefetch_best(self, scores: np.ndarray, first_key: int, limit: int) -> tuple[np.ndarray, np.ndarray]:
+        """``ExpertBuffer.prefetch_best``, same rules (``partition.apply_best_plan``)."""
+        if self._next_done <= self.now:
+            self.advance()
+        keys, best, _ = apply_best_plan(
+            self.parts, self.home, self.held, scores, first_key, limit, self.stats, now=self.now
+        )
+        for i, io in enumerate(self._io):
+            if io.transfer is None:  # ``_kick``
+                self._start(i, self.now)
+        return keys, best
 
     # ------------------------------------------------------------------ compute side
     def run_layer(self, layer: int, experts: list[int], compute_s: Callable[[int], float]) -> float:
