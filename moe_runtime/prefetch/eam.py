@@ -35,6 +35,7 @@ from moe_runtime.errors import ConfigError
 from moe_runtime.prefetch import kernels
 from moe_runtime.prefetch.base import PrefetchPolicy
 from moe_runtime.prefetch.gate import ModeTrial, PrefetchGate, clock
+from moe_runtime.prefetch.run_clock import RunClock
 from moe_runtime.prefetch.term_value import TermValue, candidates
 from tracer.prefix_match import PrefixMatcher
 
@@ -163,6 +164,11 @@ class EAMPrefetch(PrefetchPolicy):
         self._step_cpu_s: float | None = None  # the compute thread's CPU clock at the last step's end
         self._step_blocking_s = 0.0  # the buffer's blocking counter at the last step's end
         self._step_lookups = 0  # and its expert lookups
+        # the trial's cost of a step: the compute thread's wall time less its run delay from the
+        # step's first routed layer to its end (run_clock); CPU time plus blocking where the
+        # kernel does not report the run delay
+        self._run_clock = RunClock() if self.trial is not None else None
+        self._step_t0: float | None = None
         self._unplanned_blocking_s: float | None = None  # running blocking of decode steps without plans
         self._p_use: tuple[np.ndarray, int, np.ndarray] | None = None  # (own term, T, [L * E] p)
         # kernels.least_used's sort of that p (reset with it): [L * E] order, [2] passes / sorted
@@ -378,6 +384,8 @@ class EAMPrefetch(PrefetchPolicy):
 
     def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
         gate = self.gate
+        if self._step_t0 is None and self._run_clock is not None:  # the step's first routed layer
+            self._step_t0 = self._run_clock.now()
         if gate is not None:
             self._decode_only &= topk_ids.shape[0] == len(request_ids)  # one token per request
             if self.trial is not None and not self.trial.on:
@@ -600,14 +608,20 @@ class EAMPrefetch(PrefetchPolicy):
             if self.eamc_term is not None:
                 self.eamc_term.new_step()
             if self.trial is not None:
-                # the step's blocking on expert copies plus the compute thread's CPU time (plans,
-                # router lookahead, cache policy, the experts' batches: all the arms change), per
-                # expert lookup, what the batch asked for (see gate.ModeTrial)
+                # what the step cost the compute thread from its first routed layer on: its wall
+                # time less its run delay (run_clock: plans, router lookahead, cache policy, the
+                # experts' batches, blocking and the GIL waits copies cause, all of which the arms
+                # change; not the host's preemption), else its blocking on expert copies plus its
+                # CPU time; per expert lookup, what the batch asked for (see gate.ModeTrial)
                 stats = self.buffer.stats
                 blocking, lookups, cpu = stats.total_blocking_s, stats.total_lookups, time.thread_time()
-                cost = blocking - self._step_blocking_s
-                if self._step_cpu_s is not None:
-                    cost += cpu - self._step_cpu_s
+                t1 = self._run_clock.now()
+                if t1 is not None and self._step_t0 is not None:  # waits included, preemption not
+                    cost = t1 - self._step_t0
+                else:
+                    cost = blocking - self._step_blocking_s
+                    if self._step_cpu_s is not None:
+                        cost += cpu - self._step_cpu_s
                 work = max(1, lookups - self._step_lookups)
                 if self._decode_only and not self.trial.on:  # a decode step without plans
                     self._bar_prefetch(blocking - self._step_blocking_s)
@@ -615,6 +629,7 @@ class EAMPrefetch(PrefetchPolicy):
                 if self.trial.end_step(cost, self._decode_only, work):
                     self.set_arm(self.trial.arm_name)
             self._decode_only = True
+        self._step_t0 = None
 
 
 def _limit(rows: np.ndarray, cap: int, min_prob: float) -> np.ndarray:

@@ -260,15 +260,19 @@ class ModeTrial:
     is ``1 - q``), which can be far off on a given host: on the bundled model at a 50% buffer the
     plans promised several times the blocking they saved, while planning and the router
     lookahead cost the compute thread more than that. So the runtime also measures what the
-    arms really cost the compute thread per decode step: its blocking on expert copies plus its
-    CPU time (the ``eam`` policy's measure). The CPU time holds everything the arms change on
-    that thread: planning and the router lookahead, the cache policy's hooks, and the expert
-    batches a miss adds (each landed batch is a grouped call of its own); blocking alone missed
-    those, and without a link, where nothing blocks, the choice between caching alone and LRU
-    was noise while the ``eam-reuse`` hooks cost 3-5% of a step. (Wall time less the thread's CPU
-    time, which also catches GIL and lock waits, was tried: on this shared 2-core host its
-    preemption noise swamped the blocking saved at a 25% buffer, where prefetching pays, and
-    the trial turned prefetching off there.)
+    arms really cost the compute thread per decode step (the ``eam`` policy's measure): its wall
+    time from the step's first routed layer to its end less the time it stood runnable without
+    a CPU (``moe_runtime.prefetch.run_clock``). That holds everything the arms change on that
+    thread: planning and the router lookahead, the cache policy's hooks, the expert batches a
+    miss adds (each landed batch is a grouped call of its own), blocking on copies, and the GIL
+    waits that copies overlapping its work cause (the I/O thread's Python for each copy it
+    starts and lands; with prefetching pinned on they were 1-3 ms of a 20-28 ms step on the
+    bundled model at a 10% buffer and 0.5 GB/s, against about 0 for caching alone). Before, the
+    measure was blocking plus the thread's CPU time, which missed those waits, and the trial
+    kept prefetching on where it was no faster. (Plain wall time had been tried before that and
+    dropped as too noisy; the run delay taken off is the part of wall time a loaded host adds
+    that no arm causes, though on this host it was only about 0.02 ms per step.) Where the
+    kernel does not report the run delay, the measure is blocking plus CPU time.
 
     The ``eam`` policy runs two arms by default (``moe_runtime.prefetch.eam.ARMS``): ``prefetch``
     (plans, router lookahead and the loop-aware ``eam-reuse`` cache) and ``cache`` (no planning,

@@ -1,0 +1,90 @@
+"""The trial's clock (``moe_runtime.prefetch.run_clock``): wall time less the thread's run delay,
+and the ``eam`` policy's trial costing its steps with it."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from moe_runtime.prefetch.run_clock import SCHEDSTAT, RunClock
+
+
+@pytest.mark.skipif(not Path(SCHEDSTAT).exists(), reason="the kernel reports no per-thread schedstat")
+def test_a_voluntary_wait_counts_and_the_clock_tracks_wall_time() -> None:
+    clock = RunClock()
+    t0, w0 = clock.now(), time.perf_counter()
+    time.sleep(0.03)  # a wait the thread chose (as for the GIL, a lock or a copy): not run delay
+    t1, w1 = clock.now(), time.perf_counter()
+    assert t0 is not None and t1 is not None
+    assert 0.025 <= t1 - t0 <= w1 - w0 + 1e-3
+
+
+def test_the_run_delay_is_taken_off(tmp_path: Path) -> None:
+    stat = tmp_path / "schedstat"
+    stat.write_text("1000 0 1\n")
+    clock = RunClock(str(stat))
+    a = clock.now()
+    stat.write_text("1000 500000000 2\n")  # half a second spent runnable without a CPU
+    b = clock.now()
+    assert a is not None and b is not None
+    assert b - a == pytest.approx(-0.5, abs=0.05)
+
+
+@pytest.mark.parametrize("content", [None, "", "12\n", "a b c\n"])
+def test_no_schedstat_gives_none_from_then_on(tmp_path: Path, content: str | None) -> None:
+    stat = tmp_path / "schedstat"
+    if content is not None:
+        stat.write_text(content)
+    clock = RunClock(str(stat))
+    assert clock.now() is None and not clock.available
+    stat.write_text("1 2 3\n")
+    assert clock.now() is None  # one failed read decides
+
+
+def _policy(buf):
+    from test_policies import FakeEAMC, FakeRecorder
+
+    from moe_runtime.prefetch import make_prefetch_policy
+
+    eye = np.eye(4, 5)
+    return make_prefetch_policy(
+        "eam", buffer=buf, num_layers=4, num_experts=5, top_k=2, recorder=FakeRecorder(eye),
+        eamc=FakeEAMC(np.stack([eye, eye])), lookahead=1, matches=1,
+    )  # fmt: skip
+
+
+def test_the_trial_costs_a_step_from_its_first_routed_layer_on_the_run_clock() -> None:
+    from test_policies import small_store
+
+    from moe_runtime.buffer import ExpertBuffer
+
+    buf = ExpertBuffer(small_store(), [torch.device("cpu")], 12, link=(1e-7, 0.0))
+    try:
+        pol = _policy(buf)
+        assert pol.trial is not None
+        readings = iter([10.0, 10.25, 20.0, 20.5])  # two steps: first routed layer, end
+        pol._run_clock.now = lambda: next(readings)
+        costs = []
+        pol.trial.end_step = lambda cost, decode_only, work=1.0: costs.append(cost) or False
+        ids = np.array([[0, 1]])
+        for _ in range(2):
+            for layer in range(4):
+                pol.after_routing(layer, ["a"], ids)
+            pol.end_step()
+        assert costs == [pytest.approx(0.25), pytest.approx(0.5)]
+
+        # without the kernel's figure: blocking plus the thread's CPU time, as before
+        pol._run_clock.now = lambda: None
+        costs.clear()
+        for layer in range(4):
+            pol.after_routing(layer, ["a"], ids)
+        pol._step_blocking_s = buf.stats.total_blocking_s - 0.5  # half a second blocked
+        pol._step_cpu_s = time.thread_time() - 0.125  # and an eighth of CPU time
+        pol.end_step()
+        assert costs == [pytest.approx(0.625, abs=0.02)]
+    finally:
+        buf.close()
