@@ -497,6 +497,23 @@ def test_expert_batches_count_the_resident_batch_and_each_landed_group() -> None
         resident.close()
 
 
+def test_the_io_threads_own_work_per_copy_is_measured_apart_from_the_copies() -> None:
+    """``copy_host_seconds`` (the prefetch gate's ``h``): the I/O thread's CPU time per copy
+    outside the copy and the link's wait; on an emulated link far slower than the copies its
+    sleeps are left out, so the figure stays far below a copy's link time."""
+    for link in (None, (1e-4, 0.0)):  # memcpy; a link of about 4 ms per copy of this store
+        buf = ExpertBuffer(make_store(), [torch.device("cpu")], 4, link=link)
+        try:
+            assert buf.copy_host_seconds is None  # nothing copied yet
+            consume(buf, 0, [0, 1, 2])
+            h = buf.copy_host_seconds
+            assert h is not None and 0 < h < 0.02, h
+            if link is not None:
+                assert h < buf.copy_seconds / 4, (h, buf.copy_seconds)
+        finally:
+            buf.close()
+
+
 def test_copies_are_timed_by_the_io_thread() -> None:
     """Every landed copy is counted with its seconds as the I/O thread timed it: the memcpy
     without a link; with an emulated link its own time per copy, exactly (the gate's link time)."""

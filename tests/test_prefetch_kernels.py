@@ -59,9 +59,12 @@ def test_ranked_free_ranks_over_the_whole_row_and_drops_held(seed: int) -> None:
     np.testing.assert_array_equal(rank, full[r, c])
 
 
-def _gate_keep_numpy(r, c, rank, scores, d0, prec, b, q, t, held, p_use, layer, E, slots, idle_n, save):  # noqa: ANN001, ANN202
+def _gate_keep_numpy(
+    r, c, rank, scores, d0, prec, b, q, t, held, p_use, layer, E, slots, idle_n, save, h=0.0
+):  # noqa: ANN001, ANN202, E501
     """The numpy gate (``EAMPrefetch._paying`` with ``_victim_reuse``): ``(keep, net)``; the plan's
-    best ``idle_n`` candidates are tested without the link terms, each right one saving ``save``."""
+    best ``idle_n`` candidates are tested without the link terms, each right one saving ``save``;
+    ``h``: each copy's host cost."""
     p_used = prec[np.minimum(d0 + r, prec.shape[0]) - 1, rank]
     order = (-scores[r, c]).argsort(kind="stable")
     qs = np.ones(r.size)
@@ -69,7 +72,7 @@ def _gate_keep_numpy(r, c, rank, scores, d0, prec, b, q, t, held, p_use, layer, 
 
     def pays(reuse: np.ndarray) -> tuple[np.ndarray, float]:
         gain = np.where(qs == 0.0, p_used * save, p_used * b * (1.0 - q))
-        cost = np.where(qs == 0.0, reuse * b, (1.0 - p_used) * q * t + reuse * b)
+        cost = np.where(qs == 0.0, reuse * b, (1.0 - p_used) * q * t + reuse * b) + h
         keep = gain > cost
         return keep, float((gain - cost)[keep].sum())
 
@@ -110,10 +113,11 @@ def test_limit_gate_plan_is_limit_scores_then_gate_plan(seed: int) -> None:
     p_use = rng.random(L * E).astype(np.float32) if seed % 2 else np.zeros(0)
     slots = int(rng.integers(1, L * E))
     idle, save = float(rng.choice([0.0, 2.7])), float(rng.random())
+    h = float(rng.choice([0.0, 0.05]))  # the copy's host cost
     force = seed % 4 == 1
     rows, scores = kernels.limit_scores(probs, cap, min_prob, weights)
     held_rows = held[lo * E : (lo + D) * E].reshape(D, E)
-    tail = (layer, E, slots, idle, save)
+    tail = (layer, E, slots, idle, save, h)
     r, c, rank, keep, paying, net = kernels.gate_plan(
         rows, scores, held_rows, 1, prec, b, q, t, force, held, p_use, *tail,
         np.zeros(L * E, dtype=np.int64), _sort_now(),
@@ -144,13 +148,14 @@ def test_gate_plan_equals_the_numpy_gate(seed: int) -> None:
     slots = int(rng.integers(1, L * E))
     idle = float(rng.choice([0.0, 0.5, 2.7, 100.0]))  # copies that fit in idle link time
     save = float(rng.random())
+    h = float(rng.choice([0.0, 0.02, 0.2]))  # each copy's host cost
     # victims by the heap, or (even seeds) by the walk of p_use's sort (kernels.least_used)
     order = np.zeros(L * E if seed % 2 == 0 else 0, dtype=np.int64)
-    args = (b, q, t, False, held, p_use, layer, E, slots, idle, save, order, _sort_now())
+    args = (b, q, t, False, held, p_use, layer, E, slots, idle, save, h, order, _sort_now())
     r, c, rank, keep, paying, net = kernels.gate_plan(rows, scores, held_rows, 1, prec, *args)
     np.testing.assert_array_equal(np.stack([r, c, rank]), np.stack(kernels.ranked_free(rows, held_rows)))
     want, want_net = _gate_keep_numpy(
-        r, c, rank, scores, 1, prec, b, q, t, held, p_use, layer, E, slots, int(idle), save
+        r, c, rank, scores, 1, prec, b, q, t, held, p_use, layer, E, slots, int(idle), save, h
     )
     np.testing.assert_array_equal(keep, want)
     assert net == pytest.approx(want_net, rel=1e-12, abs=1e-15)
@@ -220,10 +225,14 @@ def test_idle_link_candidates_pay_when_used_more_often_than_their_victims() -> N
     held = np.zeros(8, dtype=bool)
     args = (1e-3, 1.0, 1e-3, False, held, np.zeros(0), 0, 4, 8)
     none = (np.zeros(0, dtype=np.int64), np.zeros(2, dtype=np.int64))  # no sort of p_use
-    assert not kernels.gate_plan(rows, rows, held_rows, 1, prec, *args, 0.0, 1e-3, *none)[3].any()
-    keep, net = kernels.gate_plan(rows, rows, held_rows, 1, prec, *args, 2.0, 1e-3, *none)[3::2]
+    assert not kernels.gate_plan(rows, rows, held_rows, 1, prec, *args, 0.0, 1e-3, 0.0, *none)[3].any()
+    keep, net = kernels.gate_plan(rows, rows, held_rows, 1, prec, *args, 2.0, 1e-3, 0.0, *none)[3::2]
     np.testing.assert_array_equal(keep, [True, True, False])
     assert net == pytest.approx((0.8 + 0.6) * 1e-3)
+    # each copy's host cost counts against it too: 0.7 ms leaves only the surest one
+    keep, net = kernels.gate_plan(rows, rows, held_rows, 1, prec, *args, 2.0, 1e-3, 7e-4, *none)[3::2]
+    np.testing.assert_array_equal(keep, [True, False, False])
+    assert net == pytest.approx(0.8e-3 - 7e-4)
 
 
 @pytest.mark.parametrize("width", [1, 5, 8, 9, 64, 128, 129, 200, 384])
@@ -289,7 +298,19 @@ def test_the_python_kernels_equal_the_compiled_ones() -> None:
     scores = (rows * 0.9).astype(np.float32)
     held = rng.random(6 * E) < 0.3
     args = (rows, scores, held[2 * E : 4 * E].reshape(2, E), 1, rng.random((2, E)), 0.5, 0.2, 0.3)
-    args += (False, held, rng.random(6 * E), 1, E, 40, 2.0, 0.4, np.zeros(6 * E, dtype=np.int64), _sort_now())
+    args += (
+        False,
+        held,
+        rng.random(6 * E),
+        1,
+        E,
+        40,
+        2.0,
+        0.4,
+        1e-3,
+        np.zeros(6 * E, dtype=np.int64),
+        _sort_now(),
+    )
     for fn, a in (
         (kernels.gate_plan, args),
         (kernels.best_free, (scores.reshape(-1), held[: 2 * E], 5)),

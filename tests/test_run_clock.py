@@ -88,3 +88,22 @@ def test_the_trial_costs_a_step_from_its_first_routed_layer_on_the_run_clock() -
         assert costs == [pytest.approx(0.625, abs=0.02)]
     finally:
         buf.close()
+
+
+def test_the_gate_takes_each_copys_host_cost_from_the_io_threads_in_the_runtime() -> None:
+    """The runtime's gate charges every candidate the I/O threads' own work per copy
+    (``ExpertBuffer.copy_host_seconds``, refreshed at each step's end); 0 before any copy."""
+    from test_policies import small_store
+
+    from moe_runtime.buffer import ExpertBuffer
+
+    buf = ExpertBuffer(small_store(), [torch.device("cpu")], 12, link=(1e-7, 0.0))
+    try:
+        pol = _policy(buf)
+        pol.end_step()
+        assert pol.gate.copy_host_s == 0.0  # nothing copied yet
+        buf.parts[0].note_copy_host(3e-5, 2)  # a round of two copies took 30 us of its own work
+        pol.end_step()
+        assert pol.gate.copy_host_s == pytest.approx(1.5e-5) == buf.copy_host_seconds
+    finally:
+        buf.close()

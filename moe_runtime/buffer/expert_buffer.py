@@ -179,6 +179,15 @@ class ExpertBuffer:
         means = [p.copy_s_mean for p in self.parts if p.copy_s_mean is not None]
         return sum(means) / len(means) if means else None
 
+    @property
+    def copy_host_seconds(self) -> float | None:
+        """Seconds of the I/O threads' own CPU time per copy, outside the copy and the link's
+        wait (picking it, evicting for it, landing it; ``Partition.copy_host_s_mean``, averaged
+        over the devices), or None before any copy landed. That work holds the GIL: the prefetch
+        gate's ``h``, what a prefetch overlapping the compute thread's work costs it."""
+        means = [p.copy_host_s_mean for p in self.parts if p.copy_host_s_mean is not None]
+        return sum(means) / len(means) if means else None
+
     def partition_of(self, key: int) -> Partition:
         return self.parts[self.home[key]]
 
@@ -338,22 +347,28 @@ class ExpertBuffer:
             part.link.bind_thread()  # sleeps that end nearer their deadlines (moe_runtime.io.link)
         nbytes, store, copier = self.store.expert_nbytes, self.store, part.copier
         memcpy = part.link is None and not copier.cuda  # a copy has landed when it returns
+        cpu = time.thread_time  # the round's own work per copy (Partition.note_copy_host)
         while True:
             waited = False  # since the previous copy landed (see moe_runtime.io.link)
             batch: list[tuple[Transfer, int, Any]] = []  # (transfer, slot, slot's release event)
+            c0, off = cpu(), 0.0  # off: CPU time of waits for work, the copies and the link's waits
             with self.cond:
                 while not batch:
                     if self._closing:
                         return
                     t = part.queue.peek()
                     if t is None:
+                        w0 = cpu()
                         self.cond.wait()
+                        off += cpu() - w0
                         waited = True
                         continue
                     s = part.allocate(t)
                     if s is None:
                         if t.demand:
+                            w0 = cpu()
                             self.cond.wait()  # the compute thread will release a slot
+                            off += cpu() - w0
                             waited = True
                         else:
                             part.queue.cancel(t.key)  # nothing evictable for a prefetch: drop it
@@ -369,21 +384,27 @@ class ExpertBuffer:
                             break
                         part.queue.pop()
                         batch.append((t, s, part.release_events[s]))
+            w0 = cpu()
             started = time.perf_counter()
             pending = [copier.start(part.slots[s], store.expert(t.key), after) for t, s, after in batch]
+            off += cpu() - w0
             if memcpy:  # every copy is done: land them together, one wake-up
                 with self.cond:
                     for (t, s, _), seconds in zip(batch, pending):
                         part.land(s, t, copier.wait(seconds))
                     self.cond.notify_all()
+                part.note_copy_host(cpu() - c0 - off, len(batch))
                 continue
             for i, ((t, s, _), done) in enumerate(zip(batch, pending)):
+                w0 = cpu()
                 seconds = copier.wait(done)
                 if part.link is not None:
                     # straight on from the previous copy: this one was ready when it was queued,
                     # or when the previous one's link time ended, whichever is later
                     part.link.hold(nbytes, started, None if waited and i == 0 else t.queued_at)
                     seconds = part.link.transfer_seconds(nbytes)  # the emulated link's time
+                off += cpu() - w0
                 with self.cond:
                     part.land(s, t, seconds)
                     self.cond.notify_all()
+            part.note_copy_host(cpu() - c0 - off, len(batch))

@@ -123,6 +123,9 @@ class Partition:
         # running mean of this device's copies' seconds, timed by its I/O thread (land); None
         # before the first
         self.copy_s_mean: float | None = None
+        # running mean of the I/O thread's CPU seconds per copy outside the copy itself and the
+        # link's wait (picking, the victim, landing: Python that holds the GIL); None before the first
+        self.copy_host_s_mean: float | None = None
         # evictable-slot bookkeeping (see the module note)
         self._ev: list[int] = [_NO] * num_slots
         self._n_ev = [0, 0, 0]  # slots per evictability (_NO entry unused)
@@ -296,6 +299,13 @@ class Partition:
             self.stats.demand_bytes += self.expert_nbytes
         self.policy.on_fill(s, t.key, prefetch=prefetch)
         self._refresh(s, True)
+
+    def note_copy_host(self, seconds: float, copies: int) -> None:
+        """The I/O thread spent ``seconds`` of its own CPU time outside the copies and the
+        link's waits on a round of ``copies`` copies (:attr:`copy_host_s_mean`)."""
+        per = seconds / copies
+        m = self.copy_host_s_mean
+        self.copy_host_s_mean = per if m is None else m + (1 - COPY_DECAY) * (per - m)
 
     # ------------------------------------------------------------------ compute side
     def pin(self, s: int) -> None:

@@ -518,7 +518,8 @@ class EAMPrefetch(PrefetchPolicy):
         cand, n_keep, out, net = kernels.limit_gate_plan(
             probs, cap, min_prob, weights, buf.held, lo * E, lo - layer, gate.precision(),
             t if b is None else b, gate.demand_busy, t, gate.force_open, self._victim_use(tokens), layer, E,
-            buf.num_slots, gate.idle_copies, gate.idle_save(t), self._use_order, self._use_state,
+            buf.num_slots, gate.idle_copies, gate.idle_save(t), gate.copy_host_s, self._use_order,
+            self._use_state,
         )  # fmt: skip
         gate.note(lo - layer, lo, cand[0], cand[1], cand[2])
         # the plan's host time is spent: what pays is issued; planning goes on at every layer
@@ -604,6 +605,8 @@ class EAMPrefetch(PrefetchPolicy):
         if gate is not None:
             now = clock(self.buffer)
             gate.update_link(self.buffer.stats, now, self._transfer_s())
+            if self._timed:  # h: the I/O threads' own work per copy (none in the simulator)
+                gate.copy_host_s = getattr(self.buffer, "copy_host_seconds", None) or 0.0
             gate.new_step()
             if self.eamc_term is not None:
                 self.eamc_term.new_step()

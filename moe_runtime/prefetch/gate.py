@@ -11,13 +11,20 @@ NOTE: the terms (issue #15), all measured online, none typed in:
   mean of the buffer's blocking seconds per miss (before any miss: one copy's link time). A right
   prefetch saves it only out of link time demand fetches leave idle: on a link the demand copies
   keep busy (share ``q``) the copy merely moves ahead of a demand copy that then waits instead.
-* cost ``= (1 - P) * q * t + R * b``: a wrong prefetch holds the link for one copy's time ``t``
+* cost ``= (1 - P) * q * t + R * b + h``: a wrong prefetch holds the link for one copy's time ``t``
   (the I/O threads' own timing of their copies, ``ExpertBuffer.copy_seconds``: copy-stream events
   on CUDA; the simulator's link time there), which demand fetches queue behind with the chance
   ``q`` that the link is busy with demand (the running share of time the demand copies take); and
   it evicts a resident expert that is used again in the next step with probability ``R`` (no
   eviction while slots are free). ``R`` comes from the running requests' request EAMs, as the
   ``eam-reuse`` cache scores slots: ``p = 1 - (1 - share)^T``, the victims taken lowest first.
+  ``h`` (runtime only, 0 in the simulator): the compute thread's time each copy takes from it
+  whether used or not, the I/O thread's own work per copy (picking it, its slot's victim,
+  landing it: Python that holds the GIL, ``ExpertBuffer.copy_host_seconds``, the I/O threads'
+  running mean of their CPU time per copy outside the copy and the link's wait). A prefetch
+  overlaps the compute thread's work, so that work waits for the GIL; a demand copy runs while
+  the compute thread blocks, so it does not (bundled model, 10% buffer, 0.5 GB/s, prefetching
+  pinned on: 1-3 ms of a 20-28 ms decode step; ``moe_runtime.prefetch.run_clock``).
 
 * The plan's own host time (runtime only): the compute thread's CPU seconds that planning a
   layer and computing its router lookahead take (thread CPU time, so other processes preempting
@@ -108,6 +115,7 @@ class PrefetchGate:
         self.block_per_layer_s = 0.0  # running blocking per layer and step
         self.checked = 0  # candidates checked against routing so far
         self.host_s = 0.0  # running host seconds of one planning layer (runtime only; 0 = not timed)
+        self.copy_host_s = 0.0  # h: the compute thread's seconds per copy's I/O work (runtime only)
         self.force_open = force_open
         self._last: tuple[float, float, int, int] | None = None  # (clock, blocking, misses, demand)
 
@@ -210,8 +218,9 @@ class PrefetchGate:
         reuse = np.ascontiguousarray(reuse, dtype=np.float64)
         idle = np.arange(p_used.size) < int(self.idle_copies)
         keep, net = kernels.pays(
-            p_used, b, self.demand_busy, transfer_s, reuse, self.force_open, idle, self.idle_save(transfer_s)
-        )
+            p_used, b, self.demand_busy, transfer_s, reuse, self.force_open, idle, self.idle_save(transfer_s),
+            self.copy_host_s,
+        )  # fmt: skip
         return keep, self.plans_pay(net)
 
     def idle_save(self, transfer_s: float) -> float:

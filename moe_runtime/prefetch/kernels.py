@@ -199,22 +199,25 @@ def pays(
     force_open: bool,
     idle: np.ndarray,
     idle_save_s: float,
+    copy_host_s: float,
 ) -> tuple[np.ndarray, float]:
     """``([n] bool, net)``: whether gain ``p * b * (1 - q)`` beats cost ``(1 - p) * q * t +
-    reuse * b`` for each candidate (``PrefetchGate.pays`` documents the terms), or, for the
+    reuse * b + h`` for each candidate (``PrefetchGate.pays`` documents the terms), or, for the
     candidates marked ``idle`` (``[n]`` bool: their copies fit in the link time demand copies
-    leave idle), whether gain ``p * b`` beats cost ``reuse * b``; all True with ``force_open``.
-    ``net``: the summed ``gain - cost`` of the candidates that pay (seconds saved)."""
+    leave idle), whether gain ``p * b`` beats cost ``reuse * b + h``; all True with
+    ``force_open``. ``h``: ``copy_host_s``, the compute thread's time one copy's I/O-thread
+    work takes from it (0 in the simulator). ``net``: the summed ``gain - cost`` of the
+    candidates that pay (seconds saved)."""
     n = p_used.size
     keep = np.empty(n, dtype=np.bool_)
     net = 0.0
     for i in range(n):
         if idle[i]:
             gain = p_used[i] * idle_save_s
-            cost = reuse[i] * block_s
+            cost = reuse[i] * block_s + copy_host_s
         else:
             gain = p_used[i] * block_s * (1.0 - busy)
-            cost = (1.0 - p_used[i]) * busy * transfer_s + reuse[i] * block_s
+            cost = (1.0 - p_used[i]) * busy * transfer_s + reuse[i] * block_s + copy_host_s
         keep[i] = gain > cost
         if keep[i]:
             net += gain - cost
@@ -337,6 +340,7 @@ def gate_plan(
     num_slots: int,
     idle_copies: float,
     idle_save_s: float,
+    copy_host_s: float,
     use_order: np.ndarray,
     use_state: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]:
@@ -352,7 +356,8 @@ def gate_plan(
     held expert not of ``layer`` once ``num_slots`` are full); ``idle_copies``: copies that fit in
     the link time demand copies leave idle per planning layer (``PrefetchGate.idle_copies``): the
     first ``int(idle_copies)`` in plan order are tested as ``idle`` (:func:`pays`);
-    ``use_order``, ``use_state``: :func:`least_used`'s sort of ``p_use`` (empty: none).
+    ``copy_host_s``: ``h`` of :func:`pays`; ``use_order``, ``use_state``: :func:`least_used`'s
+    sort of ``p_use`` (empty: none).
 
     Returns ``(r, c, rank, keep, paying, net)``: the candidates (for ``PrefetchGate.note``),
     ``[n]`` bool which pay, ``scores`` with every entry but the paying candidates zeroed, and the
@@ -373,7 +378,7 @@ def gate_plan(
     idle = np.zeros(n, dtype=np.bool_)  # the first ones fit in the link's idle time
     for j in range(min(n, int(idle_copies))):
         idle[order[j]] = True
-    keep, net = pays(p_used, block_s, busy, transfer_s, reuse, force_open, idle, idle_save_s)
+    keep, net = pays(p_used, block_s, busy, transfer_s, reuse, force_open, idle, idle_save_s, copy_host_s)
     if keep.any() and p_use.size:  # an eviction only adds cost: check it then
         # the running layer's experts are pinned: never victims
         lo, hi = layer * num_experts, (layer + 1) * num_experts
@@ -387,7 +392,9 @@ def gate_plan(
             victims[free + max(m, 0) :] = 1.0  # nothing left to evict: it cannot be placed anyway
             for j in range(n):
                 reuse[order[j]] = victims[j]
-            keep, net = pays(p_used, block_s, busy, transfer_s, reuse, force_open, idle, idle_save_s)
+            keep, net = pays(
+                p_used, block_s, busy, transfer_s, reuse, force_open, idle, idle_save_s, copy_host_s
+            )
     paying = np.zeros_like(scores)
     for i in range(n):
         if keep[i]:
@@ -415,6 +422,7 @@ def limit_gate_plan(
     num_slots: int,
     idle_copies: float,
     idle_save_s: float,
+    copy_host_s: float,
     use_order: np.ndarray,
     use_state: np.ndarray,
 ) -> tuple[np.ndarray, int, np.ndarray, float]:
@@ -431,7 +439,7 @@ def limit_gate_plan(
     held_rows = held[first_key : first_key + rows.size].reshape(rows.shape)
     r, c, rank, keep, paying, net = gate_plan(
         rows, scores, held_rows, distance0, precision, block_s, busy, transfer_s, force_open, held, p_use,
-        layer, num_experts, num_slots, idle_copies, idle_save_s, use_order, use_state,
+        layer, num_experts, num_slots, idle_copies, idle_save_s, copy_host_s, use_order, use_state,
     )  # fmt: skip
     cand = np.empty((3, r.size), dtype=np.int64)
     cand[0], cand[1], cand[2] = r, c, rank
@@ -545,10 +553,10 @@ def warm() -> None:
     best_free(one, held[:1], 1)  # float64 scores (baselines)
     limit_scores(rows, 1, 0.0, one)
     ranked_free(rows, held.reshape(1, 2))
-    pays(one, 1.0, 0.0, 1.0, one, False, held[:1], 1.0)
+    pays(one, 1.0, 0.0, 1.0, one, False, held[:1], 1.0, 0.0)
     no_order, state = np.zeros(0, dtype=np.int64), np.zeros(2, dtype=np.int64)
     for p_use in (np.zeros(0), np.zeros(2, dtype=np.float32)):
-        args = (1.0, 0.0, 1.0, False, held, p_use, 0, 2, 1, 0.0, 1.0, no_order, state)
+        args = (1.0, 0.0, 1.0, False, held, p_use, 0, 2, 1, 0.0, 1.0, 0.0, no_order, state)
         gate_plan(rows, rows, held.reshape(1, 2), 1, one.reshape(1, 1), *args)
         limit_gate_plan(rows, 1, 0.0, one, held, 0, 1, one.reshape(1, 1), *args[:4], *args[5:])
     blend(rows, rows, 2.0)
