@@ -23,6 +23,25 @@ def test_a_voluntary_wait_counts_and_the_clock_tracks_wall_time() -> None:
     assert 0.025 <= t1 - t0 <= w1 - w0 + 1e-3
 
 
+def test_each_reading_thread_opens_the_file_for_itself(tmp_path: Path) -> None:
+    """``/proc/thread-self`` names the opening thread: a reading on another thread reopens."""
+    import threading
+
+    stat = tmp_path / "schedstat"
+    stat.write_text("1 0 1\n")
+    clock = RunClock(str(stat))
+    assert clock.now() is not None
+    mine = clock._thread
+    seen: list[int | None] = []
+    t = threading.Thread(target=lambda: (clock.now(), seen.append(clock._thread)))
+    t.start()
+    t.join()
+    assert seen[0] not in (None, mine)
+    assert clock.now() is not None and clock._thread == mine
+    clock.close()
+    clock.close()  # idempotent
+
+
 def test_the_run_delay_is_taken_off(tmp_path: Path) -> None:
     stat = tmp_path / "schedstat"
     stat.write_text("1000 0 1\n")
