@@ -313,8 +313,8 @@ class ExpertBuffer:
         finish). Keys already resident or loading are skipped. Caller may hold ``cond``.
         """
         with self.cond:
-            apply_prefetch_plan(self.parts, self.home, keys, priorities, replace, self.stats)
-            self.cond.notify_all()
+            if apply_prefetch_plan(self.parts, self.home, keys, priorities, replace, self.stats):
+                self.cond.notify_all()  # a prefetch was queued or cancelled: wake the I/O threads
 
     def prefetch_best(self, scores: np.ndarray, first_key: int, limit: int) -> tuple[np.ndarray, np.ndarray]:
         """Queue as the prefetch plan (replacing the queued one, as :meth:`prefetch` with

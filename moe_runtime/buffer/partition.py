@@ -420,7 +420,7 @@ def apply_prefetch_plan(
     replace: bool,
     stats: ExpertStats,
     now: float | None = None,
-) -> None:
+) -> int:
     """Queue prefetches of distinct flat ``keys [n]`` with ``priorities [n]`` on each expert's home
     partition (MoE-Infinity §5.1).
 
@@ -428,7 +428,8 @@ def apply_prefetch_plan(
     Keys resident or loading are skipped; a queued transfer is re-prioritised only when its priority
     changed (a queued demand is never downgraded). ``home`` is ``[L * E]`` device per key; ``now``
     stamps new transfers (simulated time). Each partition's queue is re-planned in one bulk call
-    (:meth:`TransferQueue.replan`).
+    (:meth:`TransferQueue.replan`). Returns the prefetches queued or cancelled (0: the I/O threads
+    have nothing new to do).
     """
     keys = np.asarray(keys, dtype=np.int64)
     priorities = np.asarray(priorities, dtype=np.float64)
@@ -437,6 +438,7 @@ def apply_prefetch_plan(
     else:
         dev = home[keys]
         groups = [(keys[dev == i], priorities[dev == i]) for i in range(len(parts))]
+    changed = 0
     for part, (k, p) in zip(parts, groups):
         if not k.size and not (replace and len(part.queue)):
             continue
@@ -447,6 +449,8 @@ def apply_prefetch_plan(
         issued, cancelled = part.queue.replan(k, p, replace, now)
         stats.prefetch_issued += issued
         stats.prefetch_cancelled += cancelled
+        changed += issued + cancelled
+    return changed
 
 
 def apply_best_plan(
@@ -464,17 +468,13 @@ def apply_best_plan(
     plan of :func:`apply_prefetch_plan` with ``replace`` (MoE-Infinity §5.1). One partition
     selects and re-plans in one compiled call (:meth:`TransferQueue.replan_best`); several select
     first (``best_free``) and re-plan per device. Returns ``(keys [m] best first, scores [m],
-    changed)``: ``changed`` counts the prefetches queued or cancelled (0: the I/O threads have
-    nothing new to do)."""
+    changed)``: ``changed`` as :func:`apply_prefetch_plan` returns it."""
     window = held[base : base + flat.size]
-    if len(parts) == 1:
-        keys, scores, issued, cancelled = parts[0].queue.replan_best(flat, window, limit, base, True, now)
-    else:
+    if len(parts) > 1:
         keys, scores = best_free(flat, window, limit)
         keys += base
-        issued0, cancelled0 = stats.prefetch_issued, stats.prefetch_cancelled
-        apply_prefetch_plan(parts, home, keys, scores, True, stats, now)
-        return keys, scores, stats.prefetch_issued - issued0 + stats.prefetch_cancelled - cancelled0
+        return keys, scores, apply_prefetch_plan(parts, home, keys, scores, True, stats, now)
+    keys, scores, issued, cancelled = parts[0].queue.replan_best(flat, window, limit, base, True, now)
     stats.prefetch_issued += issued
     stats.prefetch_cancelled += cancelled
     return keys, scores, issued + cancelled

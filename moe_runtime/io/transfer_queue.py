@@ -369,19 +369,9 @@ def _replan_best(
     for i in range(keys.size):
         priorities[i] = scores[i]
     out = _replan(
-        queued,
-        prio,
-        seq,
-        queued_at,
-        is_demand,
-        any_demand,
-        keys,
-        priorities,
-        replace,
-        now,
-        next_seq,
+        queued, prio, seq, queued_at, is_demand, any_demand, keys, priorities, replace, now, next_seq,
         n_prefetch,
-    )
+    )  # fmt: skip
     return keys, scores, out[0], out[1], out[2], out[3], out[4], out[5]
 
 
