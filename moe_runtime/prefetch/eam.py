@@ -171,9 +171,10 @@ class EAMPrefetch(PrefetchPolicy):
         self._step_t0: float | None = None
         self._unplanned_blocking_s: float | None = None  # running blocking of decode steps without plans
         self._p_use: tuple[np.ndarray, int, np.ndarray] | None = None  # (own term, T, [L * E] p)
-        # kernels.least_used's sort of that p (reset with it): [L * E] order, [2] passes / sorted
+        # kernels.least_used's sort of that p (reset with it): [L * E] order, [3] heap work so far,
+        # sorted, plans still expected in the step (set at each plan)
         self._use_order = np.zeros(self.num_layers * self.num_experts, dtype=np.int64)
-        self._use_state = np.zeros(2, dtype=np.int64)
+        self._use_state = np.zeros(3, dtype=np.int64)
         # the EAMC term's measured gain against its host time (term_value); None: always computed
         self.eamc_term = TermValue(probe_every) if cost_aware and self._timed and weigh_eamc else None
         self._eamc_s = 0.0  # host seconds of the EAMC term in the latest prediction (with eamc_term)
@@ -513,6 +514,10 @@ class EAMPrefetch(PrefetchPolicy):
         buf = self.buffer
         b = gate.block_per_miss_s
         t = self._transfer_s()
+        # the plans still expected in this step, this one included (the last layer never plans):
+        # least_used sorts the victims' use once when they would make its heap passes dearer
+        every = 1 if self._planning else self.probe_every
+        self._use_state[2] = (self.num_layers - 2 - layer) // every + 1
         # the predictor's candidates a prefetch would copy, ranked within their row, and those of
         # them that pay
         cand, n_keep, out, net = kernels.limit_gate_plan(
@@ -544,7 +549,7 @@ class EAMPrefetch(PrefetchPolicy):
             weight = self.own_weight if self.own_weight > 0 else 1.0
             share = np.minimum(own.reshape(-1) * (self.top_k / weight), 1.0)
             self._p_use = (own, tokens, 1.0 - (1.0 - share) ** tokens)  # [L * E]
-            self._use_state[:] = 0  # a new p: not sorted yet
+            self._use_state[:2] = 0  # a new p: not sorted yet
         return self._p_use[2]
 
     def set_arm(self, arm: str) -> None:

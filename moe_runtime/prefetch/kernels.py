@@ -167,6 +167,11 @@ def limit_scores(
     return rows, scores
 
 
+# Rows with at most this many positive entries are ranked by an insertion sort (about 1 us
+# faster than numba's merge sort at 8 entries, as fast at 128), longer ones by the merge sort.
+INSERTION_MAX = 128
+
+
 @njit(cache=True)
 def ranked_free(rows: np.ndarray, held: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The positive entries of ``rows [D, E]`` not ``held [D, E]`` as ``(row, column, rank)``,
@@ -176,17 +181,73 @@ def ranked_free(rows: np.ndarray, held: np.ndarray) -> tuple[np.ndarray, np.ndar
     r = np.empty(D * E, dtype=np.int64)
     c = np.empty(D * E, dtype=np.int64)
     rank = np.empty(D * E, dtype=np.int64)
+    pos = np.empty(E, dtype=np.int64)  # a row's positive columns, best first
     inv = np.empty(E, dtype=np.int64)
     n = 0
     for d in range(D):
-        order = np.argsort(-rows[d], kind="mergesort")
-        for j in range(E):
-            inv[order[j]] = j
+        row = rows[d]
+        m = 0
         for e in range(E):
-            if rows[d, e] > 0 and not held[d, e]:
+            if row[e] > 0:
+                pos[m] = e
+                m += 1
+        if m <= INSERTION_MAX:  # columns come ascending: a stable insertion by falling value
+            for i in range(1, m):
+                e = pos[i]
+                v = row[e]
+                j = i
+                while j > 0 and row[pos[j - 1]] < v:
+                    pos[j] = pos[j - 1]
+                    j -= 1
+                pos[j] = e
+        else:
+            vals = np.empty(m, dtype=rows.dtype)
+            for i in range(m):
+                vals[i] = -row[pos[i]]
+            order = np.argsort(vals, kind="mergesort")
+            pos[:m] = pos[:m][order]
+        for j in range(m):
+            inv[pos[j]] = j
+        for e in range(E):
+            if row[e] > 0 and not held[d, e]:
                 r[n], c[n], rank[n] = d, e, inv[e]
                 n += 1
     return r[:n], c[:n], rank[:n]
+
+
+@njit(cache=True)
+def plan_order(r: np.ndarray, c: np.ndarray, rank: np.ndarray, scores: np.ndarray) -> np.ndarray:
+    """``[n]`` the candidates ``(r, c, rank)`` of :func:`ranked_free` in the plan's order: falling
+    ``scores [D, E]``, ties in candidate order (a stable sort). With one row (the default plan
+    depth) the ranks already order the candidates by falling value, and a score is its value
+    times the row's weight, rounded (monotone), so the ranks' order needs only the ties in score
+    put back in candidate order: an insertion pass over an almost sorted list instead of a sort."""
+    n = r.size
+    if n == 0 or scores.shape[0] > 1:
+        neg = np.empty(n, dtype=scores.dtype)
+        for i in range(n):
+            neg[i] = -scores[r[i], c[i]]
+        return np.argsort(neg, kind="mergesort")
+    E = scores.shape[1]
+    slot = np.full(E, -1, dtype=np.int64)
+    for i in range(n):
+        slot[rank[i]] = i
+    order = np.empty(n, dtype=np.int64)
+    k = 0
+    for j in range(E):
+        if slot[j] >= 0:
+            order[k] = slot[j]
+            k += 1
+    row = scores[0]
+    for i in range(1, n):  # (falling score, candidate) order; moves only ties in score
+        x = order[i]
+        v = row[c[x]]
+        j = i
+        while j > 0 and (row[c[order[j - 1]]] < v or (row[c[order[j - 1]]] == v and order[j - 1] > x)):
+            order[j] = order[j - 1]
+            j -= 1
+        order[j] = x
+    return order
 
 
 @njit(cache=True)
@@ -226,10 +287,17 @@ def pays(
     return keep, net
 
 
-# least_used: heap passes over the same ``p_use`` after which it is sorted once and walked instead
-# (a heap pass costs about 13 us more than a walk at batch 16, the sort about 80: sorting once the
-# heaps spent about what the sort costs keeps a step within twice the better of the two)
-SORT_AFTER = 6
+# least_used: a heap pass costs about this many key-compares' time more than a walk of the sorted
+# use per value kept (batch 16 at the Qwen3-30B-A3B shape, 6144 keys: heap 17-20 us, walk 5, for
+# about 85 kept; batch 4, 19 kept: 8.5 against 4.9; batch 1: the same), and a sort of ``n`` keys
+# about ``n log2 n`` of them (6144 keys: 80 us)
+HEAP_COST_PER_KEPT = 165
+
+
+@njit(cache=True)
+def least_used_sort_work(n: int) -> float:
+    """A sort of ``n`` keys' cost in :func:`least_used`'s heap work (values kept by heap passes)."""
+    return n * np.log2(max(n, 2)) / HEAP_COST_PER_KEPT
 
 
 @njit(cache=True)
@@ -252,14 +320,19 @@ def least_used(
     gathered their use into a partition of every held expert cost 30 us per planning layer at the
     Qwen3-30B-A3B shape (6144 keys, 1536 held); the heap pass about 7 us at batch 1 (cap 8),
     the short cut 1.9 us (median over 200 plans' arguments of ``bench overhead``, gate open).
+    (``np.partition`` of the gathered held use was no faster than the heap: 17 us at batch 16.)
 
-    ``order [L * E]`` int64 and ``state [2]`` int64 (``order`` empty: always the heap) let the
-    calls that share one ``p_use`` (the policy's, once per step) sort it once: after
-    :data:`SORT_AFTER` heap passes (``state[0]`` counts them) ``order`` becomes ``p_use``'s
-    argsort and ``state[1]`` 1, and later calls walk it from the smallest use until they have
-    ``min(cap, evictable)`` held experts outside ``lo:hi``: the same values (the ``cap``
-    smallest of a multiset), 5 us instead of 18 at batch 16 (cap about 80), for an 80 us sort.
-    The caller resets ``state`` when ``p_use`` changes."""
+    ``order [L * E]`` int64 and ``state [3]`` int64 (``order`` empty: always the heap) let the
+    calls that share one ``p_use`` (the policy's, once per step) sort it once: ``order`` becomes
+    ``p_use``'s argsort (``state[1]`` 1) when the heap work spent so far (``state[0]``, the values
+    the heap passes kept) plus the work still expected (``state[2]``, the caller's count of the
+    calls still to come with this ``p_use``, this one included, times this call's) reaches the
+    sort's (:data:`HEAP_COST_PER_KEPT`), and later calls walk it from the smallest use until they
+    have ``min(cap, evictable)`` held experts outside ``lo:hi``: the same values (the ``cap``
+    smallest of a multiset), 5 us instead of 17-20 at batch 16 (about 85 kept), for an 80 us
+    sort. Without the caller's count (0) that is the ski rental: sort once the heaps spent what
+    the sort costs, which keeps a step within twice the better of the two. The caller resets
+    ``state[:2]`` when ``p_use`` changes."""
     n_held = 0
     zeros = 0
     for i in range(held.size):
@@ -276,7 +349,8 @@ def least_used(
     if zeros >= want:
         return n_held, m_avail, np.zeros(want)
     sortable = order.size == held.size
-    if sortable and state[1] == 0 and state[0] >= SORT_AFTER:
+    heaps_dearer = state[0] + max(state[2], 1) * want >= least_used_sort_work(held.size)
+    if sortable and state[1] == 0 and heaps_dearer:
         order[:] = np.argsort(p_use)
         state[1] = 1
     if sortable and state[1] == 1:  # walk the sorted use
@@ -289,7 +363,7 @@ def least_used(
                 out[j] = p_use[idx]
                 j += 1
         return n_held, m_avail, out
-    state[0] += 1
+    state[0] += want
     heap = np.empty(max(cap, 1))  # max-heap: heap[0] is the largest of the smallest kept
     k = 0
     for i in range(held.size):
@@ -371,10 +445,7 @@ def gate_plan(
         d = min(distance0 + r[i], depth) - 1
         p_used[i] = precision[d, rank[i]]
     reuse = np.zeros(n)
-    neg = np.empty(n, dtype=scores.dtype)
-    for i in range(n):
-        neg[i] = -scores[r[i], c[i]]
-    order = np.argsort(neg, kind="mergesort")  # the plan's order: best first
+    order = plan_order(r, c, rank, scores)  # the plan's order: best first
     idle = np.zeros(n, dtype=np.bool_)  # the first ones fit in the link's idle time
     for j in range(min(n, int(idle_copies))):
         idle[order[j]] = True
@@ -554,7 +625,7 @@ def warm() -> None:
     limit_scores(rows, 1, 0.0, one)
     ranked_free(rows, held.reshape(1, 2))
     pays(one, 1.0, 0.0, 1.0, one, False, held[:1], 1.0, 0.0)
-    no_order, state = np.zeros(0, dtype=np.int64), np.zeros(2, dtype=np.int64)
+    no_order, state = np.zeros(0, dtype=np.int64), np.zeros(3, dtype=np.int64)
     for p_use in (np.zeros(0), np.zeros(2, dtype=np.float32)):
         args = (1.0, 0.0, 1.0, False, held, p_use, 0, 2, 1, 0.0, 1.0, 0.0, no_order, state)
         gate_plan(rows, rows, held.reshape(1, 2), 1, one.reshape(1, 1), *args)
