@@ -65,6 +65,12 @@ def _from_scratch(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     monkeypatch.setattr(prefix_match, "_NY_KERNELS", _AllWidths())
 
+    def own_rows(self):  # the own term's rows recomputed at every use, not kept for the step
+        final, evidence = kernels.own_plus_eamc(self._own, self._own[:0])
+        return final, evidence.tolist()
+
+    monkeypatch.setattr(eam.EAMPrefetch, "_own_rows", own_rows)
+
 
 class _EveryThirdPlan(TermValue):
     """The EAMC term weighed as the runtime does, but computed at every third plan only (the

@@ -299,6 +299,10 @@ def test_own_plus_eamc_equals_its_numpy_form(seed: int) -> None:
         final, evidence = kernels.own_plus_eamc(own, block)
         np.testing.assert_array_equal(final, kernels.row_probs(total))
         np.testing.assert_array_equal(evidence, total.any(axis=1))
+    # row by row: the step's rows computed once (EAMPrefetch._own_rows) equal any window's
+    whole, part = kernels.own_plus_eamc(own, own[:0]), kernels.own_plus_eamc(own[1:3], own[:0])
+    np.testing.assert_array_equal(whole[0][1:3], part[0])
+    np.testing.assert_array_equal(whole[1][1:3], part[1])
 
 
 @pytest.mark.parametrize("seed", range(10))

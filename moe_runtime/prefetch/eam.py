@@ -139,7 +139,9 @@ class EAMPrefetch(PrefetchPolicy):
         self._window = (0, 0)  # rows lo:hi the cached terms below cover
         self._eamc_block: np.ndarray | None = None  # [D, E] EAMC term of the window's rows
         self._final: np.ndarray | None = None  # [D, E] normalised own + EAMC term
-        self._evidence: np.ndarray | None = None  # [D] bool
+        self._evidence: list[bool] | None = None  # [D] rows with any evidence
+        # the own term alone normalised, every row of the step, and its evidence: ([L, E], [L])
+        self._own_final: tuple[np.ndarray, list[bool]] | None = None
         self._limited: tuple[int, np.ndarray] | None = None  # (cap, [D, E]) capped _final
         # gain/cost test of every candidate (moe_runtime.prefetch.gate); None = issue every plan
         self.gate = PrefetchGate(self.num_layers, self.num_experts, self.depth) if cost_aware else None
@@ -240,11 +242,15 @@ class EAMPrefetch(PrefetchPolicy):
                 self._eamc_s = time.thread_time() - t0
         if not covered:
             # [D, E] own + EAMC term normalised, [D] rows with any evidence
-            block = self._own[:0] if self._eamc_block is None else self._eamc_block  # no rows: none
-            self._final, self._evidence = kernels.own_plus_eamc(self._own[lo:hi], block)
-            self._window = w0, w1 = lo, hi
+            if self._eamc_block is None:  # the own term alone: every row of the step, once a step
+                self._final, self._evidence = self._own_rows()
+                self._window = w0, w1 = 0, self.num_layers
+            else:
+                final, evidence = kernels.own_plus_eamc(self._own[lo:hi], self._eamc_block)
+                self._final, self._evidence = final, evidence.tolist()
+                self._window = w0, w1 = lo, hi
             self._limited = None
-        if not self._evidence[lo - w0 : hi - w0].any():
+        if not any(self._evidence[lo - w0 : hi - w0]):
             return None
         return self._final[lo - w0 : hi - w0]
 
@@ -254,7 +260,7 @@ class EAMPrefetch(PrefetchPolicy):
         epoch = self.recorder.epoch
         if epoch != self._epoch or request_ids != self._step_ids or layer <= self._last_layer:
             self._epoch, self._step_ids = epoch, list(request_ids)
-            self._own = self._final = self._eamc_block = None
+            self._own = self._final = self._eamc_block = self._own_final = None
             self._eamc_key = None
             # the same batch, matched in the step just ended: the matcher resumes from that
             # step's rows (_match); else it starts from the full query
@@ -481,11 +487,19 @@ class EAMPrefetch(PrefetchPolicy):
         """The plan's ``n`` rows ``[n, E]`` from ``layer + 1`` without the EAMC term: the step's
         own term alone, normalised as :meth:`_predict_rows` does, blended with the router
         lookahead ``ahead``; None before the step's own term exists."""
-        own = self._own
-        if own is None:
+        if self._own is None:
             return None
-        rows = kernels.own_plus_eamc(own[layer + 1 : layer + 1 + n], own[:0])[0]
+        rows = self._own_rows()[0][layer + 1 : layer + 1 + n]
         return self._blend_ahead(layer, rows, ahead)
+
+    def _own_rows(self) -> tuple[np.ndarray, list[bool]]:
+        """The step's own term alone normalised, every row (``[L, E]``), and which rows have any
+        evidence (``[L]``): computed once per step (rows after the routed layer hold only earlier
+        steps' counts; row by row the numbers of a window's computation)."""
+        if self._own_final is None:
+            final, evidence = kernels.own_plus_eamc(self._own, self._own[:0])
+            self._own_final = (final, evidence.tolist())
+        return self._own_final
 
     def _block_per_miss_s(self) -> float:
         """Seconds one avoided miss saves: the gate's running blocking per miss ``b``, before
