@@ -312,15 +312,18 @@ class Simulator:
             ).tolist()
         expert_times = cost.experts_s(counts).tolist()  # [L][E] seconds per expert
         scale = self.config.host_time_scale
+        # each layer's ids and weights [T, k] contiguous, as the runtime's host copy hands them over
+        ids_by_layer = np.ascontiguousarray(ids.transpose(1, 0, 2))  # [L, T, k]
+        weights_by_layer = np.ascontiguousarray(weights.transpose(1, 0, 2)) if recorder is not None else None
         for layer in range(self.L):
             buf.now += dense[layer]
-            lid = ids[:, layer, :]
+            lid = ids_by_layer[layer]
             keep = (lid >= 0).all(axis=1) if missing[layer] else None
             if keep is not None:
                 lid = lid[keep]
             t_host = time.perf_counter() if scale else 0.0
             if recorder is not None:
-                lw, lseq, lpre = weights[:, layer, :], token_seq, token_prefill
+                lw, lseq, lpre = weights_by_layer[layer], token_seq, token_prefill
                 if keep is not None:
                     lw, lseq, lpre = lw[keep], lseq[keep], lpre[keep]
                 recorder.record(layer, rids, lseq, lpre, lid, lw)
