@@ -312,6 +312,7 @@ class Simulator:
             ).tolist()
         expert_times = cost.experts_s(counts).tolist()  # [L][E] seconds per expert
         scale = self.config.host_time_scale
+        wants_lookahead = getattr(prefetcher, "wants_lookahead", lambda layer: True)
         # each layer's ids and weights [T, k] contiguous, as the runtime's host copy hands them over
         ids_by_layer = np.ascontiguousarray(ids.transpose(1, 0, 2))  # [L, T, k]
         weights_by_layer = np.ascontiguousarray(weights.transpose(1, 0, 2)) if recorder is not None else None
@@ -335,7 +336,11 @@ class Simulator:
             if scale:
                 t_host = time.perf_counter()
             if state.ahead is not None:
-                prefetcher.observe_lookahead(layer, _lookahead_scores(ids, layer, self.E, *state.ahead))
+                # drawn at every layer (the same random stream whatever the policy does); handed
+                # over, as the runtime's model computes it, only when the policy wants it
+                ahead = _lookahead_scores(ids, layer, self.E, *state.ahead)
+                if wants_lookahead(layer):
+                    prefetcher.observe_lookahead(layer, ahead)
             prefetcher.after_routing(layer, rids, lid)
             if scale:
                 buf.now += scale * (time.perf_counter() - t_host)
