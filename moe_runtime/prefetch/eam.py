@@ -180,6 +180,7 @@ class EAMPrefetch(PrefetchPolicy):
         # the EAMC term's measured gain against its host time (term_value); None: always computed
         self.eamc_term = TermValue(probe_every) if cost_aware and self._timed and weigh_eamc else None
         self._eamc_s = 0.0  # host seconds of the EAMC term in the latest prediction (with eamc_term)
+        self._step_link: tuple[float, float, float, int] | None = None  # the step's gate terms (_link_terms)
 
     def predict(self, layer: int, request_ids: list[str]) -> np.ndarray | None:
         """Activation probabilities ``[L, E]`` for the running batch, or None without evidence.
@@ -504,8 +505,22 @@ class EAMPrefetch(PrefetchPolicy):
     def _block_per_miss_s(self) -> float:
         """Seconds one avoided miss saves: the gate's running blocking per miss ``b``, before
         any miss one copy's link time."""
-        b = None if self.gate is None else self.gate.block_per_miss_s
-        return self._transfer_s() if b is None else b
+        if self.gate is None:
+            return self._transfer_s()
+        return self._link_terms()[0]
+
+    def _link_terms(self) -> tuple[float, float, float, int]:
+        """The step's ``(b, t, idle save, slots)`` for the gate (``b``: :meth:`_block_per_miss_s`;
+        ``t``: :meth:`_transfer_s`; ``PrefetchGate.idle_save``; the buffer's slots), read at the
+        step's first plan and kept until its end: the gate's figures change only at a step's end
+        (``PrefetchGate.update_link``), the simulator's link time never, and the runtime's
+        measured copy time is a running mean that one step's copies barely move."""
+        terms = self._step_link
+        if terms is None:
+            gate, t = self.gate, self._transfer_s()
+            b = gate.block_per_miss_s
+            terms = self._step_link = (t if b is None else b, t, gate.idle_save(t), self.buffer.num_slots)
+        return terms
 
     def _paying(
         self,
@@ -525,9 +540,7 @@ class EAMPrefetch(PrefetchPolicy):
         compiled call limits, ranks and tests the candidates and finds their victims
         (``kernels.limit_gate_plan``)."""
         E = self.num_experts
-        buf = self.buffer
-        b = gate.block_per_miss_s
-        t = self._transfer_s()
+        b, t, idle_save, slots = self._link_terms()
         # the plans still expected in this step, this one included (the last layer never plans):
         # least_used sorts the victims' use once when they would make its heap passes dearer
         every = 1 if self._planning else self.probe_every
@@ -535,9 +548,9 @@ class EAMPrefetch(PrefetchPolicy):
         # the predictor's candidates a prefetch would copy, ranked within their row, and those of
         # them that pay
         cand, n_keep, out, net = kernels.limit_gate_plan(
-            probs, cap, min_prob, weights, buf.held, lo * E, lo - layer, gate.precision(),
-            t if b is None else b, gate.demand_busy, t, gate.force_open, self._victim_use(tokens), layer, E,
-            buf.num_slots, gate.idle_copies, gate.idle_save(t), gate.copy_host_s, self._use_order,
+            probs, cap, min_prob, weights, self.buffer.held, lo * E, lo - layer, gate.precision(),
+            b, gate.demand_busy, t, gate.force_open, self._victim_use(tokens), layer, E,
+            slots, gate.idle_copies, idle_save, gate.copy_host_s, self._use_order,
             self._use_state,
         )  # fmt: skip
         gate.note(lo - layer, lo, cand[0], cand[1], cand[2])
@@ -620,6 +633,7 @@ class EAMPrefetch(PrefetchPolicy):
 
     def end_step(self) -> None:
         self._steps += 1
+        self._step_link = None  # the gate's figures change here (_link_terms)
         gate = self.gate
         if gate is not None:
             now = clock(self.buffer)
