@@ -316,13 +316,18 @@ class ExpertBuffer:
             if apply_prefetch_plan(self.parts, self.home, keys, priorities, replace, self.stats):
                 self.cond.notify_all()  # a prefetch was queued or cancelled: wake the I/O threads
 
-    def prefetch_best(self, scores: np.ndarray, first_key: int, limit: int) -> tuple[np.ndarray, np.ndarray]:
+    def prefetch_best(
+        self, scores: np.ndarray, first_key: int, limit: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Queue as the prefetch plan (replacing the queued one, as :meth:`prefetch` with
-        ``replace``) the best ``limit`` positive entries of ``scores [n]`` (flat keys
-        ``first_key ..``) that are not resident or loading (``partition.apply_best_plan``).
-        Returns ``(keys [m], scores [m])``, best first. The I/O threads are woken only when a
-        prefetch was queued or cancelled. Caller may hold ``cond``."""
+        ``replace``) the best ``limit`` (None: :meth:`prefetch_capacity`, read in the same hold
+        of the lock) positive entries of ``scores [n]`` (flat keys ``first_key ..``) that are not
+        resident or loading (``partition.apply_best_plan``). Returns ``(keys [m], scores [m])``,
+        best first. The I/O threads are woken only when a prefetch was queued or cancelled.
+        Caller may hold ``cond``."""
         with self.cond:
+            if limit is None:
+                limit = self.prefetch_capacity()
             keys, best, changed = apply_best_plan(
                 self.parts, self.home, self.held, scores, first_key, limit, self.stats
             )

@@ -80,10 +80,7 @@ class PrefetchPolicy:
         # key order) that are not resident or loading (the buffer's ``held`` mask), selected and
         # queued in one compiled call (``TransferQueue.replan_best``), as this runs once per
         # planning MoE layer.
-        buf = self.buffer
-        with buf.cond:
-            k = buf.prefetch_capacity() if limit is None else limit
-            keys, priorities = buf.prefetch_best(
-                scores.reshape(-1), first_layer * self.num_experts, max(k, 0)
-            )
-        return keys, priorities
+        # (the buffer reads its prefetch capacity in the same hold of its lock when limit is None)
+        return self.buffer.prefetch_best(
+            scores.reshape(-1), first_layer * self.num_experts, None if limit is None else max(limit, 0)
+        )

@@ -192,10 +192,15 @@ class SimBuffer:
             if io.transfer is None:  # ``_kick``
                 self._start(i, self.now)
 
-    def prefetch_best(self, scores: np.ndarray, first_key: int, limit: int) -> tuple[np.ndarray, np.ndarray]:
-        """``ExpertBuffer.prefetch_best``, same rules (``partition.apply_best_plan``)."""
+    def prefetch_best(
+        self, scores: np.ndarray, first_key: int, limit: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``ExpertBuffer.prefetch_best``, same rules (``partition.apply_best_plan``; ``limit``
+        None: :meth:`prefetch_capacity` once the clock is replayed to ``now``)."""
         if self._next_done <= self.now:
             self.advance()
+        if limit is None:
+            limit = self.prefetch_capacity()
         keys, best, _ = apply_best_plan(
             self.parts, self.home, self.held, scores, first_key, limit, self.stats, now=self.now
         )
