@@ -322,7 +322,8 @@ def least_used(
     the short cut 1.9 us (median over 200 plans' arguments of ``bench overhead``, gate open).
     (``np.partition`` of the gathered held use was no faster than the heap: 17 us at batch 16.)
 
-    ``order [L * E]`` int64 and ``state [3]`` int64 (``order`` empty: always the heap) let the
+    ``order [L * E]`` int64 and ``state [3]`` int64 (``order`` empty: always the heap; a ``[2]``
+    state: no count of the calls to come) let the
     calls that share one ``p_use`` (the policy's, once per step) sort it once: ``order`` becomes
     ``p_use``'s argsort (``state[1]`` 1) when the heap work spent so far (``state[0]``, the values
     the heap passes kept) plus the work still expected (``state[2]``, the caller's count of the
@@ -349,7 +350,8 @@ def least_used(
     if zeros >= want:
         return n_held, m_avail, np.zeros(want)
     sortable = order.size == held.size
-    heaps_dearer = state[0] + max(state[2], 1) * want >= least_used_sort_work(held.size)
+    calls_left = state[2] if state.size > 2 else 0  # the caller's count, if it passes one
+    heaps_dearer = state[0] + max(calls_left, 1) * want >= least_used_sort_work(held.size)
     if sortable and state[1] == 0 and heaps_dearer:
         order[:] = np.argsort(p_use)
         state[1] = 1
