@@ -1,10 +1,11 @@
 """Fingerprint the simulator's outputs, to check that a speed change leaves them bit-identical.
 
-Runs every bench combination (``moe_runtime.sim.runner.SIM_COMBOS``) on five cases -- the
-imported Mixtral-8x7B trace at 57 and 40 slots (batch 1 and 4), on 2 devices with depth 3, and a
-seeded synthetic qwen3-30b-a3b-shaped workload at 600 and 300 slots (batch 8 and 4, 3 devices)
--- and writes every counter, TPOT, simulated seconds and step count to JSON (40 runs, about
-40 CPU-s). ``--compare OLD NEW`` lists the runs that differ, with their hit-rate and blocking
+Runs every bench combination (``moe_runtime.sim.runner.SIM_COMBOS``) on six cases -- the
+imported Mixtral-8x7B trace at 57 and 40 slots (batch 1 and 4), on 2 devices with depth 3, at 57
+slots with the router lookahead modelled (batch 4), and a seeded synthetic qwen3-30b-a3b-shaped
+workload at 600 and 300 slots (batch 8 and 4, 3 devices) -- and writes every counter, TPOT,
+simulated seconds and step count to JSON (48 runs, about 50 CPU-s). A fingerprint written before
+a case was added compares on the runs it has. ``--compare OLD NEW`` lists the runs that differ, with their hit-rate and blocking
 changes.
 
     moeserve trace import --num-experts 8 --out /tmp/mixtral_8x7b.jsonl \\
@@ -37,6 +38,8 @@ def cases(trace: str):
     yield "mix-b1", mix, "mixtral-8x7b", dict(slots=57, batch=1)
     yield "mix-b4-s40", mix, "mixtral-8x7b", dict(slots=40, batch=4)
     yield "mix-b2-d2", mix, "mixtral-8x7b", dict(slots=96, batch=2, num_devices=2, prefetch_depth=3)
+    # the router lookahead modelled at bench lookahead's precision (the runtime's default plan)
+    yield "mix-b4-la", mix, "mixtral-8x7b", dict(slots=57, batch=4, lookahead_precision=(0.647,))
     qwen = synthetic_workload(48, 128, 8, 16, 16, prefill=4)
     yield "qwen-b8", qwen, "qwen3-30b-a3b", dict(slots=600, batch=8)
     yield "qwen-b4-s300", qwen, "qwen3-30b-a3b", dict(slots=300, batch=4, num_devices=3)
