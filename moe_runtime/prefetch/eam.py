@@ -138,11 +138,11 @@ class EAMPrefetch(PrefetchPolicy):
         self._eamc_key: tuple[int, bytes] | None = None
         self._window = (0, 0)  # rows lo:hi the cached terms below cover
         self._eamc_block: np.ndarray | None = None  # [D, E] EAMC term of the window's rows
-        self._final: np.ndarray | None = None  # [D, E] normalised own + EAMC term
-        self._evidence: list[bool] | None = None  # [D] rows with any evidence
+        self._final: np.ndarray | None = None  # [w1 - w0, E] normalised own (+ EAMC) term of the window
+        self._evidence: list[bool] | None = None  # [w1 - w0] window rows with any evidence
         # the own term alone normalised, every row of the step, and its evidence: ([L, E], [L])
         self._own_final: tuple[np.ndarray, list[bool]] | None = None
-        self._limited: tuple[int, np.ndarray] | None = None  # (cap, [D, E]) capped _final
+        self._limited: tuple[int, np.ndarray] | None = None  # (cap, [w1 - w0, E]) capped _final
         # gain/cost test of every candidate (moe_runtime.prefetch.gate); None = issue every plan
         self.gate = PrefetchGate(self.num_layers, self.num_experts, self.depth) if cost_aware else None
         self._queued = True  # the last plan handed to the buffer was not empty
