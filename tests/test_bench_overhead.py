@@ -43,7 +43,7 @@ def test_sections_split_a_planning_layers_plan(capsys: pytest.CaptureFixture[str
     assert main([*args, "--sections", "--eamc-term", "always", "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)["results"]
     assert row["open_eamc_term_share"] == 1.0  # --eamc-term always: every plan matches, as the simulator
-    parts = [row[f"open_section_{name}_p50_us"] for name in ("predict", "blend", "gate", "queue")]
+    parts = [row[f"open_section_{name}_p50_us"] for name in ("predict", "lookahead", "gate", "queue")]
     assert all(p >= 0 for p in parts) and parts[0] > 0 and parts[3] > 0  # every plan predicts and queues
     # p50s of parts need not add up, but no part of a plan costs more than the whole plan's p90
     assert max(parts) <= row["open_plan_p90_us"]

@@ -46,7 +46,7 @@ def test_limit_scores_keeps_each_rows_cap_largest_and_weights_them(seed: int) ->
 
 
 @pytest.mark.parametrize("seed", range(20))
-@pytest.mark.parametrize("width", [12, kernels.INSERTION_MAX + 72])  # insertion / merge sort
+@pytest.mark.parametrize("width", [12, kernels.INSERTION_MAX + 72])  # insertion / packed-key sort
 def test_ranked_free_ranks_over_the_whole_row_and_drops_held(seed: int, width: int) -> None:
     rng = np.random.default_rng(seed)
     rows = _ties(rng, (3, width)) if seed % 2 else rng.random((3, width)).astype(np.float32)
@@ -114,13 +114,16 @@ def _gate_keep_numpy(
 
 @pytest.mark.parametrize("seed", range(12))
 def test_limit_gate_plan_is_limit_scores_then_gate_plan(seed: int) -> None:
-    """The planning layer's one call equals its two kernels in turn, packed: candidates
-    ``[3, n]``, the paying count, the paying scores and the net."""
+    """The planning layer's one call equals its three kernels in turn, packed: the router
+    lookahead's blend (half the seeds), the limit and the gate; candidates ``[3, n]``, the paying
+    count, the paying scores and the net."""
     rng = np.random.default_rng(seed)
     L, E, D = 6, 16, int(rng.integers(1, 3))
     layer = int(rng.integers(0, L - D))
     lo = layer + 1
     probs = _ties(rng, (D, E))
+    ahead = (rng.random((int(rng.integers(1, D + 1)) if seed % 2 else 0, E)) * 4).astype(np.float32)
+    blended = kernels.blend(probs, ahead, 0.7) if len(ahead) else probs
     cap, min_prob = int(rng.integers(1, E + 1)), float(rng.choice([0.0, 0.3]))
     if seed % 3 == 0:  # rows already limited: weights only
         cap, min_prob = 0, 0.0
@@ -133,7 +136,7 @@ def test_limit_gate_plan_is_limit_scores_then_gate_plan(seed: int) -> None:
     idle, save = float(rng.choice([0.0, 2.7])), float(rng.random())
     h = float(rng.choice([0.0, 0.05]))  # the copy's host cost
     force = seed % 4 == 1
-    rows, scores = kernels.limit_scores(probs, cap, min_prob, weights)
+    rows, scores = kernels.limit_scores(blended, cap, min_prob, weights)
     held_rows = held[lo * E : (lo + D) * E].reshape(D, E)
     tail = (layer, E, slots, idle, save, h)
     r, c, rank, keep, paying, net = kernels.gate_plan(
@@ -141,7 +144,7 @@ def test_limit_gate_plan_is_limit_scores_then_gate_plan(seed: int) -> None:
         np.zeros(L * E, dtype=np.int64), _sort_now(),
     )  # fmt: skip
     cand, n_keep, paying2, net2 = kernels.limit_gate_plan(
-        probs, cap, min_prob, weights, held, lo * E, 1, prec, b, q, t, force, p_use, *tail,
+        probs, ahead, 0.7, cap, min_prob, weights, held, lo * E, 1, prec, b, q, t, force, p_use, *tail,
         np.zeros(L * E, dtype=np.int64), _sort_now(),
     )  # fmt: skip
     np.testing.assert_array_equal(cand, np.stack([r, c, rank]))
@@ -324,6 +327,8 @@ def test_the_python_kernels_equal_the_compiled_ones() -> None:
     rows = _ties(rng, (2, E))
     scores = (rows * 0.9).astype(np.float32)
     held = rng.random(6 * E) < 0.3
+    wide = _ties(rng, (2, 128))
+    wide[0, 20:] = 0  # fewer than INSERTION_MAX positive
     args = (rows, scores, held[2 * E : 4 * E].reshape(2, E), 1, rng.random((2, E)), 0.5, 0.2, 0.3)
     args += (
         False,
@@ -342,6 +347,7 @@ def test_the_python_kernels_equal_the_compiled_ones() -> None:
         (kernels.gate_plan, args),
         (kernels.best_free, (scores.reshape(-1), held[: 2 * E], 5)),
         (kernels.limit_scores, (rows, 3, 0.0, np.array([0.9, 0.8]))),
+        (kernels.ranked_free, (wide, wide < 0.2)),  # both rankings: insertion, packed keys
         (kernels.blend, (rows, rows[:1] + 0.5, 2.0)),
         (kernels.matched_row_probs, (rows.reshape(2, 1, E), np.array([3, 0]), 0, 1)),
         (kernels.own_plus_eamc, (rows, scores)),

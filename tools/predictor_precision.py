@@ -90,7 +90,7 @@ def measure(model_dir: Path, args: argparse.Namespace) -> dict:
         pol.trial = None  # every decode layer plans: the gate is forced open below
         pol.gate.force_open = True
         pol.eamc_term = None  # every plan computes the EAMC term (the runtime weighs it: term_value)
-        after_routing, blend_rows = pol.after_routing, pol._blend_rows
+        after_routing, plan_rows = pol.after_routing, pol._plan_rows
         E, L = pol.num_experts, pol.num_layers
 
         def scored_after_routing(layer, request_ids, topk_ids):
@@ -104,12 +104,12 @@ def measure(model_dir: Path, args: argparse.Namespace) -> dict:
             pol._guess_cap = min(E, topk_ids.size) if decode else 0
             return after_routing(layer, request_ids, topk_ids)
 
-        def noted_blend_rows(layer, rows):
-            ahead = pol._ahead
-            out = blend_rows(layer, rows)
+        def noted_plan_rows(layer, rows, ahead):
+            base, spec_rows = plan_rows(layer, rows, ahead)
+            out = None if base is None else pol._blended(base, spec_rows)
             c, lo = getattr(pol, "_guess_cap", 0), layer + 1
             if not c or lo >= L:
-                return out
+                return base, spec_rows
             own = pol._own[lo] if pol._own is not None else None
             eamc = None
             if pol._eamc_block is not None:
@@ -124,11 +124,13 @@ def measure(model_dir: Path, args: argparse.Namespace) -> dict:
                 "chance": set(rng.choice(E, c, replace=False).tolist()),
             }
             if spec is not None and own is not None:  # the policy's own plan without the EAMC term
-                guesses["lookahead+own"] = _top(pol._without_eamc(layer, ahead, len(out))[0], c)
+                # (pol._without_eamc, with the unhooked _plan_rows: it calls the hook otherwise)
+                alone = pol._own_rows()[0][lo : lo + len(out)]
+                guesses["lookahead+own"] = _top(pol._blended(*plan_rows(layer, alone, ahead))[0], c)
             pending[lo] = {k: v for k, v in guesses.items() if v is not None}
-            return out
+            return base, spec_rows
 
-        pol.after_routing, pol._blend_rows = scored_after_routing, noted_blend_rows
+        pol.after_routing, pol._plan_rows = scored_after_routing, noted_plan_rows
         _run_batches(engine, warm, args.batch, args.new_tokens)
         counting[0] = True
         _run_batches(engine, evals, args.batch, args.new_tokens)

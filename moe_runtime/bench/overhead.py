@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from moe_runtime.bench.policies import COMBOS
+from moe_runtime.layers.moe import start_host_copy
 from moe_runtime.prefetch.term_value import TermValue
 
 HOOKS = ("record", "cache", "lookahead", "plan")
@@ -44,9 +45,9 @@ FIGURES = (*HOOKS_TOTAL, "planned_total")  # planned_total: the layers that pred
 BUDGET_US = 50.0  # issue #15: p50 host work per MoE layer
 LOOKAHEAD_PRECISION = (0.647, 0.576, 0.493)  # bench lookahead, bundled model, d = 1..3 (timing only)
 # the parts of a planning layer's ``plan`` figure (--sections): EAMC matching and the per-layer
-# probabilities, the router lookahead's blend, the gain/cost test (ranking, victims) and the queue
-# update (best-k selection, TransferQueue.replan)
-SECTIONS = {"predict": "_predict_rows", "blend": "_blend_rows", "gate": "_paying", "queue": "issue"}
+# probabilities, the router lookahead's rows, the gain/cost test (their blend, ranking, victims:
+# one compiled call) and the queue update (best-k selection, TransferQueue.replan)
+SECTIONS = {"predict": "_predict_rows", "lookahead": "_plan_rows", "gate": "_paying", "queue": "issue"}
 EAM_CACHE = next(cache for label, _, cache, _ in COMBOS if label == "eam")  # the default row's cache
 
 
@@ -137,12 +138,30 @@ def measure(
         if sections:
             for i, method in enumerate(SECTIONS.values()):
                 setattr(pf, method, timer.wrap(i, getattr(pf, method), section=True))
-        rec.record = timer.wrap(0, rec.record)
+        timed_record, ids_seen = timer.wrap(0, rec.record), []
+
+        def record(layer: int, request_ids: list[str], *args: Any) -> None:
+            ids_seen[:] = [args[2]]  # the layer's top-k ids [T, k], for the lookahead's copy
+            timed_record(layer, request_ids, *args)
+
+        rec.record = record
         for part in buf.parts:  # the cache policy itself: the simulator's clock replay is not host work
             part.policy.after_routing = timer.wrap(1, part.policy.after_routing)
-        # the runtime hands the lookahead over as a tensor (copied to the host after the router's ids)
+        # The runtime copies the lookahead's scores to the host with the router's ids
+        # (layers.moe._to_host: the scores' copy started, the ids' copy, the scores read): that
+        # sequence runs here with the scores' parts and observe_lookahead timed. The tensors stand
+        # for the router's and the lookahead's outputs, which the runtime has without this work,
+        # and the ids' copy is paid at every layer with or without a lookahead: neither is timed.
         seen = pf.observe_lookahead
-        pf.observe_lookahead = timer.wrap(2, lambda layer, s: seen(layer, torch.from_numpy(s).cpu().numpy()))
+        start, read = timer.wrap(2, start_host_copy), timer.wrap(2, lambda layer, t: seen(layer, t.numpy()))
+
+        def observe_lookahead(layer: int, s: np.ndarray) -> None:
+            ahead, ids = torch.from_numpy(s), torch.from_numpy(ids_seen[0])
+            pending = start(ahead)
+            ids.cpu().numpy()
+            read(layer, pending)
+
+        pf.observe_lookahead = observe_lookahead
         # An idle link starting its next copy (victim choice included) is the I/O thread's work in
         # the runtime; inside a plan the simulator does it inline, so it is timed apart and removed.
         buf._start = timer.wrap(4, buf._start)

@@ -118,7 +118,8 @@ class EAMPrefetch(PrefetchPolicy):
             self.depth = lookahead  # plan only the layers the lookahead sees (docs/results.md)
         self.lookahead_weight = lookahead_weight
         self._ahead: tuple[int, np.ndarray] | None = None  # (layer, [D, E]) of the current layer
-        self._last: tuple[int, np.ndarray] | None = None  # (first layer, [D, E]) of the latest plan
+        # the latest plan: (first layer, [D, E] rows, [d, E] lookahead blended into them or None)
+        self._last: tuple[int, np.ndarray, np.ndarray | None] | None = None
         self._matcher: PrefixMatcher | None = None  # incremental EAMC matching of the running batch
         self._match_ids: list[str] | None = None  # the batch the matcher's step began with
         self._unmatched: list[int] = []  # routed layers the matcher has not taken in yet
@@ -177,6 +178,7 @@ class EAMPrefetch(PrefetchPolicy):
         # sorted, plans still expected in the step (set at each plan)
         self._use_order = np.zeros(self.num_layers * self.num_experts, dtype=np.int64)
         self._use_state = np.zeros(3, dtype=np.int64)
+        self._no_ahead = np.zeros((0, self.num_experts), dtype=np.float32)  # a plan without lookahead
         # the EAMC term's measured gain against its host time (term_value); None: always computed
         self.eamc_term = TermValue(probe_every) if cost_aware and self._timed and weigh_eamc else None
         self._eamc_s = 0.0  # host seconds of the EAMC term in the latest prediction (with eamc_term)
@@ -337,45 +339,57 @@ class EAMPrefetch(PrefetchPolicy):
         self._ahead = (layer, scores)
 
     def blend_lookahead(self, layer: int, probs: np.ndarray | None) -> np.ndarray | None:
-        """``probs [L, E]`` with the router lookahead of ``layer`` blended into its next layers."""
+        """``probs [L, E]`` with the router lookahead of ``layer`` blended into its next layers
+        (consumes the lookahead :meth:`observe_lookahead` handed over)."""
         lo = layer + 1
         rows = None if probs is None else probs[lo : min(self.num_layers, lo + self.depth)]
-        out = self._blend_rows(layer, rows)
+        ahead, self._ahead = self._ahead, None
+        out = self._blend_ahead(layer, rows, ahead)
         if out is rows:
             return probs
         full = np.zeros((self.num_layers, self.num_experts), np.float32) if probs is None else probs.copy()
         full[lo : lo + len(out)] = out
         return full
 
-    def _blend_rows(self, layer: int, rows: np.ndarray | None) -> np.ndarray | None:
-        """:meth:`blend_lookahead` on the plan's rows ``[D, E]`` (layers ``layer + 1 ..``): ``rows``
-        itself without a lookahead for ``layer``, else a new array."""
-        ahead, self._ahead = self._ahead, None
-        return self._blend_ahead(layer, rows, ahead)
+    def _plan_rows(
+        self, layer: int, rows: np.ndarray | None, ahead: tuple[int, np.ndarray] | None
+    ) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The plan's rows ``[D, E]`` (layers ``layer + 1 ..``; zeros where ``rows`` is None but a
+        lookahead is there) and the router lookahead ``[d, E]`` (float32, contiguous) to blend
+        into the first ``d`` of them, or None (none for ``layer``, or weight 0): ``rows`` itself
+        then. ``ahead``: ``(layer, [D, E] scores)`` as :meth:`observe_lookahead` keeps it, or
+        None. The blend itself (``kernels.blend``) runs inside the plan's compiled call."""
+        if ahead is None or ahead[0] != layer or self.lookahead_weight == 0:
+            return rows, None
+        n = min(self.num_layers, layer + 1 + self.depth) - layer - 1  # rows of the plan
+        d = min(self.lookahead_depth, n, len(ahead[1]))
+        if d <= 0:
+            return rows, None
+        base = np.zeros((n, self.num_experts), np.float32) if rows is None else rows
+        return base, np.ascontiguousarray(ahead[1][:d], dtype=np.float32)
+
+    def _blended(self, rows: np.ndarray, spec: np.ndarray | None) -> np.ndarray:
+        """``rows [D, E]`` with the lookahead ``spec [d, E]`` of :meth:`_plan_rows` blended in
+        (``kernels.blend``; a new array), or ``rows`` itself without one."""
+        return rows if spec is None else kernels.blend(rows, spec, self.lookahead_weight)
 
     def _blend_ahead(
         self, layer: int, rows: np.ndarray | None, ahead: tuple[int, np.ndarray] | None
     ) -> np.ndarray | None:
-        """:meth:`_blend_rows` with the router lookahead ``ahead`` (``(layer, [D, E] scores)``,
-        as :meth:`observe_lookahead` keeps it, or None)."""
-        if ahead is None or ahead[0] != layer or self.lookahead_weight == 0:
-            return rows
-        n = min(self.num_layers, layer + 1 + self.depth) - layer - 1  # rows of the plan
-        d = min(self.lookahead_depth, n, len(ahead[1]))
-        if d <= 0:
-            return rows
-        base = np.zeros((n, self.num_experts), np.float32) if rows is None else rows
-        spec = np.ascontiguousarray(ahead[1][:d], dtype=np.float32)
-        return kernels.blend(base, spec, self.lookahead_weight)  # [n, E]
+        """The plan's rows ``rows [D, E]`` (layers ``layer + 1 ..``) with the router lookahead
+        ``ahead`` (``(layer, [D, E] scores)``, or None) blended in: ``rows`` itself without a
+        lookahead for ``layer``, else a new array."""
+        rows, spec = self._plan_rows(layer, rows, ahead)
+        return None if rows is None else self._blended(rows, spec)
 
     @property
     def last_probs(self) -> np.ndarray | None:
         """``[L, E]`` probabilities of the latest plan (rows it covers; others 0), or None."""
         if self._last is None:
             return None
-        lo, rows = self._last
+        lo, rows, spec = self._last
         prob = np.zeros((self.num_layers, self.num_experts), np.float32)
-        prob[lo : lo + len(rows)] = rows
+        prob[lo : lo + len(rows)] = self._blended(rows, spec)
         return prob
 
     def wants_lookahead(self, layer: int) -> bool:
@@ -440,32 +454,32 @@ class EAMPrefetch(PrefetchPolicy):
             and len(self.eamc) > 0
         )
         with_eamc = not weigh or term.wanted(self._block_per_miss_s())
-        ahead = self._ahead
+        ahead, self._ahead = self._ahead, None
         base = self._predict_rows(layer, request_ids, eamc=with_eamc)
-        probs = self._blend_rows(layer, base)  # [D, E] rows of layers lo .. lo + D - 1
+        # [D, E] rows of layers lo .. lo + D - 1, and the router lookahead to blend into them
+        base, spec = self._plan_rows(layer, base, ahead)
         lo = layer + 1
-        self._last = None if probs is None else (lo, probs)
-        if probs is None:
+        self._last = None if base is None else (lo, base, spec)
+        if base is None:
             return
         # A later layer will need at most as many experts as this step routes (tokens x top-k):
         # keep only that many of its most likely experts, so the plan does not flood the link.
         cap = min(self.num_experts, topk_ids.size)
         if weigh and with_eamc:
             term.note_host_time(self._eamc_s)
-            self._note_eamc_term(term, layer, ahead, probs, cap)
-        weights = self.proximity(layer)[lo : lo + len(probs)]
-        if probs is base:  # the step's cached rows: limit them once per step
+            self._note_eamc_term(term, layer, ahead, self._blended(base, spec), cap)
+        weights = self.proximity(layer)[lo : lo + len(base)]
+        min_prob = self.min_prob
+        if spec is None:  # the step's cached rows (_predict_rows) as they are: limit them once per step
             if self._limited is None or self._limited[0] != cap:
                 self._limited = (cap, _limit(self._final, cap, self.min_prob))
             w0 = self._window[0]
             # already limited: weights only
-            probs, cap, min_prob = self._limited[1][lo - w0 : lo - w0 + len(probs)], 0, 0.0
-        else:
-            min_prob = self.min_prob
+            base, cap, min_prob = self._limited[1][lo - w0 : lo - w0 + len(base)], 0, 0.0
         if gate is None:
-            scores = kernels.limit_scores(probs, cap, min_prob, weights)[1]
+            scores = kernels.limit_scores(self._blended(base, spec), cap, min_prob, weights)[1]
         else:
-            scores = self._paying(gate, layer, lo, probs, cap, min_prob, weights, topk_ids.shape[0])
+            scores = self._paying(gate, layer, lo, base, spec, cap, min_prob, weights, topk_ids.shape[0])
             if scores is None:  # nothing pays and nothing of ours is queued: on-demand
                 return
         self.issue(scores, first_layer=lo)
@@ -528,16 +542,18 @@ class EAMPrefetch(PrefetchPolicy):
         layer: int,
         lo: int,
         probs: np.ndarray,
+        spec: np.ndarray | None,
         cap: int,
         min_prob: float,
         weights: np.ndarray,
         tokens: int,
     ) -> np.ndarray | None:
-        """The plan's scores ``[D, E]`` (``probs [D, E]`` of layers ``lo ..`` limited to each row's
+        """The plan's scores ``[D, E]`` (``probs [D, E]`` of layers ``lo ..`` with the router
+        lookahead ``spec [d, E]`` blended in (:meth:`_plan_rows`), limited to each row's
         ``cap`` largest at or above ``min_prob``, times ``weights [D]``) with the candidates whose
         expected gain does not beat their expected cost zeroed (``moe_runtime.prefetch.gate``);
         None when none pays and no plan of ours is queued (nothing to hand the buffer). One
-        compiled call limits, ranks and tests the candidates and finds their victims
+        compiled call blends, limits, ranks and tests the candidates and finds their victims
         (``kernels.limit_gate_plan``)."""
         E = self.num_experts
         b, t, idle_save, slots = self._link_terms()
@@ -547,9 +563,10 @@ class EAMPrefetch(PrefetchPolicy):
         self._use_state[2] = (self.num_layers - 2 - layer) // every + 1
         # the predictor's candidates a prefetch would copy, ranked within their row, and those of
         # them that pay
+        ahead = self._no_ahead if spec is None else spec
         cand, n_keep, out, net = kernels.limit_gate_plan(
-            probs, cap, min_prob, weights, self.buffer.held, lo * E, lo - layer, gate.precision(),
-            b, gate.demand_busy, t, gate.force_open, self._victim_use(tokens), layer, E,
+            probs, ahead, self.lookahead_weight, cap, min_prob, weights, self.buffer.held, lo * E, lo - layer,
+            gate.precision(), b, gate.demand_busy, t, gate.force_open, self._victim_use(tokens), layer, E,
             slots, gate.idle_copies, idle_save, gate.copy_host_s, self._use_order,
             self._use_state,
         )  # fmt: skip
