@@ -104,3 +104,49 @@ def test_a_plan_makes_one_gate_call_and_one_queue_call(
         assert calls["own alone"] > 0 and calls["own + eamc"] < steps
     else:
         assert calls["own + eamc"] > steps
+
+
+def test_the_host_clock_is_read_at_a_sample_of_the_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runtime measures a plan's host time (thread CPU time, a system call per read) at about
+    ``HOST_SAMPLE`` of its planning layers only: two reads per measured plan (three or four with
+    the EAMC term), none at the others, and the gate's running mean is fed only by those."""
+    reads, noted, plans = [0], [0], [0]
+
+    class _Clock:
+        @staticmethod
+        def thread_time() -> float:
+            reads[0] += 1
+            return 0.001 * reads[0]
+
+    monkeypatch.setattr(eam, "time", _Clock)
+    init, inner = eam.EAMPrefetch.__init__, eam.EAMPrefetch._plan
+
+    def init_timed(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        init(self, *args, **kwargs)
+        self._timed = True  # as in the runtime (the simulator's clock is not the host's)
+        self.eamc_term = TermValue(self.probe_every)
+        note = self.gate.note_host_time
+
+        def counted(seconds: float) -> None:
+            noted[0] += 1
+            note(seconds)
+
+        self.gate.note_host_time = counted
+
+    def plan(self, *args):  # noqa: ANN001, ANN002, ANN202
+        plans[0] += 1
+        inner(self, *args)
+
+    monkeypatch.setattr(eam.EAMPrefetch, "__init__", init_timed)
+    monkeypatch.setattr(eam.EAMPrefetch, "_plan", plan)
+    monkeypatch.setattr(PrefetchGate, "plans_pay", lambda self, net: True)  # plan every layer
+    reqs = random_requests(3, 30, 6, 16, 2, 6)
+    sim = sim_for(layers=6, experts=16, slots=24, batch=3)
+    sim.config = replace(sim.config, lookahead_precision=(0.6,))
+    sim.run("eam", "eam-reuse", reqs[:20], reqs[20:])
+    assert plans[0] > 200
+    assert 0 < noted[0] <= reads[0] // 2
+    # about HOST_SAMPLE of the plans are measured: m of them make 2 m reads, and at most 2 m more
+    # with the EAMC term (so reads / 2 / plans lies in [m, 2 m] / plans; 0.25 is binomial noise)
+    share = reads[0] / 2 / plans[0]
+    assert eam.HOST_SAMPLE * 0.75 < share < eam.HOST_SAMPLE * 2.25, (share, plans[0], noted[0])

@@ -132,9 +132,10 @@ def measure(
         pf, rec, buf = state.prefetcher, state.recorder, state.buffer
         if gate_open and pf.gate is not None:
             pf.gate.force_open = True
-        if eamc_term == "weighed" and pf.gate is not None:  # the runtime's test, on the host's clock
+        if eamc_term == "weighed" and pf.gate is not None:  # the runtime's tests, on the host's clock
             pf.eamc_term = TermValue(pf.probe_every)
             terms.append(pf.eamc_term)
+            pf._timed = True  # each plan's host time is measured (thread CPU time) for the gate
         if sections:
             for i, method in enumerate(SECTIONS.values()):
                 setattr(pf, method, timer.wrap(i, getattr(pf, method), section=True))

@@ -42,8 +42,9 @@ class RouterLookahead:
         depth: later MoE layers scored, >= 1.
         policy: the prefetch policy the scores are for, or None. When given, :meth:`scores` asks
             its ``wants_lookahead(moe_layer)`` first (None, no work, while the policy is
-            on-demand) and reports its own host CPU time to ``note_lookahead_time(seconds)``, a cost
-            the policy's gate weighs.
+            on-demand) and, while its ``plan_timed`` is true (the plan's host time is measured),
+            reports its own host CPU time to ``note_lookahead_time(seconds)``, a cost the
+            policy's gate weighs.
 
     Raises:
         ValueError: ``depth < 1``.
@@ -103,9 +104,11 @@ class RouterLookahead:
         policy = self.policy
         if policy is not None and not policy.wants_lookahead(moe_layer):
             return None
-        t0 = time.thread_time()
+        # timed only when the policy measures the plan it is for (EAMPrefetch.plan_timed)
+        timed = policy is not None and getattr(policy, "plan_timed", True)
+        t0 = time.thread_time() if timed else 0.0
         logits = self.logits(x, moe_layer)
         out = None if logits is None else F.softmax(logits, dim=-1).sum(dim=0)
-        if policy is not None:
+        if timed:
             policy.note_lookahead_time(time.thread_time() - t0)
         return out

@@ -26,6 +26,7 @@ matcher catches up on the rows it skipped at its next use. The simulator never s
 
 from __future__ import annotations
 
+import random
 import time
 from typing import Any
 
@@ -55,6 +56,11 @@ MODES = ("prefetch", "cache", "lean")
 # were faster at 7 of 8 (link, batch, buffer) points and within the spread at the eighth.
 ARMS = ("prefetch", "cache")
 _NO_USE = np.zeros(0)  # no victim-use term (EAMPrefetch._victim_use)
+# The share of the runtime's planning layers whose host time is measured (thread CPU time, for the
+# gate's and the EAMC term's running means): the clock is a system call, 1.6 us p50 per read in
+# ``bench overhead``'s planning layers at batch 16, two reads per plan and two per router
+# lookahead. Drawn at random, so the plans measured do not fall on the same layers every step.
+HOST_SAMPLE = 0.25
 
 
 class EAMPrefetch(PrefetchPolicy):
@@ -157,6 +163,9 @@ class EAMPrefetch(PrefetchPolicy):
         # stay deterministic).
         self._timed = getattr(self.buffer, "now", None) is None
         self._lookahead_s = 0.0  # the router lookahead's host time of the layer about to route
+        # whether the next plan's host time (and its router lookahead's) is measured (HOST_SAMPLE)
+        self.plan_timed = True
+        self._sampler = random.Random(0)
         # the runtime's measured comparison of its modes (gate.ModeTrial); None in the simulator
         # and without the gate
         arms = tuple(trial_arms)
@@ -181,7 +190,8 @@ class EAMPrefetch(PrefetchPolicy):
         self._no_ahead = np.zeros((0, self.num_experts), dtype=np.float32)  # a plan without lookahead
         # the EAMC term's measured gain against its host time (term_value); None: always computed
         self.eamc_term = TermValue(probe_every) if cost_aware and self._timed and weigh_eamc else None
-        self._eamc_s = 0.0  # host seconds of the EAMC term in the latest prediction (with eamc_term)
+        # host seconds of the EAMC term in the latest prediction (with eamc_term; None: not measured)
+        self._eamc_s: float | None = None
         self._step_link: tuple[float, float, float, int] | None = None  # the step's gate terms (_link_terms)
 
     def predict(self, layer: int, request_ids: list[str]) -> np.ndarray | None:
@@ -230,7 +240,8 @@ class EAMPrefetch(PrefetchPolicy):
                 self._eamc_block = self._eamc_key = None
                 covered = False
         elif n:
-            t0 = 0.0 if self.eamc_term is None else time.thread_time()
+            timed = self.eamc_term is not None and self.plan_timed
+            t0 = time.thread_time() if timed else 0.0
             k = min(self.matches, n)
             if n <= k and self.eamc.index_kind == "flat":  # an exact top-k of all: every entry
                 times = np.full(n, len(request_ids), dtype=np.int64)
@@ -241,8 +252,8 @@ class EAMPrefetch(PrefetchPolicy):
                 block, matched = kernels.matched_row_probs(self.eamc.entries(), times, lo, hi)  # [D, E]
                 self._eamc_block = block if matched else None
                 self._eamc_key, covered = key, False
-            if self.eamc_term is not None:  # the term's host time, for _plan to weigh
-                self._eamc_s = time.thread_time() - t0
+            # the term's host time, for _plan to weigh (None: not measured at this plan)
+            self._eamc_s = time.thread_time() - t0 if timed else None
         if not covered:
             # [D, E] own + EAMC term normalised, [D] rows with any evidence
             if self._eamc_block is None:  # the own term alone: every row of the step, once a step
@@ -430,11 +441,15 @@ class EAMPrefetch(PrefetchPolicy):
                         self._unmatched.append(layer)
                 return
             if self._timed:  # the runtime: the plan's host time is a cost the gate weighs
-                t0 = time.thread_time()
-                self._plan(layer, request_ids, topk_ids)
-                host = time.thread_time() - t0 + self._lookahead_s
-                if topk_ids.shape[0] == len(request_ids):  # a decode layer: the cost the bar weighs
-                    gate.note_host_time(host)
+                if not self.plan_timed:  # not sampled (HOST_SAMPLE)
+                    self._plan(layer, request_ids, topk_ids)
+                else:
+                    t0 = time.thread_time()
+                    self._plan(layer, request_ids, topk_ids)
+                    host = time.thread_time() - t0 + self._lookahead_s
+                    if topk_ids.shape[0] == len(request_ids):  # a decode layer: the cost the bar weighs
+                        gate.note_host_time(host)
+                self.plan_timed = self._sampler.random() < HOST_SAMPLE
                 self._lookahead_s = 0.0
                 return
         self._plan(layer, request_ids, topk_ids)
@@ -466,7 +481,8 @@ class EAMPrefetch(PrefetchPolicy):
         # keep only that many of its most likely experts, so the plan does not flood the link.
         cap = min(self.num_experts, topk_ids.size)
         if weigh and with_eamc:
-            term.note_host_time(self._eamc_s)
+            if self._eamc_s is not None:
+                term.note_host_time(self._eamc_s)
             self._note_eamc_term(term, layer, ahead, self._blended(base, spec), cap)
         weights = self.proximity(layer)[lo : lo + len(base)]
         min_prob = self.min_prob
