@@ -401,8 +401,10 @@ def test_eam_times_only_decode_plans_and_a_bar_lifts_once_its_figure_faded() -> 
     try:
         pol = fake_eam_policy(buf, np.ones((4, 5)), lookahead=1, probe_every=1)  # every layer plans
         assert pol._timed and pol.trial is not None
+        pol.plan_timed = True  # the runtime measures a random HOST_SAMPLE of its plans: these two
         pol.after_routing(0, ["a"], np.array([[0, 1], [2, 3], [1, 4]]))  # a prefill layer: 3 tokens
         assert pol.plans == 1 and pol.gate.host_s == 0.0  # planned, not timed
+        pol.plan_timed = True
         pol.after_routing(1, ["a"], np.array([[0, 1]]))  # a decode layer
         assert pol.plans == 2 and pol.gate.host_s > 0.0
         pol.gate.host_s = 1e-3  # a planning layer costs 1 ms: 3 ms per step of 4 layers
