@@ -116,6 +116,7 @@ def test_counter_sees_ops(monkeypatch):
 
 def test_one_sync_with_tracer_policies_and_lookahead(monkeypatch):
     """Offloading with the eam policies: the recorder's router weights and the router lookahead's
-    scores travel in the ids' copy, still one sync per MoE layer."""
+    scores come with the ids' copy (read in place on the CPU; a non-blocking copy ahead of it on
+    an accelerator, ``layers.moe._to_host``), still one sync per MoE layer."""
     _, syncs = _per_layer(monkeypatch, 2, buffer_fraction=0.5, router_lookahead=1)
     assert syncs == 1
