@@ -143,9 +143,10 @@ def test_limit_gate_plan_is_limit_scores_then_gate_plan(seed: int) -> None:
         rows, scores, held_rows, 1, prec, b, q, t, force, held, p_use, *tail,
         np.zeros(L * E, dtype=np.int64), _sort_now(),
     )  # fmt: skip
+    terms = kernels.gate_terms(0.7, b, q, t, force, slots, idle, save, h)
     cand, n_keep, paying2, net2 = kernels.limit_gate_plan(
-        probs, ahead, 0.7, cap, min_prob, weights, held, lo * E, 1, prec, b, q, t, force, p_use, *tail,
-        np.zeros(L * E, dtype=np.int64), _sort_now(),
+        probs, ahead, weights, held, prec, p_use, np.zeros(L * E, dtype=np.int64), _sort_now(), terms,
+        cap, min_prob, lo * E, 1, layer,
     )  # fmt: skip
     np.testing.assert_array_equal(cand, np.stack([r, c, rank]))
     assert n_keep == int(keep.sum())

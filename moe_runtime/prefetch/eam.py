@@ -192,7 +192,7 @@ class EAMPrefetch(PrefetchPolicy):
         self.eamc_term = TermValue(probe_every) if cost_aware and self._timed and weigh_eamc else None
         # host seconds of the EAMC term in the latest prediction (with eamc_term; None: not measured)
         self._eamc_s: float | None = None
-        self._step_link: tuple[float, float, float, int] | None = None  # the step's gate terms (_link_terms)
+        self._step_link: tuple[float, np.ndarray] | None = None  # the step's gate terms (_link_terms)
 
     def predict(self, layer: int, request_ids: list[str]) -> np.ndarray | None:
         """Activation probabilities ``[L, E]`` for the running batch, or None without evidence.
@@ -539,17 +539,23 @@ class EAMPrefetch(PrefetchPolicy):
             return self._transfer_s()
         return self._link_terms()[0]
 
-    def _link_terms(self) -> tuple[float, float, float, int]:
-        """The step's ``(b, t, idle save, slots)`` for the gate (``b``: :meth:`_block_per_miss_s`;
-        ``t``: :meth:`_transfer_s`; ``PrefetchGate.idle_save``; the buffer's slots), read at the
-        step's first plan and kept until its end: the gate's figures change only at a step's end
-        (``PrefetchGate.update_link``), the simulator's link time never, and the runtime's
-        measured copy time is a running mean that one step's copies barely move."""
+    def _link_terms(self) -> tuple[float, np.ndarray]:
+        """The step's ``(b, terms)`` for the gate: ``b`` (:meth:`_block_per_miss_s`) and
+        ``kernels.gate_terms`` of the lookahead weight, ``b``, ``q``, ``t`` (:meth:`_transfer_s`),
+        the gate's ``force_open``, the buffer's slots, the gate's idle copies,
+        ``PrefetchGate.idle_save`` and ``h``. Read at the step's first plan and kept until its
+        end: the gate's figures change only at a step's end (``PrefetchGate.update_link``,
+        :meth:`end_step`), the simulator's link time never, and the runtime's measured copy time
+        is a running mean that one step's copies barely move."""
         terms = self._step_link
         if terms is None:
             gate, t = self.gate, self._transfer_s()
-            b = gate.block_per_miss_s
-            terms = self._step_link = (t if b is None else b, t, gate.idle_save(t), self.buffer.num_slots)
+            b = t if gate.block_per_miss_s is None else gate.block_per_miss_s
+            packed = kernels.gate_terms(
+                self.lookahead_weight, b, gate.demand_busy, t, gate.force_open, self.buffer.num_slots,
+                gate.idle_copies, gate.idle_save(t), gate.copy_host_s,
+            )  # fmt: skip
+            terms = self._step_link = (b, packed)
         return terms
 
     def _paying(
@@ -571,20 +577,17 @@ class EAMPrefetch(PrefetchPolicy):
         None when none pays and no plan of ours is queued (nothing to hand the buffer). One
         compiled call blends, limits, ranks and tests the candidates and finds their victims
         (``kernels.limit_gate_plan``)."""
-        E = self.num_experts
-        b, t, idle_save, slots = self._link_terms()
+        terms = self._link_terms()[1]
         # the plans still expected in this step, this one included (the last layer never plans):
         # least_used sorts the victims' use once when they would make its heap passes dearer
         every = 1 if self._planning else self.probe_every
         self._use_state[2] = (self.num_layers - 2 - layer) // every + 1
         # the predictor's candidates a prefetch would copy, ranked within their row, and those of
         # them that pay
-        ahead = self._no_ahead if spec is None else spec
         cand, n_keep, out, net = kernels.limit_gate_plan(
-            probs, ahead, self.lookahead_weight, cap, min_prob, weights, self.buffer.held, lo * E, lo - layer,
-            gate.precision(), b, gate.demand_busy, t, gate.force_open, self._victim_use(tokens), layer, E,
-            slots, gate.idle_copies, idle_save, gate.copy_host_s, self._use_order,
-            self._use_state,
+            probs, self._no_ahead if spec is None else spec, weights, self.buffer.held, gate.precision(),
+            self._victim_use(tokens), self._use_order, self._use_state, terms, cap, min_prob,
+            lo * self.num_experts, lo - layer, layer,
         )  # fmt: skip
         gate.note(lo - layer, lo, cand[0], cand[1], cand[2])
         # the plan's host time is spent: what pays is issued; planning goes on at every layer

@@ -483,50 +483,66 @@ def gate_plan(
     return r, c, rank, keep, paying, net
 
 
-@njit(cache=True)
-def limit_gate_plan(
-    probs: np.ndarray,
-    ahead: np.ndarray,
+def gate_terms(
     ahead_weight: float,
-    cap: int,
-    min_prob: float,
-    weights: np.ndarray,
-    held: np.ndarray,
-    first_key: int,
-    distance0: int,
-    precision: np.ndarray,
     block_s: float,
     busy: float,
     transfer_s: float,
     force_open: bool,
-    p_use: np.ndarray,
-    layer: int,
-    num_experts: int,
     num_slots: int,
     idle_copies: float,
     idle_save_s: float,
     copy_host_s: float,
+) -> np.ndarray:
+    """:func:`limit_gate_plan`'s ``terms [9]`` (float64, in the order of the arguments;
+    ``force_open`` 0 or 1, ``num_slots`` exact below 2**53): the scalars of a plan that change
+    only at a step's end, in one array rather than nine arguments (numba's dispatcher types each
+    argument at every call: a scalar cost about 0.2 us of a planning layer at batch 16, cold)."""
+    return np.array(
+        [ahead_weight, block_s, busy, transfer_s, float(force_open), num_slots]
+        + [idle_copies, idle_save_s, copy_host_s]
+    )
+
+
+@njit(cache=True)
+def limit_gate_plan(
+    probs: np.ndarray,
+    ahead: np.ndarray,
+    weights: np.ndarray,
+    held: np.ndarray,
+    precision: np.ndarray,
+    p_use: np.ndarray,
     use_order: np.ndarray,
     use_state: np.ndarray,
+    terms: np.ndarray,
+    cap: int,
+    min_prob: float,
+    first_key: int,
+    distance0: int,
+    layer: int,
 ) -> tuple[np.ndarray, int, np.ndarray, float]:
     """:func:`blend`, :func:`limit_scores` then :func:`gate_plan` in one call (a planning layer's
     one compiled call between prediction and the queue): ``probs [D, E]`` with the router
-    lookahead ``ahead [d, E]`` (``d <= D``; ``d`` 0: none) blended in at ``ahead_weight``,
-    limited to each row's ``cap``
-    largest at or above ``min_prob`` (``cap`` 0, ``min_prob`` 0: already limited) and weighted
-    by ``weights [D]``; the plan's rows are flat keys ``first_key .. first_key + D * E - 1``, whose
-    ``held`` entries (``held [L * E]``) are the rows' held mask.
+    lookahead ``ahead [d, E]`` (``d <= D``; ``d`` 0: none) blended in at ``terms``'
+    ``ahead_weight``, limited to each row's ``cap`` largest at or above ``min_prob`` (``cap`` 0,
+    ``min_prob`` 0: already limited) and weighted by ``weights [D]``; the plan's rows are flat
+    keys ``first_key .. first_key + D * E - 1``, whose ``held`` entries (``held [L * E]``) are the
+    rows' held mask. ``terms``: :func:`gate_plan`'s scalars that change only at a step's end, as
+    :func:`gate_terms` packs them; ``num_experts`` is ``E``.
 
     Returns ``(candidates [3, n] int64, paying count, paying [D, E], net)``: :func:`gate_plan`'s
     ``r``, ``c`` and ``rank`` stacked and the count of its ``keep``, as four returned objects
     rather than six: each array handed back to Python costs about a microsecond."""
+    ahead_weight, block_s, busy, transfer_s = terms[0], terms[1], terms[2], terms[3]
+    force_open, num_slots = terms[4] != 0.0, int(terms[5])
+    idle_copies, idle_save_s, copy_host_s = terms[6], terms[7], terms[8]
     if ahead.shape[0]:
         probs = blend(probs, ahead, ahead_weight)
     rows, scores = limit_scores(probs, cap, min_prob, weights)
     held_rows = held[first_key : first_key + rows.size].reshape(rows.shape)
     r, c, rank, keep, paying, net = gate_plan(
         rows, scores, held_rows, distance0, precision, block_s, busy, transfer_s, force_open, held, p_use,
-        layer, num_experts, num_slots, idle_copies, idle_save_s, copy_host_s, use_order, use_state,
+        layer, probs.shape[1], num_slots, idle_copies, idle_save_s, copy_host_s, use_order, use_state,
     )  # fmt: skip
     cand = np.empty((3, r.size), dtype=np.int64)
     cand[0], cand[1], cand[2] = r, c, rank
@@ -645,9 +661,10 @@ def warm() -> None:
     for p_use in (np.zeros(0), np.zeros(2, dtype=np.float32)):
         args = (1.0, 0.0, 1.0, False, held, p_use, 0, 2, 1, 0.0, 1.0, 0.0, no_order, state)
         gate_plan(rows, rows, held.reshape(1, 2), 1, one.reshape(1, 1), *args)
+        terms = gate_terms(1.0, 1.0, 0.0, 1.0, False, 1, 0.0, 1.0, 0.0)
         for ahead in (rows, rows[:0]):
             prec = one.reshape(1, 1)
-            limit_gate_plan(rows, ahead, 1.0, 1, 0.0, one, held, 0, 1, prec, *args[:4], *args[5:])
+            limit_gate_plan(rows, ahead, one, held, prec, p_use, no_order, state, terms, 1, 0.0, 0, 1, 0)
     blend(rows, rows, 2.0)
     match_counts(rows, 1)
     for p_use in (np.zeros(2), np.zeros(2, dtype=np.float32)):
