@@ -460,14 +460,20 @@ def gate_plan(
     for j in range(min(n, int(idle_copies))):
         idle[order[j]] = True
     keep, net = pays(p_used, block_s, busy, transfer_s, reuse, force_open, idle, idle_save_s, copy_host_s)
-    if keep.any() and p_use.size:  # an eviction only adds cost: check it then
+    # An eviction only adds cost, so only the candidates that pay without it can pay with it, and
+    # the i-th in plan order takes the i-th victim: the victims up to the last of those decide.
+    last = 0  # plan-order positions 0 .. last - 1 hold every candidate that pays so far
+    for j in range(n):
+        if keep[order[j]]:
+            last = j + 1
+    if last and p_use.size:
         # the running layer's experts are pinned: never victims
         lo, hi = layer * num_experts, (layer + 1) * num_experts
-        n_held, m_avail, least = least_used(held, p_use, lo, hi, n, use_order, use_state)
+        n_held, m_avail, least = least_used(held, p_use, lo, hi, last, use_order, use_state)
         free = max(0, num_slots - n_held)
-        if n > free:
+        if last > free:
             victims = np.zeros(n)  # free slots first (no reuse), then the least used held experts
-            m = min(n - free, m_avail)
+            m = min(last - free, m_avail)
             if m > 0:
                 victims[free : free + m] = least[:m]
             victims[free + max(m, 0) :] = 1.0  # nothing left to evict: it cannot be placed anyway
