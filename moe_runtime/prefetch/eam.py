@@ -188,6 +188,7 @@ class EAMPrefetch(PrefetchPolicy):
         self._use_order = np.zeros(self.num_layers * self.num_experts, dtype=np.int64)
         self._use_state = np.zeros(3, dtype=np.int64)
         self._no_ahead = np.zeros((0, self.num_experts), dtype=np.float32)  # a plan without lookahead
+        self._weights: dict[tuple[int, int], np.ndarray] = {}  # (layer, rows) -> [rows] (_plan_weights)
         # the EAMC term's measured gain against its host time (term_value); None: always computed
         self.eamc_term = TermValue(probe_every) if cost_aware and self._timed and weigh_eamc else None
         # host seconds of the EAMC term in the latest prediction (with eamc_term; None: not measured)
@@ -377,7 +378,18 @@ class EAMPrefetch(PrefetchPolicy):
         if d <= 0:
             return rows, None
         base = np.zeros((n, self.num_experts), np.float32) if rows is None else rows
-        return base, np.ascontiguousarray(ahead[1][:d], dtype=np.float32)
+        spec = ahead[1]
+        if len(spec) != d or spec.dtype != np.float32 or not spec.flags.c_contiguous:
+            spec = np.ascontiguousarray(spec[:d], dtype=np.float32)
+        return base, spec
+
+    def _plan_weights(self, layer: int, n: int) -> np.ndarray:
+        """``proximity(layer)`` of the plan's ``n`` rows (layers ``layer + 1 ..``), ``[n]``, kept per
+        ``(layer, n)``: the plan reads them at every planning layer (do not write to them)."""
+        w = self._weights.get((layer, n))
+        if w is None:
+            w = self._weights[layer, n] = self.proximity(layer)[layer + 1 : layer + 1 + n]
+        return w
 
     def _blended(self, rows: np.ndarray, spec: np.ndarray | None) -> np.ndarray:
         """``rows [D, E]`` with the lookahead ``spec [d, E]`` of :meth:`_plan_rows` blended in
@@ -484,7 +496,7 @@ class EAMPrefetch(PrefetchPolicy):
             if self._eamc_s is not None:
                 term.note_host_time(self._eamc_s)
             self._note_eamc_term(term, layer, ahead, self._blended(base, spec), cap)
-        weights = self.proximity(layer)[lo : lo + len(base)]
+        weights = self._plan_weights(layer, len(base))
         min_prob = self.min_prob
         if spec is None:  # the step's cached rows (_predict_rows) as they are: limit them once per step
             if self._limited is None or self._limited[0] != cap:
@@ -589,7 +601,7 @@ class EAMPrefetch(PrefetchPolicy):
             self._victim_use(tokens), self._use_order, self._use_state, terms, cap, min_prob,
             lo * self.num_experts, lo - layer, layer,
         )  # fmt: skip
-        gate.note(lo - layer, lo, cand[0], cand[1], cand[2])
+        gate.note_candidates(lo - layer, lo, cand)
         # the plan's host time is spent: what pays is issued; planning goes on at every layer
         # only while it wins that time back (else every probe_every-th layer probes)
         self._planning = gate.plans_pay(net)

@@ -106,9 +106,8 @@ class PrefetchGate:
         self.hits = np.full((depth, num_experts), float(prior[0]))  # [D, rank]
         self.trials = np.full((depth, num_experts), float(prior[1]))
         self._precision: np.ndarray | None = None  # hits / trials until the next observation
-        self._pending: dict[
-            int, list[tuple[int, np.ndarray, np.ndarray]]
-        ] = {}  # layer -> (d, experts, ranks)
+        # layer -> (d, experts, ranks) from note, or (d, [3, n] candidates) from note_candidates
+        self._pending: dict[int, list[tuple]] = {}
         self.block_per_miss_s: float | None = None  # b
         self.demand_busy = 1.0  # q: assume a busy link until measured
         self.idle_copies = 0.0  # copies that fit in the link's idle time per planning layer
@@ -149,6 +148,17 @@ class PrefetchGate:
             if 1 <= d <= self.depth:
                 self._pending.setdefault(first_layer + int(r[lo]), []).append((d, c[lo:hi], rank[lo:hi]))
 
+    def note_candidates(self, distance0: int, first_layer: int, cand: np.ndarray) -> None:
+        """:meth:`note` of ``cand [3, n]`` (int64 rows ``r``, ``c``, ``rank``, as
+        ``kernels.limit_gate_plan`` returns them): a plan of one layer (every ``r`` 0, the default
+        depth) is kept whole, its rows read when the layer routes."""
+        n = cand.shape[1]
+        if n and cand[0, 0] == 0 and cand[0, n - 1] == 0:
+            if 1 <= distance0 <= self.depth:
+                self._pending.setdefault(first_layer, []).append((distance0, cand))
+            return
+        self.note(distance0, first_layer, cand[0], cand[1], cand[2])
+
     def observe(self, layer: int, topk_ids: np.ndarray) -> None:
         """Layer ``layer`` routed ``topk_ids [T, k]``: score the candidates planned for it."""
         self._layer = layer
@@ -156,7 +166,12 @@ class PrefetchGate:
         if not pending:
             return
         ids = np.ascontiguousarray(topk_ids, dtype=np.int64).reshape(-1)
-        for d, experts, ranks in pending:  # one compiled call per noted group (usually one)
+        for group in pending:  # one compiled call per noted group (usually one)
+            if len(group) == 2:  # note_candidates: (d, cand [3, n])
+                d, cand = group
+                experts, ranks = cand[1], cand[2]
+            else:
+                d, experts, ranks = group
             kernels.score_candidates(
                 self.hits, self.trials, d - 1, experts, ranks, ids, self.num_experts, self.decay
             )
