@@ -26,7 +26,7 @@ def test_precision_follows_the_routing_by_distance_and_rank() -> None:
     rows = np.array([[0.6, 0.3, 0.1, 0.0], [0.0, 0.0, 0.5, 0.5]])  # layers 1 and 2, from layer 0
     r, c, rank = _ranked(rows)
     np.testing.assert_array_equal(rank, [0, 1, 2, 0, 1])
-    gate.note(1, 1, r, c, rank)
+    gate.note(1, 1, np.stack([r, c, rank]))
     gate.observe(1, np.array([[0, 2]]))  # used: rank 0 (expert 0) and rank 2 (expert 2); not rank 1
     prec = gate.precision()
     assert prec[0, 0] == pytest.approx(2 / 3) and prec[0, 2] == pytest.approx(2 / 3)
@@ -36,7 +36,7 @@ def test_precision_follows_the_routing_by_distance_and_rank() -> None:
     prec = gate.precision()
     assert prec[1, 0] == pytest.approx(1 / 3) and prec[1, 1] == pytest.approx(2 / 3)
     assert gate.checked == 5
-    gate.note(1, 3, np.array([0]), np.array([1]), np.array([0]))
+    gate.note(1, 3, np.array([[0], [1], [0]]))
     gate.new_step()  # a finished step's unchecked candidates are dropped
     gate.observe(3, np.array([[1, 2]]))
     assert gate.checked == 5

@@ -601,7 +601,7 @@ class EAMPrefetch(PrefetchPolicy):
             self._victim_use(tokens), self._use_order, self._use_state, terms, cap, min_prob,
             lo * self.num_experts, lo - layer, layer,
         )  # fmt: skip
-        gate.note_candidates(lo - layer, lo, cand)
+        gate.note(lo - layer, lo, cand)
         # the plan's host time is spent: what pays is issued; planning goes on at every layer
         # only while it wins that time back (else every probe_every-th layer probes)
         self._planning = gate.plans_pay(net)

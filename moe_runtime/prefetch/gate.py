@@ -106,8 +106,7 @@ class PrefetchGate:
         self.hits = np.full((depth, num_experts), float(prior[0]))  # [D, rank]
         self.trials = np.full((depth, num_experts), float(prior[1]))
         self._precision: np.ndarray | None = None  # hits / trials until the next observation
-        # layer -> (d, experts, ranks) from note, or (d, [3, n] candidates) from note_candidates
-        self._pending: dict[int, list[tuple]] = {}
+        self._pending: dict[int, list[tuple[int, np.ndarray]]] = {}  # layer -> (d, [3, k] candidates)
         self.block_per_miss_s: float | None = None  # b
         self.demand_busy = 1.0  # q: assume a busy link until measured
         self.idle_copies = 0.0  # copies that fit in the link's idle time per planning layer
@@ -126,38 +125,31 @@ class PrefetchGate:
             self._precision = self.hits / self.trials
         return self._precision
 
-    def note(self, distance0: int, first_layer: int, r: np.ndarray, c: np.ndarray, rank: np.ndarray) -> None:
-        """Remember a plan's candidates for checking when their layers route: entry ``i`` is
-        expert ``c[i]`` of layer ``first_layer + r[i]`` (``r`` ascending), ranked ``rank[i]`` by the
-        predictor in its layer's row, ``distance0 + r[i]`` layers ahead of the routed one.
+    def note(self, distance0: int, first_layer: int, cand: np.ndarray) -> None:
+        """Remember a plan's candidates for checking when their layers route: ``cand [3, n]``
+        (int64 rows ``r``, ``c``, ``rank``, as ``kernels.limit_gate_plan`` returns them); entry
+        ``i`` is expert ``c[i]`` of layer ``first_layer + r[i]`` (``r`` ascending), ranked
+        ``rank[i]`` by the predictor in its layer's row, ``distance0 + r[i]`` layers ahead of the
+        routed one. Each layer's columns are kept as they are (a one-layer plan, the default
+        depth, whole) and read when the layer routes.
 
         Pass only candidates a prefetch would copy (not resident or loading): they are used less
         often than the predictor's resident picks, and their precision is the one that matters.
         """
-        if not r.size:
-            return
-        r0 = int(r[0])
-        if r0 == r[-1]:  # one layer (the default plan depth of 1): one group, kept whole
-            d = distance0 + r0
-            if 1 <= d <= self.depth:
-                self._pending.setdefault(first_layer + r0, []).append((d, c, rank))
-            return
-        bounds = np.flatnonzero(r[1:] != r[:-1]) + 1
-        for lo, hi in zip((0, *bounds), (*bounds, r.size), strict=True):
-            d = distance0 + int(r[lo])
-            if 1 <= d <= self.depth:
-                self._pending.setdefault(first_layer + int(r[lo]), []).append((d, c[lo:hi], rank[lo:hi]))
-
-    def note_candidates(self, distance0: int, first_layer: int, cand: np.ndarray) -> None:
-        """:meth:`note` of ``cand [3, n]`` (int64 rows ``r``, ``c``, ``rank``, as
-        ``kernels.limit_gate_plan`` returns them): a plan of one layer (every ``r`` 0, the default
-        depth) is kept whole, its rows read when the layer routes."""
         n = cand.shape[1]
-        if n and cand[0, 0] == 0 and cand[0, n - 1] == 0:
-            if 1 <= distance0 <= self.depth:
-                self._pending.setdefault(first_layer, []).append((distance0, cand))
+        if not n:
             return
-        self.note(distance0, first_layer, cand[0], cand[1], cand[2])
+        r0 = int(cand[0, 0])
+        if r0 == cand[0, n - 1]:  # one layer: one group, kept whole
+            groups = [(r0, cand)]
+        else:
+            r = cand[0]
+            bounds = np.flatnonzero(r[1:] != r[:-1]) + 1
+            groups = [(int(r[lo]), cand[:, lo:hi]) for lo, hi in zip((0, *bounds), (*bounds, n), strict=True)]
+        for row, group in groups:
+            d = distance0 + row
+            if 1 <= d <= self.depth:
+                self._pending.setdefault(first_layer + row, []).append((d, group))
 
     def observe(self, layer: int, topk_ids: np.ndarray) -> None:
         """Layer ``layer`` routed ``topk_ids [T, k]``: score the candidates planned for it."""
@@ -166,12 +158,8 @@ class PrefetchGate:
         if not pending:
             return
         ids = np.ascontiguousarray(topk_ids, dtype=np.int64).reshape(-1)
-        for group in pending:  # one compiled call per noted group (usually one)
-            if len(group) == 2:  # note_candidates: (d, cand [3, n])
-                d, cand = group
-                experts, ranks = cand[1], cand[2]
-            else:
-                d, experts, ranks = group
+        for d, group in pending:  # one compiled call per noted group (usually one)
+            experts, ranks = group[1], group[2]
             kernels.score_candidates(
                 self.hits, self.trials, d - 1, experts, ranks, ids, self.num_experts, self.decay
             )
