@@ -370,7 +370,8 @@ def test_planning_after_the_resident_batch_leaves_outputs_unchanged(tiny_checkpo
         return real_launch_then(run, hook)
 
     monkeypatch.setitem(moe.run_experts.__globals__, "launch_then", spy)
-    outs, _, _, engine = _run_policy(path, "eam", "eam-reuse", prompts)
+    # without the measured trial, whose arms without plans skip the hook after layer 0
+    outs, _, _, engine = _run_policy(path, "eam", "eam-reuse", prompts, context={"trial": False})
     assert outs == ref
     assert engine.prefetcher.plans > 0 and "planned" in order
     assert order.count("planned") == sum(1 for o in order if o != "planned")  # once per layer run

@@ -133,8 +133,12 @@ class EAMReuseCachePolicy(CachePolicy):
         self.num_layers = num_layers
         self.layer = 0
         self._p_use = np.zeros(num_layers * num_experts)  # [L * E], see ``p_use``
-        self._seen: tuple | None = None  # ((live_changes, ids' shape), layer, batch) of the last routing
+        # ((live_changes, ids' shape), layer, batch (a copy), the caller's list) of the last routing
+        self._seen: tuple | None = None
         self._counts = np.zeros((num_layers, num_experts))  # the batch's counts so far, [L, E]
+        # the ids [T, k] of the last routed layer (``layer``) not yet added to ``_counts``: the
+        # next victim's compiled call adds them (``reuse_kernel.reuse_victim_after``)
+        self._pending: np.ndarray | None = None
         self._slot_key = np.full(num_slots, -1)
         self._recency = np.zeros(num_slots)  # tick of the last fill/use, for ties (LRU-wise)
         self._lru = False
@@ -155,8 +159,10 @@ class EAMReuseCachePolicy(CachePolicy):
     def lru(self, value: bool) -> None:
         changed = bool(value) != self._lru
         self._lru = bool(value)
-        if changed and self.on_order_change is not None:
-            self.on_order_change()
+        if changed:  # LRU routings are not counted: the next one reads the counts whole
+            self._seen = self._pending = None
+            if self.on_order_change is not None:
+                self.on_order_change()
 
     def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
         self.layer = layer
@@ -170,8 +176,11 @@ class EAMReuseCachePolicy(CachePolicy):
             # order, only row ``layer`` changed since, by this step's choices there (the rows
             # after it still hold the finished steps' counts, as the recorder's do): one compiled
             # call adds the ids to that row and derives its probabilities; else the recorder's
-            # counts are read whole (``query_sum``) and every row is derived.
-            rec, seen = self.recorder, self._seen
+            # counts are read whole (``query_sum``) and every row is derived. The one call is
+            # deferred to the next victim's (``reuse_victim_after``, on the I/O thread): a lone
+            # compiled call cost the compute thread 13-16 us per decode layer with its caches
+            # cold after the experts' GEMMs (bundled model, batch 4), against 1 us warm.
+            rec, seen, L = self.recorder, self._seen, self.num_layers
             live = getattr(rec, "live_changes", None)
             key = (live, topk_ids.shape)
             T, k = topk_ids.shape
@@ -180,22 +189,35 @@ class EAMReuseCachePolicy(CachePolicy):
                 and len(request_ids) == T  # a decode step: its tokens count 1 each
                 and seen is not None
                 and seen[0] == key
-                and layer == (seen[1] + 1) % self.num_layers
-                and seen[2] == request_ids
+                # the next layer: of the same step (the caller passes one list per step), or of
+                # the next step with the same batch
+                and (
+                    (request_ids is seen[3] and layer == seen[1] + 1)
+                    or (layer == (seen[1] + 1) % L and seen[2] == request_ids)
+                )
             ):
                 if topk_ids.dtype != np.int64 or not topk_ids.flags.c_contiguous:
                     topk_ids = np.ascontiguousarray(topk_ids, dtype=np.int64)  # the runtime's already are
-                reuse_kernel.add_row_probs(self._counts, self._p_use, layer, topk_ids)
+                if self._pending is not None:  # no victim since the last routed layer: apply it now
+                    reuse_kernel.add_row_probs(self._counts, self._p_use, seen[1], self._pending)
+                self._pending = topk_ids  # row ``layer``'s update: in the next victim's call
+                if request_ids is seen[3]:
+                    self._seen = (key, layer, seen[2], request_ids)
+                    return
             else:
+                self._pending = None  # the counts are read whole, this layer's choices included
                 counts = rec.query_sum(request_ids, layer, prefill_weight=self.prefill_weight)
                 self._counts = np.ascontiguousarray(counts, dtype=np.float64)
-                reuse_kernel.reuse_probs(self._counts, self._p_use, 0, self.num_layers, k, T)
-            self._seen = (key, layer, list(request_ids))
+                reuse_kernel.reuse_probs(self._counts, self._p_use, 0, L, k, T)
+            self._seen = (key, layer, list(request_ids), request_ids)
 
     @property
     def p_use(self) -> np.ndarray:
         """``[L * E]`` per-step use probability of each key (``reuse_kernel.reuse_probs``), from
         the counts of the latest routing while not :attr:`lru`."""
+        if self._pending is not None:
+            reuse_kernel.add_row_probs(self._counts, self._p_use, self.layer, self._pending)
+            self._pending = None
         return self._p_use
 
     def on_fill(self, slot: int, key: int, prefetch: bool) -> None:
@@ -222,7 +244,12 @@ class EAMReuseCachePolicy(CachePolicy):
         without building the candidate list): one compiled call (``reuse_kernel``). Ties: LRU,
         then the lowest slot. Not while :attr:`lru`."""
         keys, p, recency, L, E = self._slot_key, self._p_use, self._recency, self.num_layers, self.num_experts
-        return reuse_kernel.reuse_victim(evictable, keys, p, recency, self.layer, L, E)
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return reuse_kernel.reuse_victim(evictable, keys, p, recency, self.layer, L, E)
+        return reuse_kernel.reuse_victim_after(
+            evictable, keys, p, recency, self.layer, L, E, self._counts, pending
+        )
 
 
 class ModelCountsCachePolicy(_ResetPolicy):

@@ -64,6 +64,26 @@ def reuse_victim(
 
 
 @njit(cache=True)
+def reuse_victim_after(
+    evictable: np.ndarray,
+    slot_key: np.ndarray,
+    p_use: np.ndarray,
+    recency: np.ndarray,
+    layer: int,
+    num_layers: int,
+    num_experts: int,
+    counts: np.ndarray,
+    pending_ids: np.ndarray,
+) -> int:
+    """:func:`add_row_probs` of ``pending_ids [T, k]`` (int64) into row ``layer`` when it holds
+    tokens (``T > 0``), then :func:`reuse_victim`: the routed layer's update deferred to the first
+    victim after it, in the victim's own call (one dispatch for both)."""
+    if pending_ids.shape[0] > 0:
+        add_row_probs(counts, p_use, layer, pending_ids)
+    return reuse_victim(evictable, slot_key, p_use, recency, layer, num_layers, num_experts)
+
+
+@njit(cache=True)
 def add_row_probs(counts: np.ndarray, p_use: np.ndarray, layer: int, topk_ids: np.ndarray) -> None:
     """``counts[layer, e] += 1`` for each id ``e`` in ``topk_ids [T, k]`` (int64, each in
     ``0 .. E - 1``), then :func:`reuse_probs` of that one row for ``T`` tokens and top-``k``: the
@@ -101,6 +121,9 @@ def reuse_probs(counts: np.ndarray, p_use: np.ndarray, lo: int, hi: int, top_k: 
             p_use[layer * num_experts + e] = 1.0 - v
 
 
+#: ``pending_ids`` of :func:`reuse_victim_after` when no routed layer waits.
+NO_IDS = np.zeros((0, 1), dtype=np.int64)
+
 _warm = False
 
 
@@ -115,4 +138,15 @@ def warm() -> None:
         counts = np.zeros((1, 1))
         reuse_probs(counts, np.zeros(1), 0, 1, 1, 3)
         add_row_probs(counts, np.zeros(1), 0, np.zeros((1, 1), dtype=np.int64))
+        reuse_victim_after(
+            np.ones(1, dtype=np.bool_),
+            np.zeros(1, dtype=np.int64),
+            np.ones(1),
+            np.zeros(1),
+            0,
+            1,
+            1,
+            counts,
+            NO_IDS,
+        )
         _warm = True

@@ -69,7 +69,7 @@ def moe_block(
     run = buffer.start_layer(moe_layer, needed)
     try:
         plan = None
-        if prefetcher is not None:
+        if prefetcher is not None and (moe_layer == 0 or not prefetcher.idle):
 
             def plan() -> None:
                 if ahead_host is not None:

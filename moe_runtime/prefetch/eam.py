@@ -644,6 +644,8 @@ class EAMPrefetch(PrefetchPolicy):
             if arm != "prefetch" and self._queued:
                 buf.prefetch(np.zeros(0, dtype=np.int64), np.zeros(0), replace=True)
             self._queued = self._planning = arm == "prefetch"  # prefetching again: the next layer plans
+            # without plans only layer 0's routing is needed (the step's start, for the trial)
+            self.idle = arm != "prefetch"
             for part in buf.parts:
                 if hasattr(part.policy, "lru"):
                     part.policy.lru = arm == "lean"
