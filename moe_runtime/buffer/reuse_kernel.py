@@ -9,9 +9,12 @@ and a re-derivation of the use probabilities at the first victim after each rout
 cost several microseconds per victim and tens per layer: on the bundled model at a 25% buffer
 and 4 GB/s, about 40 victims a decode step, the trial's ``cache`` arm
 (``moe_runtime.prefetch.gate.ModeTrial``) spent 0.3-0.4 ms of a 7-8 ms step more compute-thread
-CPU than LRU, more than the copies it saved (issue #15). Here the probabilities of a routed
-layer's row are derived on the compute thread in one call, and a victim is one loop over the
-slots that scores only the evictable ones. The victims are those of the numpy form: ``pow`` is
+CPU than LRU, more than the copies it saved (issue #15). Here a victim is one loop over the
+slots that scores only the evictable ones, and the probabilities of a routed layer's row are
+derived in the same call as the next victim (:func:`reuse_victim_after`; on the compute thread
+only when no victim came between two routed layers). The victim's calls release the GIL while they run
+(``nogil``): the I/O thread holds the buffer's lock then, which guards every array they read, and
+the compute thread's Python runs meanwhile. The victims are those of the numpy form: ``pow`` is
 libm's rather than numpy's vector one, which can differ in the last bit, and
 ``tools/sim_fingerprint.py`` found no simulator output changed (0 of 40 runs). Without numba the
 same Python runs (``moe_runtime.jit``), with the same results.
@@ -26,7 +29,7 @@ import numpy as np
 from moe_runtime.jit import njit
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def reuse_victim(
     evictable: np.ndarray,
     slot_key: np.ndarray,
@@ -63,7 +66,7 @@ def reuse_victim(
     return best
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def reuse_victim_after(
     evictable: np.ndarray,
     slot_key: np.ndarray,
