@@ -77,6 +77,8 @@ def _policy(buf):
 
 
 def test_the_trial_costs_a_step_from_its_first_routed_layer_on_the_run_clock() -> None:
+    """A step's cost: wall time from its first routed layer to its end, less the run delay
+    accrued since the last step's end (read once a step)."""
     from test_policies import small_store
 
     from moe_runtime.buffer import ExpertBuffer
@@ -85,8 +87,10 @@ def test_the_trial_costs_a_step_from_its_first_routed_layer_on_the_run_clock() -
     try:
         pol = _policy(buf)
         assert pol.trial is not None
-        readings = iter([10.0, 10.25, 20.0, 20.5])  # two steps: first routed layer, end
-        pol._run_clock.now = lambda: next(readings)
+        walls = iter([10.0, 10.25, 20.0, 20.5])  # two steps: first routed layer, end
+        delays = iter([3.0, 3.125])  # the run delay at each step's end
+        pol._run_clock.wall = lambda: next(walls)
+        pol._run_clock.delay = lambda: next(delays)
         costs = []
         pol.trial.end_step = lambda cost, decode_only, work=1.0: costs.append(cost) or False
         ids = np.array([[0, 1]])
@@ -94,10 +98,12 @@ def test_the_trial_costs_a_step_from_its_first_routed_layer_on_the_run_clock() -
             for layer in range(4):
                 pol.after_routing(layer, ["a"], ids)
             pol.end_step()
-        assert costs == [pytest.approx(0.25), pytest.approx(0.5)]
+        # the first step has no earlier reading of the run delay; the second's grew by 1/8 s
+        assert costs == [pytest.approx(0.25), pytest.approx(0.375)]
 
         # without the kernel's figure: blocking plus the thread's CPU time, as before
-        pol._run_clock.now = lambda: None
+        pol._run_clock.delay = lambda: None
+        pol._run_clock.wall = lambda: 0.0
         costs.clear()
         for layer in range(4):
             pol.after_routing(layer, ["a"], ids)

@@ -180,7 +180,8 @@ class EAMPrefetch(PrefetchPolicy):
         # step's first routed layer to its end (run_clock); CPU time plus blocking where the
         # kernel does not report the run delay
         self._run_clock = RunClock() if self.trial is not None else None
-        self._step_t0: float | None = None
+        self._step_t0: float | None = None  # wall clock at the step's first routed layer
+        self._step_delay_s: float | None = None  # the run delay at the last step's end
         self._unplanned_blocking_s: float | None = None  # running blocking of decode steps without plans
         self._p_use: tuple[np.ndarray, int, np.ndarray] | None = None  # (own term, T, [L * E] p)
         # kernels.least_used's sort of that p (reset with it): [L * E] order, [3] heap work so far,
@@ -430,7 +431,7 @@ class EAMPrefetch(PrefetchPolicy):
     def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
         gate = self.gate
         if self._step_t0 is None and self._run_clock is not None:  # the step's first routed layer
-            self._step_t0 = self._run_clock.now()
+            self._step_t0 = self._run_clock.wall()
         if gate is not None:
             self._decode_only &= topk_ids.shape[0] == len(request_ids)  # one token per request
             if self.trial is not None and not self.trial.on:
@@ -701,9 +702,12 @@ class EAMPrefetch(PrefetchPolicy):
                 # CPU time; per expert lookup, what the batch asked for (see gate.ModeTrial)
                 stats = self.buffer.stats
                 blocking, lookups, cpu = stats.total_blocking_s, stats.total_lookups, time.thread_time()
-                t1 = self._run_clock.now()
-                if t1 is not None and self._step_t0 is not None:  # waits included, preemption not
-                    cost = t1 - self._step_t0
+                # the run delay is read once a step (a pread, dear: run_clock): what accrued
+                # since the last step's end is taken off, the gap between steps included
+                delay, prev = self._run_clock.delay(), self._step_delay_s
+                self._step_delay_s = delay
+                if delay is not None and self._step_t0 is not None:  # waits included, preemption not
+                    cost = self._run_clock.wall() - self._step_t0 - (0.0 if prev is None else delay - prev)
                 else:
                     cost = blocking - self._step_blocking_s
                     if self._step_cpu_s is not None:
