@@ -12,9 +12,10 @@ and 4 GB/s, about 40 victims a decode step, the trial's ``cache`` arm
 CPU than LRU, more than the copies it saved (issue #15). Here a victim is one loop over the
 slots that scores only the evictable ones, and the probabilities of a routed layer's row are
 derived in the same call as the next victim (:func:`reuse_victim_after`; on the compute thread
-only when no victim came between two routed layers). The victim's calls release the GIL while they run
-(``nogil``): the I/O thread holds the buffer's lock then, which guards every array they read, and
-the compute thread's Python runs meanwhile. The victims are those of the numpy form: ``pow`` is
+only when no victim came between two routed layers). The victim's calls keep the GIL: with
+``nogil`` the I/O thread's CPU time per decode MoE layer in victims rose from about 27 to 50 us
+(``tools/lean_cost.py``, 50% buffer, 32 GB/s, batch 4), a release and re-take per victim, and
+the compute thread's MoE block did not get faster. The victims are those of the numpy form: ``pow`` is
 libm's rather than numpy's vector one, which can differ in the last bit, and
 ``tools/sim_fingerprint.py`` found no simulator output changed (0 of 40 runs). Without numba the
 same Python runs (``moe_runtime.jit``), with the same results.
@@ -29,7 +30,7 @@ import numpy as np
 from moe_runtime.jit import njit
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)
 def reuse_victim(
     evictable: np.ndarray,
     slot_key: np.ndarray,
@@ -66,7 +67,7 @@ def reuse_victim(
     return best
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)
 def reuse_victim_after(
     evictable: np.ndarray,
     slot_key: np.ndarray,
