@@ -90,6 +90,7 @@ class MoEModel:
         for layer in range(cfg.num_layers):
             p = f"layers.{layer}."
             ahead = None
+            h = decoder_norm(x, w, p + "attn_norm", cfg.norm, cfg.rms_norm_eps)
             la = self.lookahead  # (skipped while the policy plans nothing: its scores would be None)
             if (
                 la is not None
@@ -97,8 +98,7 @@ class MoEModel:
                 and layer in self.moe_index
                 and not getattr(la.policy, "idle", 0)
             ):
-                ahead = la.scores(x, self.moe_index[layer])  # from the layer's input
-            h = decoder_norm(x, w, p + "attn_norm", cfg.norm, cfg.rms_norm_eps)
+                ahead = la.scores(x, self.moe_index[layer], normed=h)  # from the layer's input
             x = x + self._attention(h, layer, step)
             h = decoder_norm(x, w, p + "mlp_norm", cfg.norm, cfg.rms_norm_eps)
             if layer in self.moe_index:

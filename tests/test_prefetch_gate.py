@@ -194,9 +194,15 @@ def _decode(path, prefetch: str, arm: str | None) -> tuple[list[list[int]], int,
             pf.trial.end_step = lambda *step: False  # keep the arm
             assert all(part.policy.lru == (arm == "lean") for part in engine.buffer.parts)
         la = engine.model.lookahead
-        if la is not None:
-            logits = la.logits
-            la.logits = lambda *a: (computed.__setitem__(0, computed[0] + 1), logits(*a))[1]
+        if la is not None:  # lookahead scores computed (None: not wanted, no work)
+            scores = la.scores
+
+            def counted(*a, **k):
+                out = scores(*a, **k)
+                computed[0] += out is not None
+                return out
+
+            la.scores = counted
         for i, prompt in enumerate([[1, 2, 3, 4], [5, 6, 7]]):
             engine.add_request(f"r{i}", prompt, params)
         done = {}

@@ -28,8 +28,10 @@ class _Probe(RouterLookahead):
         super().__init__(*args, **kwargs)
         self.guesses: dict[int, torch.Tensor] = {}  # moe layer -> [T, D, E] probabilities
 
-    def scores(self, x: torch.Tensor, moe_layer: int) -> torch.Tensor | None:
-        logits = self.logits(x, moe_layer)
+    def scores(
+        self, x: torch.Tensor, moe_layer: int, normed: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        logits = self.logits(x, moe_layer)  # the residual's own normalisation, as documented
         if logits is not None:
             self.guesses[moe_layer] = logits
         return None
