@@ -130,9 +130,12 @@ def test_reuse_victim_is_the_furthest_expected_use_ties_lowest_slot(seed: int) -
     recency = rng.choice([1.0, 2.0], size=slots)
     evictable = rng.random(slots) < 0.6
     layer = int(rng.integers(0, layers))
-    got = reuse_kernel.reuse_victim(evictable, keys, p_use, recency, layer, layers, experts)
+    counts, none_pending = np.zeros((layers, experts)), reuse_kernel.NO_IDS
+    got = reuse_kernel.reuse_victim(
+        evictable, keys, p_use, recency, layer, layers, experts, counts, none_pending
+    )
     plain = getattr(reuse_kernel.reuse_victim, "py_func", reuse_kernel.reuse_victim)
-    assert got == plain(evictable, keys, p_use, recency, layer, layers, experts)
+    assert got == plain(evictable, keys, p_use, recency, layer, layers, experts, counts, none_pending)
     cands = np.flatnonzero(evictable)
     if not cands.size:
         assert got == -1
@@ -141,7 +144,9 @@ def test_reuse_victim_is_the_furthest_expected_use_ties_lowest_slot(seed: int) -
     score = dist + layers * (1.0 / np.maximum(p_use[keys[cands]], 1e-3) - 1.0) - 1e-9 * recency[cands]
     assert got == int(cands[np.argmax(score)])  # argmax: the first (lowest) slot among equal scores
     none = np.zeros(slots, dtype=bool)
-    assert reuse_kernel.reuse_victim(none, keys, p_use, recency, 0, layers, experts) == -1
+    assert (
+        reuse_kernel.reuse_victim(none, keys, p_use, recency, 0, layers, experts, counts, none_pending) == -1
+    )
 
 
 def test_decode_routing_outweighs_the_prompts() -> None:

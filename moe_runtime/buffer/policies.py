@@ -137,7 +137,7 @@ class EAMReuseCachePolicy(CachePolicy):
         self._seen: tuple | None = None
         self._counts = np.zeros((num_layers, num_experts))  # the batch's counts so far, [L, E]
         # the ids [T, k] of the last routed layer (``layer``) not yet added to ``_counts``: the
-        # next victim's compiled call adds them (``reuse_kernel.reuse_victim_after``)
+        # next victim's compiled call adds them (``reuse_kernel.reuse_victim``'s ``pending_ids``)
         self._pending: np.ndarray | None = None
         self._slot_key = np.full(num_slots, -1)
         self._recency = np.zeros(num_slots)  # tick of the last fill/use, for ties (LRU-wise)
@@ -177,7 +177,7 @@ class EAMReuseCachePolicy(CachePolicy):
             # after it still hold the finished steps' counts, as the recorder's do): one compiled
             # call adds the ids to that row and derives its probabilities; else the recorder's
             # counts are read whole (``query_sum``) and every row is derived. The one call is
-            # deferred to the next victim's (``reuse_victim_after``, on the I/O thread): a lone
+            # deferred to the next victim's (``reuse_victim``'s ``pending_ids``, on the I/O thread): a lone
             # compiled call cost the compute thread 13-16 us per decode layer with its caches
             # cold after the experts' GEMMs (bundled model, batch 4), against 1 us warm.
             rec, seen, L = self.recorder, self._seen, self.num_layers
@@ -245,11 +245,8 @@ class EAMReuseCachePolicy(CachePolicy):
         then the lowest slot. Not while :attr:`lru`."""
         keys, p, recency, L, E = self._slot_key, self._p_use, self._recency, self.num_layers, self.num_experts
         pending, self._pending = self._pending, None
-        if pending is None:
-            return reuse_kernel.reuse_victim(evictable, keys, p, recency, self.layer, L, E)
-        return reuse_kernel.reuse_victim_after(
-            evictable, keys, p, recency, self.layer, L, E, self._counts, pending
-        )
+        ids = reuse_kernel.NO_IDS if pending is None else pending
+        return reuse_kernel.reuse_victim(evictable, keys, p, recency, self.layer, L, E, self._counts, ids)
 
 
 class ModelCountsCachePolicy(_ResetPolicy):

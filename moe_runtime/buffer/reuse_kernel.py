@@ -11,7 +11,7 @@ and 4 GB/s, about 40 victims a decode step, the trial's ``cache`` arm
 (``moe_runtime.prefetch.gate.ModeTrial``) spent 0.3-0.4 ms of a 7-8 ms step more compute-thread
 CPU than LRU, more than the copies it saved (issue #15). Here a victim is one loop over the
 slots that scores only the evictable ones, and the probabilities of a routed layer's row are
-derived in the same call as the next victim (:func:`reuse_victim_after`; on the compute thread
+derived in the same call as the next victim (:func:`reuse_victim`'s ``pending_ids``; on the compute thread
 only when no victim came between two routed layers). The victim's calls keep the GIL: with
 ``nogil`` the I/O thread's CPU time per decode MoE layer in victims rose from about 27 to 50 us
 (``tools/lean_cost.py``, 50% buffer, 32 GB/s, batch 4), a release and re-take per victim, and
@@ -39,6 +39,8 @@ def reuse_victim(
     layer: int,
     num_layers: int,
     num_experts: int,
+    counts: np.ndarray,
+    pending_ids: np.ndarray,
 ) -> int:
     """The evictable slot whose expert's next use is expected furthest away, or -1 for none.
 
@@ -48,10 +50,16 @@ def reuse_victim(
         p_use: ``[L * E]`` float64, the chance each expert is used in a step.
         recency: ``[S]`` float64, the tick of each slot's last fill or use.
         layer: the layer routed last (``0 .. L - 1``).
+        counts: ``[L, E]`` float64, the batch's counts (:func:`add_row_probs`).
+        pending_ids: ``[T, k]`` int64 ids of ``layer`` not yet counted, or :data:`NO_IDS`: when
+            ``T > 0`` they are added to row ``layer`` of ``counts`` and ``p_use`` first (the
+            routed layer's update deferred to the first victim after it, in the same call).
 
     The score is ``d + L (1 / max(p, 1e-3) - 1) - 1e-9 * recency`` with ``d = ((j - layer - 1)
     mod L) + 1`` layer runs to the key's layer ``j``; the highest wins, ties go to the lowest slot.
     """
+    if pending_ids.shape[0] > 0:
+        add_row_probs(counts, p_use, layer, pending_ids)
     best, best_score = -1, 0.0
     for s in range(evictable.shape[0]):
         if not evictable[s]:
@@ -65,26 +73,6 @@ def reuse_victim(
         if best < 0 or score > best_score:
             best, best_score = s, score
     return best
-
-
-@njit(cache=True)
-def reuse_victim_after(
-    evictable: np.ndarray,
-    slot_key: np.ndarray,
-    p_use: np.ndarray,
-    recency: np.ndarray,
-    layer: int,
-    num_layers: int,
-    num_experts: int,
-    counts: np.ndarray,
-    pending_ids: np.ndarray,
-) -> int:
-    """:func:`add_row_probs` of ``pending_ids [T, k]`` (int64) into row ``layer`` when it holds
-    tokens (``T > 0``), then :func:`reuse_victim`: the routed layer's update deferred to the first
-    victim after it, in the victim's own call (one dispatch for both)."""
-    if pending_ids.shape[0] > 0:
-        add_row_probs(counts, p_use, layer, pending_ids)
-    return reuse_victim(evictable, slot_key, p_use, recency, layer, num_layers, num_experts)
 
 
 @njit(cache=True)
@@ -125,7 +113,7 @@ def reuse_probs(counts: np.ndarray, p_use: np.ndarray, lo: int, hi: int, top_k: 
             p_use[layer * num_experts + e] = 1.0 - v
 
 
-#: ``pending_ids`` of :func:`reuse_victim_after` when no routed layer waits.
+#: ``pending_ids`` of :func:`reuse_victim` when no routed layer waits.
 NO_IDS = np.zeros((0, 1), dtype=np.int64)
 
 _warm = False
@@ -136,21 +124,10 @@ def warm() -> None:
     passes, once per process, so its first victim does not pay the compile on the I/O thread."""
     global _warm
     if not _warm:
-        reuse_victim(
-            np.ones(1, dtype=np.bool_), np.zeros(1, dtype=np.int64), np.ones(1), np.zeros(1), 0, 1, 1
-        )
         counts = np.zeros((1, 1))
         reuse_probs(counts, np.zeros(1), 0, 1, 1, 3)
         add_row_probs(counts, np.zeros(1), 0, np.zeros((1, 1), dtype=np.int64))
-        reuse_victim_after(
-            np.ones(1, dtype=np.bool_),
-            np.zeros(1, dtype=np.int64),
-            np.ones(1),
-            np.zeros(1),
-            0,
-            1,
-            1,
-            counts,
-            NO_IDS,
-        )
+        one, key = np.ones(1, dtype=np.bool_), np.zeros(1, dtype=np.int64)
+        for pending in (NO_IDS, np.zeros((1, 1), dtype=np.int64)):
+            reuse_victim(one, key, np.ones(1), np.zeros(1), 0, 1, 1, counts, pending)
         _warm = True
