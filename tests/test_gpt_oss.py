@@ -311,6 +311,19 @@ def test_router_and_lookahead_match_transformers(gpt_oss):
         torch.testing.assert_close(ahead, want, atol=1e-5, rtol=0)
 
 
+def test_lookahead_from_the_attention_norm_keeps_the_router_bias(gpt_oss):
+    """The router lookahead handed the attention norm's output (the model's path) adds the later
+    routers' biases as the residual's own normalisation does: the same scores."""
+    path = gpt_oss[0]
+    with LLMEngine.from_pretrained(path, RuntimeConfig(**RUNTIME)) as engine:
+        cfg, w = engine.config, engine.model.w
+        la = RouterLookahead(cfg, w, 1)
+        x = torch.randn(16, cfg.hidden_size, generator=torch.Generator().manual_seed(2)) * 3
+        normed = rms_norm(x, w[f"layers.{cfg.moe_layers[0]}.attn_norm"], cfg.rms_norm_eps)
+        assert la.attn_folded[0] is not None and la.biases is not None
+        torch.testing.assert_close(la.scores(x, 0, normed=normed), la.scores(x, 0), rtol=1e-4, atol=1e-4)
+
+
 def test_memory_plan_counts_the_new_dense_tensors(gpt_oss):
     """Sinks, the o bias, the router bias and the expert biases are dense weights the plan counts:
     its dense bytes equal what the loader put on the device."""

@@ -136,13 +136,12 @@ class RouterLookahead:
         t0 = time.thread_time() if timed else 0.0
         folded = self.attn_folded[moe_layer] if normed is not None and moe_layer < self.num_layers else None
         if folded is not None:
-            rows = slice(
-                (moe_layer + 1) * self.num_experts, (moe_layer + 1) * self.num_experts + folded.shape[1]
-            )
+            h = normed.to(folded.dtype)
             if self.biases is None:
-                logits = torch.mm(normed.to(folded.dtype), folded)
-            else:
-                logits = torch.addmm(self.biases[rows], normed.to(folded.dtype), folded)
+                logits = torch.mm(h, folded)
+            else:  # the target routers' biases, the rows ``folded``'s columns stand for
+                first = (moe_layer + 1) * self.num_experts
+                logits = torch.addmm(self.biases[first : first + folded.shape[1]], h, folded)
             logits = logits.float().view(x.shape[0], -1, self.num_experts)
         else:
             logits = self.logits(x, moe_layer)

@@ -28,8 +28,8 @@ class PrefetchPolicy:
     name = "on-demand"
     #: True while the policy plans nothing and needs only the step's first MoE layer routed
     #: (``layer`` 0) to know a step began: the model then skips :meth:`after_routing` for the
-    #: other layers (``moe_runtime.layers.moe.moe_block``). The ``eam`` policy sets it while its
-    #: trial runs an arm without plans.
+    #: other layers (``moe_runtime.layers.moe.moe_block``). The ``eam`` policy derives it from
+    #: its trial's arm (an arm without plans).
     idle = False
 
     def __init__(

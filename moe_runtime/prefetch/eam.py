@@ -416,10 +416,17 @@ class EAMPrefetch(PrefetchPolicy):
         prob[lo : lo + len(rows)] = self._blended(rows, spec)
         return prob
 
+    @property
+    def idle(self) -> bool:  # type: ignore[override]
+        """Whether the trial runs an arm without plans (caching alone or lean): the model then
+        hands only layer 0's routing over (the step's start, for the trial) and computes no
+        router lookahead (``PrefetchPolicy.idle``)."""
+        return self.trial is not None and not self.trial.on
+
     def wants_lookahead(self, layer: int) -> bool:
         """Whether :meth:`after_routing` of ``layer`` will plan, so the model should compute the
         router lookahead for it (it skips that work while the policy is on-demand)."""
-        if self.trial is not None and not self.trial.on:  # caching alone or lean: no plans
+        if self.idle:  # caching alone or lean: no plans
             return False
         return self.gate is None or self._planning or layer % self.probe_every == 0
 
@@ -434,7 +441,7 @@ class EAMPrefetch(PrefetchPolicy):
             self._step_t0 = self._run_clock.wall()
         if gate is not None:
             self._decode_only &= topk_ids.shape[0] == len(request_ids)  # one token per request
-            if self.trial is not None and not self.trial.on:
+            if self.idle:
                 # A window without plans (caching alone or lean; the arm changes only at a step's
                 # end, and the next plan's first layer starts the matcher afresh): nothing to do.
                 self._ahead = None
@@ -645,8 +652,6 @@ class EAMPrefetch(PrefetchPolicy):
             if arm != "prefetch" and self._queued:
                 buf.prefetch(np.zeros(0, dtype=np.int64), np.zeros(0), replace=True)
             self._queued = self._planning = arm == "prefetch"  # prefetching again: the next layer plans
-            # without plans only layer 0's routing is needed (the step's start, for the trial)
-            self.idle = arm != "prefetch"
             for part in buf.parts:
                 if hasattr(part.policy, "lru"):
                     part.policy.lru = arm == "lean"
@@ -713,7 +718,7 @@ class EAMPrefetch(PrefetchPolicy):
                     if self._step_cpu_s is not None:
                         cost += cpu - self._step_cpu_s
                 work = max(1, lookups - self._step_lookups)
-                if self._decode_only and not self.trial.on:  # a decode step without plans
+                if self._decode_only and self.idle:  # a decode step without plans
                     self._bar_prefetch(blocking - self._step_blocking_s)
                 self._step_blocking_s, self._step_cpu_s, self._step_lookups = blocking, cpu, lookups
                 if self.trial.end_step(cost, self._decode_only, work):
