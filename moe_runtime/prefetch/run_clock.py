@@ -29,14 +29,14 @@ SCHEDSTAT = "/proc/thread-self/schedstat"
 
 
 class RunClock:
-    """Seconds of the calling thread's own time: ``time.perf_counter()`` less the thread's run
-    delay so far (the kernel's per-thread schedstat). Differences of two readings on one thread
-    are the wall time between them without the time the thread waited for a CPU.
+    """The calling thread's run delay so far (the kernel's per-thread schedstat), :meth:`delay`,
+    and wall time, :meth:`wall`: wall time less the run delay, differenced between two points
+    on one thread, is the wall time between them without the time the thread waited for a CPU.
 
     Args:
         path: the schedstat file (a test can point it elsewhere).
 
-    :meth:`now` returns None where the kernel does not report it (not Linux, no schedstat, an
+    :meth:`delay` returns None where the kernel does not report it (not Linux, no schedstat, an
     unreadable or malformed file); it then stays None (one failed read decides). The file is
     opened once per reading thread and re-read in place (``os.pread``, about 1 us warm; opening
     it per reading cost 10-30 us); ``/proc/thread-self`` names the thread that opened it, so
@@ -55,12 +55,6 @@ class RunClock:
         self._fd: int | None = None
         self._thread: int | None = None
         self._finalizer: weakref.finalize | None = None
-
-    def now(self) -> float | None:
-        """The calling thread's wall clock less its run delay, in seconds, or None (see the
-        class). One ``pread``: call it per step, not per layer."""
-        delay = self.delay()
-        return None if delay is None else time.perf_counter() - delay
 
     def delay(self) -> float | None:
         """The calling thread's run delay so far (seconds runnable without a CPU), or None (see
