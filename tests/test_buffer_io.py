@@ -304,6 +304,35 @@ def test_queue_replan_pops_like_one_push_per_entry(seed: int, by_priority: bool)
     assert _drain(bulk) == _drain(ref)
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_queue_replan_ranked_is_the_first_free_keys_then_replan(seed: int) -> None:
+    """A plan the policy ranked itself (``kernels.limit_gate_plan``) queued in one compiled call
+    leaves the queue as ``replan`` with its first ``limit`` keys not held does, and counts the
+    same prefetches."""
+    rng = np.random.default_rng(seed)
+    ranked, ref = TransferQueue(num_keys=48), TransferQueue(num_keys=48)
+    for step in range(10):
+        if rng.random() < 0.3:  # a demand, sometimes for a queued prefetch's key
+            key = int(rng.integers(0, 48))
+            for q in (ranked, ref):
+                q.push(Transfer(key, demand=True))
+        keys = rng.permutation(48)[: int(rng.integers(0, 20))].astype(np.int64)
+        priorities = -np.sort(-rng.integers(1, 4, size=keys.size) / 4)  # falling, with ties
+        held = rng.random(48) < 0.3
+        limit = int(rng.integers(0, 8))
+        free = keys[~held[keys]][:limit]
+        got = ranked.replan_ranked(keys, priorities, held, limit, True, now=float(step))
+        assert got == ref.replan(free, priorities[~held[keys]][:limit], True, now=float(step))
+        assert ranked.queued_prefetch_keys() == ref.queued_prefetch_keys()
+        if rng.random() < 0.3:  # the I/O thread takes one
+            a, b = ranked.pop(), ref.pop()
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert (a.key, a.demand, a.priority) == (b.key, b.demand, b.priority)
+                assert a.demand or a.queued_at == b.queued_at  # a prefetch's queue time is the plan's
+    assert _drain(ranked) == _drain(ref)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("seed", range(12))
 def test_queue_replan_best_is_best_free_then_replan(seed: int, dtype: type) -> None:

@@ -46,7 +46,7 @@ def _counted_run(monkeypatch: pytest.MonkeyPatch, skip_term: bool) -> tuple[Coun
         return own_plus_eamc(own, eamc)
 
     monkeypatch.setattr(kernels, "own_plus_eamc", own_alone)
-    count(TransferQueue, "replan_best")
+    count(TransferQueue, "replan_ranked")
     inner, steps = eam.EAMPrefetch._plan, [0]
 
     def plan(self, *args):  # noqa: ANN001, ANN002, ANN202
@@ -94,7 +94,7 @@ def test_a_plan_makes_one_gate_call_and_one_queue_call(
     assert plans > 5 * steps > 0  # the gate is open: (nearly) every layer plans
     # after its prediction a plan makes one compiled gate call and, issuing, one queue call
     assert calls["limit_gate_plan"] <= plans
-    assert 0 < calls["replan_best"] <= plans
+    assert 0 < calls["replan_ranked"] <= plans
     # the victims' next-step use is sorted at most once per step
     assert calls["sorts"] <= steps
     # the own term alone (plans without the EAMC term; the simulator's when the EAMC has no

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from moe_runtime.io.transfer_queue import best_free
 from moe_runtime.prefetch import kernels
 
 
@@ -115,8 +116,9 @@ def _gate_keep_numpy(
 @pytest.mark.parametrize("seed", range(12))
 def test_limit_gate_plan_is_limit_scores_then_gate_plan(seed: int) -> None:
     """The planning layer's one call equals its three kernels in turn, packed: the router
-    lookahead's blend (half the seeds), the limit and the gate; candidates ``[3, n]``, the paying
-    count, the paying scores and the net."""
+    lookahead's blend (half the seeds), the limit and the gate; candidates ``[3, n]``, the plan
+    (the paying candidates' keys best first, as ``best_free`` picks them from the paying scores,
+    and their scores as priorities) and the net."""
     rng = np.random.default_rng(seed)
     L, E, D = 6, 16, int(rng.integers(1, 3))
     layer = int(rng.integers(0, L - D))
@@ -139,18 +141,22 @@ def test_limit_gate_plan_is_limit_scores_then_gate_plan(seed: int) -> None:
     rows, scores = kernels.limit_scores(blended, cap, min_prob, weights)
     held_rows = held[lo * E : (lo + D) * E].reshape(D, E)
     tail = (layer, E, slots, idle, save, h)
-    r, c, rank, keep, paying, net = kernels.gate_plan(
+    r, c, rank, keep, _, net = kernels.gate_plan(
         rows, scores, held_rows, 1, prec, b, q, t, force, held, p_use, *tail,
         np.zeros(L * E, dtype=np.int64), _sort_now(),
     )  # fmt: skip
     terms = kernels.gate_terms(0.7, b, q, t, force, slots, idle, save, h)
-    cand, n_keep, paying2, net2 = kernels.limit_gate_plan(
+    cand, keys, priorities, net2 = kernels.limit_gate_plan(
         probs, ahead, weights, held, prec, p_use, np.zeros(L * E, dtype=np.int64), _sort_now(), terms,
         cap, min_prob, lo * E, 1, layer,
     )  # fmt: skip
     np.testing.assert_array_equal(cand, np.stack([r, c, rank]))
-    assert n_keep == int(keep.sum())
-    np.testing.assert_array_equal(paying2, paying)
+    paying = np.zeros_like(scores)  # the paying candidates' scores, every other entry 0
+    paying[r[keep], c[keep]] = scores[r[keep], c[keep]]
+    want_keys, want_scores = best_free(paying.reshape(-1), held[lo * E : (lo + D) * E], L * E)
+    np.testing.assert_array_equal(keys, want_keys + lo * E)
+    assert priorities.dtype == np.float64
+    np.testing.assert_array_equal(priorities, want_scores.astype(np.float64))
     assert net2 == net
 
 
@@ -174,16 +180,15 @@ def test_gate_plan_equals_the_numpy_gate(seed: int) -> None:
     # victims by the heap, or (even seeds) by the walk of p_use's sort (kernels.least_used)
     order = np.zeros(L * E if seed % 2 == 0 else 0, dtype=np.int64)
     args = (b, q, t, False, held, p_use, layer, E, slots, idle, save, h, order, _sort_now())
-    r, c, rank, keep, paying, net = kernels.gate_plan(rows, scores, held_rows, 1, prec, *args)
+    r, c, rank, keep, order, net = kernels.gate_plan(rows, scores, held_rows, 1, prec, *args)
     np.testing.assert_array_equal(np.stack([r, c, rank]), np.stack(kernels.ranked_free(rows, held_rows)))
     want, want_net = _gate_keep_numpy(
         r, c, rank, scores, 1, prec, b, q, t, held, p_use, layer, E, slots, int(idle), save, h
     )
     np.testing.assert_array_equal(keep, want)
     assert net == pytest.approx(want_net, rel=1e-12, abs=1e-15)
-    want_paying = np.zeros_like(scores)
-    want_paying[r[want], c[want]] = scores[r[want], c[want]]
-    np.testing.assert_array_equal(paying, want_paying)
+    # the plan's order: falling score, ties in candidate (row-major) order
+    np.testing.assert_array_equal(order, np.argsort(-scores[r, c], kind="stable"))
     forced = kernels.gate_plan(rows, scores, held_rows, 1, prec, b, q, t, True, *args[4:])[3]
     assert forced.all()
 
@@ -238,9 +243,12 @@ def test_score_candidates_equals_the_fancy_indexed_update(seed: int) -> None:
     want_h, want_t = hits.copy(), trials.copy()  # PrefetchGate.observe's numpy form
     want_h[row, ranks] = 0.9 * want_h[row, ranks] + used[experts]
     want_t[row, ranks] = 0.9 * want_t[row, ranks] + 1.0
-    kernels.score_candidates(hits, trials, row, experts, ranks, ids, E, 0.9)
-    np.testing.assert_array_equal(hits, want_h)
-    np.testing.assert_array_equal(trials, want_t)
+    figures = np.stack([hits, trials, hits / trials])
+    group = np.stack([np.zeros(n, dtype=np.int64), experts, ranks])  # PrefetchGate.note's [3, n]
+    kernels.score_candidates(figures, row, group, ids, 0.9)
+    np.testing.assert_array_equal(figures[0], want_h)
+    np.testing.assert_array_equal(figures[1], want_t)
+    np.testing.assert_array_equal(figures[2], want_h / want_t)  # kept current in place
 
 
 def test_idle_link_candidates_pay_when_used_more_often_than_their_victims() -> None:

@@ -47,7 +47,7 @@ LOOKAHEAD_PRECISION = (0.647, 0.576, 0.493)  # bench lookahead, bundled model, d
 # the parts of a planning layer's ``plan`` figure (--sections): EAMC matching and the per-layer
 # probabilities, the router lookahead's rows, the gain/cost test (their blend, ranking, victims:
 # one compiled call) and the queue update (best-k selection, TransferQueue.replan)
-SECTIONS = {"predict": "_predict_rows", "lookahead": "_plan_rows", "gate": "_paying", "queue": "issue"}
+SECTIONS = {"predict": "_predict_rows", "lookahead": "_plan_rows", "gate": "_paying", "queue": "issue_ranked"}
 EAM_CACHE = next(cache for label, _, cache, _ in COMBOS if label == "eam")  # the default row's cache
 
 

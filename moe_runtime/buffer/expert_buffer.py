@@ -38,7 +38,14 @@ import torch
 
 from moe_runtime.buffer.cache_policy import make_cache_policy
 from moe_runtime.buffer.layer_run import IOThreadError, LayerRun, ResidentRun, handle
-from moe_runtime.buffer.partition import Partition, apply_best_plan, apply_prefetch_plan, look_up_layer
+from moe_runtime.buffer.partition import (
+    Partition,
+    apply_best_plan,
+    apply_prefetch_plan,
+    apply_ranked_plan,
+    look_up_layer,
+    prefetch_capacity,
+)
 from moe_runtime.buffer.placement import home_devices
 from moe_runtime.device import normalize_device
 from moe_runtime.io.link import LinkModel
@@ -198,7 +205,7 @@ class ExpertBuffer:
 
     def prefetch_capacity(self) -> int:
         """Slots prefetches could fill now, over all devices (caller holds ``cond``)."""
-        return sum(p.capacity_for_prefetch() for p in self.parts)
+        return prefetch_capacity(self.parts)
 
     # ------------------------------------------------------------------ compute side
     def after_routing(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
@@ -334,6 +341,18 @@ class ExpertBuffer:
             if changed:
                 self.cond.notify_all()
         return keys, best
+
+    def prefetch_ranked(self, keys: np.ndarray, priorities: np.ndarray) -> None:
+        """Queue as the prefetch plan (replacing the queued one) the first
+        :meth:`prefetch_capacity` (read in the same hold of the lock) of ``keys [n]`` (int64,
+        distinct, best first) that are not resident or loading, with ``priorities [n]``
+        (float64; ``partition.apply_ranked_plan``): :meth:`prefetch_best` for a plan its policy
+        ranked itself. The I/O threads are woken only when a prefetch was queued or cancelled.
+        Caller may hold ``cond``."""
+        with self.cond:
+            limit = self.prefetch_capacity()
+            if apply_ranked_plan(self.parts, self.home, self.held, keys, priorities, limit, self.stats):
+                self.cond.notify_all()
 
     # ------------------------------------------------------------------ I/O thread
     def _io_loop(self, part: Partition) -> None:

@@ -412,6 +412,14 @@ def look_up_layer(
     return out
 
 
+def prefetch_capacity(parts: list[Partition]) -> int:
+    """Slots prefetches could fill now over ``parts`` (free plus evictable; caller holds the
+    buffer's lock). Read at every planning layer: one device without a generator."""
+    if len(parts) == 1:
+        return parts[0].capacity_for_prefetch()
+    return sum(p.capacity_for_prefetch() for p in parts)
+
+
 def apply_prefetch_plan(
     parts: list[Partition],
     home: np.ndarray,
@@ -478,3 +486,29 @@ def apply_best_plan(
     stats.prefetch_issued += issued
     stats.prefetch_cancelled += cancelled
     return keys, scores, issued + cancelled
+
+
+def apply_ranked_plan(
+    parts: list[Partition],
+    home: np.ndarray,
+    held: np.ndarray,
+    keys: np.ndarray,
+    priorities: np.ndarray,
+    limit: int,
+    stats: ExpertStats,
+    now: float | None = None,
+) -> int:
+    """Queue the first ``limit`` of the ranked plan ``keys [n]`` (int64, distinct, best first)
+    whose key is not ``held [L * E]`` (resident or loading anywhere), with ``priorities [n]``
+    (float64), as the plan of :func:`apply_prefetch_plan` with ``replace`` (MoE-Infinity §5.1):
+    :func:`apply_best_plan` for a plan its policy ranked already. One partition re-plans in one
+    compiled call (:meth:`TransferQueue.replan_ranked`); several drop the held keys first and
+    re-plan per device. Returns ``changed`` as :func:`apply_prefetch_plan` returns it."""
+    if len(parts) > 1:
+        free = ~held[keys]
+        keys, priorities = keys[free][:limit], priorities[free][:limit]
+        return apply_prefetch_plan(parts, home, keys, priorities, True, stats, now)
+    issued, cancelled = parts[0].queue.replan_ranked(keys, priorities, held, limit, True, now)
+    stats.prefetch_issued += issued
+    stats.prefetch_cancelled += cancelled
+    return issued + cancelled

@@ -168,6 +168,32 @@ class TransferQueue:
             self._order, self._cursor, self._order_ok = order, 0, True
         return keys, scores, issued, cancelled
 
+    def replan_ranked(
+        self,
+        keys: np.ndarray,
+        priorities: np.ndarray,
+        held: np.ndarray,
+        limit: int,
+        replace: bool,
+        now: float | None = None,
+    ) -> tuple[int, int]:
+        """Apply a ranked plan in one compiled call: the first ``limit`` of ``keys [n]`` (int64,
+        distinct, best first) that are not ``held [num_keys]``, with ``priorities [n]``
+        (float64), queued as :meth:`replan` queues them. Returns ``(new prefetches, cancelled
+        prefetches)``. For a policy that ranked its plan itself (``kernels.limit_gate_plan``):
+        :meth:`replan_best` without its selection and sort."""
+        self._head = None
+        if held.size > self._queued.size:  # past the key space: grow (rare; sized by the owner)
+            self._fit(held.size - 1)
+        issued, cancelled, self._next_seq, self._n_prefetch, resorted, order = _replan_ranked(
+            keys, priorities, held, limit, self._queued, self._prio, self._seq, self._queued_at,
+            self._is_demand, bool(self._demand), replace, time.perf_counter() if now is None else now,
+            self._next_seq, self._n_prefetch,
+        )  # fmt: skip
+        if resorted:
+            self._order, self._cursor, self._order_ok = order, 0, True
+        return issued, cancelled
+
     def _sort(self) -> None:
         """Fix the pop order of the queued prefetches: priority descending, then FIFO."""
         keys = self._queued.nonzero()[0]
@@ -375,6 +401,40 @@ def _replan_best(
     return keys, scores, out[0], out[1], out[2], out[3], out[4], out[5]
 
 
+@njit(cache=True)
+def _replan_ranked(
+    keys: np.ndarray,
+    priorities: np.ndarray,
+    held: np.ndarray,
+    limit: int,
+    queued: np.ndarray,
+    prio: np.ndarray,
+    seq: np.ndarray,
+    queued_at: np.ndarray,
+    is_demand: np.ndarray,
+    any_demand: bool,
+    replace: bool,
+    now: float,
+    next_seq: int,
+    n_prefetch: int,
+) -> tuple[int, int, int, int, bool, np.ndarray]:
+    """:meth:`TransferQueue.replan_ranked`: the first ``limit`` of ``keys`` not ``held``, then
+    :func:`_replan` with them. Returns :func:`_replan`'s result."""
+    m = 0
+    free = np.empty(min(keys.size, max(limit, 0)), dtype=np.int64)
+    free_prio = np.empty(free.size)
+    for i in range(keys.size):
+        if m == free.size:
+            break
+        if not held[keys[i]]:
+            free[m], free_prio[m] = keys[i], priorities[i]
+            m += 1
+    return _replan(
+        queued, prio, seq, queued_at, is_demand, any_demand, free[:m], free_prio[:m], replace, now, next_seq,
+        n_prefetch,
+    )  # fmt: skip
+
+
 _warm_done = False
 
 
@@ -388,6 +448,9 @@ def _warm() -> None:
     for replace in (False, True):
         _replan(flags, values.copy(), np.zeros(2, dtype=np.int64), values.copy(), flags.copy(), False,
                 np.array([1, 0]), np.array([0.5, 1.0]), replace, 0.0, 0, 0)  # fmt: skip
+        _replan_ranked(np.array([1, 0]), values.copy(), flags.copy(), 1, flags.copy(), values.copy(),
+                       np.zeros(2, dtype=np.int64), values.copy(), flags.copy(), False, replace, 0.0, 0,
+                       0)  # fmt: skip
         for scores in (values.astype(np.float32), values):  # the eam plan's scores, the baselines'
             _replan_best(scores, flags.copy(), 1, 0, flags.copy(), values.copy(), np.zeros(2, dtype=np.int64),
                          values.copy(), flags.copy(), False, replace, 0.0, 0, 0)  # fmt: skip

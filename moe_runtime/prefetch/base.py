@@ -89,3 +89,11 @@ class PrefetchPolicy:
         return self.buffer.prefetch_best(
             scores.reshape(-1), first_layer * self.num_experts, None if limit is None else max(limit, 0)
         )
+
+    def issue_ranked(self, keys: np.ndarray, priorities: np.ndarray) -> None:
+        """Prefetch, as :meth:`issue` does, a plan the policy ranked itself: ``keys [n]`` (flat
+        keys, int64, distinct, best first) with ``priorities [n]`` (float64, their scores); those
+        resident or loading are skipped, at most the slots a prefetch may take now are queued,
+        and queued prefetches not in it are cancelled (``buffer.prefetch_ranked``, one compiled
+        call: ``TransferQueue.replan_ranked``)."""
+        self.buffer.prefetch_ranked(keys, priorities)

@@ -514,11 +514,11 @@ class EAMPrefetch(PrefetchPolicy):
             base, cap, min_prob = self._limited[1][lo - w0 : lo - w0 + len(base)], 0, 0.0
         if gate is None:
             scores = kernels.limit_scores(self._blended(base, spec), cap, min_prob, weights)[1]
-        else:
-            scores = self._paying(gate, layer, lo, base, spec, cap, min_prob, weights, topk_ids.shape[0])
-            if scores is None:  # nothing pays and nothing of ours is queued: on-demand
-                return
-        self.issue(scores, first_layer=lo)
+            self.issue(scores, first_layer=lo)
+            return
+        plan = self._paying(gate, layer, lo, base, spec, cap, min_prob, weights, topk_ids.shape[0])
+        if plan is not None:  # None: nothing pays and nothing of ours is queued (on-demand)
+            self.issue_ranked(*plan)
 
     def _note_eamc_term(
         self, term: TermValue, layer: int, ahead: tuple[int, np.ndarray] | None, probs: np.ndarray, cap: int
@@ -589,13 +589,14 @@ class EAMPrefetch(PrefetchPolicy):
         min_prob: float,
         weights: np.ndarray,
         tokens: int,
-    ) -> np.ndarray | None:
-        """The plan's scores ``[D, E]`` (``probs [D, E]`` of layers ``lo ..`` with the router
-        lookahead ``spec [d, E]`` blended in (:meth:`_plan_rows`), limited to each row's
-        ``cap`` largest at or above ``min_prob``, times ``weights [D]``) with the candidates whose
-        expected gain does not beat their expected cost zeroed (``moe_runtime.prefetch.gate``);
-        None when none pays and no plan of ours is queued (nothing to hand the buffer). One
-        compiled call blends, limits, ranks and tests the candidates and finds their victims
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """The plan ``(keys [m], priorities [m])``, best first (:meth:`issue_ranked`): of the
+        scores ``[D, E]`` (``probs [D, E]`` of layers ``lo ..`` with the router lookahead ``spec
+        [d, E]`` blended in (:meth:`_plan_rows`), limited to each row's ``cap`` largest at or
+        above ``min_prob``, times ``weights [D]``), the candidates whose expected gain beats
+        their expected cost (``moe_runtime.prefetch.gate``); None when none pays and no plan of
+        ours is queued (nothing to hand the buffer). One compiled call blends, limits, ranks and
+        tests the candidates, finds their victims and orders the plan
         (``kernels.limit_gate_plan``)."""
         terms = self._link_terms()[1]
         # the plans still expected in this step, this one included (the last layer never plans):
@@ -604,7 +605,7 @@ class EAMPrefetch(PrefetchPolicy):
         self._use_state[2] = (self.num_layers - 2 - layer) // every + 1
         # the predictor's candidates a prefetch would copy, ranked within their row, and those of
         # them that pay
-        cand, n_keep, out, net = kernels.limit_gate_plan(
+        cand, keys, priorities, net = kernels.limit_gate_plan(
             probs, self._no_ahead if spec is None else spec, weights, self.buffer.held, gate.precision(),
             self._victim_use(tokens), self._use_order, self._use_state, terms, cap, min_prob,
             lo * self.num_experts, lo - layer, layer,
@@ -613,10 +614,10 @@ class EAMPrefetch(PrefetchPolicy):
         # the plan's host time is spent: what pays is issued; planning goes on at every layer
         # only while it wins that time back (else every probe_every-th layer probes)
         self._planning = gate.plans_pay(net)
-        queued, self._queued = self._queued, n_keep > 0
+        queued, self._queued = self._queued, keys.size > 0
         if not self._queued and not queued:
             return None
-        return out
+        return keys, priorities
 
     def _victim_use(self, tokens: int) -> np.ndarray:
         """``[L * E]`` chance each expert is used in the next step, ``p = 1 - (1 - share)^T`` from

@@ -103,9 +103,11 @@ class PrefetchGate:
         if not 0 < decay <= 1:
             raise ValueError(f"gate decay must be in (0, 1], got {decay}")
         self.num_layers, self.num_experts, self.depth, self.decay = num_layers, num_experts, depth, decay
-        self.hits = np.full((depth, num_experts), float(prior[0]))  # [D, rank]
-        self.trials = np.full((depth, num_experts), float(prior[1]))
-        self._precision: np.ndarray | None = None  # hits / trials until the next observation
+        # [3, D, rank]: hits, trials and their ratio, kept current by observe (score_candidates)
+        self._figures = np.empty((3, depth, num_experts))
+        self.hits, self.trials, self._precision = self._figures
+        self.hits[:], self.trials[:] = float(prior[0]), float(prior[1])
+        self._precision[:] = self.hits / self.trials
         self._pending: dict[int, list[tuple[int, np.ndarray]]] = {}  # layer -> (d, [3, k] candidates)
         self.block_per_miss_s: float | None = None  # b
         self.demand_busy = 1.0  # q: assume a busy link until measured
@@ -120,9 +122,7 @@ class PrefetchGate:
     # ------------------------------------------------------------------ precision
     def precision(self) -> np.ndarray:
         """``[D, E]`` running precision by layer distance (row ``d - 1``) and rank (column);
-        read-only for callers (kept until :meth:`observe` scores candidates)."""
-        if self._precision is None:
-            self._precision = self.hits / self.trials
+        read-only for callers (updated in place as :meth:`observe` scores candidates)."""
         return self._precision
 
     def note(self, distance0: int, first_layer: int, cand: np.ndarray) -> None:
@@ -145,7 +145,10 @@ class PrefetchGate:
         else:
             r = cand[0]
             bounds = np.flatnonzero(r[1:] != r[:-1]) + 1
-            groups = [(int(r[lo]), cand[:, lo:hi]) for lo, hi in zip((0, *bounds), (*bounds, n), strict=True)]
+            groups = [
+                (int(r[lo]), np.ascontiguousarray(cand[:, lo:hi]))  # score_candidates' one layout
+                for lo, hi in zip((0, *bounds), (*bounds, n), strict=True)
+            ]
         for row, group in groups:
             d = distance0 + row
             if 1 <= d <= self.depth:
@@ -159,12 +162,8 @@ class PrefetchGate:
             return
         ids = np.ascontiguousarray(topk_ids, dtype=np.int64).reshape(-1)
         for d, group in pending:  # one compiled call per noted group (usually one)
-            experts, ranks = group[1], group[2]
-            kernels.score_candidates(
-                self.hits, self.trials, d - 1, experts, ranks, ids, self.num_experts, self.decay
-            )
-            self.checked += len(experts)
-        self._precision = None
+            kernels.score_candidates(self._figures, d - 1, group, ids, self.decay)
+            self.checked += group.shape[1]
 
     _layer = -1
 

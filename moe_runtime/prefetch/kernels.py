@@ -209,6 +209,8 @@ def ranked_free(rows: np.ndarray, held: np.ndarray) -> tuple[np.ndarray, np.ndar
         else:  # an entry's rank: the entries above it, and the equal ones in a lower column
             for i in range(m):
                 e = pos[i]
+                if held[d, e]:  # not a candidate: its rank is never read
+                    continue
                 v = row[e]
                 above = 0
                 for f in range(E):
@@ -443,9 +445,9 @@ def gate_plan(
     ``copy_host_s``: ``h`` of :func:`pays`; ``use_order``, ``use_state``: :func:`least_used`'s
     sort of ``p_use`` (empty: none).
 
-    Returns ``(r, c, rank, keep, paying, net)``: the candidates (for ``PrefetchGate.note``),
-    ``[n]`` bool which pay, ``scores`` with every entry but the paying candidates zeroed, and the
-    paying candidates' summed ``gain - cost`` (:func:`pays`).
+    Returns ``(r, c, rank, keep, order, net)``: the candidates (for ``PrefetchGate.note``),
+    ``[n]`` bool which pay, ``[n]`` the candidates in the plan's order (:func:`plan_order`), and
+    the paying candidates' summed ``gain - cost`` (:func:`pays`).
     """
     r, c, rank = ranked_free(rows, held_rows)
     n = r.size
@@ -482,11 +484,7 @@ def gate_plan(
             keep, net = pays(
                 p_used, block_s, busy, transfer_s, reuse, force_open, idle, idle_save_s, copy_host_s
             )
-    paying = np.zeros_like(scores)
-    for i in range(n):
-        if keep[i]:
-            paying[r[i], c[i]] = scores[r[i], c[i]]
-    return r, c, rank, keep, paying, net
+    return r, c, rank, keep, order, net
 
 
 def gate_terms(
@@ -526,7 +524,7 @@ def limit_gate_plan(
     first_key: int,
     distance0: int,
     layer: int,
-) -> tuple[np.ndarray, int, np.ndarray, float]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
     """:func:`blend`, :func:`limit_scores` then :func:`gate_plan` in one call (a planning layer's
     one compiled call between prediction and the queue): ``probs [D, E]`` with the router
     lookahead ``ahead [d, E]`` (``d <= D``; ``d`` 0: none) blended in at ``terms``'
@@ -536,9 +534,12 @@ def limit_gate_plan(
     rows' held mask. ``terms``: :func:`gate_plan`'s scalars that change only at a step's end, as
     :func:`gate_terms` packs them; ``num_experts`` is ``E``.
 
-    Returns ``(candidates [3, n] int64, paying count, paying [D, E], net)``: :func:`gate_plan`'s
-    ``r``, ``c`` and ``rank`` stacked and the count of its ``keep``, as four returned objects
-    rather than six: each array handed back to Python costs about a microsecond."""
+    Returns ``(candidates [3, n] int64, plan keys [m] int64, priorities [m] float64, net)``:
+    :func:`gate_plan`'s ``r``, ``c`` and ``rank`` stacked; the paying candidates with a positive
+    score as flat keys in the plan's order, best first (falling score, ties in ascending key:
+    the order ``TransferQueue.replan_best`` would pick them from the paying scores), and their
+    scores, which the queue takes as priorities (``TransferQueue.replan_ranked``). Four returned
+    objects rather than six: each array handed back to Python costs about a microsecond."""
     ahead_weight, block_s, busy, transfer_s = terms[0], terms[1], terms[2], terms[3]
     force_open, num_slots = terms[4] != 0.0, int(terms[5])
     idle_copies, idle_save_s, copy_host_s = terms[6], terms[7], terms[8]
@@ -546,13 +547,25 @@ def limit_gate_plan(
         probs = blend(probs, ahead, ahead_weight)
     rows, scores = limit_scores(probs, cap, min_prob, weights)
     held_rows = held[first_key : first_key + rows.size].reshape(rows.shape)
-    r, c, rank, keep, paying, net = gate_plan(
+    E = probs.shape[1]
+    r, c, rank, keep, order, net = gate_plan(
         rows, scores, held_rows, distance0, precision, block_s, busy, transfer_s, force_open, held, p_use,
-        layer, probs.shape[1], num_slots, idle_copies, idle_save_s, copy_host_s, use_order, use_state,
+        layer, E, num_slots, idle_copies, idle_save_s, copy_host_s, use_order, use_state,
     )  # fmt: skip
-    cand = np.empty((3, r.size), dtype=np.int64)
+    n = r.size
+    cand = np.empty((3, n), dtype=np.int64)
     cand[0], cand[1], cand[2] = r, c, rank
-    return cand, int(np.count_nonzero(keep)), paying, net
+    keys = np.empty(n, dtype=np.int64)
+    priorities = np.empty(n)
+    m = 0
+    for j in range(n):
+        i = order[j]
+        v = scores[r[i], c[i]]
+        if keep[i] and v > 0:
+            keys[m] = first_key + r[i] * E + c[i]
+            priorities[m] = v
+            m += 1
+    return cand, keys[:m], priorities[:m], net
 
 
 @njit(cache=True)
@@ -605,28 +618,27 @@ def match_counts(scores: np.ndarray, k: int) -> np.ndarray:
 
 
 @njit(cache=True)
-def score_candidates(
-    hits: np.ndarray,
-    trials: np.ndarray,
-    row: int,
-    experts: np.ndarray,
-    ranks: np.ndarray,
-    ids: np.ndarray,
-    num_experts: int,
-    decay: float,
-) -> None:
-    """``PrefetchGate.observe`` of one noted group, in place: candidate ``j`` (expert
-    ``experts[j]``, ranked ``ranks[j]``, distinct within the group) counts as a hit if it is among
-    the routed ``ids [T * k]`` (negative: none); ``hits[row, rank] = decay * hits[row, rank] +
-    used`` and ``trials[row, rank] = decay * trials[row, rank] + 1`` (float64)."""
-    used = np.zeros(num_experts, dtype=np.bool_)
+def score_candidates(figures: np.ndarray, row: int, group: np.ndarray, ids: np.ndarray, decay: float) -> None:
+    """``PrefetchGate.observe`` of one noted group, in place. ``figures [3, D, E]`` (float64):
+    the gate's hits, trials and precision by (distance, rank); ``group [3, n]`` (int64): a
+    plan's candidates as ``PrefetchGate.note`` keeps them (rows ``r``, ``c``, ``rank``):
+    candidate ``j`` (expert ``c[j]``, ranked ``rank[j]``, distinct within the group) counts as a
+    hit if it is among the routed ``ids [T * k]`` (negative: none); ``hits[row, rank] = decay *
+    hits[row, rank] + used``, ``trials[row, rank] = decay * trials[row, rank] + 1``, and
+    ``precision[row, rank] = hits[row, rank] / trials[row, rank]`` kept current with them (the
+    gate reads it at every plan: no ``[D, E]`` division per planning layer). One array of
+    figures and one of candidates rather than five arguments: numba's dispatcher types each at
+    every call."""
+    hits, trials, precision = figures[0], figures[1], figures[2]
+    used = np.zeros(figures.shape[2], dtype=np.bool_)
     for i in range(ids.size):
         if ids[i] >= 0:
             used[ids[i]] = True
-    for j in range(ranks.size):
-        r = ranks[j]
-        hits[row, r] = decay * hits[row, r] + (1.0 if used[experts[j]] else 0.0)
+    for j in range(group.shape[1]):
+        r = group[2, j]
+        hits[row, r] = decay * hits[row, r] + (1.0 if used[group[1, j]] else 0.0)
         trials[row, r] = decay * trials[row, r] + 1.0
+        precision[row, r] = hits[row, r] / trials[row, r]
 
 
 @njit(cache=True)
@@ -676,7 +688,7 @@ def warm() -> None:
     for p_use in (np.zeros(2), np.zeros(2, dtype=np.float32)):
         least_used(held, p_use, 0, 1, 1, no_order, state)
     one_id = np.zeros(1, dtype=np.int64)
-    score_candidates(np.ones((1, 2)), np.ones((1, 2)), 0, one_id, one_id, np.zeros(2, dtype=np.int64), 2, 0.9)
+    score_candidates(np.ones((3, 1, 2)), 0, np.zeros((3, 1), dtype=np.int64), one_id, 0.9)
     entries = np.zeros((1, 1, 2), dtype=np.float32)
     entries.flags.writeable = False  # EAMC.entries() is a read-only view
     matched_row_probs(entries, np.ones(1, dtype=np.int64), 0, 1)

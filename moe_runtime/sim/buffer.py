@@ -29,7 +29,14 @@ from typing import Any
 import numpy as np
 
 from moe_runtime.buffer.cache_policy import make_cache_policy
-from moe_runtime.buffer.partition import Partition, apply_best_plan, apply_prefetch_plan, look_up_layer
+from moe_runtime.buffer.partition import (
+    Partition,
+    apply_best_plan,
+    apply_prefetch_plan,
+    apply_ranked_plan,
+    look_up_layer,
+    prefetch_capacity,
+)
 from moe_runtime.buffer.placement import home_devices
 from moe_runtime.io.transfer_queue import Transfer
 from moe_runtime.stats import ExpertStats
@@ -167,7 +174,7 @@ class SimBuffer:
     # ------------------------------------------------------------------ policy interface
     def prefetch_capacity(self) -> int:
         """Slots prefetches could fill now, over all devices (caller holds ``cond``)."""
-        return sum(p.capacity_for_prefetch() for p in self.parts)
+        return prefetch_capacity(self.parts)
 
     def resident(self, layer: int, expert: int) -> bool:
         key = layer * self.num_experts + expert
@@ -208,6 +215,17 @@ class SimBuffer:
             if io.transfer is None:  # ``_kick``
                 self._start(i, self.now)
         return keys, best
+
+    def prefetch_ranked(self, keys: np.ndarray, priorities: np.ndarray) -> None:
+        """``ExpertBuffer.prefetch_ranked``, same rules (``partition.apply_ranked_plan``, up to
+        :meth:`prefetch_capacity` once the clock is replayed to ``now``)."""
+        if self._next_done <= self.now:
+            self.advance()
+        limit = self.prefetch_capacity()
+        apply_ranked_plan(self.parts, self.home, self.held, keys, priorities, limit, self.stats, now=self.now)
+        for i, io in enumerate(self._io):
+            if io.transfer is None:  # ``_kick``
+                self._start(i, self.now)
 
     # ------------------------------------------------------------------ compute side
     def run_layer(self, layer: int, experts: list[int], compute_s: Callable[[int], float]) -> float:
