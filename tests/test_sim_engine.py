@@ -158,6 +158,37 @@ def test_layer_jitter_is_seeded_and_keeps_the_mean_layer_time() -> None:
 
 
 @pytest.mark.parametrize("devices", [1, 2])
+def test_prefetch_ranked_queues_the_first_free_keys_up_to_capacity(devices: int) -> None:
+    """``SimBuffer.prefetch_ranked`` (``partition.apply_ranked_plan``: a plan the policy ranked,
+    one compiled call on one device, per device on several) leaves the queues, the counters and
+    the I/O as handing ``prefetch`` the plan's keys not held, up to the prefetch capacity, does."""
+    from moe_runtime.sim.buffer import SimBuffer
+
+    L, E = 4, 8
+    bufs = [SimBuffer(L, E, 6, devices, 1000, 1e-3) for _ in range(2)]
+    rng = np.random.default_rng(devices)
+    for step in range(12):
+        layer = step % (L - 1)
+        keys = (layer + 1) * E + rng.permutation(E)[: int(rng.integers(0, E + 1))].astype(np.int64)
+        priorities = -np.sort(-rng.integers(1, 4, size=keys.size) / 4)  # best first, with ties
+        ranked, ref = bufs
+        with ranked.cond:
+            ranked.prefetch_ranked(keys, priorities)
+        with ref.cond:
+            free = ~ref.held[keys]
+            limit = ref.prefetch_capacity()
+            ref.prefetch(keys[free][:limit], priorities[free][:limit], replace=True)
+        for a, b in zip(ranked.parts, ref.parts, strict=True):
+            assert a.queue.queued_prefetch_keys() == b.queue.queued_prefetch_keys()
+        assert ranked.stats.prefetch_issued == ref.stats.prefetch_issued
+        assert ranked.stats.prefetch_cancelled == ref.stats.prefetch_cancelled
+        needed = sorted(rng.choice(E, size=2, replace=False).tolist())
+        for buf in bufs:  # the layer runs: copies land, slots fill
+            buf.run_layer(layer, needed, lambda e: 2e-3)
+        np.testing.assert_array_equal(ranked.held, ref.held)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
 def test_prefetch_best_queues_what_best_free_then_prefetch_queue(devices: int) -> None:
     """``SimBuffer.prefetch_best`` (``partition.apply_best_plan``: one fused call on one device,
     select then re-plan per device on several) leaves the queues, the counters and the I/O as
