@@ -46,7 +46,7 @@ BUDGET_US = 50.0  # issue #15: p50 host work per MoE layer
 LOOKAHEAD_PRECISION = (0.647, 0.576, 0.493)  # bench lookahead, bundled model, d = 1..3 (timing only)
 # the parts of a planning layer's ``plan`` figure (--sections): EAMC matching and the per-layer
 # probabilities, the router lookahead's rows, the gain/cost test (their blend, ranking, victims:
-# one compiled call) and the queue update (best-k selection, TransferQueue.replan)
+# one compiled call that also orders the plan) and the queue update (TransferQueue.replan_ranked)
 SECTIONS = {"predict": "_predict_rows", "lookahead": "_plan_rows", "gate": "_paying", "queue": "issue_ranked"}
 EAM_CACHE = next(cache for label, _, cache, _ in COMBOS if label == "eam")  # the default row's cache
 
