@@ -19,6 +19,8 @@ from pathlib import Path
 root = Path(__file__).resolve().parents[1]
 doc = root / "docs/simulator.md"
 args = sys.argv[1:]
+if {"-h", "--help"} & set(args):  # not handed to the bench: its help would land in the doc
+    raise SystemExit(__doc__)
 previous_note = None
 if "--keep-previous" in args:
     i = args.index("--keep-previous")
