@@ -39,11 +39,20 @@ def test_median_and_spread_over_rounds_and_paired_ratios() -> None:
     # paired per round: 16/20, 23.1/22, 18/30 -> median 0.8, spread 0.6..1.05
     assert eam.tpot_vs_on_demand == pytest.approx(0.8)
     assert (eam.tpot_vs_on_demand_min, eam.tpot_vs_on_demand_max) == (pytest.approx(0.6), pytest.approx(1.05))
-    # gap closed from the medians (od 22, oracle 12): (22 - 18) / 10; its spread per round
+    # gap closed paired per round: 4/10, -1.1/10, 12/16 -> median 0.4, spread -0.11..0.75
     assert eam.gap_closed == pytest.approx(0.4)
     assert eam.gap_closed_min == pytest.approx((22 - 23.1) / 10)
     assert eam.gap_closed_max == pytest.approx((30 - 18) / 16)
     assert eam.bytes_vs_oracle == 1.0
+    # where the per-round median differs from the medians' gap (21 - 19) / (21 - 10) = 0.18,
+    # the figure is the per-round one, within its own spread: 1/10, 6/7, 5/20 -> 0.25
+    eam = next(
+        r
+        for r in summarise(_rounds(od=[20.0, 21.0, 30.0], eam=[19.0, 15.0, 25.0], oracle=[10.0, 14.0, 10.0]))
+        if r.policy == "eam"
+    )
+    assert eam.gap_closed == pytest.approx(0.25)
+    assert eam.gap_closed_min <= eam.gap_closed <= eam.gap_closed_max
 
 
 def test_verdict_only_when_the_spreads_separate() -> None:

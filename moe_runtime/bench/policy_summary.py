@@ -58,8 +58,10 @@ class PolicyRow:
     tpot_vs_on_demand: float | None = None  # median of the paired per-round ratios
     tpot_vs_on_demand_min: float | None = None
     tpot_vs_on_demand_max: float | None = None
-    gap_closed: float | None = None  # from the median TPOTs of this row, on-demand+lru and oracle
-    gap_closed_min: float | None = None  # spread of the per-round gap closed
+    # median and spread of the per-round gap closed (paired by round, as the ratio; from the
+    # median TPOTs of this row, on-demand+lru and oracle when a round has no gap to close)
+    gap_closed: float | None = None
+    gap_closed_min: float | None = None
     gap_closed_max: float | None = None
     bytes_vs_oracle: float | None = None  # median bytes per token / the oracle's
     # median share of measured decode steps the runtime's eam trial ran with prefetching on
@@ -108,8 +110,9 @@ def summarise(repeats: list[list[Any]]) -> list[PolicyRow]:
     """Rows of medians and spreads from ``repeats[i]`` = the results of round ``i`` (objects or
     dicts with ``buffer_fraction``, ``buffer_slots``, ``policy`` and :data:`METRICS` /
     :data:`COUNTS`). Every round must hold the same (buffer, policy) rows; raises ValueError if not.
-    Ratios to on-demand and gap closed are paired by round; ``gap_closed`` itself and
-    ``bytes_vs_oracle`` come from the medians (``add_relative``)."""
+    Ratios to on-demand and gap closed are paired by round (median and spread of the per-round
+    figures, so the median lies within its spread); ``bytes_vs_oracle``, and ``gap_closed``
+    when a round has no gap to close, come from the medians (``add_relative``)."""
     if not repeats:
         raise ValueError("no repeats to summarise")
     keyed = [{(_get(r, "buffer_fraction"), _get(r, "policy")): r for r in rnd} for rnd in repeats]
@@ -166,7 +169,7 @@ def _add_paired(rows: list[PolicyRow]) -> None:
             tpots = zip(r.runs["tpot_ms"], base.runs["tpot_ms"], oracle.runs["tpot_ms"], strict=True)
             gaps = [gap_closed(t, b, o) for t, b, o in tpots]
             if None not in gaps:
-                _, r.gap_closed_min, r.gap_closed_max = spread(gaps)
+                r.gap_closed, r.gap_closed_min, r.gap_closed_max = spread(gaps)
 
 
 def compare(lo_a: float, hi_a: float, lo_b: float, hi_b: float, lower: str, higher: str) -> str:
