@@ -229,7 +229,8 @@ Repeats: one warm-up run (all experts resident, the whole workload, not reported
 {st["repeats"]} rounds; each round runs every (buffer, policy) row once, so slow drift of the shared
 host hits every policy alike. Every figure is the median over rounds with the spread (fastest and
 slowest round) in brackets; "TPOT vs on-demand" and "gap closed" are taken per round (paired)
-before the median, except the gap-closed median, which comes from the median TPOTs. A comparison
+before the median (the gap closed from the median TPOTs only where a round has no gap to close;
+runs before 04b7840 took the gap-closed median from the median TPOTs always). A comparison
 or target is called only when the spread clears it, else "within noise". This run took
 {st["wall_s"] / 60:.1f} minutes on this 2-core machine (load averages over 1, 5 and 15 minutes:
 {load(st["load_avg_before"])} before, {load(st["load_avg_after"])} after; the host is shared
