@@ -3,6 +3,7 @@ past) causal; every token's output equals a plain softmax attention over its own
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from moe_runtime.engine.context import StepContext
@@ -99,3 +100,33 @@ def test_prefill_chunks_share_one_call_unless_padding_is_wasteful(monkeypatch):
         (1, HQ, 2, D),
         (1, HQ, 2, D),
     ]
+
+
+@pytest.mark.parametrize("masked", [True, False])
+def test_decode_grouped_equals_grouped_query_sdpa(masked):
+    """CUDA's decode layout (each KV head's query heads as query rows, no ``enable_gqa``) gives
+    grouped-query SDPA's output, with a ragged length mask and with none (every context full)."""
+    from moe_runtime.layers.attention import decode_grouped
+
+    g = torch.Generator().manual_seed(0)
+    b, hq, hkv, c, d = 3, 8, 2, 11, 16
+    q = torch.randn(b, hq, d, generator=g)
+    keys, vals = torch.randn(2, b, hkv, c, d, generator=g)
+    lens = torch.tensor([11, 4, 7]) if masked else torch.full((b,), c)
+    visible = (torch.arange(c)[None, :] < lens[:, None])[:, None, None, :]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.unsqueeze(2), keys, vals, attn_mask=visible, enable_gqa=True
+    )
+    got = decode_grouped(q, keys, vals, visible if masked else None)
+    assert got.shape == (b, hq, 1, d)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_step_context_marks_decodes_of_equal_length():
+    """``decode_full``: no length mask is needed when every decode's context is as long as the
+    longest (batch 1 always); a ragged batch keeps the mask."""
+    cpu = torch.device("cpu")
+    even = StepContext.build(["a", "b"], [0, 1], [6, 6], [1, 1], [True] * 2, cpu)
+    ragged = StepContext.build(["a", "b"], [0, 1], [6, 3], [1, 1], [True] * 2, cpu)
+    assert even.decode_full and not ragged.decode_full
+    assert bool(ragged.decode_mask[1, 0, 0, 4:].any()) is False

@@ -82,3 +82,43 @@ def test_cuda_bf16_grouped_experts_match_the_loop(tiny_qwen3):
             engine.generate(PROMPTS, params)
             logits[path] = engine.last_logits.clone()
     assert torch.equal(logits["grouped"], logits["loop"])
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("masked", [True, False])
+def test_cuda_decode_attention_runs_without_the_math_fallback(masked):
+    """Decode attention at a real GQA shape (Qwen3-30B-A3B: 32 query heads over 4 KV heads, head
+    dim 128, bf16) runs with only the flash and memory-efficient kernels allowed, and matches the
+    math kernel's grouped-query result."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from moe_runtime.layers.attention import decode_grouped
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, hq, hkv, c, d = 4, 32, 4, 77, 128
+    q = torch.randn(b, hq, d, generator=g, device="cuda", dtype=torch.bfloat16)
+    keys, vals = torch.randn(2, b, hkv, c, d, generator=g, device="cuda", dtype=torch.bfloat16)
+    lens = torch.tensor([77, 5, 40, 61], device="cuda") if masked else torch.full((b,), c, device="cuda")
+    visible = (torch.arange(c, device="cuda")[None, :] < lens[:, None])[:, None, None, :]
+    with sdpa_kernel([SDPBackend.MATH]):
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q.unsqueeze(2).float(), keys.float(), vals.float(), attn_mask=visible, enable_gqa=True
+        )
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        got = decode_grouped(q, keys, vals, visible if masked else None)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_seeded_sampling_is_reproducible(tiny_qwen3):
+    """A sampled request's generator lives on the logits' device (a CPU generator made every
+    sampled request on CUDA fail), and a seed gives the same tokens again."""
+    params = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
+    runtime = RuntimeConfig(device="cuda", max_model_len=64, max_batch_size=2, buffer_slots=2)
+    runs = []
+    for _ in range(2):
+        with LLMEngine.from_pretrained(tiny_qwen3, runtime) as engine:
+            runs.append([o.output_token_ids for o in engine.generate(PROMPTS, params)])
+    assert runs[0] == runs[1] and all(len(t) == 8 for t in runs[0])

@@ -34,6 +34,7 @@ class StepContext:
     decode_tokens: torch.Tensor | None = None  # [B_d] int64
     decode_mask: torch.Tensor | None = None  # [B_d, 1, 1, decode_ctx] bool
     decode_ctx: int = 0
+    decode_full: bool = False  # every decoding sequence's context is decode_ctx long: no mask needed
     prefill_seqs: list[int] = field(default_factory=list)
     # two or more prefill chunks attended in one padded call (when padding costs at most
     # PAD_WASTE x the useful work): their KV rows, their tokens' indices in the packed step, each
@@ -135,6 +136,7 @@ class StepContext:
         if dec:
             dec_ctx = np.asarray([ctx[i] for i in dec], dtype=np.int64)
             ctx_obj.decode_ctx = int(dec_ctx.max())
+            ctx_obj.decode_full = bool(dec_ctx.min() == ctx_obj.decode_ctx)
             host = np.stack(
                 [np.asarray([rows[i] for i in dec]), np.asarray([starts[i] for i in dec]), dec_ctx]
             )

@@ -190,7 +190,7 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt_token_ids), params, task)
         self._seqs[request_id] = seq
         if not params.greedy:
-            gen = torch.Generator(device="cpu")
+            gen = torch.Generator(device=self.device)  # where the logits are: multinomial needs it
             seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy)
             gen.manual_seed(seed % 2**64)  # torch's range; -1 and 2**64 - 1 seed alike, as before
             self._generators[request_id] = gen
