@@ -6,6 +6,10 @@ Run after ``moeserve bench decode --json > runs/bench/decode.json`` (this machin
 docs/results.md, ``moeserve bench policies --json > runs/bench/policies.json`` (skipped when that
 file is absent; ``tools/update_results_docs.py`` writes that section alone, without decode.json). The tables come from ``moeserve bench render``; the summaries and comparisons are
 computed from the same files.
+
+``--gpu-only`` rewrites only the "Other devices" section (every ``runs/bench/decode-cuda-*.json``
+and, verbatim, every ``runs/bench/replay-cuda-*.txt`` of ``tools/gpu_routine.sh``) and the GPU
+session routine, leaving the CPU sections as they are: for a session that ran only the routine.
 """
 
 import json
@@ -33,7 +37,10 @@ CPU_BENCH = (
     "--prefill-len 64"
 )
 
-dec = json.loads((root / "runs/bench/decode.json").read_text())
+GPU_ONLY = "--gpu-only" in sys.argv[1:]
+if {"-h", "--help"} & set(sys.argv[1:]):
+    print(__doc__)
+    sys.exit(0)
 render = lambda f: subprocess.run(
     [sys.executable, "-m", "moeserve", "bench", "render", f],
     cwd=root,
@@ -92,6 +99,44 @@ def other_runs(pattern: str, none: str) -> str:
     return "\n".join(parts) or f"{none}\n"
 
 
+def replays(pattern: str) -> str:
+    """Each ``runs/bench/<pattern>`` (``moeserve replay``'s printed summary) verbatim, titled by
+    its file name."""
+    parts = []
+    for path in sorted((root / "runs/bench").glob(pattern)):
+        parts.append(f"#### `{path.name}`\n\n```\n{path.read_text().rstrip()}\n```\n")
+    return "\n".join(parts)
+
+
+def other_devices() -> str:
+    """The "Other devices" section: every GPU decode JSON, then every GPU serving replay."""
+    runs = other_runs(
+        "decode-cuda-*.json",
+        "None recorded yet: a session with a lent GPU records them with the routine below.",
+    )
+    serving = replays("replay-cuda-*.txt")
+    if serving:
+        serving = (
+            "\n### Serving replays on a GPU\n\n"
+            "`tools/gpu_routine.sh` serves the Qwen3-30B-A3B shape (8 layers, bf16) and replays the\n"
+            "Azure conversation trace against it (`--rps 2 --trace-offset 60 --duration 60\n"
+            "--max-tokens-cap 64`: 101 requests, 1.67 req/s offered), all resident and at a 25% buffer\n"
+            "(`--buffer-fraction`, in the file name). Each summary's first line gives its own settings:\n"
+            "a run at `trace_offset_s=0.0` had the trace's first minute, which offers 0.59 req/s.\n"
+            "`moeserve replay` printed:\n\n" + serving
+        )
+    return f"""## Other devices
+
+Every `runs/bench/decode-cuda-*.json` (the GPU session routine below writes them), rendered the
+same way; the file name ends with the commit the run was made at. Runs on different machines
+(or calls) of the same kind differ in host speed, and a decode step on a GPU is mostly host time:
+compare each row's ratio to transformers, measured in the same run, rather than TPOT across runs.
+In `tools/gpu_routine.sh` the Qwen3 rows run while the Mixtral checkpoint is still being written
+(`load_avg_1min` in their settings).
+
+{runs}{serving}"""
+
+
 def cpu_commands() -> str:
     """The make-checkpoint and bench commands of :data:`CPU_RUNS`, each with its checkpoint size."""
     lines = ["mkdir -p runs/bench"]
@@ -140,7 +185,56 @@ shape_rows = "\n".join(
 mix, qwen3 = SHAPES["mixtral-8x7b"], SHAPES["qwen3-30b-a3b"]
 gb = lambda s, n: f"{s.checkpoint_bytes(n, 2) / 1e9:.1f} GB"
 
+
+def routine() -> str:
+    """The "GPU session routine" section (the end of the file)."""
+    return f"""## GPU session routine
+
+Whenever `status` of the device tool shows a GPU lent (`can_start_another` true), a session runs
+the following. Everything a command writes under `$OUT` on the GPU machine comes back.
+
+1. Here, from the project root: mark the start, fetch the wheels the GPU machine lacks (into
+   `.whl/`), and copy the replay's trace and prompts into `.gpu/` (the device tool sends the
+   checkout alone, not `../shared`); both folders are git-ignored.
+
+   ```bash
+   mkdir -p runs/bench .gpu && touch runs/bench/gpu-routine.start && ../shared/tools/gpu-wheels.sh llguidance threadpoolctl
+   grep -qx /.gpu/ .git/info/exclude || echo /.gpu/ >> .git/info/exclude
+   cp ../shared/data/arrival_traces/azure_llm_2023/AzureLLMInferenceTrace_conv.csv ../shared/data/prompts/prompts_combined.jsonl .gpu/
+   ```
+
+2. Run `bash tools/gpu_routine.sh` with the device tool's `run`, `carry: [".whl", ".gpu"]` and
+   `timeout_s: 600` (about 500 s on an H100, most of it writing the two checkpoints). It runs the
+   GPU tests, then `moeserve bench decode --device cuda --dtype bf16 --link-gbps 0
+   --prefill-len 2048` on the bundled model, the Qwen3-30B-A3B shape with 8 layers ({gb(qwen3, 8)})
+   and the Mixtral-8x7B shape with 4 layers ({gb(mix, 4)}) at buffers of 100% and 25%, and the
+   serving replay above against the Qwen3 shape, all resident (then at 25% where time is left).
+
+3. Here: copy what came back (the device tool puts a run's files under `/work/.device/`) into
+   `runs/bench/`, each name ending with the commit the run was made at, and regenerate the
+   "Other devices" section.
+
+   ```bash
+   c=$(git rev-parse --short HEAD); for f in $(find /work/.device -name 'decode-cuda-*.json' -newer runs/bench/gpu-routine.start); do cp $f runs/bench/$(basename $f .json)-at-$c.json; done
+   for f in $(find /work/.device -name 'replay-cuda-*.txt' -newer runs/bench/gpu-routine.start); do cp $f runs/bench/$(basename $f .txt)-at-$c.txt; done
+   python tools/update_bench_docs.py --gpu-only
+   ```
+
+   `runs/` is git-ignored. Commit the regenerated `docs/benchmarks.md`, and say which device the
+   figures came from. The tool names the device in each section title; `gpu-tests.log` and
+   `log.txt` (checkpoint times, each step's exit status) come back beside the JSON.
+"""
+
+
 # ---- benchmarks.md
+if GPU_ONLY:  # only the GPU section changes: the CPU JSONs of the other sections need not be here
+    path = root / "docs/benchmarks.md"
+    text = path.read_text()
+    start, end = text.index("## Other devices\n"), text.index("## Real-shape checkpoints")
+    text = text[:start] + other_devices() + text[end:]
+    path.write_text(text[: text.index("## GPU session routine")] + routine())
+    sys.exit(0)
+dec = json.loads((root / "runs/bench/decode.json").read_text())
 cpu_summary = summary(dec)
 bench = f"""# Benchmarks
 
@@ -230,11 +324,7 @@ python tools/update_bench_docs.py   # renders each JSON below
 ```
 
 {other_runs("decode-cpu-*.json", "None recorded yet: run the commands above.")}
-## Other devices
-
-Every `runs/bench/decode-cuda-*.json` (the GPU session routine below writes them), rendered the same way.
-
-{other_runs("decode-cuda-*.json", "None recorded yet: a session with a lent GPU records them with the routine below.")}
+{other_devices()}
 ## Real-shape checkpoints (`moeserve make-checkpoint`)
 
 `moeserve make-checkpoint --shape NAME --layers N --out DIR [--dtype bf16|fp16|fp32] [--seed S]`
@@ -270,52 +360,7 @@ layer GB": one MoE decoder layer with its attention and norms, "model GB": the w
   writes {gb(mix, 4)} in bf16; `qwen3-30b-a3b` with 8 layers writes {gb(qwen3, 8)}. Check the disk
   first.
 
-## GPU session routine
-
-Whenever `status` of the device tool shows a GPU lent (`can_start_another` true), a session runs
-the following. Everything a command writes under `$OUT` on the GPU machine comes back.
-
-1. Here, from the project root: mark the start (step 3 copies what came back since) and fetch the
-   wheels the GPU machine lacks (into `.whl/`, git-ignored).
-
-   ```bash
-   mkdir -p runs/bench && touch runs/bench/gpu-routine.start && ../shared/tools/gpu-wheels.sh llguidance threadpoolctl
-   ```
-
-2. Run each of these three commands with the device tool's `run`, `carry: [".whl"]`, and
-   `timeout_s: 600`. After each one, copy its files back as in step 3: a reply brings only the
-   latest command's files.
-
-   GPU tests and the bundled model:
-
-   ```bash
-   python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit; nvidia-smi --query-gpu=name,memory.total --format=csv; timeout 300 python3 -m pytest -q -rs tests/test_devices.py 2>&1 | tee $OUT/gpu-tests.log; python3 -m moeserve bench decode --device cuda --dtype bf16 --link-gbps 0 --prefill-len 2048 --json > $OUT/decode-cuda-tiny-moe.json
-   ```
-
-   The Mixtral-8x7B shape, 4 layers ({gb(mix, 4)}):
-
-   ```bash
-   python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit; python3 -m moeserve make-checkpoint --shape mixtral-8x7b --layers 4 --out /tmp/ckpt/mixtral-4l && python3 -m moeserve bench decode --model /tmp/ckpt/mixtral-4l --device cuda --dtype bf16 --fractions 1.0,0.25 --link-gbps 0 --prefill-len 2048 --json > $OUT/decode-cuda-mixtral-8x7b-4l.json
-   ```
-
-   The Qwen3-30B-A3B shape, 8 layers ({gb(qwen3, 8)}):
-
-   ```bash
-   python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit; python3 -m moeserve make-checkpoint --shape qwen3-30b-a3b --layers 8 --out /tmp/ckpt/qwen3-8l && python3 -m moeserve bench decode --model /tmp/ckpt/qwen3-8l --device cuda --dtype bf16 --fractions 1.0,0.25 --link-gbps 0 --prefill-len 2048 --json > $OUT/decode-cuda-qwen3-30b-a3b-8l.json
-   ```
-
-3. Here, after each run: copy the JSON that came back (the device tool puts a run's files under
-   `/work/.device/`) into `runs/bench/` and regenerate this file; each GPU run becomes a section
-   above, named after its device.
-
-   ```bash
-   find /work/.device -name 'decode-cuda-*.json' -newer runs/bench/gpu-routine.start -exec cp {{}} runs/bench/ \\;
-   python tools/update_bench_docs.py
-   ```
-
-   `runs/` is git-ignored. Commit the regenerated `docs/benchmarks.md`, and say which device the
-   figures came from. The tool names the device in each section title.
-"""
+{routine()}"""
 (root / "docs/benchmarks.md").write_text(bench)
 print(cpu_summary)
 

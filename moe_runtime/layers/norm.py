@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
 #: device type -> whether ATen's one-kernel RMSNorm runs there (probed once per device type)
 _FUSED: dict[str, bool] = {}
 
