@@ -25,7 +25,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim; ``x`` is ``[..., D]``.
 
     The normalisation runs in fp32 and is cast back before the weight, as transformers' RMSNorm
-    does. Where ATen's fused kernel runs, the fp32 part is one kernel instead of four (pow, mean,
+    does. Where ATen's fused kernel runs, the fp32 part is one kernel instead of five (pow, mean,
     add, rsqrt, mul): on a GPU each kernel launch costs host time, and a Qwen3 decoder layer
     normalises four times (its input, after attention, the queries' and the keys' heads).
     """

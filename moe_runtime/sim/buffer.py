@@ -171,6 +171,17 @@ class SimBuffer:
         if self._io[i].transfer is None:
             self._start(i, self.now)
 
+    def _catch_up(self) -> None:
+        """Replay the I/O that finished by ``now`` before a plan reads the buffer."""
+        if self._next_done <= self.now:
+            self.advance()
+
+    def _kick_idle(self) -> None:
+        """Start the next transfer on every idle I/O thread (``_kick`` of each), after a plan."""
+        for i, io in enumerate(self._io):
+            if io.transfer is None:
+                self._start(i, self.now)
+
     # ------------------------------------------------------------------ policy interface
     def prefetch_capacity(self) -> int:
         """Slots prefetches could fill now, over all devices (caller holds ``cond``)."""
@@ -192,40 +203,31 @@ class SimBuffer:
     def prefetch(self, keys: np.ndarray, priorities: np.ndarray, replace: bool = True) -> None:
         """Queue prefetches of ``keys [n]`` with ``priorities [n]`` (``ExpertBuffer.prefetch``, same
         rules)."""
-        if self._next_done <= self.now:
-            self.advance()
+        self._catch_up()
         apply_prefetch_plan(self.parts, self.home, keys, priorities, replace, self.stats, now=self.now)
-        for i, io in enumerate(self._io):
-            if io.transfer is None:  # ``_kick``
-                self._start(i, self.now)
+        self._kick_idle()
 
     def prefetch_best(
         self, scores: np.ndarray, first_key: int, limit: int | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """``ExpertBuffer.prefetch_best``, same rules (``partition.apply_best_plan``; ``limit``
         None: :meth:`prefetch_capacity` once the clock is replayed to ``now``)."""
-        if self._next_done <= self.now:
-            self.advance()
+        self._catch_up()
         if limit is None:
             limit = self.prefetch_capacity()
         keys, best, _ = apply_best_plan(
             self.parts, self.home, self.held, scores, first_key, limit, self.stats, now=self.now
         )
-        for i, io in enumerate(self._io):
-            if io.transfer is None:  # ``_kick``
-                self._start(i, self.now)
+        self._kick_idle()
         return keys, best
 
     def prefetch_ranked(self, keys: np.ndarray, priorities: np.ndarray) -> None:
         """``ExpertBuffer.prefetch_ranked``, same rules (``partition.apply_ranked_plan``, up to
         :meth:`prefetch_capacity` once the clock is replayed to ``now``)."""
-        if self._next_done <= self.now:
-            self.advance()
+        self._catch_up()
         limit = self.prefetch_capacity()
         apply_ranked_plan(self.parts, self.home, self.held, keys, priorities, limit, self.stats, now=self.now)
-        for i, io in enumerate(self._io):
-            if io.transfer is None:  # ``_kick``
-                self._start(i, self.now)
+        self._kick_idle()
 
     # ------------------------------------------------------------------ compute side
     def run_layer(self, layer: int, experts: list[int], compute_s: Callable[[int], float]) -> float:
