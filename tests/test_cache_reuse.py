@@ -119,6 +119,64 @@ def test_add_row_probs_adds_the_ids_and_derives_that_row_only(shape: tuple[int, 
         np.testing.assert_array_equal(p, want_p)  # row 2 derived, the others untouched
 
 
+def test_add_rows_probs_equals_one_call_per_layer_in_order() -> None:
+    """The batched update of the layers no victim followed (a layer may repeat: a whole pass
+    wrapped into the next step) equals :func:`add_row_probs` once per layer, in order."""
+    from moe_runtime.buffer import reuse_kernel
+
+    rng = np.random.default_rng(3)
+    counts = rng.integers(0, 5, size=(4, 9)).astype(np.float64)
+    layers = np.array([1, 2, 3, 0, 1], dtype=np.int64)
+    ids = [rng.integers(0, 9, size=(3, 2)).astype(np.int64) for _ in layers]
+    want_c, want_p = counts.copy(), np.full(36, -1.0)
+    for layer, x in zip(layers.tolist(), ids):
+        reuse_kernel.add_row_probs(want_c, want_p, layer, x)
+    for fn in (reuse_kernel.add_rows_probs, getattr(reuse_kernel.add_rows_probs, "py_func", None)):
+        if fn is None:
+            continue
+        c, p = counts.copy(), np.full(36, -1.0)
+        fn(c, p, layers, np.concatenate(ids))
+        np.testing.assert_array_equal(c, want_c)
+        np.testing.assert_array_equal(p, want_p)
+
+
+@pytest.mark.parametrize("victim_every", [0, 1, 3])
+def test_deferred_rows_give_the_probabilities_of_a_whole_read(victim_every: int) -> None:
+    """Decode layers routed with a victim after every ``victim_every``-th (0: never, so whole
+    passes wait and are derived together): ``p_use`` and the victims equal those of a policy
+    that reads the recorder's counts whole at each layer (every layer on the slow path)."""
+    from tracer.recorder import RequestRecorder
+
+    rng = np.random.default_rng(victim_every)
+    k, T, S = 2, 2, 6
+    rec = RequestRecorder(L, E, k)
+    for r in ("a", "b"):
+        rec.begin_request(r, 3)
+    fast = make_cache_policy("eam-reuse", S, E, num_layers=L, recorder=rec)
+    whole = make_cache_policy("eam-reuse", S, E, num_layers=L, recorder=rec)
+    for s in range(S):
+        key = int(rng.integers(0, L * E))
+        fast.on_fill(s, key, prefetch=False)
+        whole.on_fill(s, key, prefetch=False)
+    seq, pre = np.arange(T, dtype=np.int64), np.zeros(T, dtype=bool)
+    routed = 0
+    for _ in range(3):  # steps
+        ids_list = ["a", "b"]  # one list object per step, as the engine passes it
+        for layer in range(L):
+            ids = rng.integers(0, E, size=(T, k)).astype(np.int64)
+            rec.record(layer, ids_list, seq, pre, ids, None)
+            fast.after_routing(layer, ids_list, ids)
+            whole._seen = None  # forces the whole read (query_sum) at every layer
+            whole.after_routing(layer, ids_list, ids)
+            routed += 1
+            if victim_every and routed % victim_every == 0:
+                assert fast.victim(np.arange(S)) == whole.victim(np.arange(S))
+        rec.end_step()
+    assert len(fast._pending) < L  # a whole pass never waits
+    np.testing.assert_array_equal(fast.p_use, whole.p_use)
+    assert fast.victim(np.arange(S)) == whole.victim(np.arange(S))
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_reuse_victim_is_the_furthest_expected_use_ties_lowest_slot(seed: int) -> None:
     from moe_runtime.buffer import reuse_kernel

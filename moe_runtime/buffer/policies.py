@@ -136,9 +136,10 @@ class EAMReuseCachePolicy(CachePolicy):
         # ((live_changes, ids' shape), layer, batch (a copy), the caller's list) of the last routing
         self._seen: tuple | None = None
         self._counts = np.zeros((num_layers, num_experts))  # the batch's counts so far, [L, E]
-        # the ids [T, k] of the last routed layer (``layer``) not yet added to ``_counts``: the
-        # next victim's compiled call adds them (``reuse_kernel.reuse_victim``'s ``pending_ids``)
-        self._pending: np.ndarray | None = None
+        # routed layers not yet added to ``_counts``, ``(layer, ids [T, k])`` in routing order: the
+        # next victim's compiled call adds them (``reuse_kernel.reuse_victim``'s ``pending_ids``
+        # for the last one alone, else ``add_rows_probs`` first), or one call once a pass waits
+        self._pending: list[tuple[int, np.ndarray]] = []
         self._slot_key = np.full(num_slots, -1)
         self._recency = np.zeros(num_slots)  # tick of the last fill/use, for ties (LRU-wise)
         self._lru = False
@@ -160,7 +161,8 @@ class EAMReuseCachePolicy(CachePolicy):
         changed = bool(value) != self._lru
         self._lru = bool(value)
         if changed:  # LRU routings are not counted: the next one reads the counts whole
-            self._seen = self._pending = None
+            self._seen = None
+            self._pending = []
             if self.on_order_change is not None:
                 self.on_order_change()
 
@@ -177,9 +179,12 @@ class EAMReuseCachePolicy(CachePolicy):
             # after it still hold the finished steps' counts, as the recorder's do): one compiled
             # call adds the ids to that row and derives its probabilities; else the recorder's
             # counts are read whole (``query_sum``) and every row is derived. The one call is
-            # deferred to the next victim's (``reuse_victim``'s ``pending_ids``, on the I/O thread): a lone
-            # compiled call cost the compute thread 13-16 us per decode layer with its caches
-            # cold after the experts' GEMMs (bundled model, batch 4), against 1 us warm.
+            # deferred to the next victim's (``reuse_victim``'s ``pending_ids``, on the I/O thread),
+            # and routed layers no victim followed wait for it too (one call for all, or one per
+            # pass of layers, ``_apply_pending``): a lone compiled call cost the compute thread
+            # 13-16 us per decode layer with its caches cold after the experts' GEMMs (bundled
+            # model, batch 4), against 1 us warm; at a 50% buffer, batch 1, no victim comes for
+            # many layers, and one call per layer was 40 us of a 6.5 ms decode step.
             rec, seen, L = self.recorder, self._seen, self.num_layers
             live = getattr(rec, "live_changes", None)
             key = (live, topk_ids.shape)
@@ -198,14 +203,15 @@ class EAMReuseCachePolicy(CachePolicy):
             ):
                 if topk_ids.dtype != np.int64 or not topk_ids.flags.c_contiguous:
                     topk_ids = np.ascontiguousarray(topk_ids, dtype=np.int64)  # the runtime's already are
-                if self._pending is not None:  # no victim since the last routed layer: apply it now
-                    reuse_kernel.add_row_probs(self._counts, self._p_use, seen[1], self._pending)
-                self._pending = topk_ids  # row ``layer``'s update: in the next victim's call
+                pending = self._pending
+                pending.append((layer, topk_ids))  # row ``layer``'s update: in the next victim's call
+                if len(pending) >= L:  # a whole pass without a victim: derive it now, one call
+                    self._apply_pending()
                 if request_ids is seen[3]:
                     self._seen = (key, layer, seen[2], request_ids)
                     return
             else:
-                self._pending = None  # the counts are read whole, this layer's choices included
+                self._pending = []  # the counts are read whole, this layer's choices included
                 counts = rec.query_sum(request_ids, layer, prefill_weight=self.prefill_weight)
                 self._counts = np.ascontiguousarray(counts, dtype=np.float64)
                 reuse_kernel.reuse_probs(self._counts, self._p_use, 0, L, k, T)
@@ -215,10 +221,22 @@ class EAMReuseCachePolicy(CachePolicy):
     def p_use(self) -> np.ndarray:
         """``[L * E]`` per-step use probability of each key (``reuse_kernel.reuse_probs``), from
         the counts of the latest routing while not :attr:`lru`."""
-        if self._pending is not None:
-            reuse_kernel.add_row_probs(self._counts, self._p_use, self.layer, self._pending)
-            self._pending = None
+        if self._pending:
+            self._apply_pending()
         return self._p_use
+
+    def _apply_pending(self) -> None:
+        """Add every routed layer still pending to the counts and derive their rows of
+        ``p_use``: one compiled call (``reuse_kernel.add_row_probs``, or ``add_rows_probs``
+        for several)."""
+        pending, self._pending = self._pending, []
+        if len(pending) == 1:
+            layer, ids = pending[0]
+            reuse_kernel.add_row_probs(self._counts, self._p_use, layer, ids)
+        elif pending:
+            layers = np.array([layer for layer, _ in pending], dtype=np.int64)
+            ids = np.concatenate([ids for _, ids in pending])
+            reuse_kernel.add_rows_probs(self._counts, self._p_use, layers, ids)
 
     def on_fill(self, slot: int, key: int, prefetch: bool) -> None:
         self._slot_key[slot] = key
@@ -244,8 +262,13 @@ class EAMReuseCachePolicy(CachePolicy):
         without building the candidate list): one compiled call (``reuse_kernel``). Ties: LRU,
         then the lowest slot. Not while :attr:`lru`."""
         keys, p, recency, L, E = self._slot_key, self._p_use, self._recency, self.num_layers, self.num_experts
-        pending, self._pending = self._pending, None
-        ids = reuse_kernel.NO_IDS if pending is None else pending
+        pending = self._pending
+        ids = reuse_kernel.NO_IDS
+        if len(pending) == 1 and pending[0][0] == self.layer:  # the usual case: one call
+            ids = pending[0][1]
+            self._pending = []
+        elif pending:
+            self._apply_pending()
         return reuse_kernel.reuse_victim(evictable, keys, p, recency, self.layer, L, E, self._counts, ids)
 
 

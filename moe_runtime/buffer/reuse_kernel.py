@@ -11,8 +11,11 @@ and 4 GB/s, about 40 victims a decode step, the trial's ``cache`` arm
 (``moe_runtime.prefetch.gate.ModeTrial``) spent 0.3-0.4 ms of a 7-8 ms step more compute-thread
 CPU than LRU, more than the copies it saved (issue #15). Here a victim is one loop over the
 slots that scores only the evictable ones, and the probabilities of a routed layer's row are
-derived in the same call as the next victim (:func:`reuse_victim`'s ``pending_ids``; on the compute thread
-only when no victim came between two routed layers). The victim's calls keep the GIL: with
+derived in the same call as the next victim (:func:`reuse_victim`'s ``pending_ids``); routed layers
+that no victim followed wait, and are derived together in one call (:func:`add_rows_probs`) at the
+next victim or once a whole pass of layers waits (a compiled call per decode layer on the compute
+thread cost about 5 us with its caches cold: 40 us of a 6.5 ms decode step at batch 1 and a 50%
+buffer, where no victim comes for many layers). The victim's calls keep the GIL: with
 ``nogil`` the I/O thread's CPU time per decode MoE layer in victims rose from about 27 to 50 us
 (``tools/lean_cost.py``, 50% buffer, 32 GB/s, batch 4), a release and re-take per victim, and
 the compute thread's MoE block did not get faster. The victims are those of the numpy form: ``pow`` is
@@ -88,6 +91,18 @@ def add_row_probs(counts: np.ndarray, p_use: np.ndarray, layer: int, topk_ids: n
 
 
 @njit(cache=True)
+def add_rows_probs(counts: np.ndarray, p_use: np.ndarray, layers: np.ndarray, topk_ids: np.ndarray) -> None:
+    """:func:`add_row_probs` for each of ``n`` routed layers in order: ``layers [n]`` (int64)
+    and their ids ``topk_ids [n * T, k]`` (int64, layer ``i``'s ``[T, k]`` at rows ``i * T ..``;
+    every layer of one step shape). A layer listed twice gets both updates; the result equals
+    ``n`` calls of :func:`add_row_probs` (a row's probabilities depend only on its counts)."""
+    n = layers.shape[0]
+    tokens = topk_ids.shape[0] // n if n else 0
+    for i in range(n):
+        add_row_probs(counts, p_use, layers[i], topk_ids[i * tokens : (i + 1) * tokens])
+
+
+@njit(cache=True)
 def reuse_probs(counts: np.ndarray, p_use: np.ndarray, lo: int, hi: int, top_k: int, tokens: int) -> None:
     """Rows ``lo .. hi - 1`` of ``p_use [L * E]`` from ``counts [L, E]`` (float64, integer-valued):
     ``p = 1 - (1 - min(1, k * c / n))^T``, the chance a step of ``T = tokens`` tokens uses the
@@ -127,6 +142,7 @@ def warm() -> None:
         counts = np.zeros((1, 1))
         reuse_probs(counts, np.zeros(1), 0, 1, 1, 3)
         add_row_probs(counts, np.zeros(1), 0, np.zeros((1, 1), dtype=np.int64))
+        add_rows_probs(counts, np.zeros(1), np.zeros(1, dtype=np.int64), np.zeros((1, 1), dtype=np.int64))
         one, key = np.ones(1, dtype=np.bool_), np.zeros(1, dtype=np.int64)
         for pending in (NO_IDS, np.zeros((1, 1), dtype=np.int64)):
             reuse_victim(one, key, np.ones(1), np.zeros(1), 0, 1, 1, counts, pending)
