@@ -327,6 +327,70 @@ def test_a_barred_arm_is_neither_chosen_nor_explored_until_it_is_allowed_again()
         trial.bar("sometimes", True)
 
 
+def test_a_trial_with_every_other_arm_barred_rests_and_measures_afresh_once_unbarred() -> None:
+    """While only the reference arm is allowed no pair can form: the caller skips measuring
+    (``settled``) and reports the step with ``rest``; once another arm is allowed again, the
+    first window is measured from scratch (the step after the rest is not counted)."""
+    trial = ModeTrial(window=2, explore_every=4, first_pairs=1, settle=1, arms=("prefetch", "cache"))
+    assert not trial.settled  # the first window prefetches
+    _drive_arms(trial, [0.010, 0.010], 12)
+    trial.bar("prefetch", True)
+    _drive_arms(trial, [0.010, 0.010], 6)  # the current window ends: caching alone from then on
+    assert trial.arm_name == "cache" and trial.settled
+    steps = trial.decode_steps_by_arm[1]
+    trial.end_step(0.01, decode_only=True)  # a window is open
+    for _ in range(5):
+        trial.rest(decode_only=True)
+    assert trial.decode_steps_by_arm[1] == steps + 6 and trial._n == 0 and trial._prev is None
+    trial.bar("prefetch", False)
+    assert not trial.settled
+    assert not trial.end_step(0.01, decode_only=True)  # not counted: the measuring restarts
+    assert trial._n == 0
+    trial.end_step(0.01, decode_only=True)
+    assert trial._n == 1
+
+
+def test_eam_reads_no_run_clock_while_prefetching_is_barred() -> None:
+    """With prefetching barred and the trial caching alone, a decode step's end reads only the
+    buffer's counters (the run delay's pread cost about 16 us a step), and the bar is still
+    weighed: once steps block long enough it lifts and the steps are measured again."""
+    from test_policies import fake_eam_policy, small_store
+
+    from moe_runtime.buffer import ExpertBuffer
+
+    class CountingClock:
+        def __init__(self) -> None:
+            self.reads = 0
+
+        def delay(self) -> float:
+            self.reads += 1
+            return 0.0
+
+        @staticmethod
+        def wall() -> float:
+            return 0.0
+
+    buf = ExpertBuffer(small_store(), [torch.device("cpu")], 12, link=(1e-7, 0.0))
+    try:
+        pol = fake_eam_policy(buf, np.ones((4, 5)), lookahead=1)
+        pol._run_clock = clock = CountingClock()
+        pol.set_arm("cache")
+        pol.trial.arm = pol.trial.reference
+        pol.gate.host_s = 1e-3  # a planning layer costs 1 ms: 3 ms per step of 4 layers
+        pol._bar_prefetch(1e-4)
+        assert pol.trial.settled
+        for _ in range(5):
+            pol.end_step()
+        assert clock.reads == 0 and pol.trial.decode_steps_by_arm[1] == 5
+        pol.gate.host_s = 0.0  # plans cost nothing now: nothing bars prefetching
+        pol.end_step()  # the bar is weighed, and lifts
+        assert not pol.trial.barred[0]
+        pol.end_step()
+        assert clock.reads == 1  # measured again
+    finally:
+        buf.close()
+
+
 def test_three_arms_a_cost_that_falls_within_each_batch_favours_no_arm() -> None:
     """A batch's early decode steps cost more under every arm (its experts are not cached
     yet), and a step whose batch needs more distinct experts costs more under every arm: the

@@ -693,14 +693,29 @@ class EAMPrefetch(PrefetchPolicy):
         self._step_link = None  # the gate's figures change here (_link_terms)
         gate = self.gate
         if gate is not None:
-            now = clock(self.buffer)
-            gate.update_link(self.buffer.stats, now, self._transfer_s())
-            if self._timed:  # h: the I/O threads' own work per copy (none in the simulator)
-                gate.copy_host_s = getattr(self.buffer, "copy_host_seconds", None) or 0.0
+            settled = self.trial is not None and self.trial.settled
+            if not settled:  # the plans' link figures; while settled no plan reads them
+                now = clock(self.buffer)
+                gate.update_link(self.buffer.stats, now, self._transfer_s())
+                if self._timed:  # h: the I/O threads' own work per copy (none in the simulator)
+                    gate.copy_host_s = getattr(self.buffer, "copy_host_seconds", None) or 0.0
             gate.new_step()
             if self.eamc_term is not None:
                 self.eamc_term.new_step()
-            if self.trial is not None:
+            if settled:
+                # Caching alone and prefetching barred (_bar_prefetch): no pair of arms can form,
+                # so the step's cost is not measured (the run delay's pread alone was about
+                # 16 us of a 6.5 ms decode step at batch 1), nor the link's figures for the plans
+                # (the first update after the bar lifts spans the whole rest: a mean over it);
+                # only the bar is weighed again.
+                stats = self.buffer.stats
+                blocking = stats.total_blocking_s
+                if self._decode_only and self.idle:
+                    self._bar_prefetch(blocking - self._step_blocking_s)
+                self._step_blocking_s, self._step_lookups = blocking, stats.total_lookups
+                self._step_cpu_s = self._step_delay_s = None  # measured afresh once unbarred
+                self.trial.rest(self._decode_only)
+            elif self.trial is not None:
                 # what the step cost the compute thread from its first routed layer on: its wall
                 # time less its run delay (run_clock: plans, router lookahead, cache policy, the
                 # experts' batches, blocking and the GIL waits copies cause, all of which the arms

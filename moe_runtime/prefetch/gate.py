@@ -364,7 +364,9 @@ class ModeTrial:
         n = len(arms)
         self.reference = n - 1  # the first windows alternate it with each other arm
         self.arm = 0  # the arm of the current window (0: prefetching)
-        self.barred = np.zeros(n, dtype=bool)  # arms the caller ruled out for now (:meth:`bar`)
+        # arms the caller ruled out for now (:meth:`bar`); a list, not an array: read at every
+        # step's end, where a numpy reduction of it cost 8-27 us (caches cold after the step)
+        self.barred = [False] * n
         self.diffs = np.zeros((n, n))  # running (a - b) / mean of paired windows; antisymmetric
         self.pair_counts = np.zeros((n, n), dtype=np.int64)  # pairs measured per pair of arms
         self.pairs = 0  # pairs measured
@@ -403,7 +405,23 @@ class ModeTrial:
         i = self.arms.index(arm) if arm in self.arms else -1
         if i < 0 or (barred and i == self.reference):
             raise ValueError(f"cannot bar arm {arm!r} of {self.arms} (the last one is never barred)")
-        self.barred[i] = barred
+        self.barred[i] = bool(barred)
+
+    @property
+    def settled(self) -> bool:
+        """Whether the current arm is the only one allowed (the reference, every other arm
+        barred): no pair can form, so a step's cost need not be measured (:meth:`rest`)."""
+        return self.arm == self.reference and sum(self.barred) == len(self.arms) - 1
+
+    def rest(self, decode_only: bool) -> None:
+        """A step ended that was not measured (while :attr:`settled`): it is counted, and the
+        open window and the last window's cost are dropped, so that once another arm is allowed
+        again the measuring starts afresh (its first step not counted, as after a prefill)."""
+        if decode_only:
+            self.decode_steps += 1
+            self.decode_steps_by_arm[self.arm] += 1
+        self._sum, self._work, self._n, self._prev = 0.0, 0.0, 0, None
+        self._skip = max(self._skip, 1)
 
     @property
     def diff(self) -> float:
