@@ -120,3 +120,25 @@ def test_the_runtime_leaves_out_an_eamc_term_that_adds_nothing(monkeypatch: pyte
         np.testing.assert_array_equal(pol._last[1][0] > 0, np.eye(4, 5)[1] > 0)
     finally:
         buf.close()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_used_difference_counts_as_the_masks_do(seed: int) -> None:
+    """The compiled difference in used candidates equals the numpy reference: a mask of the
+    routed ids (negative ids: none), candidates past the largest routed id unused."""
+    from moe_runtime.prefetch import kernels
+
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(-1, 20, size=12).astype(np.int64)
+    with_term = rng.choice(30, size=7, replace=False).astype(np.int64)
+    without_term = rng.choice(30, size=5, replace=False).astype(np.int64)
+    used = np.zeros(max(int(ids.max()) + 1, 1), dtype=bool)
+    used[ids[ids >= 0]] = True
+
+    def hits(experts: np.ndarray) -> int:
+        return int(used[experts[experts < used.size]].sum())
+
+    want = hits(with_term) - hits(without_term)
+    for fn in (kernels.used_difference, getattr(kernels.used_difference, "py_func", None)):
+        if fn is not None:
+            assert fn(ids, with_term, without_term) == want

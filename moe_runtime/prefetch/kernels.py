@@ -642,6 +642,30 @@ def score_candidates(figures: np.ndarray, row: int, group: np.ndarray, ids: np.n
 
 
 @njit(cache=True)
+def used_difference(ids: np.ndarray, with_term: np.ndarray, without_term: np.ndarray) -> int:
+    """How many more of the experts ``with_term [n]`` than of ``without_term [m]`` (ids >= 0,
+    int64) are among the routed ``ids [T * k]`` (int64; negative: none): ``TermValue.observe``'s
+    difference in one compiled call (as numpy, a mask, two gathers and two sums, 15-19 us of a
+    planning layer with the caches cold, batch 16)."""
+    size = 1
+    for i in range(ids.size):
+        if ids[i] + 1 > size:
+            size = ids[i] + 1
+    used = np.zeros(size, dtype=np.bool_)
+    for i in range(ids.size):
+        if ids[i] >= 0:
+            used[ids[i]] = True
+    diff = 0
+    for e in with_term:
+        if e < size and used[e]:
+            diff += 1
+    for e in without_term:
+        if e < size and used[e]:
+            diff -= 1
+    return diff
+
+
+@njit(cache=True)
 def blend(rows: np.ndarray, ahead: np.ndarray, weight: float) -> np.ndarray:
     """``rows [n, E]`` (float32) with the router lookahead ``ahead [d, E]`` (``d <= n``) blended
     into its first ``d`` rows: ``row_probs(rows[:d] + row_probs(ahead) * weight)``; a new array."""
@@ -688,6 +712,7 @@ def warm() -> None:
     for p_use in (np.zeros(2), np.zeros(2, dtype=np.float32)):
         least_used(held, p_use, 0, 1, 1, no_order, state)
     one_id = np.zeros(1, dtype=np.int64)
+    used_difference(one_id, one_id, one_id)
     score_candidates(np.ones((3, 1, 2)), 0, np.zeros((3, 1), dtype=np.int64), one_id, 0.9)
     entries = np.zeros((1, 1, 2), dtype=np.float32)
     entries.flags.writeable = False  # EAMC.entries() is a read-only view

@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from moe_runtime.prefetch import kernels
+
 # Plans scored before the test may skip the term (the running gain starts from these).
 MIN_SCORED = 8
 # A probe that finds the term not paying doubles the interval to the next, at most this many times.
@@ -124,11 +126,9 @@ class TermValue:
         pending = self._pending.pop(layer, None)
         if pending is None:
             return
-        used = np.zeros(max(int(topk_ids.max(initial=-1)) + 1, 1), dtype=bool)
-        ids = topk_ids.reshape(-1)
-        used[ids[ids >= 0]] = True
         with_term, without_term = pending
-        diff = _hits(used, with_term) - _hits(used, without_term)
+        ids = np.ascontiguousarray(topk_ids, dtype=np.int64).reshape(-1)
+        diff = kernels.used_difference(ids, _ids(with_term), _ids(without_term))
         self.gain_hits = diff if self.scored == 0 else self.decay * self.gain_hits + (1 - self.decay) * diff
         self.scored += 1
 
@@ -137,10 +137,9 @@ class TermValue:
         self._pending.clear()
 
 
-def _hits(used: np.ndarray, experts: np.ndarray) -> int:
-    """How many of ``experts [n]`` are marked in ``used [m]`` (ids past ``m`` are not)."""
-    inside = experts[experts < used.size]
-    return int(used[inside].sum())
+def _ids(experts: np.ndarray) -> np.ndarray:
+    """``experts`` as the int64 array ``kernels.used_difference`` takes (itself when it is one)."""
+    return experts if experts.dtype == np.int64 else experts.astype(np.int64)
 
 
 def candidates(row: np.ndarray, held: np.ndarray, cap: int) -> np.ndarray:
