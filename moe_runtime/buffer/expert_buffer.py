@@ -111,6 +111,9 @@ class ExpertBuffer:
         self.stats = ExpertStats(self.num_layers, len(devices))
         self.cond = threading.Condition()
         self._closing = False
+        # I/O threads waiting for the compute thread to release a slot (a demand fetch with
+        # nothing evictable): a release wakes the I/O threads only then (_release_all)
+        self._slot_waiters = 0
         self._io_error: tuple[Partition, BaseException] | None = None  # set by a dying I/O thread
         self.parts: list[Partition] = []
         ctx = {"num_layers": self.num_layers, **(policy_context or {})}
@@ -291,7 +294,11 @@ class ExpertBuffer:
             for part, s in held:
                 part.release_events[s] = events[part.index]
                 part.release(s)
-            self.cond.notify_all()
+            if self._slot_waiters:
+                # Only an I/O thread waiting for a slot needs the wake-up: waking the others
+                # (queues empty) at every batch's release cost the compute thread the GIL
+                # while each woke, looked and slept again.
+                self.cond.notify_all()
 
     def check_io(self) -> None:
         """Raise :class:`IOThreadError` if an I/O thread died (its copies will never land)."""
@@ -391,7 +398,11 @@ class ExpertBuffer:
                     if s is None:
                         if t.demand:
                             w0 = cpu()
-                            self.cond.wait()  # the compute thread will release a slot
+                            self._slot_waiters += 1
+                            try:
+                                self.cond.wait()  # the compute thread will release a slot
+                            finally:
+                                self._slot_waiters -= 1
                             off += cpu() - w0
                             waited = True
                         else:
