@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from moe_runtime.jit import njit
+
 
 @dataclass(slots=True)
 class StepContext:
@@ -60,24 +62,22 @@ class StepContext:
         distinct experts its own tokens chose, and each such expert's hit and blocking (an expert
         several sequences chose is charged to each of them).
 
-        One reduction over every layer at the step's end: the per-layer form (a ``[S, E]`` table
-        and three reductions per MoE layer, or three small reductions for one sequence) cost the
-        compute thread 26-74 us per layer on the bundled model (thread CPU time, batch 1 and 4,
-        caches cold after the expert GEMMs). Blocked seconds are summed in another order than per
-        layer (equal up to float rounding)."""
+        One compiled pass over every layer at the step's end (:func:`_attribute`): the per-layer
+        form (a ``[S, E]`` table and three reductions per MoE layer, or three small reductions for
+        one sequence) cost the compute thread 26-74 us per layer on the bundled model (thread CPU
+        time, batch 1 and 4, caches cold after the expert GEMMs), and one numpy reduction over a
+        ``[L, S, E]`` table about 190 us per step at batch 4. Blocked seconds are summed in
+        another order than per layer (equal up to float rounding)."""
         S = self.num_seqs
         layers = self.moe_layers
         if not layers:
             return np.zeros(S, dtype=np.int64), np.zeros(S, dtype=np.int64), np.zeros(S, dtype=np.float64)
-        ids = np.stack([x[0] for x in layers])  # [L, T, k]
-        hit = np.stack([x[1] for x in layers])  # [L, E]
-        blocked = np.stack([x[2] for x in layers])  # [L, E]
-        use = np.zeros((len(layers), S, num_experts), dtype=bool)  # layer, sequence, expert
-        use[np.arange(len(layers))[:, None, None], self.token_seq[None, :, None], ids] = True
-        lookups = use.sum(axis=(0, 2))
-        hits = (use & hit[:, None, :]).sum(axis=(0, 2))
-        blocking = np.einsum("lse,le->s", use, blocked)
-        return lookups.astype(np.int64), hits.astype(np.int64), blocking
+        # concatenated, not stacked (np.stack is two numpy calls per layer), then one compiled pass
+        ids = np.concatenate([x[0] for x in layers]).astype(np.int64, copy=False)  # [L * T, k]
+        hit = np.concatenate([x[1] for x in layers]).astype(np.bool_, copy=False)  # [L * E]
+        blocked = np.concatenate([x[2] for x in layers]).astype(np.float64, copy=False)  # [L * E]
+        seq = self.token_seq.astype(np.int64, copy=False)
+        return _attribute(ids, hit, blocked, seq, S, num_experts)
 
     def cached(self, key, build, *args):
         """``build(*args)`` the first time ``key`` is asked for in this step, the same object after
@@ -177,3 +177,50 @@ def _padded_prefill(step: StepContext, device: torch.device) -> None:
     step.prefill_pad = dev[p + n : p + 2 * n]
     last_t = dev[p + 2 * n :].view(p, max_new)
     step.prefill_mask = (torch.arange(max_ctx, device=device)[None, None, :] <= last_t[:, :, None])[:, None]
+
+
+@njit(cache=True)
+def _attribute(
+    ids: np.ndarray,
+    hit: np.ndarray,
+    blocked: np.ndarray,
+    token_seq: np.ndarray,
+    num_seqs: int,
+    num_experts: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:meth:`StepContext.expert_attribution` of ``L`` MoE layers: ``ids [L * T, k]`` (int64,
+    layer ``l``'s ``[T, k]`` at rows ``l * T ..``), ``hit [L * E]`` (bool) and ``blocked [L * E]``
+    (float64, seconds) per layer and expert, ``token_seq [T]`` (int64) each token's sequence.
+    Returns ``(lookups, hits, blocking)``, ``[S]`` each: per layer, each sequence's distinct
+    experts (a ``[S, E]`` mark, cleared after each layer), their hits and blocked seconds."""
+    T = token_seq.size
+    L = ids.shape[0] // T if T else 0
+    k = ids.shape[1]
+    lookups = np.zeros(num_seqs, dtype=np.int64)
+    hits = np.zeros(num_seqs, dtype=np.int64)
+    blocking = np.zeros(num_seqs, dtype=np.float64)
+    mark = np.zeros((num_seqs, num_experts), dtype=np.bool_)
+    for layer in range(L):
+        row0, key0 = layer * T, layer * num_experts
+        for t in range(T):
+            s = token_seq[t]
+            for j in range(k):
+                e = ids[row0 + t, j]
+                if not mark[s, e]:
+                    mark[s, e] = True
+                    lookups[s] += 1
+                    if hit[key0 + e]:
+                        hits[s] += 1
+                    blocking[s] += blocked[key0 + e]
+        for t in range(T):
+            s = token_seq[t]
+            for j in range(k):
+                mark[s, ids[row0 + t, j]] = False
+    return lookups, hits, blocking
+
+
+def warm() -> None:
+    """Compile (or load from numba's on-disk cache) :func:`_attribute` for the types a step
+    passes, so the first step does not pay the compile."""
+    one = np.zeros((1, 1), dtype=np.int64)
+    _attribute(one, np.zeros(1, dtype=np.bool_), np.zeros(1), np.zeros(1, dtype=np.int64), 1, 1)

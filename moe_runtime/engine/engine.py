@@ -23,6 +23,7 @@ import torch
 
 from moe_runtime.buffer import ExpertBuffer
 from moe_runtime.config import RuntimeConfig
+from moe_runtime.engine import context as step_context
 from moe_runtime.engine.context import StepContext
 from moe_runtime.engine.detokenizer import finish_text, take_delta, update_text
 from moe_runtime.engine.request import RequestOutput, SamplingParams, Sequence, SequenceStatus
@@ -113,6 +114,7 @@ class LLMEngine:
                 cfg.layer_windows,
             )
         self.model = MoEModel(cfg, loaded.dense, self.buffer, self.kv, self.max_model_len)
+        step_context.warm()  # the step's expert attribution is compiled: not on the first step's clock
         self.prefetcher = make_prefetch_policy(
             prefetch_policy,
             buffer=self.buffer,
