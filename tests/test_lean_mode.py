@@ -189,9 +189,7 @@ def test_a_lean_moe_layer_runs_the_aten_ops_of_on_demand(monkeypatch) -> None:
         with LLMEngine.from_pretrained(default_model_dir(), rt) as engine:
             trial = getattr(engine.prefetcher, "trial", None)
             if trial is not None:
-                trial.on = False
-                engine.prefetcher.set_arm("lean")
-                trial.end_step = lambda *step: False
+                engine.prefetcher.pin("lean")
                 assert engine.recorder is not None
             engine.generate([[5, 17, 33], [9, 1, 44]], SamplingParams(max_tokens=3, temperature=0))
         monkeypatch.setattr(model_mod, "moe_block", block)
@@ -223,9 +221,7 @@ def test_an_arm_without_plans_hands_the_policy_only_the_first_layers_routing(arm
         with LLMEngine.from_pretrained(default_model_dir(), rt) as engine:
             pf = engine.prefetcher
             if prefetch == "eam":
-                pf.trial.on = arm == "prefetch"
-                pf.set_arm(arm)
-                pf.trial.end_step = lambda *step: False
+                pf.pin(arm)
                 assert pf.idle == (arm != "prefetch")
             hook = pf.after_routing
 

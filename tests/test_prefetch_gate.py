@@ -391,6 +391,47 @@ def test_eam_reads_no_run_clock_while_prefetching_is_barred() -> None:
         buf.close()
 
 
+def test_a_pinned_arm_holds_whatever_the_steps_cost() -> None:
+    """``EAMPrefetch.pin`` holds the policy in one arm for measurements: no step is measured
+    (no run delay read), the prefetch bar is not weighed, the trial counts nothing, and the
+    policy is idle exactly for the arms without plans; the cache evicts LRU in ``lean`` alone."""
+    from test_policies import FakeRecorder, fake_eam_policy, small_store
+
+    from moe_runtime.buffer import ExpertBuffer
+
+    class CountingClock:
+        def __init__(self) -> None:
+            self.reads = 0
+
+        def delay(self) -> float:
+            self.reads += 1
+            return 0.0
+
+        @staticmethod
+        def wall() -> float:
+            return 0.0
+
+    context = {"recorder": FakeRecorder(np.ones((4, 5)))}
+    cpu = [torch.device("cpu")]
+    link = (1e-7, 0.0)
+    buf = ExpertBuffer(small_store(), cpu, 12, link=link, cache_policy="eam-reuse", policy_context=context)
+    try:
+        pol = fake_eam_policy(buf, np.ones((4, 5)), lookahead=1)
+        pol._run_clock = clock = CountingClock()
+        for arm in ("lean", "cache", "prefetch"):
+            pol.pin(arm)
+            assert pol.idle == (arm != "prefetch")
+            assert buf.parts[0].policy.lru == (arm == "lean")
+            pol.gate.host_s = 1e-3  # plans would cost 3 ms a step: unpinned, a cheap step bars them
+            for _ in range(40):
+                pol.end_step()
+            assert clock.reads == 0 and not any(pol.trial.barred) and pol.trial.decode_steps == 0
+        with pytest.raises(ValueError, match="sometimes"):
+            pol.pin("sometimes")
+    finally:
+        buf.close()
+
+
 def test_three_arms_a_cost_that_falls_within_each_batch_favours_no_arm() -> None:
     """A batch's early decode steps cost more under every arm (its experts are not cached
     yet), and a step whose batch needs more distinct experts costs more under every arm: the

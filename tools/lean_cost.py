@@ -73,9 +73,7 @@ def measure(prefetch: str, cache: str, args, count_ops: bool, mode: str = "lean"
         pf = engine.prefetcher
         trial = getattr(pf, "trial", None)
         if trial is not None:  # the trial's mode, pinned
-            trial.on = mode == "prefetch"
-            pf.set_arm(mode)
-            trial.end_step = lambda *step: False
+            pf.pin(mode)
         rec = engine.recorder
         if rec is not None:
             _wrap(rec, "record", acc, "record")

@@ -10,10 +10,16 @@ alternating from batch to batch), repeated ``--repeats`` times: each batch gives
 policy against the first, taken under the same load moments apart, and the median over all of
 them resolves about 1% with a few hundred decode steps per policy.
 
+A policy is a row label of ``bench policies`` (``COMBOS``), or ``eam@<arm>``: the default ``eam``
+row held in one arm of its measured trial (``EAMPrefetch.pin``; ``prefetch``, ``cache`` or
+``lean``), which splits what the default costs into what its arms cost and what its trial's
+exploring and switching cost.
+
 Prints the settings and, per policy, the median TPOT and the median, mean and quartiles of the
 paired ratios; ``--json`` prints them as JSON::
 
     python tools/policy_ab.py --policies on-demand+lru,on-demand+eam-reuse,eam --fraction 0.5 --batch 1 --link-gbps 0
+    python tools/policy_ab.py --policies on-demand+lru,eam,eam@cache,eam@lean --fraction 0.1 --batch 4 --link-gbps 0
 """
 
 from __future__ import annotations
@@ -31,6 +37,23 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from moe_runtime.bench.policies import COMBOS, _run_batches, load_model_and_workload  # noqa: E402
+from moe_runtime.prefetch.eam import MODES  # noqa: E402
+
+
+def parse_policy(label: str) -> tuple[str, str, dict, str | None]:
+    """``(prefetch policy, cache policy, runtime overrides, pinned arm or None)`` of a label: a
+    ``bench policies`` row but the oracle, or ``eam@<arm>`` (``arm`` one of ``MODES``).
+
+    Raises:
+        ValueError: an unknown label.
+    """
+    known = {c[0]: c for c in COMBOS if c[0] != "oracle"}
+    base, _, arm = label.partition("@")
+    if base not in known or (arm and (base != "eam" or arm not in MODES)):
+        pinned = ", ".join(f"eam@{m}" for m in MODES)
+        raise ValueError(f"unknown or unpaired policy {label!r} (one of {sorted(known)}, or {pinned})")
+    _, prefetch, cache, overrides = known[base]
+    return prefetch, cache, overrides, arm or None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,12 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 3:
         p.error(f"--repeats {args.repeats}: must be >= 3")
     labels = args.policies.split(",")
-    known = {c[0]: c for c in COMBOS}
-    for label in labels:
-        if label not in known or label == "oracle":
-            p.error(
-                f"--policies: unknown or unpaired policy {label!r} (one of {sorted(set(known) - {'oracle'})})"
-            )
+    try:
+        specs = [parse_policy(label) for label in labels]
+    except ValueError as e:
+        p.error(f"--policies: {e}")
 
     import torch
 
@@ -83,13 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     engines = []
     try:
-        for label in labels:
-            _, prefetch, cache, overrides = known[label]
+        for prefetch, cache, overrides, arm in specs:
             rt = replace(
                 base, buffer_fraction=args.fraction, prefetch_policy=prefetch, cache_policy=cache, **overrides
             )
             engine = LLMEngine(loaded, rt)
             engines.append(engine)
+            if arm is not None:
+                engine.prefetcher.pin(arm)
             _run_batches(engine, warm, args.batch, args.new_tokens)  # warm-up: EAMC, caches, trial
         tpots: dict[str, list[float]] = {label: [] for label in labels}
         outputs: dict[str, list] = {label: [] for label in labels}

@@ -172,6 +172,7 @@ class EAMPrefetch(PrefetchPolicy):
         if len(arms) < 2 or arms[0] != "prefetch" or [m for m in MODES if m in arms] != list(arms):
             raise ConfigError(f"eam trial arms must be 'prefetch' and more of {MODES}, in order; got {arms}")
         self.trial = ModeTrial(arms=arms) if cost_aware and self._timed and trial else None
+        self._pinned: str | None = None  # the arm :meth:`pin` holds the policy in (None: the trial's)
         self._decode_only = True  # no prefill token in the step so far (for the trial)
         self._step_cpu_s: float | None = None  # the compute thread's CPU clock at the last step's end
         self._step_blocking_s = 0.0  # the buffer's blocking counter at the last step's end
@@ -421,6 +422,9 @@ class EAMPrefetch(PrefetchPolicy):
         """Whether the trial runs an arm without plans (caching alone or lean): the model then
         hands only layer 0's routing over (the step's start, for the trial) and computes no
         router lookahead (``PrefetchPolicy.idle``)."""
+        pinned = self._pinned
+        if pinned is not None:
+            return pinned != "prefetch"
         return self.trial is not None and not self.trial.on
 
     def wants_lookahead(self, layer: int) -> bool:
@@ -657,6 +661,18 @@ class EAMPrefetch(PrefetchPolicy):
                 if hasattr(part.policy, "lru"):
                     part.policy.lru = arm == "lean"
 
+    def pin(self, arm: str) -> None:
+        """Hold the policy in ``arm`` (one of :data:`MODES`, as :meth:`set_arm`) from now on, for
+        measurements: the trial, if any, is suspended (it neither measures, switches nor counts
+        steps any more), and the prefetch bar is not weighed. ``tools/policy_ab.py``'s ``eam@<arm>``
+        rows and ``tools/lean_cost.py`` compare the arms this way.
+
+        Raises:
+            ValueError: an unknown arm.
+        """
+        self.set_arm(arm)
+        self._pinned = arm
+
     def _bar_prefetch(self, blocking_s: float) -> None:
         """A decode step without plans blocked ``blocking_s`` on expert copies: bar the trial's
         prefetching arm while such steps block (running mean) for less than a step of plans costs
@@ -693,8 +709,9 @@ class EAMPrefetch(PrefetchPolicy):
         self._step_link = None  # the gate's figures change here (_link_terms)
         gate = self.gate
         if gate is not None:
-            settled = self.trial is not None and self.trial.settled
-            if not settled:  # the plans' link figures; while settled no plan reads them
+            pinned = self._pinned
+            settled = self.trial is not None and (pinned is not None or self.trial.settled)
+            if not settled or pinned == "prefetch":  # the plans' link figures; else no plan reads them
                 now = clock(self.buffer)
                 gate.update_link(self.buffer.stats, now, self._transfer_s())
                 if self._timed:  # h: the I/O threads' own work per copy (none in the simulator)
@@ -703,18 +720,20 @@ class EAMPrefetch(PrefetchPolicy):
             if self.eamc_term is not None:
                 self.eamc_term.new_step()
             if settled:
-                # Caching alone and prefetching barred (_bar_prefetch): no pair of arms can form,
+                # Caching alone and prefetching barred (_bar_prefetch), or an arm pinned (pin):
+                # no pair of arms can form,
                 # so the step's cost is not measured (the run delay's pread alone was about
                 # 16 us of a 6.5 ms decode step at batch 1), nor the link's figures for the plans
                 # (the first update after the bar lifts spans the whole rest: a mean over it);
                 # only the bar is weighed again.
                 stats = self.buffer.stats
                 blocking = stats.total_blocking_s
-                if self._decode_only and self.idle:
+                if self._decode_only and self.idle and pinned is None:
                     self._bar_prefetch(blocking - self._step_blocking_s)
                 self._step_blocking_s, self._step_lookups = blocking, stats.total_lookups
                 self._step_cpu_s = self._step_delay_s = None  # measured afresh once unbarred
-                self.trial.rest(self._decode_only)
+                if pinned is None:
+                    self.trial.rest(self._decode_only)
             elif self.trial is not None:
                 # what the step cost the compute thread from its first routed layer on: its wall
                 # time less its run delay (run_clock: plans, router lookahead, cache policy, the
