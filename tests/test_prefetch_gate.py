@@ -327,6 +327,21 @@ def test_a_barred_arm_is_neither_chosen_nor_explored_until_it_is_allowed_again()
         trial.bar("sometimes", True)
 
 
+class CountingClock:
+    """A run clock (``prefetch.run_clock``) that counts its run-delay reads."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def delay(self) -> float:
+        self.reads += 1
+        return 0.0
+
+    @staticmethod
+    def wall() -> float:
+        return 0.0
+
+
 def test_a_trial_with_every_other_arm_barred_rests_and_measures_afresh_once_unbarred() -> None:
     """While only the reference arm is allowed no pair can form: the caller skips measuring
     (``settled``) and reports the step with ``rest``; once another arm is allowed again, the
@@ -358,18 +373,6 @@ def test_eam_reads_no_run_clock_while_prefetching_is_barred() -> None:
 
     from moe_runtime.buffer import ExpertBuffer
 
-    class CountingClock:
-        def __init__(self) -> None:
-            self.reads = 0
-
-        def delay(self) -> float:
-            self.reads += 1
-            return 0.0
-
-        @staticmethod
-        def wall() -> float:
-            return 0.0
-
     buf = ExpertBuffer(small_store(), [torch.device("cpu")], 12, link=(1e-7, 0.0))
     try:
         pol = fake_eam_policy(buf, np.ones((4, 5)), lookahead=1)
@@ -398,18 +401,6 @@ def test_a_pinned_arm_holds_whatever_the_steps_cost() -> None:
     from test_policies import FakeRecorder, fake_eam_policy, small_store
 
     from moe_runtime.buffer import ExpertBuffer
-
-    class CountingClock:
-        def __init__(self) -> None:
-            self.reads = 0
-
-        def delay(self) -> float:
-            self.reads += 1
-            return 0.0
-
-        @staticmethod
-        def wall() -> float:
-            return 0.0
 
     context = {"recorder": FakeRecorder(np.ones((4, 5)))}
     cpu = [torch.device("cpu")]
