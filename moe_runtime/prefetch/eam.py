@@ -720,12 +720,11 @@ class EAMPrefetch(PrefetchPolicy):
             if self.eamc_term is not None:
                 self.eamc_term.new_step()
             if settled:
-                # Caching alone and prefetching barred (_bar_prefetch), or an arm pinned (pin):
-                # no pair of arms can form,
-                # so the step's cost is not measured (the run delay's pread alone was about
-                # 16 us of a 6.5 ms decode step at batch 1), nor the link's figures for the plans
-                # (the first update after the bar lifts spans the whole rest: a mean over it);
-                # only the bar is weighed again.
+                # Caching alone and prefetching barred (_bar_prefetch), or an arm pinned (pin): no
+                # pair of arms can form, so the step's cost is not measured (the run delay's pread
+                # alone was about 16 us of a 6.5 ms decode step at batch 1), nor the link's figures
+                # for the plans (the first update after the bar lifts spans the whole rest: a mean
+                # over it); only the bar is weighed again, and not while an arm is pinned.
                 stats = self.buffer.stats
                 blocking = stats.total_blocking_s
                 if self._decode_only and self.idle and pinned is None:

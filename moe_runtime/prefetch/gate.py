@@ -385,11 +385,6 @@ class ModeTrial:
         """Whether the current window prefetches (the first arm)."""
         return self.arm == 0
 
-    @on.setter
-    def on(self, value: bool) -> None:
-        """Pin the prefetching arm (True) or the last arm, the leanest (False)."""
-        self.arm = 0 if value else len(self.arms) - 1
-
     @property
     def arm_name(self) -> str:
         return self.arms[self.arm]
