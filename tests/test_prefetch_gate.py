@@ -82,15 +82,27 @@ def test_pays_weighs_gain_against_link_and_eviction_cost() -> None:
     assert not gate.pays(np.ones(4), 1.0, np.zeros(4))[0].any()
 
 
+def _precision_held_at(value: float):  # noqa: ANN202
+    """``PrefetchGate.plan_state`` with the precision the plan reads held at ``value`` (a copy of
+    the figures: the plan's scoring does not move it)."""
+
+    def plan_state(self):  # noqa: ANN001, ANN202
+        figures = self._figures.copy()
+        figures[2] = value
+        return figures, self._noted, self._noted_n
+
+    return plan_state
+
+
 def test_eam_with_zero_precision_is_on_demand(monkeypatch: pytest.MonkeyPatch) -> None:
     sim = sim_for(layers=3, experts=6, slots=6, batch=2)
     reqs = random_requests(3, 8, 3, 6, 2, 8)
-    monkeypatch.setattr(PrefetchGate, "precision", lambda self: np.zeros_like(self.hits))
+    monkeypatch.setattr(PrefetchGate, "plan_state", _precision_held_at(0.0))
     gated = sim.run("eam", "lru", reqs[:4], reqs[4:])
     base = sim.run("on-demand", "lru", reqs[:4], reqs[4:])
     assert gated.stats["prefetch_issued"] == 0
     assert gated.tpot_s == base.tpot_s and gated.stats["hits"] == base.stats["hits"]
-    monkeypatch.setattr(PrefetchGate, "precision", lambda self: np.ones_like(self.hits))
+    monkeypatch.setattr(PrefetchGate, "plan_state", _precision_held_at(1.0))
     assert sim.run("eam", "lru", reqs[:4], reqs[4:]).stats["prefetch_issued"] > 0  # the same run, gate open
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from moe_runtime.io.transfer_queue import best_free
 from moe_runtime.prefetch import kernels
+from moe_runtime.prefetch.gate import PrefetchGate
 
 
 def _ties(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
@@ -115,8 +116,9 @@ def _gate_keep_numpy(
 
 @pytest.mark.parametrize("seed", range(12))
 def test_limit_gate_plan_is_limit_scores_then_gate_plan(seed: int) -> None:
-    """The planning layer's one call equals its three kernels in turn, packed: the router
-    lookahead's blend (half the seeds), the limit and the gate; candidates ``[3, n]``, the plan
+    """The planning layer's one call equals its kernels in turn, packed: the gate's scoring of
+    the routed layer, the router lookahead's blend (half the seeds), the limit, the gate and the
+    gate's note of the candidates (its state as ``PrefetchGate.observe`` and ``note`` leave it); the plan
     (the paying candidates' keys best first, as ``best_free`` picks them from the paying scores,
     and their scores as priorities) and the net."""
     rng = np.random.default_rng(seed)
@@ -141,16 +143,30 @@ def test_limit_gate_plan_is_limit_scores_then_gate_plan(seed: int) -> None:
     rows, scores = kernels.limit_scores(blended, cap, min_prob, weights)
     held_rows = held[lo * E : (lo + D) * E].reshape(D, E)
     tail = (layer, E, slots, idle, save, h)
+    terms = kernels.gate_terms(0.7, b, q, t, force, slots, idle, save, h, 0.9)
+    # the gate's state: candidates noted for the routed layer at distance 1, scored first
+    gate = PrefetchGate(L, E, D, decay=0.9)
+    gate.precision()[:] = prec
+    gate.hits[:], gate.trials[:] = prec, 1.0
+    noted_r = rng.permutation(E)[: int(rng.integers(0, E))].astype(np.int64)
+    gate.note(1, layer, np.stack([np.zeros_like(noted_r), noted_r, rng.permutation(E)[: noted_r.size]]))
+    routed = rng.integers(0, E, size=(3, 2)).astype(np.int64)
+    want_gate = PrefetchGate(L, E, D, decay=0.9)
+    for x, y in zip(want_gate.plan_state(), gate.plan_state(), strict=True):
+        x[:] = y
+    want_gate.observe(layer, routed)
     r, c, rank, keep, _, net = kernels.gate_plan(
-        rows, scores, held_rows, 1, prec, b, q, t, force, held, p_use, *tail,
+        rows, scores, held_rows, 1, want_gate.precision(), b, q, t, force, held, p_use, *tail,
         np.zeros(L * E, dtype=np.int64), _sort_now(),
     )  # fmt: skip
-    terms = kernels.gate_terms(0.7, b, q, t, force, slots, idle, save, h)
-    cand, keys, priorities, net2 = kernels.limit_gate_plan(
-        probs, ahead, weights, held, prec, p_use, np.zeros(L * E, dtype=np.int64), _sort_now(), terms,
-        cap, min_prob, lo * E, 1, layer,
+    want_gate.note(1, lo, np.stack([r, c, rank]))
+    keys, priorities, net2, scored = kernels.limit_gate_plan(
+        probs, ahead, weights, held, *gate.plan_state(), routed, p_use, np.zeros(L * E, dtype=np.int64),
+        _sort_now(), terms, cap, min_prob, lo * E, 1, layer,
     )  # fmt: skip
-    np.testing.assert_array_equal(cand, np.stack([r, c, rank]))
+    assert scored == noted_r.size
+    for got, want in zip(gate.plan_state(), want_gate.plan_state(), strict=True):
+        np.testing.assert_array_equal(got, want)  # scored, then the plan's candidates noted
     paying = np.zeros_like(scores)  # the paying candidates' scores, every other entry 0
     paying[r[keep], c[keep]] = scores[r[keep], c[keep]]
     want_keys, want_scores = best_free(paying.reshape(-1), held[lo * E : (lo + D) * E], L * E)
@@ -230,25 +246,52 @@ def _sort_now() -> np.ndarray:
 
 
 @pytest.mark.parametrize("seed", range(10))
-def test_score_candidates_equals_the_fancy_indexed_update(seed: int) -> None:
+def test_score_noted_equals_the_fancy_indexed_update(seed: int) -> None:
+    """``kernels.score_noted`` scores each distance's noted group as numpy's fancy-indexed update
+    does, keeps the precision current in place, forgets the layer's groups and leaves the other
+    layers' alone."""
     rng = np.random.default_rng(seed)
-    D, E, T, k = 3, 16, int(rng.integers(1, 6)), 2
+    L, D, E, T, k = 4, 3, 16, int(rng.integers(1, 6)), 2
     hits, trials = rng.random((D, E)), rng.random((D, E)) + 1
-    row, n = int(rng.integers(0, D)), int(rng.integers(1, E))
-    experts = rng.permutation(E)[:n].astype(np.int64)
-    ranks = rng.permutation(E)[:n].astype(np.int64)  # distinct within a group, as noted
-    ids = rng.integers(-1, E, size=T * k).astype(np.int64)
+    layer = int(rng.integers(0, L))
+    noted = np.zeros((L, D, 2, E), dtype=np.int64)
+    noted_n = rng.integers(0, E, size=(L, D)).astype(np.int64)
+    for t in range(L):
+        for d in range(D):  # distinct experts and ranks within a group, as noted
+            noted[t, d] = np.stack([rng.permutation(E), rng.permutation(E)])
+    ids = rng.integers(-1, E, size=(T, k)).astype(np.int64)
     used = np.zeros(E, dtype=bool)
     used[ids[ids >= 0]] = True
-    want_h, want_t = hits.copy(), trials.copy()  # PrefetchGate.observe's numpy form
-    want_h[row, ranks] = 0.9 * want_h[row, ranks] + used[experts]
-    want_t[row, ranks] = 0.9 * want_t[row, ranks] + 1.0
+    want_h, want_t = hits.copy(), trials.copy()  # the numpy form, one distance at a time
+    for d in range(D):
+        n = noted_n[layer, d]
+        experts, ranks = noted[layer, d, 0, :n], noted[layer, d, 1, :n]
+        want_h[d, ranks] = 0.9 * want_h[d, ranks] + used[experts]
+        want_t[d, ranks] = 0.9 * want_t[d, ranks] + 1.0
     figures = np.stack([hits, trials, hits / trials])
-    group = np.stack([np.zeros(n, dtype=np.int64), experts, ranks])  # PrefetchGate.note's [3, n]
-    kernels.score_candidates(figures, row, group, ids, 0.9)
+    want_n = noted_n.copy()
+    want_n[layer] = 0
+    before = int(noted_n[layer].sum())
+    assert kernels.score_noted(figures, noted, noted_n, layer, ids, 0.9) == before
     np.testing.assert_array_equal(figures[0], want_h)
     np.testing.assert_array_equal(figures[1], want_t)
     np.testing.assert_array_equal(figures[2], want_h / want_t)  # kept current in place
+    np.testing.assert_array_equal(noted_n, want_n)
+
+
+def test_noted_candidates_are_kept_by_layer_and_distance() -> None:
+    """``kernels.note_candidates`` keeps each candidate under its layer and distance, in order,
+    and drops those beyond the gate's depth or the last layer."""
+    L, D, E = 4, 2, 8
+    noted = np.zeros((L, D, 2, E), dtype=np.int64)
+    noted_n = np.zeros((L, D), dtype=np.int64)
+    r = np.array([0, 0, 1, 2, 3], dtype=np.int64)  # rows of a plan from layer 0 (distance0 1)
+    c = np.array([5, 2, 7, 1, 4], dtype=np.int64)
+    rank = np.array([0, 1, 0, 0, 0], dtype=np.int64)
+    kernels.note_candidates(noted, noted_n, r, c, rank, 1, 1)
+    assert noted_n.tolist() == [[0, 0], [2, 0], [0, 1], [0, 0]]  # distance 3 and 4 dropped
+    assert noted[1, 0, :, :2].tolist() == [[5, 2], [0, 1]]
+    assert noted[2, 1, :, :1].tolist() == [[7], [0]]
 
 
 def test_idle_link_candidates_pay_when_used_more_often_than_their_victims() -> None:

@@ -35,7 +35,7 @@ import numpy as np
 from moe_runtime.errors import ConfigError
 from moe_runtime.prefetch import kernels
 from moe_runtime.prefetch.base import PrefetchPolicy
-from moe_runtime.prefetch.gate import ModeTrial, PrefetchGate, clock
+from moe_runtime.prefetch.gate import ModeTrial, PrefetchGate, clock, routed_ids
 from moe_runtime.prefetch.run_clock import RunClock
 from moe_runtime.prefetch.term_value import TermValue, candidates
 from tracer.prefix_match import PrefixMatcher
@@ -190,6 +190,7 @@ class EAMPrefetch(PrefetchPolicy):
         self._use_order = np.zeros(self.num_layers * self.num_experts, dtype=np.int64)
         self._use_state = np.zeros(3, dtype=np.int64)
         self._no_ahead = np.zeros((0, self.num_experts), dtype=np.float32)  # a plan without lookahead
+        self._unscored = False  # the routed layer's noted candidates await the plan's scoring
         self._weights: dict[tuple[int, int], np.ndarray] = {}  # (layer, rows) -> [rows] (_plan_weights)
         # the EAMC term's measured gain against its host time (term_value); None: always computed
         self.eamc_term = TermValue(probe_every) if cost_aware and self._timed and weigh_eamc else None
@@ -451,10 +452,10 @@ class EAMPrefetch(PrefetchPolicy):
                 self._ahead = None
                 self._lookahead_s = 0.0
                 return
-            gate.observe(layer, topk_ids)  # score the earlier plans' candidates for this layer
             if self.eamc_term is not None:
                 self.eamc_term.observe(layer, topk_ids)
             if not self.wants_lookahead(layer):
+                gate.observe(layer, topk_ids)  # score the earlier plans' candidates for this layer
                 # On-demand for now (the last plan kept nothing): only every probe_every-th layer
                 # predicts, to keep the precision current and to notice when prefetching pays again.
                 self._ahead = None
@@ -464,6 +465,9 @@ class EAMPrefetch(PrefetchPolicy):
                     if self._match_ids is not None:
                         self._unmatched.append(layer)
                 return
+            # the plan scores the earlier plans' candidates for this layer in its compiled call
+            # (_paying); one that stops before it does so here
+            self._unscored = True
             if self._timed:  # the runtime: the plan's host time is a cost the gate weighs
                 if not self.plan_timed:  # not sampled (HOST_SAMPLE)
                     self._plan(layer, request_ids, topk_ids)
@@ -475,7 +479,11 @@ class EAMPrefetch(PrefetchPolicy):
                         gate.note_host_time(host)
                 self.plan_timed = self._sampler.random() < HOST_SAMPLE
                 self._lookahead_s = 0.0
-                return
+            else:
+                self._plan(layer, request_ids, topk_ids)
+            if self._unscored:
+                gate.observe(layer, topk_ids)
+            return
         self._plan(layer, request_ids, topk_ids)
 
     def _plan(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
@@ -520,7 +528,7 @@ class EAMPrefetch(PrefetchPolicy):
             scores = kernels.limit_scores(self._blended(base, spec), cap, min_prob, weights)[1]
             self.issue(scores, first_layer=lo)
             return
-        plan = self._paying(gate, layer, lo, base, spec, cap, min_prob, weights, topk_ids.shape[0])
+        plan = self._paying(gate, layer, lo, base, spec, cap, min_prob, weights, topk_ids)
         if plan is not None:  # None: nothing pays and nothing of ours is queued (on-demand)
             self.issue_ranked(*plan)
 
@@ -577,7 +585,7 @@ class EAMPrefetch(PrefetchPolicy):
             b = t if gate.block_per_miss_s is None else gate.block_per_miss_s
             packed = kernels.gate_terms(
                 self.lookahead_weight, b, gate.demand_busy, t, gate.force_open, self.buffer.num_slots,
-                gate.idle_copies, gate.idle_save(t), gate.copy_host_s,
+                gate.idle_copies, gate.idle_save(t), gate.copy_host_s, gate.decay,
             )  # fmt: skip
             terms = self._step_link = (b, packed)
         return terms
@@ -592,16 +600,17 @@ class EAMPrefetch(PrefetchPolicy):
         cap: int,
         min_prob: float,
         weights: np.ndarray,
-        tokens: int,
+        topk_ids: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray] | None:
         """The plan ``(keys [m], priorities [m])``, best first (:meth:`issue_ranked`): of the
         scores ``[D, E]`` (``probs [D, E]`` of layers ``lo ..`` with the router lookahead ``spec
         [d, E]`` blended in (:meth:`_plan_rows`), limited to each row's ``cap`` largest at or
         above ``min_prob``, times ``weights [D]``), the candidates whose expected gain beats
         their expected cost (``moe_runtime.prefetch.gate``); None when none pays and no plan of
-        ours is queued (nothing to hand the buffer). One compiled call blends, limits, ranks and
-        tests the candidates, finds their victims and orders the plan
-        (``kernels.limit_gate_plan``)."""
+        ours is queued (nothing to hand the buffer). One compiled call scores the candidates
+        earlier plans noted for ``layer`` against its routing ``topk_ids [T, k]``, blends,
+        limits, ranks and tests the candidates, finds their victims, orders the plan and notes
+        its candidates for their layers (``kernels.limit_gate_plan``)."""
         terms = self._link_terms()[1]
         # the plans still expected in this step, this one included (the last layer never plans):
         # least_used sorts the victims' use once when they would make its heap passes dearer
@@ -609,12 +618,14 @@ class EAMPrefetch(PrefetchPolicy):
         self._use_state[2] = (self.num_layers - 2 - layer) // every + 1
         # the predictor's candidates a prefetch would copy, ranked within their row, and those of
         # them that pay
-        cand, keys, priorities, net = kernels.limit_gate_plan(
-            probs, self._no_ahead if spec is None else spec, weights, self.buffer.held, gate.precision(),
-            self._victim_use(tokens), self._use_order, self._use_state, terms, cap, min_prob,
-            lo * self.num_experts, lo - layer, layer,
+        figures, noted, noted_n = gate.plan_state()
+        keys, priorities, net, scored = kernels.limit_gate_plan(
+            probs, self._no_ahead if spec is None else spec, weights, self.buffer.held, figures, noted,
+            noted_n, routed_ids(topk_ids), self._victim_use(topk_ids.shape[0]), self._use_order,
+            self._use_state, terms, cap, min_prob, lo * self.num_experts, lo - layer, layer,
         )  # fmt: skip
-        gate.note(lo - layer, lo, cand)
+        gate.checked += scored
+        self._unscored = False
         # the plan's host time is spent: what pays is issued; planning goes on at every layer
         # only while it wins that time back (else every probe_every-th layer probes)
         self._planning = gate.plans_pay(net)

@@ -103,12 +103,15 @@ class PrefetchGate:
         if not 0 < decay <= 1:
             raise ValueError(f"gate decay must be in (0, 1], got {decay}")
         self.num_layers, self.num_experts, self.depth, self.decay = num_layers, num_experts, depth, decay
-        # [3, D, rank]: hits, trials and their ratio, kept current by observe (score_candidates)
+        # [3, D, rank]: hits, trials and their ratio, kept current by observe (kernels.score_noted)
         self._figures = np.empty((3, depth, num_experts))
         self.hits, self.trials, self._precision = self._figures
         self.hits[:], self.trials[:] = float(prior[0]), float(prior[1])
         self._precision[:] = self.hits / self.trials
-        self._pending: dict[int, list[tuple[int, np.ndarray]]] = {}  # layer -> (d, [3, k] candidates)
+        # the candidates noted for each layer and distance (experts, ranks) and their count, until
+        # the layer routes (kernels.note_candidates / score_noted)
+        self._noted = np.zeros((num_layers, depth, 2, num_experts), dtype=np.int64)
+        self._noted_n = np.zeros((num_layers, depth), dtype=np.int64)
         self.block_per_miss_s: float | None = None  # b
         self.demand_busy = 1.0  # q: assume a busy link until measured
         self.idle_copies = 0.0  # copies that fit in the link's idle time per planning layer
@@ -127,50 +130,33 @@ class PrefetchGate:
 
     def note(self, distance0: int, first_layer: int, cand: np.ndarray) -> None:
         """Remember a plan's candidates for checking when their layers route: ``cand [3, n]``
-        (int64 rows ``r``, ``c``, ``rank``, as ``kernels.limit_gate_plan`` returns them); entry
-        ``i`` is expert ``c[i]`` of layer ``first_layer + r[i]`` (``r`` ascending), ranked
-        ``rank[i]`` by the predictor in its layer's row, ``distance0 + r[i]`` layers ahead of the
-        routed one. Each layer's columns are kept as they are (a one-layer plan, the default
-        depth, whole) and read when the layer routes.
+        (int64 rows ``r``, ``c``, ``rank``, as ``kernels.gate_plan`` returns them); entry ``i``
+        is expert ``c[i]`` of layer ``first_layer + r[i]``, ranked ``rank[i]`` by the predictor
+        in its layer's row, ``distance0 + r[i]`` layers ahead of the routed one
+        (``kernels.note_candidates``; the runtime's plans note inside ``kernels.limit_gate_plan``).
 
         Pass only candidates a prefetch would copy (not resident or loading): they are used less
         often than the predictor's resident picks, and their precision is the one that matters.
         """
-        n = cand.shape[1]
-        if not n:
-            return
-        r0 = int(cand[0, 0])
-        if r0 == cand[0, n - 1]:  # one layer: one group, kept whole
-            groups = [(r0, cand)]
-        else:
-            r = cand[0]
-            bounds = np.flatnonzero(r[1:] != r[:-1]) + 1
-            groups = [
-                (int(r[lo]), np.ascontiguousarray(cand[:, lo:hi]))  # score_candidates' one layout
-                for lo, hi in zip((0, *bounds), (*bounds, n), strict=True)
-            ]
-        for row, group in groups:
-            d = distance0 + row
-            if 1 <= d <= self.depth:
-                self._pending.setdefault(first_layer + row, []).append((d, group))
+        cand = np.ascontiguousarray(cand, dtype=np.int64)
+        kernels.note_candidates(self._noted, self._noted_n, cand[0], cand[1], cand[2], first_layer, distance0)
 
     def observe(self, layer: int, topk_ids: np.ndarray) -> None:
-        """Layer ``layer`` routed ``topk_ids [T, k]``: score the candidates planned for it."""
-        self._layer = layer
-        pending = self._pending.pop(layer, None)
-        if not pending:
-            return
-        ids = np.ascontiguousarray(topk_ids, dtype=np.int64).reshape(-1)
-        for d, group in pending:  # one compiled call per noted group (usually one)
-            kernels.score_candidates(self._figures, d - 1, group, ids, self.decay)
-            self.checked += group.shape[1]
+        """Layer ``layer`` routed ``topk_ids [T, k]``: score the candidates noted for it
+        (``kernels.score_noted``)."""
+        self.checked += kernels.score_noted(
+            self._figures, self._noted, self._noted_n, layer, routed_ids(topk_ids), self.decay
+        )
 
-    _layer = -1
+    def plan_state(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(figures [3, D, E], noted [L, D, 2, E], noted_n [L, D])``: the arrays
+        ``kernels.limit_gate_plan`` scores and notes in place (the plan adds what it scored to
+        :attr:`checked`)."""
+        return self._figures, self._noted, self._noted_n
 
     def new_step(self) -> None:
         """Plans of the finished step that were never checked are dropped."""
-        self._pending.clear()
-        self._layer = -1
+        self._noted_n[:] = 0
 
     # ------------------------------------------------------------------ link and blocking
     def update_link(self, stats: Any, clock_s: float, transfer_s: float) -> None:
@@ -252,6 +238,14 @@ class PrefetchGate:
         """A decode step ran without plans: :attr:`host_s` fades by :data:`HOST_FORGET` (it is
         not re-measured while nothing plans, and the host's speed drifts)."""
         self.host_s *= HOST_FORGET
+
+
+def routed_ids(topk_ids: np.ndarray) -> np.ndarray:
+    """``topk_ids [T, k]`` as the kernels take a layer's routing: C-contiguous int64 (itself
+    when it already is, as the runtime's and the simulator's are)."""
+    if topk_ids.dtype != np.int64 or not topk_ids.flags.c_contiguous:
+        topk_ids = np.ascontiguousarray(topk_ids, dtype=np.int64)
+    return topk_ids.reshape(len(topk_ids), -1) if topk_ids.ndim != 2 else topk_ids
 
 
 def clock(buffer: Any) -> float:

@@ -497,14 +497,16 @@ def gate_terms(
     idle_copies: float,
     idle_save_s: float,
     copy_host_s: float,
+    decay: float,
 ) -> np.ndarray:
-    """:func:`limit_gate_plan`'s ``terms [9]`` (float64, in the order of the arguments;
+    """:func:`limit_gate_plan`'s ``terms [10]`` (float64, in the order of the arguments;
     ``force_open`` 0 or 1, ``num_slots`` exact below 2**53): the scalars of a plan that change
-    only at a step's end, in one array rather than nine arguments (numba's dispatcher types each
-    argument at every call: a scalar cost about 0.2 us of a planning layer at batch 16, cold)."""
+    only at a step's end, in one array rather than ten arguments (numba's dispatcher types each
+    argument at every call: a scalar cost about 0.2 us of a planning layer at batch 16, cold).
+    ``decay``: the gate's (``PrefetchGate.decay``), for the scoring :func:`score_noted` does."""
     return np.array(
         [ahead_weight, block_s, busy, transfer_s, float(force_open), num_slots]
-        + [idle_copies, idle_save_s, copy_host_s]
+        + [idle_copies, idle_save_s, copy_host_s, decay]
     )
 
 
@@ -514,7 +516,10 @@ def limit_gate_plan(
     ahead: np.ndarray,
     weights: np.ndarray,
     held: np.ndarray,
-    precision: np.ndarray,
+    figures: np.ndarray,
+    noted: np.ndarray,
+    noted_n: np.ndarray,
+    routed: np.ndarray,
     p_use: np.ndarray,
     use_order: np.ndarray,
     use_state: np.ndarray,
@@ -524,37 +529,46 @@ def limit_gate_plan(
     first_key: int,
     distance0: int,
     layer: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-    """:func:`blend`, :func:`limit_scores` then :func:`gate_plan` in one call (a planning layer's
-    one compiled call between prediction and the queue): ``probs [D, E]`` with the router
-    lookahead ``ahead [d, E]`` (``d <= D``; ``d`` 0: none) blended in at ``terms``'
-    ``ahead_weight``, limited to each row's ``cap`` largest at or above ``min_prob`` (``cap`` 0,
-    ``min_prob`` 0: already limited) and weighted by ``weights [D]``; the plan's rows are flat
-    keys ``first_key .. first_key + D * E - 1``, whose ``held`` entries (``held [L * E]``) are the
-    rows' held mask. ``terms``: :func:`gate_plan`'s scalars that change only at a step's end, as
-    :func:`gate_terms` packs them; ``num_experts`` is ``E``.
+) -> tuple[np.ndarray, np.ndarray, float, int]:
+    """A planning layer's one compiled call between prediction and the queue: the gate's
+    scoring of the routed layer (:func:`score_noted`), then :func:`blend`, :func:`limit_scores`
+    and :func:`gate_plan`, then the gate's note of the candidates (:func:`note_candidates`).
 
-    Returns ``(candidates [3, n] int64, plan keys [m] int64, priorities [m] float64, net)``:
-    :func:`gate_plan`'s ``r``, ``c`` and ``rank`` stacked; the paying candidates with a positive
-    score as flat keys in the plan's order, best first (falling score, ties in ascending key:
-    the order ``TransferQueue.replan_best`` would pick them from the paying scores), and their
-    scores, which the queue takes as priorities (``TransferQueue.replan_ranked``). Four returned
-    objects rather than six: each array handed back to Python costs about a microsecond."""
+    ``routed [T, k]`` (int64): layer ``layer``'s routing, scored against the candidates noted
+    for it in ``noted``/``noted_n`` (the gate's, updating its ``figures [3, D, E]``; with no
+    rows nothing is scored) before the plan reads the precision ``figures[2]``. ``probs [D, E]``
+    with the router lookahead ``ahead [d, E]`` (``d <= D``; ``d`` 0: none) blended in at
+    ``terms``' ``ahead_weight``, limited to each row's ``cap`` largest at or above ``min_prob``
+    (``cap`` 0, ``min_prob`` 0: already limited) and weighted by ``weights [D]``; the plan's rows
+    are flat keys ``first_key .. first_key + D * E - 1`` (``first_key`` a multiple of ``E``),
+    whose ``held`` entries (``held [L * E]``) are the rows' held mask. ``terms``:
+    :func:`gate_plan`'s scalars that change only at a step's end and the gate's decay, as
+    :func:`gate_terms` packs them. The candidates a prefetch would copy are noted for their
+    layers, ``distance0 + r`` layers ahead.
+
+    Returns ``(plan keys [m] int64, priorities [m] float64, net, scored)``: the paying
+    candidates with a positive score as flat keys in the plan's order, best first (falling
+    score, ties in ascending key: the order ``TransferQueue.replan_best`` would pick them from
+    the paying scores), and their scores, which the queue takes as priorities
+    (``TransferQueue.replan_ranked``); :func:`gate_plan`'s net; how many noted candidates were
+    scored. Four returned objects, two of them arrays: each array handed back to Python costs
+    about a microsecond, and scoring and noting here save the two Python calls around the
+    plan (about 5 us of a planning layer at batch 16, in place)."""
     ahead_weight, block_s, busy, transfer_s = terms[0], terms[1], terms[2], terms[3]
     force_open, num_slots = terms[4] != 0.0, int(terms[5])
-    idle_copies, idle_save_s, copy_host_s = terms[6], terms[7], terms[8]
+    idle_copies, idle_save_s, copy_host_s, decay = terms[6], terms[7], terms[8], terms[9]
+    scored = score_noted(figures, noted, noted_n, layer, routed, decay) if routed.shape[0] else 0
     if ahead.shape[0]:
         probs = blend(probs, ahead, ahead_weight)
     rows, scores = limit_scores(probs, cap, min_prob, weights)
     held_rows = held[first_key : first_key + rows.size].reshape(rows.shape)
     E = probs.shape[1]
     r, c, rank, keep, order, net = gate_plan(
-        rows, scores, held_rows, distance0, precision, block_s, busy, transfer_s, force_open, held, p_use,
-        layer, E, num_slots, idle_copies, idle_save_s, copy_host_s, use_order, use_state,
+        rows, scores, held_rows, distance0, figures[2], block_s, busy, transfer_s, force_open, held,
+        p_use, layer, E, num_slots, idle_copies, idle_save_s, copy_host_s, use_order, use_state,
     )  # fmt: skip
+    note_candidates(noted, noted_n, r, c, rank, first_key // E, distance0)
     n = r.size
-    cand = np.empty((3, n), dtype=np.int64)
-    cand[0], cand[1], cand[2] = r, c, rank
     keys = np.empty(n, dtype=np.int64)
     priorities = np.empty(n)
     m = 0
@@ -565,7 +579,7 @@ def limit_gate_plan(
             keys[m] = first_key + r[i] * E + c[i]
             priorities[m] = v
             m += 1
-    return cand, keys[:m], priorities[:m], net
+    return keys[:m], priorities[:m], net, scored
 
 
 @njit(cache=True)
@@ -618,27 +632,69 @@ def match_counts(scores: np.ndarray, k: int) -> np.ndarray:
 
 
 @njit(cache=True)
-def score_candidates(figures: np.ndarray, row: int, group: np.ndarray, ids: np.ndarray, decay: float) -> None:
-    """``PrefetchGate.observe`` of one noted group, in place. ``figures [3, D, E]`` (float64):
-    the gate's hits, trials and precision by (distance, rank); ``group [3, n]`` (int64): a
-    plan's candidates as ``PrefetchGate.note`` keeps them (rows ``r``, ``c``, ``rank``):
-    candidate ``j`` (expert ``c[j]``, ranked ``rank[j]``, distinct within the group) counts as a
-    hit if it is among the routed ``ids [T * k]`` (negative: none); ``hits[row, rank] = decay *
-    hits[row, rank] + used``, ``trials[row, rank] = decay * trials[row, rank] + 1``, and
-    ``precision[row, rank] = hits[row, rank] / trials[row, rank]`` kept current with them (the
-    gate reads it at every plan: no ``[D, E]`` division per planning layer). One array of
-    figures and one of candidates rather than five arguments: numba's dispatcher types each at
-    every call."""
+def score_noted(
+    figures: np.ndarray, noted: np.ndarray, noted_n: np.ndarray, layer: int, ids: np.ndarray, decay: float
+) -> int:
+    """``PrefetchGate.observe``, in place: layer ``layer`` routed ``ids [T, k]`` (int64;
+    negative: none); score the candidates noted for it (:func:`note_candidates`) and forget
+    them. ``figures [3, D, E]`` (float64): the gate's hits, trials and precision by (distance,
+    rank); ``noted [L, D, 2, E]`` (int64): per layer and distance ``d`` (row ``d - 1``), the
+    noted candidates' experts (row 0) and ranks (row 1), ``noted_n [L, D]`` of them. A candidate
+    (expert ``c``, ranked ``r`` by its plan, distinct within its group) counts as a hit if
+    ``c`` is among ``ids``: ``hits[d - 1, r] = decay * hits[d - 1, r] + used``, ``trials[d - 1,
+    r] = decay * trials[d - 1, r] + 1``, and ``precision[d - 1, r] = hits / trials`` kept
+    current with them (the gate reads it at every plan: no ``[D, E]`` division per planning
+    layer). Returns how many candidates were scored. A layer outside ``0 .. L - 1`` scores none."""
+    if layer < 0 or layer >= noted_n.shape[0]:
+        return 0
+    depth = noted_n.shape[1]
+    total = 0
+    for d in range(depth):
+        total += noted_n[layer, d]
+    if total == 0:
+        return 0
     hits, trials, precision = figures[0], figures[1], figures[2]
     used = np.zeros(figures.shape[2], dtype=np.bool_)
-    for i in range(ids.size):
-        if ids[i] >= 0:
-            used[ids[i]] = True
-    for j in range(group.shape[1]):
-        r = group[2, j]
-        hits[row, r] = decay * hits[row, r] + (1.0 if used[group[1, j]] else 0.0)
-        trials[row, r] = decay * trials[row, r] + 1.0
-        precision[row, r] = hits[row, r] / trials[row, r]
+    for t in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            if ids[t, j] >= 0:
+                used[ids[t, j]] = True
+    for d in range(depth):
+        for j in range(noted_n[layer, d]):
+            r = noted[layer, d, 1, j]
+            hits[d, r] = decay * hits[d, r] + (1.0 if used[noted[layer, d, 0, j]] else 0.0)
+            trials[d, r] = decay * trials[d, r] + 1.0
+            precision[d, r] = hits[d, r] / trials[d, r]
+        noted_n[layer, d] = 0
+    return total
+
+
+@njit(cache=True)
+def note_candidates(
+    noted: np.ndarray,
+    noted_n: np.ndarray,
+    r: np.ndarray,
+    c: np.ndarray,
+    rank: np.ndarray,
+    first_layer: int,
+    distance0: int,
+) -> None:
+    """``PrefetchGate.note``, in place: candidate ``i`` (expert ``c[i]`` of layer ``first_layer +
+    r[i]``, ranked ``rank[i]`` in its layer's row, ``distance0 + r[i]`` layers ahead of the routed
+    one; int64 ``[n]`` each) is kept in ``noted``/``noted_n`` (:func:`score_noted`) for that
+    layer and distance when the distance is ``1 .. D`` and the layer ``< L``. A layer and
+    distance holds at most ``E`` candidates (one plan's row; a second plan for the same pair
+    before the layer routes cannot happen within a step): any beyond are dropped."""
+    L, depth, _, E = noted.shape
+    for i in range(r.size):
+        d = distance0 + r[i]
+        t = first_layer + r[i]
+        if 1 <= d <= depth and 0 <= t < L:
+            m = noted_n[t, d - 1]
+            if m < E:
+                noted[t, d - 1, 0, m] = c[i]
+                noted[t, d - 1, 1, m] = rank[i]
+                noted_n[t, d - 1] = m + 1
 
 
 @njit(cache=True)
@@ -703,17 +759,24 @@ def warm() -> None:
     for p_use in (np.zeros(0), np.zeros(2, dtype=np.float32)):
         args = (1.0, 0.0, 1.0, False, held, p_use, 0, 2, 1, 0.0, 1.0, 0.0, no_order, state)
         gate_plan(rows, rows, held.reshape(1, 2), 1, one.reshape(1, 1), *args)
-        terms = gate_terms(1.0, 1.0, 0.0, 1.0, False, 1, 0.0, 1.0, 0.0)
+        terms = gate_terms(1.0, 1.0, 0.0, 1.0, False, 1, 0.0, 1.0, 0.0, 0.98)
+        figures = np.ones((3, 1, 2))
+        noted, noted_n = np.zeros((1, 1, 2, 2), dtype=np.int64), np.zeros((1, 1), dtype=np.int64)
+        routed = np.zeros((1, 1), dtype=np.int64)
         for ahead in (rows, rows[:0]):
-            prec = one.reshape(1, 1)
-            limit_gate_plan(rows, ahead, one, held, prec, p_use, no_order, state, terms, 1, 0.0, 0, 1, 0)
+            limit_gate_plan(
+                rows, ahead, one, held, figures, noted, noted_n, routed, p_use, no_order, state, terms,
+                1, 0.0, 0, 1, 0,
+            )  # fmt: skip
     blend(rows, rows, 2.0)
     match_counts(rows, 1)
     for p_use in (np.zeros(2), np.zeros(2, dtype=np.float32)):
         least_used(held, p_use, 0, 1, 1, no_order, state)
     one_id = np.zeros(1, dtype=np.int64)
     used_difference(one_id, one_id, one_id)
-    score_candidates(np.ones((3, 1, 2)), 0, np.zeros((3, 1), dtype=np.int64), one_id, 0.9)
+    noted, noted_n = np.zeros((1, 1, 2, 2), dtype=np.int64), np.zeros((1, 1), dtype=np.int64)
+    note_candidates(noted, noted_n, one_id, one_id, one_id, 0, 1)
+    score_noted(np.ones((3, 1, 2)), noted, noted_n, 0, one_id.reshape(1, 1), 0.9)
     entries = np.zeros((1, 1, 2), dtype=np.float32)
     entries.flags.writeable = False  # EAMC.entries() is a read-only view
     matched_row_probs(entries, np.ones(1, dtype=np.int64), 0, 1)
