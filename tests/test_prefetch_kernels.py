@@ -160,10 +160,13 @@ def test_limit_gate_plan_is_limit_scores_then_gate_plan(seed: int) -> None:
         np.zeros(L * E, dtype=np.int64), _sort_now(),
     )  # fmt: skip
     want_gate.note(1, lo, np.stack([r, c, rank]))
-    keys, priorities, net2, scored = kernels.limit_gate_plan(
+    keys, priorities = np.full(D * E, -1, dtype=np.int64), np.full(D * E, -1.0)
+    m, net2, scored = kernels.limit_gate_plan(
         probs, ahead, weights, held, *gate.plan_state(), routed, p_use, np.zeros(L * E, dtype=np.int64),
-        _sort_now(), terms, cap, min_prob, lo * E, 1, layer,
+        _sort_now(), terms, keys, priorities, cap, min_prob, lo * E, 1, layer,
     )  # fmt: skip
+    assert (keys[m:] == -1).all() and (priorities[m:] == -1).all()  # written up to the plan's length
+    keys, priorities = keys[:m], priorities[:m]
     assert scored == noted_r.size
     for got, want in zip(gate.plan_state(), want_gate.plan_state(), strict=True):
         np.testing.assert_array_equal(got, want)  # scored, then the plan's candidates noted

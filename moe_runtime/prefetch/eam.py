@@ -190,6 +190,9 @@ class EAMPrefetch(PrefetchPolicy):
         self._use_order = np.zeros(self.num_layers * self.num_experts, dtype=np.int64)
         self._use_state = np.zeros(3, dtype=np.int64)
         self._no_ahead = np.zeros((0, self.num_experts), dtype=np.float32)  # a plan without lookahead
+        # the gate's plan, written by kernels.limit_gate_plan (at most depth x E keys)
+        self._plan_keys = np.zeros(self.depth * self.num_experts, dtype=np.int64)
+        self._plan_priorities = np.zeros(self.depth * self.num_experts)
         self._unscored = False  # the routed layer's noted candidates await the plan's scoring
         self._weights: dict[tuple[int, int], np.ndarray] = {}  # (layer, rows) -> [rows] (_plan_weights)
         # the EAMC term's measured gain against its host time (term_value); None: always computed
@@ -619,20 +622,22 @@ class EAMPrefetch(PrefetchPolicy):
         # the predictor's candidates a prefetch would copy, ranked within their row, and those of
         # them that pay
         figures, noted, noted_n = gate.plan_state()
-        keys, priorities, net, scored = kernels.limit_gate_plan(
+        m, net, scored = kernels.limit_gate_plan(
             probs, self._no_ahead if spec is None else spec, weights, self.buffer.held, figures, noted,
             noted_n, routed_ids(topk_ids), self._victim_use(topk_ids.shape[0]), self._use_order,
-            self._use_state, terms, cap, min_prob, lo * self.num_experts, lo - layer, layer,
+            self._use_state, terms, self._plan_keys, self._plan_priorities, cap, min_prob,
+            lo * self.num_experts, lo - layer, layer,
         )  # fmt: skip
         gate.checked += scored
         self._unscored = False
         # the plan's host time is spent: what pays is issued; planning goes on at every layer
         # only while it wins that time back (else every probe_every-th layer probes)
         self._planning = gate.plans_pay(net)
-        queued, self._queued = self._queued, keys.size > 0
+        queued, self._queued = self._queued, m > 0
         if not self._queued and not queued:
             return None
-        return keys, priorities
+        # views of the policy's plan arrays: the buffer's queue copies what it keeps
+        return self._plan_keys[:m], self._plan_priorities[:m]
 
     def _victim_use(self, tokens: int) -> np.ndarray:
         """``[L * E]`` chance each expert is used in the next step, ``p = 1 - (1 - share)^T`` from

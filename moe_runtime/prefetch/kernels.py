@@ -524,12 +524,14 @@ def limit_gate_plan(
     use_order: np.ndarray,
     use_state: np.ndarray,
     terms: np.ndarray,
+    out_keys: np.ndarray,
+    out_priorities: np.ndarray,
     cap: int,
     min_prob: float,
     first_key: int,
     distance0: int,
     layer: int,
-) -> tuple[np.ndarray, np.ndarray, float, int]:
+) -> tuple[int, float, int]:
     """A planning layer's one compiled call between prediction and the queue: the gate's
     scoring of the routed layer (:func:`score_noted`), then :func:`blend`, :func:`limit_scores`
     and :func:`gate_plan`, then the gate's note of the candidates (:func:`note_candidates`).
@@ -546,14 +548,15 @@ def limit_gate_plan(
     :func:`gate_terms` packs them. The candidates a prefetch would copy are noted for their
     layers, ``distance0 + r`` layers ahead.
 
-    Returns ``(plan keys [m] int64, priorities [m] float64, net, scored)``: the paying
-    candidates with a positive score as flat keys in the plan's order, best first (falling
-    score, ties in ascending key: the order ``TransferQueue.replan_best`` would pick them from
-    the paying scores), and their scores, which the queue takes as priorities
-    (``TransferQueue.replan_ranked``); :func:`gate_plan`'s net; how many noted candidates were
-    scored. Four returned objects, two of them arrays: each array handed back to Python costs
-    about a microsecond, and scoring and noting here save the two Python calls around the
-    plan (about 5 us of a planning layer at batch 16, in place)."""
+    Writes the plan to ``out_keys[:m]`` (int64) and ``out_priorities[:m]`` (float64; both at
+    least ``D * E`` long): the paying candidates with a positive score as flat keys in the
+    plan's order, best first (falling score, ties in ascending key: the order
+    ``TransferQueue.replan_best`` would pick them from the paying scores), and their scores,
+    which the queue takes as priorities (``TransferQueue.replan_ranked``). Returns ``(m, net,
+    scored)``: the plan's length, :func:`gate_plan`'s net and how many noted candidates were
+    scored. Scalars only: each array handed back to Python costs about a microsecond, and
+    scoring and noting here save the two Python calls around the plan (about 5 us of a
+    planning layer at batch 16, in place)."""
     ahead_weight, block_s, busy, transfer_s = terms[0], terms[1], terms[2], terms[3]
     force_open, num_slots = terms[4] != 0.0, int(terms[5])
     idle_copies, idle_save_s, copy_host_s, decay = terms[6], terms[7], terms[8], terms[9]
@@ -568,18 +571,15 @@ def limit_gate_plan(
         p_use, layer, E, num_slots, idle_copies, idle_save_s, copy_host_s, use_order, use_state,
     )  # fmt: skip
     note_candidates(noted, noted_n, r, c, rank, first_key // E, distance0)
-    n = r.size
-    keys = np.empty(n, dtype=np.int64)
-    priorities = np.empty(n)
     m = 0
-    for j in range(n):
+    for j in range(r.size):
         i = order[j]
         v = scores[r[i], c[i]]
         if keep[i] and v > 0:
-            keys[m] = first_key + r[i] * E + c[i]
-            priorities[m] = v
+            out_keys[m] = first_key + r[i] * E + c[i]
+            out_priorities[m] = v
             m += 1
-    return keys[:m], priorities[:m], net, scored
+    return m, net, scored
 
 
 @njit(cache=True)
@@ -766,7 +766,7 @@ def warm() -> None:
         for ahead in (rows, rows[:0]):
             limit_gate_plan(
                 rows, ahead, one, held, figures, noted, noted_n, routed, p_use, no_order, state, terms,
-                1, 0.0, 0, 1, 0,
+                np.zeros(2, dtype=np.int64), np.zeros(2), 1, 0.0, 0, 1, 0,
             )  # fmt: skip
     blend(rows, rows, 2.0)
     match_counts(rows, 1)
