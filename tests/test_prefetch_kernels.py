@@ -257,7 +257,7 @@ def test_score_noted_equals_the_fancy_indexed_update(seed: int) -> None:
     L, D, E, T, k = 4, 3, 16, int(rng.integers(1, 6)), 2
     hits, trials = rng.random((D, E)), rng.random((D, E)) + 1
     layer = int(rng.integers(0, L))
-    noted = np.zeros((L, D, 2, E), dtype=np.int64)
+    noted = np.zeros((L, D, 2, E), dtype=np.int32)
     noted_n = rng.integers(0, E, size=(L, D)).astype(np.int64)
     for t in range(L):
         for d in range(D):  # distinct experts and ranks within a group, as noted
@@ -286,7 +286,7 @@ def test_noted_candidates_are_kept_by_layer_and_distance() -> None:
     """``kernels.note_candidates`` keeps each candidate under its layer and distance, in order,
     and drops those beyond the gate's depth or the last layer."""
     L, D, E = 4, 2, 8
-    noted = np.zeros((L, D, 2, E), dtype=np.int64)
+    noted = np.zeros((L, D, 2, E), dtype=np.int32)
     noted_n = np.zeros((L, D), dtype=np.int64)
     r = np.array([0, 0, 1, 2, 3], dtype=np.int64)  # rows of a plan from layer 0 (distance0 1)
     c = np.array([5, 2, 7, 1, 4], dtype=np.int64)

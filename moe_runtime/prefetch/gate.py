@@ -108,9 +108,10 @@ class PrefetchGate:
         self.hits, self.trials, self._precision = self._figures
         self.hits[:], self.trials[:] = float(prior[0]), float(prior[1])
         self._precision[:] = self.hits / self.trials
-        # the candidates noted for each layer and distance (experts, ranks) and their count, until
-        # the layer routes (kernels.note_candidates / score_noted)
-        self._noted = np.zeros((num_layers, depth, 2, num_experts), dtype=np.int64)
+        # the candidates noted for each layer and distance (experts, ranks; int32: a plan of every
+        # later layer, the paper's, keeps L x L x 2 x E of them) and their count, until the layer
+        # routes (kernels.note_candidates / score_noted)
+        self._noted = np.zeros((num_layers, depth, 2, num_experts), dtype=np.int32)
         self._noted_n = np.zeros((num_layers, depth), dtype=np.int64)
         self.block_per_miss_s: float | None = None  # b
         self.demand_busy = 1.0  # q: assume a busy link until measured

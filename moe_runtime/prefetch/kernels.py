@@ -638,7 +638,7 @@ def score_noted(
     """``PrefetchGate.observe``, in place: layer ``layer`` routed ``ids [T, k]`` (int64;
     negative: none); score the candidates noted for it (:func:`note_candidates`) and forget
     them. ``figures [3, D, E]`` (float64): the gate's hits, trials and precision by (distance,
-    rank); ``noted [L, D, 2, E]`` (int64): per layer and distance ``d`` (row ``d - 1``), the
+    rank); ``noted [L, D, 2, E]`` (int32): per layer and distance ``d`` (row ``d - 1``), the
     noted candidates' experts (row 0) and ranks (row 1), ``noted_n [L, D]`` of them. A candidate
     (expert ``c``, ranked ``r`` by its plan, distinct within its group) counts as a hit if
     ``c`` is among ``ids``: ``hits[d - 1, r] = decay * hits[d - 1, r] + used``, ``trials[d - 1,
@@ -761,7 +761,7 @@ def warm() -> None:
         gate_plan(rows, rows, held.reshape(1, 2), 1, one.reshape(1, 1), *args)
         terms = gate_terms(1.0, 1.0, 0.0, 1.0, False, 1, 0.0, 1.0, 0.0, 0.98)
         figures = np.ones((3, 1, 2))
-        noted, noted_n = np.zeros((1, 1, 2, 2), dtype=np.int64), np.zeros((1, 1), dtype=np.int64)
+        noted, noted_n = np.zeros((1, 1, 2, 2), dtype=np.int32), np.zeros((1, 1), dtype=np.int64)
         routed = np.zeros((1, 1), dtype=np.int64)
         for ahead in (rows, rows[:0]):
             limit_gate_plan(
@@ -774,7 +774,7 @@ def warm() -> None:
         least_used(held, p_use, 0, 1, 1, no_order, state)
     one_id = np.zeros(1, dtype=np.int64)
     used_difference(one_id, one_id, one_id)
-    noted, noted_n = np.zeros((1, 1, 2, 2), dtype=np.int64), np.zeros((1, 1), dtype=np.int64)
+    noted, noted_n = np.zeros((1, 1, 2, 2), dtype=np.int32), np.zeros((1, 1), dtype=np.int64)
     note_candidates(noted, noted_n, one_id, one_id, one_id, 0, 1)
     score_noted(np.ones((3, 1, 2)), noted, noted_n, 0, one_id.reshape(1, 1), 0.9)
     entries = np.zeros((1, 1, 2), dtype=np.float32)
