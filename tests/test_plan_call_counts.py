@@ -53,8 +53,9 @@ def _counted_run(monkeypatch: pytest.MonkeyPatch, skip_term: bool) -> tuple[Coun
         calls["plans"] += 1
         state = self._use_state
         sorted_before = bool(state[1])
-        inner(self, *args)
+        scored = inner(self, *args)
         calls["sorts"] += int(state[1] and not sorted_before)
+        return scored
 
     monkeypatch.setattr(eam.EAMPrefetch, "_plan", plan)
     end_step = eam.EAMPrefetch.end_step
@@ -135,7 +136,7 @@ def test_the_host_clock_is_read_at_a_sample_of_the_plans(monkeypatch: pytest.Mon
 
     def plan(self, *args):  # noqa: ANN001, ANN002, ANN202
         plans[0] += 1
-        inner(self, *args)
+        return inner(self, *args)
 
     monkeypatch.setattr(eam.EAMPrefetch, "__init__", init_timed)
     monkeypatch.setattr(eam.EAMPrefetch, "_plan", plan)

@@ -193,7 +193,6 @@ class EAMPrefetch(PrefetchPolicy):
         # the gate's plan, written by kernels.limit_gate_plan (at most depth x E keys)
         self._plan_keys = np.zeros(self.depth * self.num_experts, dtype=np.int64)
         self._plan_priorities = np.zeros(self.depth * self.num_experts)
-        self._unscored = False  # the routed layer's noted candidates await the plan's scoring
         self._weights: dict[tuple[int, int], np.ndarray] = {}  # (layer, rows) -> [rows] (_plan_weights)
         # the EAMC term's measured gain against its host time (term_value); None: always computed
         self.eamc_term = TermValue(probe_every) if cost_aware and self._timed and weigh_eamc else None
@@ -470,27 +469,28 @@ class EAMPrefetch(PrefetchPolicy):
                 return
             # the plan scores the earlier plans' candidates for this layer in its compiled call
             # (_paying); one that stops before it does so here
-            self._unscored = True
             if self._timed:  # the runtime: the plan's host time is a cost the gate weighs
                 if not self.plan_timed:  # not sampled (HOST_SAMPLE)
-                    self._plan(layer, request_ids, topk_ids)
+                    scored = self._plan(layer, request_ids, topk_ids)
                 else:
                     t0 = time.thread_time()
-                    self._plan(layer, request_ids, topk_ids)
+                    scored = self._plan(layer, request_ids, topk_ids)
                     host = time.thread_time() - t0 + self._lookahead_s
                     if topk_ids.shape[0] == len(request_ids):  # a decode layer: the cost the bar weighs
                         gate.note_host_time(host)
                 self.plan_timed = self._sampler.random() < HOST_SAMPLE
                 self._lookahead_s = 0.0
             else:
-                self._plan(layer, request_ids, topk_ids)
-            if self._unscored:
+                scored = self._plan(layer, request_ids, topk_ids)
+            if not scored:
                 gate.observe(layer, topk_ids)
             return
         self._plan(layer, request_ids, topk_ids)
 
-    def _plan(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
-        """Predict, limit, test and issue the plan of the layers after ``layer``."""
+    def _plan(self, layer: int, request_ids: list[str], topk_ids: np.ndarray) -> bool:
+        """Predict, limit, test and issue the plan of the layers after ``layer``. Returns whether
+        the gate scored its candidates noted for ``layer`` (the plan's compiled call does;
+        :meth:`_paying`)."""
         gate = self.gate
         self.plans += 1
         term = self.eamc_term
@@ -511,7 +511,7 @@ class EAMPrefetch(PrefetchPolicy):
         lo = layer + 1
         self._last = None if base is None else (lo, base, spec)
         if base is None:
-            return
+            return False
         # A later layer will need at most as many experts as this step routes (tokens x top-k):
         # keep only that many of its most likely experts, so the plan does not flood the link.
         cap = min(self.num_experts, topk_ids.size)
@@ -530,10 +530,11 @@ class EAMPrefetch(PrefetchPolicy):
         if gate is None:
             scores = kernels.limit_scores(self._blended(base, spec), cap, min_prob, weights)[1]
             self.issue(scores, first_layer=lo)
-            return
+            return False
         plan = self._paying(gate, layer, lo, base, spec, cap, min_prob, weights, topk_ids)
         if plan is not None:  # None: nothing pays and nothing of ours is queued (on-demand)
             self.issue_ranked(*plan)
+        return True
 
     def _note_eamc_term(
         self, term: TermValue, layer: int, ahead: tuple[int, np.ndarray] | None, probs: np.ndarray, cap: int
@@ -629,7 +630,6 @@ class EAMPrefetch(PrefetchPolicy):
             lo * self.num_experts, lo - layer, layer,
         )  # fmt: skip
         gate.checked += scored
-        self._unscored = False
         # the plan's host time is spent: what pays is issued; planning goes on at every layer
         # only while it wins that time back (else every probe_every-th layer probes)
         self._planning = gate.plans_pay(net)

@@ -536,9 +536,9 @@ def limit_gate_plan(
     scoring of the routed layer (:func:`score_noted`), then :func:`blend`, :func:`limit_scores`
     and :func:`gate_plan`, then the gate's note of the candidates (:func:`note_candidates`).
 
-    ``routed [T, k]`` (int64): layer ``layer``'s routing, scored against the candidates noted
-    for it in ``noted``/``noted_n`` (the gate's, updating its ``figures [3, D, E]``; with no
-    rows nothing is scored) before the plan reads the precision ``figures[2]``. ``probs [D, E]``
+    ``routed [T, k]`` (int64, C-contiguous): layer ``layer``'s routing, scored against the
+    candidates noted for it in ``noted``/``noted_n`` (the gate's, updating its ``figures [3, D,
+    E]``) before the plan reads the precision ``figures[2]``. ``probs [D, E]``
     with the router lookahead ``ahead [d, E]`` (``d <= D``; ``d`` 0: none) blended in at
     ``terms``' ``ahead_weight``, limited to each row's ``cap`` largest at or above ``min_prob``
     (``cap`` 0, ``min_prob`` 0: already limited) and weighted by ``weights [D]``; the plan's rows
@@ -560,7 +560,7 @@ def limit_gate_plan(
     ahead_weight, block_s, busy, transfer_s = terms[0], terms[1], terms[2], terms[3]
     force_open, num_slots = terms[4] != 0.0, int(terms[5])
     idle_copies, idle_save_s, copy_host_s, decay = terms[6], terms[7], terms[8], terms[9]
-    scored = score_noted(figures, noted, noted_n, layer, routed, decay) if routed.shape[0] else 0
+    scored = score_noted(figures, noted, noted_n, layer, routed, decay)
     if ahead.shape[0]:
         probs = blend(probs, ahead, ahead_weight)
     rows, scores = limit_scores(probs, cap, min_prob, weights)
@@ -635,8 +635,8 @@ def match_counts(scores: np.ndarray, k: int) -> np.ndarray:
 def score_noted(
     figures: np.ndarray, noted: np.ndarray, noted_n: np.ndarray, layer: int, ids: np.ndarray, decay: float
 ) -> int:
-    """``PrefetchGate.observe``, in place: layer ``layer`` routed ``ids [T, k]`` (int64;
-    negative: none); score the candidates noted for it (:func:`note_candidates`) and forget
+    """``PrefetchGate.observe``, in place: layer ``layer`` routed ``ids [T, k]`` (int64,
+    C-contiguous; negative: none); score the candidates noted for it (:func:`note_candidates`) and forget
     them. ``figures [3, D, E]`` (float64): the gate's hits, trials and precision by (distance,
     rank); ``noted [L, D, 2, E]`` (int32): per layer and distance ``d`` (row ``d - 1``), the
     noted candidates' experts (row 0) and ranks (row 1), ``noted_n [L, D]`` of them. A candidate
@@ -654,11 +654,7 @@ def score_noted(
     if total == 0:
         return 0
     hits, trials, precision = figures[0], figures[1], figures[2]
-    used = np.zeros(figures.shape[2], dtype=np.bool_)
-    for t in range(ids.shape[0]):
-        for j in range(ids.shape[1]):
-            if ids[t, j] >= 0:
-                used[ids[t, j]] = True
+    used = _used_mask(ids.reshape(-1), figures.shape[2])
     for d in range(depth):
         for j in range(noted_n[layer, d]):
             r = noted[layer, d, 1, j]
@@ -667,6 +663,17 @@ def score_noted(
             precision[d, r] = hits[d, r] / trials[d, r]
         noted_n[layer, d] = 0
     return total
+
+
+@njit(cache=True)
+def _used_mask(ids: np.ndarray, size: int) -> np.ndarray:
+    """``[size]`` bool: which experts the routed ``ids [n]`` (int64, each ``< size``; negative:
+    none) chose."""
+    used = np.zeros(size, dtype=np.bool_)
+    for i in range(ids.size):
+        if ids[i] >= 0:
+            used[ids[i]] = True
+    return used
 
 
 @njit(cache=True)
@@ -707,10 +714,7 @@ def used_difference(ids: np.ndarray, with_term: np.ndarray, without_term: np.nda
     for i in range(ids.size):
         if ids[i] + 1 > size:
             size = ids[i] + 1
-    used = np.zeros(size, dtype=np.bool_)
-    for i in range(ids.size):
-        if ids[i] >= 0:
-            used[ids[i]] = True
+    used = _used_mask(ids, size)
     diff = 0
     for e in with_term:
         if e < size and used[e]:
