@@ -157,12 +157,12 @@ def test_limit_gate_plan_is_limit_scores_then_gate_plan(seed: int) -> None:
     want_gate.observe(layer, routed)
     r, c, rank, keep, _, net = kernels.gate_plan(
         rows, scores, held_rows, 1, want_gate.precision(), b, q, t, force, held, p_use, *tail,
-        np.zeros(L * E, dtype=np.int64), _sort_now(),
+        np.zeros(L * E, dtype=np.int32), _sort_now(),
     )  # fmt: skip
     want_gate.note(1, lo, np.stack([r, c, rank]))
     keys, priorities = np.full(D * E, -1, dtype=np.int64), np.full(D * E, -1.0)
     m, net2, scored = kernels.limit_gate_plan(
-        probs, ahead, weights, held, *gate.plan_state(), routed, p_use, np.zeros(L * E, dtype=np.int64),
+        probs, ahead, weights, held, *gate.plan_state(), routed, p_use, np.zeros(L * E, dtype=np.int32),
         _sort_now(), terms, keys, priorities, cap, min_prob, lo * E, 1, layer,
     )  # fmt: skip
     assert (keys[m:] == -1).all() and (priorities[m:] == -1).all()  # written up to the plan's length
@@ -197,7 +197,7 @@ def test_gate_plan_equals_the_numpy_gate(seed: int) -> None:
     save = float(rng.random())
     h = float(rng.choice([0.0, 0.02, 0.2]))  # each copy's host cost
     # victims by the heap, or (even seeds) by the walk of p_use's sort (kernels.least_used)
-    order = np.zeros(L * E if seed % 2 == 0 else 0, dtype=np.int64)
+    order = np.zeros(L * E if seed % 2 == 0 else 0, dtype=np.int32)
     args = (b, q, t, False, held, p_use, layer, E, slots, idle, save, h, order, _sort_now())
     r, c, rank, keep, order, net = kernels.gate_plan(rows, scores, held_rows, 1, prec, *args)
     np.testing.assert_array_equal(np.stack([r, c, rank]), np.stack(kernels.ranked_free(rows, held_rows)))
@@ -224,7 +224,7 @@ def test_least_used_is_the_sorted_smallest_use_of_the_evictable_held_experts(see
     evictable = held.copy()
     evictable[layer * E : (layer + 1) * E] = False  # the running layer's experts are pinned
     want = np.sort(p_use[evictable].astype(np.float64))[:cap]
-    order = np.zeros(L * E, dtype=np.int64)
+    order = np.zeros(L * E, dtype=np.int32)
     hint = np.array([0, 0, 10], dtype=np.int64)  # ten calls expected: sorts at once (unless zeros)
     # the heap; the heap until it spent the sort's work, then the walk of p_use's sort; the walk at once
     for use_order, state in ((order[:0], _sort_now()), (order, np.zeros(3, dtype=np.int64)), (order, hint)):
@@ -395,7 +395,7 @@ def test_the_python_kernels_equal_the_compiled_ones() -> None:
         2.0,
         0.4,
         1e-3,
-        np.zeros(6 * E, dtype=np.int64),
+        np.zeros(6 * E, dtype=np.int32),
         _sort_now(),
     )
     for fn, a in (
@@ -410,7 +410,7 @@ def test_the_python_kernels_equal_the_compiled_ones() -> None:
         (kernels.row_probs, ((rng.random((2, 300)) * 9).astype(np.float32),)),
         (
             kernels.least_used,  # the walk of p_use's sort (it sorts at once)
-            (held, rng.random(6 * E).astype(np.float32), E, 2 * E, 7, np.zeros(6 * E, np.int64), _sort_now()),
+            (held, rng.random(6 * E).astype(np.float32), E, 2 * E, 7, np.zeros(6 * E, np.int32), _sort_now()),
         ),
     ):
         compiled, plain = fn(*a), fn.py_func(*a)

@@ -187,7 +187,7 @@ class EAMPrefetch(PrefetchPolicy):
         self._p_use: tuple[np.ndarray, int, np.ndarray] | None = None  # (own term, T, [L * E] p)
         # kernels.least_used's sort of that p (reset with it): [L * E] order, [3] heap work so far,
         # sorted, plans still expected in the step (set at each plan)
-        self._use_order = np.zeros(self.num_layers * self.num_experts, dtype=np.int64)
+        self._use_order = np.zeros(self.num_layers * self.num_experts, dtype=np.int32)
         self._use_state = np.zeros(3, dtype=np.int64)
         self._no_ahead = np.zeros((0, self.num_experts), dtype=np.float32)  # a plan without lookahead
         # the gate's plan, written by kernels.limit_gate_plan (at most depth x E keys)
