@@ -243,6 +243,17 @@ def test_least_used_is_the_sorted_smallest_use_of_the_evictable_held_experts(see
             assert state[0] == 0  # sorted before any heap pass
 
 
+@pytest.mark.parametrize("size", [0, 1, 7, 8, 9, 63, 6144, 6151])
+def test_count_true_counts_eight_bytes_at_a_time_and_the_tail(size: int) -> None:
+    """``kernels.count_true`` (least_used's held count) equals numpy's count at sizes with and
+    without a tail of fewer than eight entries, compiled and as plain Python, on dense and sparse
+    masks (a word of eight True sums to 8 in its low byte: no carry)."""
+    rng = np.random.default_rng(size)
+    for density in (0.0, 0.3, 1.0):
+        mask = rng.random(size) < density
+        assert kernels.count_true(mask) == kernels.count_true.py_func(mask) == np.count_nonzero(mask)
+
+
 def _sort_now() -> np.ndarray:
     """A ``least_used`` state that sorts at its next heap pass (when it is given an order)."""
     return np.array([1 << 40, 0, 0], dtype=np.int64)
