@@ -371,9 +371,10 @@ def least_used(
     NOTE: the walk. At batch 16 it passes about 3,700 sorted keys to find about 88 held ones (the
     cache keeps the experts the batch uses: the least used are seldom held). Written branch-light
     (one test per key, the stop inside the hit) over the int32 order, with the count of
-    :func:`count_true` instead of the counting pass, it took 6.4 us against 10 of the walk after
-    the counting pass over int64 (600 plans' arguments of ``bench overhead``, batch 16, gate
-    open; 12 against 20 with 1 MB of other data touched between calls)."""
+    :func:`count_true` instead of the counting pass, it took 8.1 us against 10.1 of the walk
+    after the counting pass over int64 (600 plans' arguments of ``bench overhead``, batch 16,
+    gate open, median of 7 passes; 15.2 against 23.2 with 1 MB of other data touched between
+    calls)."""
     sortable = order.size == held.size
     if sortable and state[1] == 1:  # walk the sorted use
         n_held = count_true(held)
