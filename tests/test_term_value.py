@@ -8,17 +8,49 @@ import numpy as np
 import pytest
 import torch
 
-from moe_runtime.prefetch.term_value import MAX_BACKOFF, MIN_SCORED, TermValue, candidates
+from moe_runtime.prefetch import kernels
+from moe_runtime.prefetch.term_value import MAX_BACKOFF, MIN_SCORED, TermValue
 from tests.test_sim_engine import sim_for
+
+
+def _candidates(row: np.ndarray, held: np.ndarray, cap: int) -> np.ndarray:
+    """The definition: the ``cap`` largest positive entries (ties: lower id first), less the
+    held, as ascending ids."""
+    order = np.argsort(-row, kind="stable")[:cap]
+    order = order[row[order] > 0]
+    return np.sort(order[~held[order]])
 
 
 def test_candidates_are_the_best_cap_experts_the_buffer_does_not_hold() -> None:
     row = np.array([0.1, 0.4, 0.0, 0.4, 0.2, 0.05], dtype=np.float32)
     held = np.zeros(6, dtype=bool)
-    np.testing.assert_array_equal(candidates(row, held, 3), [1, 3, 4])  # ties: lower id first
+    top = kernels.top_candidates
+    np.testing.assert_array_equal(top(row, held, 3), [1, 3, 4])
+    np.testing.assert_array_equal(top(row, held, 2), [1, 3])  # ties at the cap: lower id first
     held[3] = True
-    np.testing.assert_array_equal(candidates(row, held, 3), [1, 4])  # held: a prefetch copies nothing
-    np.testing.assert_array_equal(candidates(row, held, 6), [1, 4, 0, 5])  # zeros are no candidates
+    np.testing.assert_array_equal(top(row, held, 3), [1, 4])  # held: a prefetch copies nothing
+    np.testing.assert_array_equal(top(row, held, 2), [1])  # a held expert still takes its place
+    np.testing.assert_array_equal(top(row, held, 6), [0, 1, 4, 5])  # zeros are no candidates
+    np.testing.assert_array_equal(top(row, held, 9), [0, 1, 4, 5])  # cap beyond E
+    assert top(row, held, 0).size == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_term_candidates_are_both_plans_next_layer_candidates(seed: int) -> None:
+    """``kernels.term_candidates`` equals the definition on row 0 of each plan, the router
+    lookahead blended in as ``kernels.blend`` blends it, on rows with ties, zeros and held experts."""
+    rng = np.random.default_rng(seed)
+    E, D = 32, 1 + seed % 3
+    rows = [rng.choice([0.0, 0.25, 0.5, 1.0, 2.0], size=(D, E)).astype(np.float32) for _ in range(2)]
+    held = rng.random(E) < 0.3
+    for d in (0, 1, D):
+        ahead = rng.random((d, E)).astype(np.float32)
+        for cap in (0, 1, 3, 8, E):
+            got = kernels.term_candidates(rows[0], rows[1], ahead, 0.7, held, cap)
+            for ids, plan in zip(got, rows, strict=True):
+                row = kernels.blend(plan, ahead, 0.7)[0] if d else plan[0]
+                assert ids.dtype == np.int64
+                np.testing.assert_array_equal(ids, _candidates(row, held, cap))
 
 
 def test_the_gain_is_the_running_difference_in_used_candidates() -> None:

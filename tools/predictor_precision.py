@@ -124,7 +124,7 @@ def measure(model_dir: Path, args: argparse.Namespace) -> dict:
                 "chance": set(rng.choice(E, c, replace=False).tolist()),
             }
             if spec is not None and own is not None:  # the policy's own plan without the EAMC term
-                # (pol._without_eamc, with the unhooked _plan_rows: it calls the hook otherwise)
+                # (as pol._note_eamc_term forms it; the unhooked _plan_rows: it calls the hook otherwise)
                 alone = pol._own_rows()[0][lo : lo + len(out)]
                 guesses["lookahead+own"] = _top(pol._blended(*plan_rows(layer, alone, ahead))[0], c)
             pending[lo] = {k: v for k, v in guesses.items() if v is not None}

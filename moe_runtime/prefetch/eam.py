@@ -37,7 +37,7 @@ from moe_runtime.prefetch import kernels
 from moe_runtime.prefetch.base import PrefetchPolicy
 from moe_runtime.prefetch.gate import ModeTrial, PrefetchGate, clock, routed_ids
 from moe_runtime.prefetch.run_clock import RunClock
-from moe_runtime.prefetch.term_value import TermValue, candidates
+from moe_runtime.prefetch.term_value import TermValue
 from tracer.prefix_match import PrefixMatcher
 
 # Matching is always incremental (EAMPrefetch._match). A full EAMC search per layer ran below
@@ -518,7 +518,7 @@ class EAMPrefetch(PrefetchPolicy):
         if weigh and with_eamc:
             if self._eamc_s is not None:
                 term.note_host_time(self._eamc_s)
-            self._note_eamc_term(term, layer, ahead, self._blended(base, spec), cap)
+            self._note_eamc_term(term, layer, base, spec, cap)
         weights = self._plan_weights(layer, len(base))
         min_prob = self.min_prob
         if spec is None:  # the step's cached rows (_predict_rows) as they are: limit them once per step
@@ -537,27 +537,21 @@ class EAMPrefetch(PrefetchPolicy):
         return True
 
     def _note_eamc_term(
-        self, term: TermValue, layer: int, ahead: tuple[int, np.ndarray] | None, probs: np.ndarray, cap: int
+        self, term: TermValue, layer: int, base: np.ndarray, spec: np.ndarray | None, cap: int
     ) -> None:
         """Note for ``term`` (:mod:`moe_runtime.prefetch.term_value`) the next layer's candidates
-        of this plan (``probs [D, E]``, the EAMC term in) and of the plan without the EAMC term
-        (the own term alone, blended with the same router lookahead ``ahead``): the ``cap`` best
-        experts of each that the buffer does not hold."""
-        rows = self._without_eamc(layer, ahead, len(probs))
-        if rows is None:
+        of this plan (``base [D, E]``, the EAMC term in, with the router lookahead ``spec [d,
+        E]`` of :meth:`_plan_rows` blended in) and of the plan without the EAMC term (the step's
+        own term alone, normalised as :meth:`_predict_rows` does, blended with the same
+        lookahead): the ``cap`` best experts of each that the buffer does not hold, in one
+        compiled call (``kernels.term_candidates``). Nothing before the step's own term exists."""
+        if self._own is None:
             return
         lo, E = layer + 1, self.num_experts
+        own = self._own_rows()[0][lo : lo + 1]
         held = self.buffer.held[lo * E : (lo + 1) * E]
-        term.note(lo, candidates(probs[0], held, cap), candidates(rows[0], held, cap))
-
-    def _without_eamc(self, layer: int, ahead: tuple[int, np.ndarray] | None, n: int) -> np.ndarray | None:
-        """The plan's ``n`` rows ``[n, E]`` from ``layer + 1`` without the EAMC term: the step's
-        own term alone, normalised as :meth:`_predict_rows` does, blended with the router
-        lookahead ``ahead``; None before the step's own term exists."""
-        if self._own is None:
-            return None
-        rows = self._own_rows()[0][layer + 1 : layer + 1 + n]
-        return self._blend_ahead(layer, rows, ahead)
+        ahead = self._no_ahead if spec is None else spec
+        term.note(lo, *kernels.term_candidates(base, own, ahead, self.lookahead_weight, held, cap))
 
     def _own_rows(self) -> tuple[np.ndarray, list[bool]]:
         """The step's own term alone normalised, every row (``[L, E]``), and which rows have any

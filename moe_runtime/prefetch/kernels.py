@@ -790,6 +790,72 @@ def blend(rows: np.ndarray, ahead: np.ndarray, weight: float) -> np.ndarray:
     return out
 
 
+@njit(cache=True)
+def top_candidates(row: np.ndarray, held: np.ndarray, cap: int) -> np.ndarray:
+    """``[n]`` int64, ascending: the experts among the ``cap`` largest positive entries of ``row
+    [E]`` (ties: lower id first; held ones take their places too) that ``held [E]`` does not
+    mark: the experts of a plan's row a prefetch would copy (``term_value``). A set: the term
+    counts how many of them a layer uses, so no order is kept (the best-first order cost a sort,
+    or a count per candidate, of about 4 us at 128 experts). A row with at most ``cap`` positive
+    entries keeps all of them; else the ``cap``-th largest value bounds the set (a partition)."""
+    E = row.size
+    cap = min(max(cap, 0), E)
+    positive = 0
+    for e in range(E):
+        positive += row[e] > 0
+    out = np.empty(E, dtype=np.int64)
+    m = 0
+    if positive <= cap:
+        for e in range(E):
+            if row[e] > 0 and not held[e]:
+                out[m] = e
+                m += 1
+        return out[:m]
+    if cap == 0:
+        return out[:0]
+    kth = -np.partition(-row, cap - 1)[cap - 1]  # the cap-th largest (> 0: more are positive)
+    ties = cap
+    for e in range(E):
+        ties -= row[e] > kth
+    for e in range(E):  # the ties kth keeps: the lowest ids first
+        v = row[e]
+        if v < kth:
+            continue
+        if v == kth:
+            if ties == 0:
+                continue
+            ties -= 1
+        if not held[e]:
+            out[m] = e
+            m += 1
+    return out[:m]
+
+
+@njit(cache=True)
+def term_candidates(
+    with_rows: np.ndarray,
+    without_rows: np.ndarray,
+    ahead: np.ndarray,
+    weight: float,
+    held: np.ndarray,
+    cap: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The next layer's candidates of a plan with the EAMC term and without it
+    (``EAMPrefetch._note_eamc_term``, ``moe_runtime.prefetch.term_value``) in one call:
+    :func:`top_candidates` of row 0 of ``with_rows [D, E]`` and of ``without_rows [D', E]``
+    (float32), each with the router lookahead ``ahead [d, E]`` blended in as :func:`blend`
+    blends it (``d`` 0: none), against ``held [E]`` (the next layer's held mask) and ``cap``.
+    Only row 0 is read: :func:`blend`'s row 0 depends on ``rows[0]`` and ``ahead[0]`` alone.
+    Returns ``(with_ids [n], without_ids [m])``, int64."""
+    if ahead.shape[0]:
+        first = ahead[:1]
+        return (
+            top_candidates(blend(with_rows[:1], first, weight)[0], held, cap),
+            top_candidates(blend(without_rows[:1], first, weight)[0], held, cap),
+        )
+    return top_candidates(with_rows[0], held, cap), top_candidates(without_rows[0], held, cap)
+
+
 _warm = False
 
 
@@ -835,4 +901,6 @@ def warm() -> None:
     matched_row_probs(entries, np.ones(1, dtype=np.int64), 0, 1)
     own_plus_eamc(rows, rows)
     own_plus_eamc(rows, rows[:0])
+    for ahead in (rows, rows[:0]):
+        term_candidates(rows, rows, ahead, 1.0, held, 1)
     _warm = True

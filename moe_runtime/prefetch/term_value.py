@@ -140,11 +140,3 @@ class TermValue:
 def _ids(experts: np.ndarray) -> np.ndarray:
     """``experts`` as the int64 array ``kernels.used_difference`` takes (itself when it is one)."""
     return experts if experts.dtype == np.int64 else experts.astype(np.int64)
-
-
-def candidates(row: np.ndarray, held: np.ndarray, cap: int) -> np.ndarray:
-    """The ``cap`` largest positive entries of ``row [E]`` (ties: lower id first), less those
-    ``held [E]`` marks: the experts of a plan's row a prefetch would copy, as ids ``[n]``."""
-    order = np.argsort(-row, kind="stable")[:cap]
-    order = order[row[order] > 0]
-    return order[~held[order]]
