@@ -624,13 +624,23 @@ def _add_cells(
     expert``) into the flat ``table`` (+1 at ``cell + to_table[token]``) and ``summed`` (+1.0,
     float32, at ``cell + to_summed[token]``); ``to_table``, ``to_summed`` ``[T]``: each token's
     block offsets. Repeated cells count each time (``np.add.at``'s result; the counts are
-    integers, exact in float32 below 2**24). Two ``np.add.at`` calls took 7-8 us per flush (hot,
-    Qwen3-30B-A3B shape, batch 1 and 16), this about 1."""
+    integers, exact in float32 below 2**24, so the order of the adds does not change them). Two
+    ``np.add.at`` calls took 7-8 us per flush (hot, Qwen3-30B-A3B shape, batch 1 and 16), this
+    about 1.
+
+    Token by token: each token's ids go into its own blocks, layer after layer, so the writes
+    sweep forward through one request's rows instead of jumping between the batch's blocks at
+    every id. A step's first read at batch 16 flushes the step before (47 layers, 6,016 ids,
+    into 2 MB of tables gone cold): 85 -> 40 us in isolation (an 8 MB pass between flushes)."""
     T = to_table.size
-    for i in range(cells.size):
-        t = (i // k) % T
-        table[cells[i] + to_table[t]] += 1
-        summed[cells[i] + to_summed[t]] += np.float32(1.0)
+    n = cells.size // (T * k)  # layers
+    for t in range(T):
+        a, b = to_table[t], to_summed[t]
+        for lay in range(n):
+            first = (lay * T + t) * k
+            for j in range(first, first + k):
+                table[cells[j] + a] += 1
+                summed[cells[j] + b] += np.float32(1.0)
 
 
 #: below ``cells / _SPARSE_RATIO`` ids, :meth:`RequestRecorder._add` scatter-adds them one by one.
