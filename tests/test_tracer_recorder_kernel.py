@@ -13,7 +13,7 @@ from tracer.recorder import _add_cells
 def test_add_cells_equals_add_at(seed: int) -> None:
     rng = np.random.default_rng(seed)
     B, L, E, k = int(rng.integers(1, 5)), 6, 8, int(rng.integers(1, 4))
-    T, n = int(rng.integers(1, 7)), int(rng.integers(1, 4))
+    T, n = int(rng.integers(1, 7)) if seed != 5 else 0, int(rng.integers(1, 4))  # seed 5: no tokens
     cells = rng.integers(0, E, size=(n, T, k)) + (rng.integers(0, L, size=n) * E)[:, None, None]
     if seed % 2:
         cells = cells[0]  # one layer: [T, k]
@@ -25,7 +25,7 @@ def test_add_cells_equals_add_at(seed: int) -> None:
     want_s = np.zeros((B, L, E), dtype=np.float32)
     np.add.at(want_t.reshape(-1), (cells + to_table[:, None]).ravel(), 1)
     np.add.at(want_s.reshape(-1), (cells + to_summed[:, None]).ravel(), np.float32(1))
-    assert want_t.sum() == cells.size and want_t.max() >= 1
+    assert want_t.sum() == cells.size and (want_t.max() >= 1 or T == 0)
     for fn in (_add_cells, _add_cells.py_func):
         got_t, got_s = np.zeros_like(want_t), np.zeros_like(want_s)
         fn(got_t.reshape(-1), got_s.reshape(-1), cells.ravel(), cells.shape[-1], to_table, to_summed)
