@@ -888,6 +888,7 @@ def warm() -> None:
                 np.zeros(2, dtype=np.int64), np.zeros(2), 1, 0.0, 0, 1, 0,
             )  # fmt: skip
     blend(rows, rows, 2.0)
+    row_probs(rows)  # the policy's own term, once per step (eam._row_probs)
     match_counts(rows, 1)
     for p_use in (np.zeros(2), np.zeros(2, dtype=np.float32)):
         least_used(held, p_use, 0, 1, 1, no_order, state)
