@@ -32,6 +32,13 @@ def test_json_reports_every_hook_with_spread_and_settings(capsys: pytest.Capture
         # more than the median layer of a gate that is mostly closed
         assert row["open_plan_p50_us"] > row["plan_p50_us"] or row["planned_share"] == 1
         assert row["planned_total_p50_us"] > 0
+        # the mix behind planned_total: each step's first plan, the other plans with the EAMC
+        # term, the rest; their shares of the planning layers add up to one
+        kinds = row["planned_kinds"]
+        assert set(kinds) == {"step_first", "term_in", "term_out"}
+        assert sum(k["share"] for k in kinds.values()) == pytest.approx(1.0, abs=0.01)
+        assert kinds["step_first"]["share"] > 0 and kinds["step_first"]["p50_us"] > 0
+        assert all(k["p50_us"] is None or k["p50_us"] > 0 for k in kinds.values())
         within = {k: row[f"{k}_p50_us"] <= 50.0 for k in ("total", "planned_total", "open_total")}
         assert all(row[f"{k}_within_budget"] == v for k, v in within.items())
         assert row["meets_budget"] == all(within.values())
@@ -43,6 +50,7 @@ def test_sections_split_a_planning_layers_plan(capsys: pytest.CaptureFixture[str
     assert main([*args, "--sections", "--eamc-term", "always", "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)["results"]
     assert row["open_eamc_term_share"] == 1.0  # --eamc-term always: every plan matches, as the simulator
+    assert "planned_kinds" not in row  # no term weighed: no kinds to tell apart
     parts = [row[f"open_section_{name}_p50_us"] for name in ("predict", "lookahead", "gate", "queue")]
     assert all(p >= 0 for p in parts) and parts[0] > 0 and parts[3] > 0  # every plan predicts and queues
     # p50s of parts need not add up, but no part of a plan costs more than the whole plan's p90

@@ -49,13 +49,17 @@ LOOKAHEAD_PRECISION = (0.647, 0.576, 0.493)  # bench lookahead, bundled model, d
 # one compiled call that also orders the plan) and the queue update (TransferQueue.replan_ranked)
 SECTIONS = {"predict": "_predict_rows", "lookahead": "_plan_rows", "gate": "_paying", "queue": "issue_ranked"}
 EAM_CACHE = next(cache for label, _, cache, _ in COMBOS if label == "eam")  # the default row's cache
+# the kinds of planning layer whose mix sets planned_total's p50 (``--eamc-term weighed`` only):
+# the step's first plan (it pays the step's once-per-step work: the recorder's flush of the step
+# before, the own term, the victims' use), the others that computed the EAMC term, and the rest
+PLAN_KINDS = ("step_first", "term_in", "term_out")
 
 
 class _Timer:
     """Per-hook durations (ns) of the current layer, summed into one row per routed layer."""
 
     def __init__(self) -> None:
-        self.rows: list[list[int]] = []  # per routed layer: ns per hook, in HOOKS order
+        self.rows: list[list[int]] = []  # per routed layer: ns per hook (HOOKS order), planned, kind
         self._cur = [0, 0, 0, 0, 0]  # HOOKS, then the I/O side's work (not counted)
         self.section_rows: list[list[int]] = []  # per routed layer: ns per SECTIONS entry
         self._sections = [0] * len(SECTIONS)
@@ -73,9 +77,10 @@ class _Timer:
 
         return timed
 
-    def close_layer(self, planned: bool) -> None:
-        """End a routed layer; ``planned``: the prefetch policy predicted and tested a plan."""
-        self.rows.append([*self._cur[:4], int(planned)])
+    def close_layer(self, planned: bool, kind: int = -1) -> None:
+        """End a routed layer; ``planned``: the prefetch policy predicted and tested a plan;
+        ``kind``: its index in :data:`PLAN_KINDS` (-1: not told)."""
+        self.rows.append([*self._cur[:4], int(planned), kind])
         self._cur[:] = [0, 0, 0, 0, 0]
         self.section_rows.append(self._sections[:])
         self._sections[:] = [0] * len(SECTIONS)
@@ -125,6 +130,7 @@ def measure(
     terms: list[TermValue] = []
     eval_names = {r.request_id for r in evals}
     mark: list[int] = []  # routed layers before the first measured step
+    step_planned = [False]  # whether the current step planned yet (PLAN_KINDS: its first plan)
     orig_make_state, orig_step = sim.make_state, sim._step
 
     def make_state(*args: Any, **kwargs: Any) -> Any:
@@ -170,10 +176,15 @@ def measure(
 
         def after_routing(layer: int, request_ids: list[str], topk_ids: np.ndarray) -> None:
             buf.advance()  # replay the clock to now first (the runtime's I/O thread did it already)
-            io0, plans0 = cur[4], pf.plans
+            io0, plans0, term = cur[4], pf.plans, pf.eamc_term
+            used0 = term.used if term is not None else 0
             plan(layer, request_ids, topk_ids)
             cur[3] -= cur[4] - io0
-            timer.close_layer(pf.plans > plans0)
+            planned, kind = pf.plans > plans0, -1
+            if planned and term is not None:
+                kind = 0 if not step_planned[0] else 1 if term.used > used0 else 2
+            step_planned[0] |= planned
+            timer.close_layer(planned, kind)
 
         pf.after_routing = after_routing
         return state
@@ -181,6 +192,7 @@ def measure(
     def step(state: Any, scheduled: list) -> None:
         if not mark and any(state.by_id[s.seq.request_id].request_id in eval_names for s in scheduled):
             mark.append(len(timer.rows))
+        step_planned[0] = False
         orig_step(state, scheduled)
 
     sim.make_state, sim._step = make_state, step
@@ -188,7 +200,7 @@ def measure(
     sim.run("eam", cache, warm, evals)  # the warm part fills the EAMC; its layers are not counted
     wall = time.perf_counter() - t0
     table = np.asarray(timer.rows[mark[0] + warmup_steps * L :], dtype=np.float64)
-    planned = table[:, 4] > 0
+    planned, kinds = table[:, 4] > 0, table[:, 5]
     rows = table[:, :4] / 1e3  # us
     if not len(rows):
         from moe_runtime.errors import ConfigError
@@ -206,6 +218,14 @@ def measure(
     out["planned_total"] = {
         q: float(np.percentile(full, v)) if len(full) else 0.0 for q, v in (("p50", 50), ("p90", 90))
     }
+    if terms and planned.any():  # the mix of planning layers: each kind's share and p50
+        out["kinds"] = {
+            name: {
+                "share": float((kinds[planned] == i).mean()),
+                "p50": float(np.percentile(total[kinds == i], 50)) if (kinds == i).any() else None,
+            }
+            for i, name in enumerate(PLAN_KINDS)
+        }
     if sections and planned.any():
         parts = np.asarray(timer.section_rows[mark[0] + warmup_steps * L :], dtype=np.float64)[planned] / 1e3
         out["sections"] = {name: float(np.percentile(col, 50)) for name, col in zip(SECTIONS, parts.T)}
@@ -305,6 +325,14 @@ def run(args: argparse.Namespace) -> int:
                     vals = [r[name][q] for r in runs]
                     row[f"{prefix}{name}_{q}_us"] = round(statistics.median(vals), 1)
                     row[f"{prefix}{name}_{q}_spread_us"] = [round(min(vals), 1), round(max(vals), 1)]
+        if all("kinds" in r for r in auto):  # the mix behind planned_total (gate as is)
+            row["planned_kinds"] = {
+                name: {
+                    "share": round(statistics.median(r["kinds"][name]["share"] for r in auto), 3),
+                    "p50_us": _median_of([r["kinds"][name]["p50"] for r in auto]),
+                }
+                for name in PLAN_KINDS
+            }
         if args.sections:  # p50 over the planning layers of the gate-open runs, median over repeats
             for name in SECTIONS:
                 row[f"open_section_{name}_p50_us"] = round(
@@ -333,6 +361,14 @@ def run(args: argparse.Namespace) -> int:
                 parts.append(f"planned {r['planned_share']:.0%} of layers")
             parts.append(f"EAMC term in {r[prefix + 'eamc_term_share']:.0%} of plans")
             print(" | ".join(parts))
+            if not prefix and "planned_kinds" in r:
+                kinds = r["planned_kinds"]
+                parts = [f"batch {r['batch']:>3} planning layers by kind"]
+                for name, label in zip(PLAN_KINDS, ("step's first", "EAMC term in", "term out"), strict=True):
+                    p50 = kinds[name]["p50_us"]
+                    shown = "-" if p50 is None else f"{p50:.1f}"
+                    parts.append(f"{label} {kinds[name]['share']:.0%} p50 {shown}")
+                print(" | ".join(parts))
         if args.sections:
             parts = [f"{name} p50 {r[f'open_section_{name}_p50_us']:.1f}" for name in SECTIONS]
             print(f"batch {r['batch']:>3} gate open, plan parts | " + " | ".join(parts))
@@ -342,6 +378,12 @@ def run(args: argparse.Namespace) -> int:
         )
         print(f"batch {r['batch']:>3} budget {BUDGET_US:.0f} us p50: {verdict}")
     return 0
+
+
+def _median_of(values: list[float | None]) -> float | None:
+    """Median of the repeats' figures that exist (a kind no planning layer had is None), rounded."""
+    known = [v for v in values if v is not None]
+    return round(statistics.median(known), 1) if known else None
 
 
 def _cpus() -> int:
