@@ -16,6 +16,7 @@ import torch
 
 from moe_runtime.device import normalize_device
 from moe_runtime.errors import ConfigError
+from tracer.eamc import DEFAULT_CAPACITY
 
 if TYPE_CHECKING:
     from moe_runtime.layers.mla import MLAShape
@@ -289,7 +290,9 @@ class RuntimeConfig:
         router_lookahead: next MoE layers whose ``eam`` prefetch plan also uses the router
             lookahead (later routers applied to the current residual stream; 0 = the paper's
             EAMC-only policy). See ``moe_runtime.layers.router_lookahead``.
-        eamc_capacity: entries of the EAM collection the ``eam`` policies match against.
+        eamc_capacity: entries of the EAM collection the ``eam`` policies match against
+            (``tracer.eamc.DEFAULT_CAPACITY``, 128: docs/tracer.md weighs prediction against
+            matching cost by capacity).
         pin_memory: pin the host expert store (default: when CUDA is available).
         expert_dtype: the format experts are kept in (host store, link, slots): ``auto`` = the
             checkpoint's (fp8 block-scaled experts stay fp8; unquantized ones are in ``dtype``),
@@ -315,7 +318,7 @@ class RuntimeConfig:
     prefetch_policy: str = "eam"
     prefetch_depth: int | None = None
     router_lookahead: int = 1
-    eamc_capacity: int = 1000
+    eamc_capacity: int = DEFAULT_CAPACITY
     pin_memory: bool | None = None
     cpu_threads: int | None = None
     expert_dtype: str = "auto"

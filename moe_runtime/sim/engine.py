@@ -35,6 +35,7 @@ from moe_runtime.sim.buffer import SimBuffer
 from moe_runtime.sim.cost import CostModel
 from moe_runtime.sim.workload import SimRequest
 from moe_runtime.stats import ExpertStats
+from tracer.eamc import DEFAULT_CAPACITY
 
 
 @dataclass(slots=True)
@@ -68,7 +69,7 @@ class SimConfig:
     batch: int = 1
     max_num_batched_tokens: int = 4096
     prefetch_depth: int | None = None
-    eamc_capacity: int = 1000
+    eamc_capacity: int = DEFAULT_CAPACITY
     host_time_scale: float = 0.0
     layer_jitter_s: float = 0.0
     jitter_seed: int = 0

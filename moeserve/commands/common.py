@@ -12,6 +12,7 @@ from pathlib import Path
 from moe_runtime.config import DEFAULT_CACHE_POLICY, RuntimeConfig, cache_policy_names, prefetch_policy_names
 from moe_runtime.errors import CheckpointError
 from moe_runtime.quant.select import EXPERT_DTYPES
+from tracer.eamc import DEFAULT_CAPACITY
 
 
 def add_model_arg(parser: argparse.ArgumentParser) -> None:
@@ -86,8 +87,8 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--eamc-capacity",
         type=int,
-        default=1000,
-        help="EAM collection entries for the eam policies (default: 1000)",
+        default=DEFAULT_CAPACITY,
+        help=f"EAM collection entries for the eam policies (default: {DEFAULT_CAPACITY}; docs/tracer.md)",
     )
     g.add_argument(
         "--cpu-threads",

@@ -13,6 +13,8 @@ import time
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from tracer.eamc import DEFAULT_CAPACITY
+
     p = sub.add_parser(
         "simulate",
         help="trace-driven simulation of expert prefetching/caching at a real model's scale",
@@ -40,7 +42,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--kv-tokens", type=int, default=None, help="KV-cache tokens reserved (default 8192)")
     p.add_argument("--prefetch-depth", type=int, default=None, help="layers a prefetch plan covers")
-    p.add_argument("--eamc-capacity", type=int, default=1000)
+    p.add_argument(
+        "--eamc-capacity",
+        type=int,
+        default=DEFAULT_CAPACITY,
+        help=f"EAMC entries (default: {DEFAULT_CAPACITY})",
+    )
     p.add_argument("--host-overhead-us", type=float, default=0.0, help="host time per MoE layer (µs)")
     p.add_argument(
         "--layer-jitter-us", type=float, default=0.0, help="std of each layer's dense time, seeded (µs)"
