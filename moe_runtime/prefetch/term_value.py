@@ -42,6 +42,7 @@ from __future__ import annotations
 import numpy as np
 
 from moe_runtime.prefetch import kernels
+from moe_runtime.prefetch.gate import routed_ids
 
 # Plans scored before the test may skip the term (the running gain starts from these).
 MIN_SCORED = 8
@@ -127,7 +128,7 @@ class TermValue:
         if pending is None:
             return
         with_term, without_term = pending
-        ids = np.ascontiguousarray(topk_ids, dtype=np.int64).reshape(-1)
+        ids = routed_ids(topk_ids).reshape(-1)
         diff = kernels.used_difference(ids, _ids(with_term), _ids(without_term))
         self.gain_hits = diff if self.scored == 0 else self.decay * self.gain_hits + (1 - self.decay) * diff
         self.scored += 1
