@@ -61,3 +61,15 @@ def test_sections_split_a_planning_layers_plan(capsys: pytest.CaptureFixture[str
 def test_bad_values_exit_2(bad: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "overhead", *bad]) == 2
     assert "--" in capsys.readouterr().err
+
+
+def test_the_eamc_is_warmed_to_its_default_capacity(capsys: pytest.CaptureFixture[str]) -> None:
+    """By default the warm requests fill the EAMC to the capacity a serving run holds once warm,
+    so the matching the figures include is the steady state's (``tracer.eamc.DEFAULT_CAPACITY``)."""
+    from tracer.eamc import DEFAULT_CAPACITY
+
+    args = ["bench", "overhead", "--model-profile", "mixtral-8x7b", "--batch", "1", "--tokens", "2"]
+    assert main([*args, "--warmup-steps", "0", "--repeats", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["settings"]["warm_requests"] == DEFAULT_CAPACITY
+    assert 0 <= doc["results"][0]["eamc_term_share"] <= 1  # counted over the timed steps alone

@@ -14,7 +14,9 @@ on a seeded synthetic workload of the shape (group-structured routing, Gumbel to
 so the buffer's state evolves as in a run; every hook call is timed with ``perf_counter_ns`` and
 summed per routed layer. The lookahead scores are the simulator's modelled router lookahead
 (``SimConfig.lookahead_precision``), handed over as a ``torch`` tensor as the model does. The
-first ``--warmup-steps`` steps of each repeat are dropped; each repeat starts from fresh objects;
+first ``--warmup-steps`` steps of each repeat are dropped; each repeat starts from fresh objects,
+its EAMC filled by ``--warm-requests`` requests first (the EAMC's default capacity, as a serving
+run holds it once warm);
 figures are the median over repeats with the min-max spread.
 
 The EAMC term of a plan is weighed as the runtime weighs it (``--eamc-term weighed``, the
@@ -38,6 +40,7 @@ import torch
 from moe_runtime.bench.policies import COMBOS
 from moe_runtime.layers.moe import start_host_copy
 from moe_runtime.prefetch.term_value import TermValue
+from tracer.eamc import DEFAULT_CAPACITY
 
 HOOKS = ("record", "cache", "lookahead", "plan")
 HOOKS_TOTAL = ("total", *HOOKS)
@@ -130,6 +133,7 @@ def measure(
     terms: list[TermValue] = []
     eval_names = {r.request_id for r in evals}
     mark: list[int] = []  # routed layers before the first measured step
+    window: list[tuple[int, int]] = []  # the EAMC term's (used, skipped) plans before the timed steps
     step_planned = [False]  # whether the current step planned yet (PLAN_KINDS: its first plan)
     orig_make_state, orig_step = sim.make_state, sim._step
 
@@ -192,6 +196,8 @@ def measure(
     def step(state: Any, scheduled: list) -> None:
         if not mark and any(state.by_id[s.seq.request_id].request_id in eval_names for s in scheduled):
             mark.append(len(timer.rows))
+        if mark and not window and len(timer.rows) >= mark[0] + warmup_steps * L:  # the timed steps start
+            window.append((sum(t.used for t in terms), sum(t.skipped for t in terms)))
         step_planned[0] = False
         orig_step(state, scheduled)
 
@@ -212,8 +218,10 @@ def measure(
         out[name] = {"p50": float(np.percentile(col, 50)), "p90": float(np.percentile(col, 90))}
     # the layers that predicted a plan (all of them while prefetching pays; one in probe_every else)
     out["planned_share"] = float(planned.mean())
-    used = sum(t.used for t in terms)
-    out["eamc_term_share"] = used / max(1, used + sum(t.skipped for t in terms)) if terms else 1.0
+    # over the timed steps, as every other figure (the warm requests' plans left out)
+    used0, skipped0 = window[0] if window else (0, 0)
+    used, skipped = sum(t.used for t in terms) - used0, sum(t.skipped for t in terms) - skipped0
+    out["eamc_term_share"] = used / max(1, used + skipped) if terms else 1.0
     full = total[planned] if planned.any() else total[:0]
     out["planned_total"] = {
         q: float(np.percentile(full, v)) if len(full) else 0.0 for q, v in (("p50", 50), ("p90", 90))
@@ -245,7 +253,13 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
         "--buffer", type=float, default=0.25, help="slots as a share of all experts (default: 0.25)"
     )
     p.add_argument("--tokens", type=int, default=24, help="decode tokens per measured request (default: 24)")
-    p.add_argument("--warm-requests", type=int, default=32, help="requests that fill the EAMC first")
+    p.add_argument(
+        "--warm-requests",
+        type=int,
+        default=DEFAULT_CAPACITY,
+        help=f"requests that fill the EAMC first (default: {DEFAULT_CAPACITY}, the EAMC's default "
+        "capacity: a serving run's steady state)",
+    )
     p.add_argument("--warmup-steps", type=int, default=4, help="measured steps dropped per repeat")
     p.add_argument("--lookahead", type=int, default=1, help="router lookahead depth (the default 1; 0 = off)")
     p.add_argument("--repeats", type=int, default=3, help="fresh repeats (>= 1; median and spread)")
