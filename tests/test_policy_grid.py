@@ -109,9 +109,14 @@ def test_points_of_different_workloads_are_flagged(docs):
     same = docs.render({(4.0, 4): _point(ok), (4.0, 16): _point(ok, batch=16)}, [0.5])
     assert "differ" not in same and "`seed=0`" in same
     other = _point(ok, batch=16)
-    other["settings"]["warm_prompts"] = 8
+    other["settings"]["new_tokens"] = 16
     mixed = docs.render({(4.0, 4): _point(ok), (4.0, 16): other}, [0.5])
-    assert "**the points differ in** `warm_prompts`" in mixed
+    assert "**the points differ in** `new_tokens`" in mixed
+    # the prompts per point scale with the batch (policy_grid.py --min-batches): shown, not flagged
+    scaled = _point(ok, batch=16)
+    scaled["settings"]["warm_prompts"] = scaled["settings"]["eval_prompts"] = 64
+    shown = docs.render({(4.0, 4): _point(ok), (4.0, 16): scaled}, [0.5])
+    assert "differ" not in shown and "| 4 | 16 | 2 | 64 | 64 |" in shown
 
 
 def test_no_point_at_all_is_an_error(docs):
@@ -144,7 +149,8 @@ def test_block_placed_after_policies_and_replaced_idempotently(docs, tmp_path):
 
 
 def test_command_and_file_names(grid):
-    args, extra = grid.parse_args(["--tasks", "8", "--eval", "2", "--new-tokens", "4", "--seed", "3"])
+    argv = ["--tasks", "8", "--eval", "2", "--new-tokens", "4", "--min-batches", "1", "--seed", "3"]
+    args, extra = grid.parse_args(argv)
     assert extra == ["--seed", "3"]  # unknown flags go to bench policies
     cmd = grid.command(0.5, 16, args, extra)
     assert cmd[:4] == ["-m", "moeserve.cli", "bench", "policies"]
@@ -154,6 +160,15 @@ def test_command_and_file_names(grid):
                      "--new-tokens": "4"}  # fmt: skip
     assert cmd[-3:] == ["--seed", "3", "--json"]
     assert grid.command(0.0, 1, args, [])[cmd.index("--link-gbps") + 1] == "0"
+    # --min-batches 4 (the default): batch 16 gets 8 warm and 8 eval prompts per task (64 each, four
+    # batches), batch 4 keeps 2 (8 tasks x 2 = four batches already)
+    args, _ = grid.parse_args(["--tasks", "8", "--eval", "2", "--new-tokens", "4"])
+    for batch, per_task in ((16, "8"), (4, "2"), (1, "2")):
+        line = grid.command(0.5, batch, args, [])
+        assert line[line.index("--warm") + 1] == line[line.index("--eval") + 1] == per_task
+    args, _ = grid.parse_args(["--tasks", "8", "--eval", "2", "--min-batches", "1"])
+    line = grid.command(0.5, 16, args, [])
+    assert line[line.index("--warm") + 1] == line[line.index("--eval") + 1] == "2"
     names = {grid.point_file(Path("d"), g, b).name for g in grid.LINKS for b in grid.BATCHES}
     assert len(names) == 12 and "linkoff-batch16.json" in names and "link0.5-batch1.json" in names
 

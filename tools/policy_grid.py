@@ -16,13 +16,16 @@ A point whose file exists is skipped (resume after an interruption) unless ``--f
 written by a different command is an error rather than a silent mix of workloads. A file is
 written only when its run succeeded (through a temporary name), so an interrupted point reruns.
 
-Workload: ``--tasks 8 --eval 2`` gives 16 eval prompts, so batch 16 fills one batch, batch 4
-four and batch 1 sixteen; ``--warm 2`` prompts per task warm the EAMC and ``--new-tokens 16``
-tokens per request keep the 12-point grid at about 13 minutes on the 2-core host (measured with
-these settings: 155 s for the slowest point, batch 1 at 0.5 GB/s; 82 s at batch 1 and 32 GB/s;
-batch 4 and 16 points take about half and a third of their link's batch-1 point). At batch 16
-the runs are short (two batches of 15 decode steps, warm and eval, per engine), so the eam
-trial's share of steps with prefetching on says how far it got. Flags this tool does not know
+Workload: ``--tasks 8 --eval 2`` gives 16 eval prompts, so batch 4 fills four batches and
+batch 1 sixteen; ``--warm 2`` prompts per task warm the EAMC and the eam trial, and
+``--new-tokens 16`` tokens per request keep the grid short. ``--min-batches 4`` raises the warm
+and the eval prompts per task of a point to fill at least that many batches each
+(:func:`prompts_per_task`): at batch 16, 8 warm and 8 eval prompts per task. Before it, a batch-16
+point warmed on one batch of 15 decode steps and measured one more, while the eam trial measures
+its arms in pairs of 4-step windows (``moe_runtime.prefetch.gate.ModeTrial``: six windows and
+their settling steps, about 45 decode steps, before its first choice), so that point measured the
+trial's first exploration (prefetching on in 40-47% of its steps wherever the link left
+prefetching unbarred) where batch 1 and 4, warmed on 16 and 4 batches, measured its choice. Flags this tool does not know
 (``--model``, ``--seed``, ...) are passed to ``bench policies`` as they are. Exits 1 when a point
 failed (the others still run), 2 on bad flags or a saved file from another command.
 """
@@ -73,12 +76,20 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--warm", type=int, default=2, help="warm prompts per task (default: 2)")
     p.add_argument("--eval", type=int, default=2, help="eval prompts per task (default: 2)")
     p.add_argument("--new-tokens", type=int, default=16, help="tokens per request (default: 16)")
+    p.add_argument(
+        "--min-batches",
+        type=int,
+        default=4,
+        help="warm and eval prompts per task raised to fill at least this many batches each (default: 4)",
+    )
     p.add_argument("--prompts", type=Path, default=None, help="prompt JSONL (default: bench policies')")
     p.add_argument(
         "--out", type=Path, default=ROOT / OUT, help=f"folder of the points' JSON (default: {OUT})"
     )
     p.add_argument("--force", action="store_true", help="rerun points whose JSON exists")
     args, extra = p.parse_known_args(argv)
+    if args.min_batches < 1:
+        p.error(f"--min-batches {args.min_batches}: must be >= 1")
     if args.tasks * args.eval < max(args.batches):
         p.error(
             f"--tasks {args.tasks} x --eval {args.eval} = {args.tasks * args.eval} eval prompts "
@@ -87,12 +98,19 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     return args, extra
 
 
+def prompts_per_task(per_task: int, batch: int, args: argparse.Namespace) -> int:
+    """``per_task`` prompts per task (``--warm`` or ``--eval``), raised so that ``--tasks`` tasks
+    fill at least ``--min-batches`` batches of ``batch``."""
+    return max(per_task, -(-args.min_batches * batch // args.tasks))
+
+
 def command(link: float, batch: int, args: argparse.Namespace, extra: list[str]) -> list[str]:
     """The ``bench policies`` command line of one point (without the interpreter)."""
+    warm, evals = (prompts_per_task(n, batch, args) for n in (args.warm, args.eval))
     cmd = ["-m", "moeserve.cli", "bench", "policies", "--policies", args.policies]
     cmd += ["--fractions", args.fractions, "--link-gbps", f"{link:g}", "--batch", str(batch)]
-    cmd += ["--repeats", str(args.repeats), "--tasks", str(args.tasks), "--warm", str(args.warm)]
-    cmd += ["--eval", str(args.eval), "--new-tokens", str(args.new_tokens)]
+    cmd += ["--repeats", str(args.repeats), "--tasks", str(args.tasks), "--warm", str(warm)]
+    cmd += ["--eval", str(evals), "--new-tokens", str(args.new_tokens)]
     if args.prompts is not None:
         cmd += ["--prompts", str(args.prompts)]
     return cmd + extra + ["--json"]
@@ -130,7 +148,8 @@ def main(argv: list[str] | None = None, run: Callable = subprocess.run) -> int:
         f"policy grid: {len(points)} points (links {', '.join(link_text(g) for g in args.links)} GB/s; "
         f"batches {', '.join(map(str, args.batches))}); buffers {args.fractions}; policies "
         f"{args.policies}; workload: {args.tasks} tasks x ({args.warm} warm + {args.eval} eval) "
-        f"prompts = {args.tasks * args.eval} eval prompts, {args.new_tokens} new tokens; "
+        f"prompts = {args.tasks * args.eval} eval prompts, raised to fill {args.min_batches} batches; "
+        f"{args.new_tokens} new tokens; "
         f"{args.repeats} repeats; extra flags: {' '.join(extra) or 'none'}; into {args.out}/",
         flush=True,
     )

@@ -103,7 +103,16 @@ def _settings(points: dict[tuple[float, int], dict | None]) -> tuple[str, str]:
         )
     header = ["link GB/s", "batch", "tasks", "warm prompts", "eval prompts", "new tokens", "repeats",
               "load avg before (1, 5, 15 min)", "load avg after", "wall s"]  # fmt: skip
-    per_point = {"batch", "link_gbps", "load_avg_before", "load_avg_after", "wall_s"}
+    # per point by design: the prompts scale with the batch (policy_grid.py --min-batches)
+    per_point = {
+        "batch",
+        "link_gbps",
+        "load_avg_before",
+        "load_avg_after",
+        "wall_s",
+        "warm_prompts",
+        "eval_prompts",
+    }
     shown = {"tasks", "warm_prompts", "eval_prompts", "new_tokens", "repeats"}  # in the table
     keys = [k for k in found[0]["settings"] if k not in per_point]
     same = [k for k in keys if all(d["settings"].get(k) == found[0]["settings"][k] for d in found)]
