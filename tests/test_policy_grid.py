@@ -219,3 +219,28 @@ def test_resume_refuses_a_file_from_another_command(grid, tmp_path, capsys):
     other = FakeRun()
     assert grid.main([*argv, "--new-tokens", "4"], run=other) == 2
     assert other.calls == [] and "another command" in capsys.readouterr().out
+
+
+def test_keep_previous_puts_the_old_table_beside_the_new(docs, tmp_path):
+    doc = tmp_path / "results.md"
+    doc.write_text("# Results\n<!-- END policies -->\n\n## Next\n")
+    folder = tmp_path / "grid"
+    folder.mkdir()
+    point = folder / "link4-batch4.json"
+    point.write_text(json.dumps(_point({0.5: (1.1, 1.05, 1.2)})))
+    argv = ["--dir", str(folder), "--doc", str(doc), "--links", "4", "--batches", "4", "--fractions", "0.5"]
+    assert docs.main([*argv, "--keep-previous", "old"]) == 2  # no table yet to keep
+    assert docs.main(argv) == 0
+    point.write_text(json.dumps(_point({0.5: (0.99, 0.98, 1.0)})))
+    assert docs.main([*argv, "--keep-previous", "Measured at abc1234:"]) == 0
+    text = doc.read_text()
+    new = text[text.index(docs.BEGIN) : text.index(docs.END)]
+    old = text[text.index(docs.PREV_BEGIN) : text.index(docs.PREV_END)]
+    assert text.index(docs.END) < text.index(docs.PREV_BEGIN) < text.index("## Next")
+    assert "**1 met, 0 within noise, 0 not met, 0 missing**" in new and "--keep-previous" not in new
+    assert old.startswith(docs.PREV_BEGIN + "\nMeasured at abc1234:\n")
+    assert "**0 met, 0 within noise, 1 not met, 0 missing**" in old and "1.100 [1.050, 1.200]" in old
+    assert "Settings per point" not in old  # the table alone
+    assert docs.main([*argv, "--keep-previous", "again"]) == 0  # replaced, not stacked
+    again = doc.read_text()
+    assert again.count(docs.PREV_BEGIN) == 1 and "\nagain\n" in again and "1.100" not in again

@@ -15,7 +15,13 @@ absent). Every figure comes from the JSON files::
 
     python tools/update_policy_grid_docs.py [--dir runs/bench/grid] [--doc docs/results.md]
 
-Exits 2 when ``--dir`` holds no point of the grid (the doc is left as it is).
+With ``--keep-previous NOTE`` the current block's count and table (an earlier output of this
+tool) are first moved between ``<!-- BEGIN policy-grid-previous -->`` and ``<!-- END
+policy-grid-previous -->``, just after the new block, headed by ``NOTE`` (e.g. the commit they
+were measured at), so old and new rows stand side by side.
+
+Exits 2 when ``--dir`` holds no point of the grid (the doc is left as it is), or when
+``--keep-previous`` finds no block to keep.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from moe_runtime.bench.policy_summary import BASELINE, DEFAULT, TPOT_RATIO_TARGE
 from moe_runtime.bench.render import fmt_key  # noqa: E402
 
 BEGIN, END = "<!-- BEGIN policy-grid -->", "<!-- END policy-grid -->"
+PREV_BEGIN, PREV_END = "<!-- BEGIN policy-grid-previous -->", "<!-- END policy-grid-previous -->"
 AFTER = "<!-- END policies -->"
 VERDICTS = ("met", "within noise", "not met", "missing")
 
@@ -192,6 +199,37 @@ def write_block(text: str, block: str) -> str:
     return text.rstrip() + "\n\n" + block
 
 
+def previous_block(text: str, note: str) -> str | None:
+    """The previous-figures block: ``note``, then the count line and the verdict table of the
+    policy-grid block in ``text`` as they stand; None without such a block."""
+    m = re.search(re.escape(BEGIN) + r"(.*?)" + re.escape(END), text, flags=re.S)
+    if m is None:
+        return None
+    lines = m.group(1).splitlines()
+    count = next((i for i, line in enumerate(lines) if line.startswith("**") and "rows)" in line), None)
+    if count is None:
+        return None
+    table = []
+    for line in lines[count + 1 :]:
+        if line.startswith("|"):
+            table.append(line)
+        elif table:  # the table ended
+            break
+    body = "\n".join([lines[count], "", *table])
+    return f"{PREV_BEGIN}\n{note}\n\n{body}\n{PREV_END}\n"
+
+
+def write_previous(text: str, previous: str) -> str:
+    """``text`` with the previous-figures block replaced by ``previous``, or inserted right after
+    the policy-grid block."""
+    if PREV_BEGIN in text:
+        pattern = re.escape(PREV_BEGIN) + r".*?" + re.escape(PREV_END) + r"\n?"
+        return re.sub(pattern, lambda _: previous, text, flags=re.S)
+    at = text.index(END) + len(END)
+    at = at + 1 if text[at : at + 1] == "\n" else at
+    return text[:at] + "\n" + previous + text[at:]
+
+
 def load_points(folder: Path, links: list[float], batches: list[int]) -> dict[tuple[float, int], dict | None]:
     """(link, batch) -> the point's JSON, None where its file is absent, in grid order."""
     out = {}
@@ -209,18 +247,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--links", default=",".join(f"{g:g}" for g in LINKS), help="expected links, GB/s")
     p.add_argument("--batches", default=",".join(map(str, BATCHES)), help="expected batch sizes")
     p.add_argument("--fractions", default=FRACTIONS, help="expected buffer sizes")
+    p.add_argument(
+        "--keep-previous",
+        metavar="NOTE",
+        help="keep the current table beside the new one, headed by NOTE (e.g. the commit it was measured at)",
+    )
     args = p.parse_args(argv)
     links, batches = [float(x) for x in args.links.split(",")], [int(x) for x in args.batches.split(",")]
     points = load_points(args.dir, links, batches)
     try:
-        shown = " ".join(
-            ["python tools/update_policy_grid_docs.py", *(sys.argv[1:] if argv is None else argv)]
-        )
+        given = list(sys.argv[1:] if argv is None else argv)
+        if "--keep-previous" in given:  # the note is not part of the command that wrote the table
+            i = given.index("--keep-previous")
+            del given[i : i + 2]
+        shown = " ".join(["python tools/update_policy_grid_docs.py", *given])
         block = render(points, [float(x) for x in args.fractions.split(",")], shown)
     except ValueError as exc:
         print(f"update_policy_grid_docs: {args.dir}: {exc}; {args.doc} left as it is", file=sys.stderr)
         return 2
-    args.doc.write_text(write_block(args.doc.read_text(), block))
+    text = args.doc.read_text()
+    previous = None if args.keep_previous is None else previous_block(text, args.keep_previous)
+    if args.keep_previous is not None and previous is None:
+        print(
+            f"update_policy_grid_docs: {args.doc}: no policy-grid table to keep; left as it is",
+            file=sys.stderr,
+        )
+        return 2
+    text = write_block(text, block)
+    if previous is not None:
+        text = write_previous(text, previous)
+    args.doc.write_text(text)
     print(next(line for line in block.splitlines() if line.startswith("**") and "rows)" in line))
     print(f"wrote {args.doc}")
     return 0
