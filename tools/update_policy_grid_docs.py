@@ -178,7 +178,8 @@ with prefetching on. Commands:
 
 {_table(header, rows)}
 
-Settings per point ({wall / 60:.1f} minutes, {wall:.0f} s, of measurement in all, on this shared 2-core host):
+Settings per point ({wall / 60:.1f} minutes, {wall:.0f} s, of measurement in all, on this shared 2-core host;
+a point's warm and eval prompts fill at least `tools/policy_grid.py --min-batches` batches each):
 
 {settings}
 
