@@ -20,7 +20,9 @@ Workload: ``--tasks 8 --eval 2`` gives 16 eval prompts, so batch 4 fills four ba
 batch 1 sixteen; ``--warm 2`` prompts per task warm the EAMC and the eam trial, and
 ``--new-tokens 16`` tokens per request keep the grid short. ``--min-batches 4`` raises the warm
 and the eval prompts per task of a point to fill at least that many batches each
-(:func:`prompts_per_task`): at batch 16, 8 warm and 8 eval prompts per task. Before it, a batch-16
+(:func:`prompts_per_task`): at batch 16, 8 warm and 8 eval prompts per task (``bench policies``
+draws, seeded, among the tasks with that many prompts, so the batch-16 points run other tasks than
+batch 1 and 4; the grid doc names the difference). Before it, a batch-16
 point warmed on one batch of 15 decode steps and measured one more, while the eam trial measures
 its arms in pairs of 4-step windows (``moe_runtime.prefetch.gate.ModeTrial``: six windows and
 their settling steps, about 45 decode steps, before its first choice), so that point measured the
