@@ -188,16 +188,27 @@ Shared by every point: {shared}.
 """
 
 
-def write_block(text: str, block: str) -> str:
-    """``text`` with the policy-grid block replaced by ``block``, or inserted after the
-    ``<!-- END policies -->`` line (appended when that marker is absent)."""
-    if BEGIN in text:
-        return re.sub(re.escape(BEGIN) + r".*?" + re.escape(END) + r"\n?", lambda _: block, text, flags=re.S)
-    if AFTER in text:
-        at = text.index(AFTER) + len(AFTER)
+def _place(text: str, block: str, begin: str, end: str, after: str) -> str:
+    """``text`` with the block between ``begin`` and ``end`` replaced by ``block``, or inserted
+    after the ``after`` line (appended when ``after`` is absent too)."""
+    if begin in text:
+        return re.sub(re.escape(begin) + r".*?" + re.escape(end) + r"\n?", lambda _: block, text, flags=re.S)
+    if after in text:
+        at = text.index(after) + len(after)
         at = at + 1 if text[at : at + 1] == "\n" else at
         return text[:at] + "\n" + block + text[at:]
     return text.rstrip() + "\n\n" + block
+
+
+def write_block(text: str, block: str) -> str:
+    """``text`` with the policy-grid block replaced by ``block``, or inserted after the
+    ``<!-- END policies -->`` line (appended when that marker is absent)."""
+    return _place(text, block, BEGIN, END, AFTER)
+
+
+def _is_count(line: str) -> bool:
+    """Whether ``line`` is a block's verdict count (``**24 met, ...** (36 rows).``)."""
+    return line.startswith("**") and "rows)" in line
 
 
 def previous_block(text: str, note: str) -> str | None:
@@ -207,7 +218,7 @@ def previous_block(text: str, note: str) -> str | None:
     if m is None:
         return None
     lines = m.group(1).splitlines()
-    count = next((i for i, line in enumerate(lines) if line.startswith("**") and "rows)" in line), None)
+    count = next((i for i, line in enumerate(lines) if _is_count(line)), None)
     if count is None:
         return None
     table = []
@@ -223,12 +234,7 @@ def previous_block(text: str, note: str) -> str | None:
 def write_previous(text: str, previous: str) -> str:
     """``text`` with the previous-figures block replaced by ``previous``, or inserted right after
     the policy-grid block."""
-    if PREV_BEGIN in text:
-        pattern = re.escape(PREV_BEGIN) + r".*?" + re.escape(PREV_END) + r"\n?"
-        return re.sub(pattern, lambda _: previous, text, flags=re.S)
-    at = text.index(END) + len(END)
-    at = at + 1 if text[at : at + 1] == "\n" else at
-    return text[:at] + "\n" + previous + text[at:]
+    return _place(text, previous, PREV_BEGIN, PREV_END, END)
 
 
 def load_points(folder: Path, links: list[float], batches: list[int]) -> dict[tuple[float, int], dict | None]:
@@ -261,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         if "--keep-previous" in given:  # the note is not part of the command that wrote the table
             i = given.index("--keep-previous")
             del given[i : i + 2]
+        given = [a for a in given if not a.startswith("--keep-previous=")]
         shown = " ".join(["python tools/update_policy_grid_docs.py", *given])
         block = render(points, [float(x) for x in args.fractions.split(",")], shown)
     except ValueError as exc:
@@ -278,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     if previous is not None:
         text = write_previous(text, previous)
     args.doc.write_text(text)
-    print(next(line for line in block.splitlines() if line.startswith("**") and "rows)" in line))
+    print(next(line for line in block.splitlines() if _is_count(line)))
     print(f"wrote {args.doc}")
     return 0
 
