@@ -206,18 +206,18 @@ def ranked_free(rows: np.ndarray, held: np.ndarray) -> tuple[np.ndarray, np.ndar
                 pos[j] = e
             for j in range(m):
                 inv[pos[j]] = j
-        else:  # an entry's rank: the entries above it, and the equal ones in a lower column
-            for i in range(m):
-                e = pos[i]
-                if held[d, e]:  # not a candidate: its rank is never read
-                    continue
+        else:  # a candidate's rank: the entries above it, and the equal ones in a lower column
+            for e in range(E):
                 v = row[e]
-                above = 0
-                for f in range(E):
-                    above += row[f] > v
-                for f in range(e):
-                    above += row[f] == v
-                inv[e] = above
+                if v > 0 and not held[d, e]:
+                    above = 0
+                    for f in range(E):
+                        above += row[f] > v
+                    for f in range(e):
+                        above += row[f] == v
+                    r[n], c[n], rank[n] = d, e, above
+                    n += 1
+            continue
         for e in range(E):
             if row[e] > 0 and not held[d, e]:
                 r[n], c[n], rank[n] = d, e, inv[e]
