@@ -1,0 +1,188 @@
+"""Where a cache policy's slots put a layer's experts, and what that costs the CPU's expert calls.
+
+On the CPU, ``torch.nn.functional.grouped_mm`` loops over every group of its slot range in C++,
+empty ones included, so a batch of experts in scattered slots costs more than the same experts
+in adjacent ones (``moe_runtime.layers.experts.MAX_GAP``: a longer run of unused slots starts a
+new call). LRU on a buffer far smaller than the working set evicts in fill order and lands each
+layer's misses in adjacent slots; a cache that keeps the experts it expects to reuse (``eam-reuse``)
+leaves them where they landed, and the next misses fill the slots between them. This tool counts,
+per policy, the grouped calls' segments, the slots they span against the experts they use, the
+segments of one expert, the batches of one expert and the compute thread's CPU time in
+``run_experts`` per MoE layer (thread time: waits for copies excluded), beside the hit rate and
+blocking. Counts are deterministic for a given host's timing of copies to within a few percent;
+the CPU time is one pass, for comparison within a run.
+
+One engine per policy (labels as ``tools/policy_ab.py``: ``bench policies`` rows or
+``eam@<arm>``), each warmed on the warm prompts, then every eval batch decoded once::
+
+    python tools/expert_layout.py --policies on-demand+lru,eam@cache --fraction 0.1 --batch 4 --link-gbps 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+from policy_ab import parse_policy  # noqa: E402
+
+from moe_runtime.bench.policies import DecodeTimes, _run_batches, load_model_and_workload  # noqa: E402
+
+
+class LayoutCounter:
+    """Counts ``LayerPlan.calls``' segments and ``run_experts``' CPU time while installed."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.segments = self.used = self.span = self.single_segments = self.one_expert_batches = 0
+        self.layers, self.cpu_s = 0, 0.0
+
+    def install(self) -> None:
+        from moe_runtime.layers import experts, moe
+
+        calls, run = experts.LayerPlan.calls, moe.run_experts
+        counter = self
+
+        def counted_calls(plan, batch):  # type: ignore[no-untyped-def]
+            for part, pos, segments, offs in calls(plan, batch):
+                counter.segments += len(segments)
+                counter.span += sum(count for _, count, _ in segments)
+                counter.single_segments += sum(1 for _, count, _ in segments if count == 1)
+                yield part, pos, segments, offs
+
+        def timed_run(x, weights, ids_host, layer_run, *args, **kwargs):  # type: ignore[no-untyped-def]
+            batches = layer_run.batches
+
+            def counted_batches():  # type: ignore[no-untyped-def]
+                for batch in batches():
+                    counter.used += len(batch)
+                    counter.one_expert_batches += len(batch) == 1
+                    yield batch
+
+            layer_run.batches = counted_batches
+            c0 = time.thread_time()
+            try:
+                return run(x, weights, ids_host, layer_run, *args, **kwargs)
+            finally:
+                counter.cpu_s += time.thread_time() - c0
+                counter.layers += 1
+
+        experts.LayerPlan.calls = counted_calls
+        moe.run_experts = timed_run
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, default=None, help="checkpoint folder (default: the bundled model)")
+    p.add_argument("--prompts", type=Path, default=ROOT.parent / "shared/data/prompts/prompts_combined.jsonl")
+    p.add_argument("--policies", default="on-demand+lru,eam@cache")
+    p.add_argument("--fraction", type=float, default=0.1, help="buffer size, share of all experts")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--link-gbps", type=float, default=0.0, help="emulated link, GB/s (0: none)")
+    p.add_argument("--link-latency-us", type=float, default=10.0)
+    p.add_argument("--tasks", type=int, default=8)
+    p.add_argument("--warm", type=int, default=2, help="warm prompts per task")
+    p.add_argument("--eval", type=int, default=2, help="eval prompts per task")
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--max-prompt-tokens", type=int, default=96)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    labels = args.policies.split(",")
+    try:
+        specs = [parse_policy(label) for label in labels]
+    except ValueError as e:
+        p.error(f"--policies: {e}")
+
+    import torch
+
+    from moe_runtime.config import RuntimeConfig
+    from moe_runtime.engine.engine import LLMEngine
+    from moeserve.commands.common import resolve_model
+
+    torch.set_num_threads(1)
+    args.dtype, args.cpu_threads = "fp32", 1
+    base = RuntimeConfig(
+        dtype="fp32",
+        max_batch_size=args.batch,
+        cpu_threads=1,
+        link_gbps=args.link_gbps or None,
+        link_latency_us=args.link_latency_us,
+        max_model_len=args.max_prompt_tokens + args.new_tokens + 8,
+    )
+    loaded, warm, evals, _ = load_model_and_workload(resolve_model(args), base, args, "policies")
+    counter = LayoutCounter()
+    counter.install()
+    rows = []
+    for label, (prefetch, cache, overrides, arm) in zip(labels, specs):
+        rt = replace(
+            base, buffer_fraction=args.fraction, prefetch_policy=prefetch, cache_policy=cache, **overrides
+        )
+        engine = LLMEngine(loaded, rt)
+        try:
+            if arm is not None:
+                engine.prefetcher.pin(arm)
+            _run_batches(engine, warm, args.batch, args.new_tokens)
+            st = engine.buffer.stats
+            lookups0, hits0, blocking0 = st.total_lookups, st.total_hits, sum(st.blocking_s)
+            counter.reset()
+            times = DecodeTimes()
+            tpots, _ = _run_batches(engine, evals, args.batch, args.new_tokens, times)
+            steps = len(tpots) * args.new_tokens
+            lookups = st.total_lookups - lookups0
+            rows.append(
+                {
+                    "policy": label,
+                    "hit_rate": round((st.total_hits - hits0) / max(lookups, 1), 3),
+                    "blocking_ms_per_step": round((sum(st.blocking_s) - blocking0) / steps * 1e3, 2),
+                    "tpot_ms": round(statistics.median(tpots) * 1e3, 2),
+                    "cpu_ms_per_step": round(statistics.median(times.cpu_s) * 1e3, 2),
+                    "run_experts_cpu_us_per_layer": round(counter.cpu_s / max(counter.layers, 1) * 1e6, 1),
+                    "experts_per_layer": round(counter.used / max(counter.layers, 1), 2),
+                    "segments_per_layer": round(counter.segments / max(counter.layers, 1), 2),
+                    "slots_spanned_per_layer": round(counter.span / max(counter.layers, 1), 2),
+                    "one_expert_segments_per_layer": round(
+                        counter.single_segments / max(counter.layers, 1), 2
+                    ),
+                    "one_expert_batches_per_layer": round(
+                        counter.one_expert_batches / max(counter.layers, 1), 2
+                    ),
+                }
+            )
+        finally:
+            engine.close()
+    settings = {
+        "fraction": args.fraction,
+        "batch": args.batch,
+        "link_gbps": args.link_gbps or "off",
+        "tasks": args.tasks,
+        "warm": args.warm,
+        "eval": args.eval,
+        "new_tokens": args.new_tokens,
+        "seed": args.seed,
+        "note": "one pass per policy; counts per MoE layer over the eval batches (prefill included)",
+    }
+    if args.json:
+        print(json.dumps({"settings": settings, "rows": rows}, indent=2))
+        return 0
+    print("settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
+    keys = list(rows[0])[1:]
+    print("| policy | " + " | ".join(keys) + " |")
+    print("|---" * (len(keys) + 1) + "|")
+    for r in rows:
+        print(f"| {r['policy']} | " + " | ".join(str(r[k]) for k in keys) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
