@@ -16,12 +16,21 @@ One engine per policy (labels as ``tools/policy_ab.py``: ``bench policies`` rows
 ``eam@<arm>``), each warmed on the warm prompts, then every eval batch decoded once::
 
     python tools/expert_layout.py --policies on-demand+lru,eam@cache --fraction 0.1 --batch 4 --link-gbps 0
+
+``--doc`` runs the two link-off 10% points of issue #15's grid that ``eam`` misses most (batch 4
+and 16, on-demand + LRU against ``eam`` held in its caching arm) and writes their tables into
+``docs/results.md`` (block ``expert-layout``, after the grid)::
+
+    python tools/expert_layout.py --doc
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
+import re
 import statistics
 import sys
 import time
@@ -97,7 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-prompt-tokens", type=int, default=96)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--doc", action="store_true", help="write the link-off 10%% points into docs/results.md")
     args = p.parse_args(argv)
+    if args.doc:
+        return write_doc(argv or [])
     labels = args.policies.split(",")
     try:
         specs = [parse_policy(label) for label in labels]
@@ -176,11 +188,70 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"settings": settings, "rows": rows}, indent=2))
         return 0
     print("settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
+    print(table(rows))
+    return 0
+
+
+def table(rows: list[dict]) -> str:
     keys = list(rows[0])[1:]
-    print("| policy | " + " | ".join(keys) + " |")
-    print("|---" * (len(keys) + 1) + "|")
-    for r in rows:
-        print(f"| {r['policy']} | " + " | ".join(str(r[k]) for k in keys) + " |")
+    lines = ["| policy | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    lines += [f"| {r['policy']} | " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+# (buffer fraction, batch, warm and eval prompts per task): as tools/policy_grid.py sizes them
+# (at least 4 batches of each)
+DOC_POINTS = (("0.1", "4", "2"), ("0.1", "16", "8"))
+
+
+def write_doc(argv: list[str]) -> int:
+    """Run :data:`DOC_POINTS` (link off, ``on-demand+lru`` against ``eam@cache``; other arguments
+    but ``--doc`` passed on) and write their tables into ``docs/results.md``."""
+    rest = [a for a in argv if a != "--doc"]
+    parts = []
+    for fraction, batch, prompts in DOC_POINTS:
+        cmd = ["--policies", "on-demand+lru,eam@cache", "--fraction", fraction, "--batch", batch]
+        cmd += ["--warm", prompts, "--eval", prompts]
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            main([*cmd, "--link-gbps", "0", *rest, "--json"])
+        result = json.loads(out.getvalue())
+        settings = ", ".join(f"`{k}={v}`" for k, v in result["settings"].items())
+        parts.append(f"Settings: {settings}.\n\n{table(result['rows'])}")
+    block = f"""<!-- BEGIN expert-layout -->
+### Where the caching arm's experts sit with no link, 10% buffer (`tools/expert_layout.py`)
+
+The grid's link-off 10% rows are where `eam` was furthest behind on-demand+LRU (above): it runs
+its caching arm there (prefetching never pays without a link). The `eam-reuse` cache hits where
+LRU does not and blocks less, but the experts it keeps stay in the slots they landed in, so a
+layer's misses land in the scattered slots between them; on the CPU a grouped call pays for
+every unused slot it spans, or for a new call where the gap is long
+(`moe_runtime.layers.experts.MAX_GAP`; an accelerator pays next to nothing for an empty group).
+LRU on a buffer this small evicts in fill order: each layer's misses land side by side. Per MoE
+layer, over one pass of the eval batches after the warm ones: the grouped calls' segments and
+the slots they span against the experts used, and the compute thread's CPU time in the experts
+(`run_experts_cpu_us_per_layer`, waits for copies excluded). TPOT and CPU per step are that one
+pass's (the grid's paired rounds above are the verdict). Command:
+
+```bash
+python tools/expert_layout.py --doc
+```
+
+{(chr(10) * 2).join(parts)}
+<!-- END expert-layout -->
+"""
+    doc = ROOT / "docs/results.md"
+    text = doc.read_text()
+    if "<!-- BEGIN expert-layout -->" in text:
+        text = re.sub(
+            r"<!-- BEGIN expert-layout -->.*?<!-- END expert-layout -->\n", lambda _: block, text, flags=re.S
+        )
+    else:
+        text = text.replace(
+            "<!-- END policy-grid-previous -->\n", "<!-- END policy-grid-previous -->\n\n" + block, 1
+        )
+    doc.write_text(text)
+    print(block)
     return 0
 
 
