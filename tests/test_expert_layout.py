@@ -38,3 +38,15 @@ def test_an_unknown_policy_is_refused(expert_layout, capsys) -> None:
     with pytest.raises(SystemExit):
         expert_layout.main(["--policies", "on-demand+lru,sometimes"])
     assert "unknown or unpaired policy 'sometimes'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not PROMPTS.exists(), reason="needs ../shared/data")
+def test_the_counters_are_removed_after_a_run(expert_layout, capsys) -> None:
+    """The tool wraps ``LayerPlan.calls`` and ``moe.run_experts`` only while it measures."""
+    from moe_runtime.layers import experts, moe
+
+    calls, run = experts.LayerPlan.calls, moe.run_experts
+    argv = ["--policies", "on-demand+lru", "--batch", "2", "--tasks", "1", "--warm", "1", "--eval", "1"]
+    assert expert_layout.main([*argv, "--new-tokens", "2", "--json"]) == 0
+    capsys.readouterr()
+    assert experts.LayerPlan.calls is calls and moe.run_experts is run

@@ -34,6 +34,7 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -56,7 +57,8 @@ class LayoutCounter:
         self.segments = self.used = self.span = self.single_segments = self.one_expert_batches = 0
         self.layers, self.cpu_s = 0, 0.0
 
-    def install(self) -> None:
+    def install(self) -> Callable[[], None]:
+        """Wrap ``LayerPlan.calls`` and ``moe.run_experts`` to count; returns what undoes it."""
         from moe_runtime.layers import experts, moe
 
         calls, run = experts.LayerPlan.calls, moe.run_experts
@@ -89,52 +91,16 @@ class LayoutCounter:
         experts.LayerPlan.calls = counted_calls
         moe.run_experts = timed_run
 
+        def uninstall() -> None:
+            experts.LayerPlan.calls, moe.run_experts = calls, run
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, default=None, help="checkpoint folder (default: the bundled model)")
-    p.add_argument("--prompts", type=Path, default=ROOT.parent / "shared/data/prompts/prompts_combined.jsonl")
-    p.add_argument("--policies", default="on-demand+lru,eam@cache")
-    p.add_argument("--fraction", type=float, default=0.1, help="buffer size, share of all experts")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--link-gbps", type=float, default=0.0, help="emulated link, GB/s (0: none)")
-    p.add_argument("--link-latency-us", type=float, default=10.0)
-    p.add_argument("--tasks", type=int, default=8)
-    p.add_argument("--warm", type=int, default=2, help="warm prompts per task")
-    p.add_argument("--eval", type=int, default=2, help="eval prompts per task")
-    p.add_argument("--new-tokens", type=int, default=16)
-    p.add_argument("--max-prompt-tokens", type=int, default=96)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--doc", action="store_true", help="write the link-off 10%% points into docs/results.md")
-    args = p.parse_args(argv)
-    if args.doc:
-        return write_doc(argv or [])
-    labels = args.policies.split(",")
-    try:
-        specs = [parse_policy(label) for label in labels]
-    except ValueError as e:
-        p.error(f"--policies: {e}")
+        return uninstall
 
-    import torch
 
-    from moe_runtime.config import RuntimeConfig
+def measure(args, labels, specs, base, loaded, warm, evals, counter: LayoutCounter) -> list[dict]:  # type: ignore[no-untyped-def]
+    """One row per policy: an engine warmed on ``warm``, then ``evals`` decoded once, counted."""
     from moe_runtime.engine.engine import LLMEngine
-    from moeserve.commands.common import resolve_model
 
-    torch.set_num_threads(1)
-    args.dtype, args.cpu_threads = "fp32", 1
-    base = RuntimeConfig(
-        dtype="fp32",
-        max_batch_size=args.batch,
-        cpu_threads=1,
-        link_gbps=args.link_gbps or None,
-        link_latency_us=args.link_latency_us,
-        max_model_len=args.max_prompt_tokens + args.new_tokens + 8,
-    )
-    loaded, warm, evals, _ = load_model_and_workload(resolve_model(args), base, args, "policies")
-    counter = LayoutCounter()
-    counter.install()
     rows = []
     for label, (prefetch, cache, overrides, arm) in zip(labels, specs):
         rt = replace(
@@ -173,6 +139,57 @@ def main(argv: list[str] | None = None) -> int:
             )
         finally:
             engine.close()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, default=None, help="checkpoint folder (default: the bundled model)")
+    p.add_argument("--prompts", type=Path, default=ROOT.parent / "shared/data/prompts/prompts_combined.jsonl")
+    p.add_argument("--policies", default="on-demand+lru,eam@cache")
+    p.add_argument("--fraction", type=float, default=0.1, help="buffer size, share of all experts")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--link-gbps", type=float, default=0.0, help="emulated link, GB/s (0: none)")
+    p.add_argument("--link-latency-us", type=float, default=10.0)
+    p.add_argument("--tasks", type=int, default=8)
+    p.add_argument("--warm", type=int, default=2, help="warm prompts per task")
+    p.add_argument("--eval", type=int, default=2, help="eval prompts per task")
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--max-prompt-tokens", type=int, default=96)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--doc", action="store_true", help="write the link-off 10%% points into docs/results.md")
+    args = p.parse_args(argv)
+    if args.doc:
+        return write_doc(argv or [])
+    labels = args.policies.split(",")
+    try:
+        specs = [parse_policy(label) for label in labels]
+    except ValueError as e:
+        p.error(f"--policies: {e}")
+
+    import torch
+
+    from moe_runtime.config import RuntimeConfig
+    from moeserve.commands.common import resolve_model
+
+    torch.set_num_threads(1)
+    args.dtype, args.cpu_threads = "fp32", 1
+    base = RuntimeConfig(
+        dtype="fp32",
+        max_batch_size=args.batch,
+        cpu_threads=1,
+        link_gbps=args.link_gbps or None,
+        link_latency_us=args.link_latency_us,
+        max_model_len=args.max_prompt_tokens + args.new_tokens + 8,
+    )
+    loaded, warm, evals, _ = load_model_and_workload(resolve_model(args), base, args, "policies")
+    counter = LayoutCounter()
+    uninstall = counter.install()
+    try:
+        rows = measure(args, labels, specs, base, loaded, warm, evals, counter)
+    finally:
+        uninstall()
     settings = {
         "fraction": args.fraction,
         "batch": args.batch,
