@@ -35,16 +35,15 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from policy_ab import parse_policy  # noqa: E402
+from policy_ab import add_workload_args, build_engine, load_workload, parse_policies  # noqa: E402
 
-from moe_runtime.bench.policies import DecodeTimes, _run_batches, load_model_and_workload  # noqa: E402
+from moe_runtime.bench.policies import DecodeTimes, _run_batches  # noqa: E402
 
 
 class LayoutCounter:
@@ -99,17 +98,10 @@ class LayoutCounter:
 
 def measure(args, labels, specs, base, loaded, warm, evals, counter: LayoutCounter) -> list[dict]:  # type: ignore[no-untyped-def]
     """One row per policy: an engine warmed on ``warm``, then ``evals`` decoded once, counted."""
-    from moe_runtime.engine.engine import LLMEngine
-
     rows = []
-    for label, (prefetch, cache, overrides, arm) in zip(labels, specs):
-        rt = replace(
-            base, buffer_fraction=args.fraction, prefetch_policy=prefetch, cache_policy=cache, **overrides
-        )
-        engine = LLMEngine(loaded, rt)
+    for label, spec in zip(labels, specs):
+        engine = build_engine(loaded, base, args.fraction, spec)
         try:
-            if arm is not None:
-                engine.prefetcher.pin(arm)
             _run_batches(engine, warm, args.batch, args.new_tokens)
             st = engine.buffer.stats
             lookups0, hits0, blocking0 = st.total_lookups, st.total_hits, sum(st.blocking_s)
@@ -118,6 +110,7 @@ def measure(args, labels, specs, base, loaded, warm, evals, counter: LayoutCount
             tpots, _ = _run_batches(engine, evals, args.batch, args.new_tokens, times)
             steps = len(tpots) * args.new_tokens
             lookups = st.total_lookups - lookups0
+            per_layer = 1 / max(counter.layers, 1)
             rows.append(
                 {
                     "policy": label,
@@ -125,16 +118,12 @@ def measure(args, labels, specs, base, loaded, warm, evals, counter: LayoutCount
                     "blocking_ms_per_step": round((sum(st.blocking_s) - blocking0) / steps * 1e3, 2),
                     "tpot_ms": round(statistics.median(tpots) * 1e3, 2),
                     "cpu_ms_per_step": round(statistics.median(times.cpu_s) * 1e3, 2),
-                    "run_experts_cpu_us_per_layer": round(counter.cpu_s / max(counter.layers, 1) * 1e6, 1),
-                    "experts_per_layer": round(counter.used / max(counter.layers, 1), 2),
-                    "segments_per_layer": round(counter.segments / max(counter.layers, 1), 2),
-                    "slots_spanned_per_layer": round(counter.span / max(counter.layers, 1), 2),
-                    "one_expert_segments_per_layer": round(
-                        counter.single_segments / max(counter.layers, 1), 2
-                    ),
-                    "one_expert_batches_per_layer": round(
-                        counter.one_expert_batches / max(counter.layers, 1), 2
-                    ),
+                    "run_experts_cpu_us_per_layer": round(counter.cpu_s * per_layer * 1e6, 1),
+                    "experts_per_layer": round(counter.used * per_layer, 2),
+                    "segments_per_layer": round(counter.segments * per_layer, 2),
+                    "slots_spanned_per_layer": round(counter.span * per_layer, 2),
+                    "one_expert_segments_per_layer": round(counter.single_segments * per_layer, 2),
+                    "one_expert_batches_per_layer": round(counter.one_expert_batches * per_layer, 2),
                 }
             )
         finally:
@@ -144,46 +133,13 @@ def measure(args, labels, specs, base, loaded, warm, evals, counter: LayoutCount
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, default=None, help="checkpoint folder (default: the bundled model)")
-    p.add_argument("--prompts", type=Path, default=ROOT.parent / "shared/data/prompts/prompts_combined.jsonl")
-    p.add_argument("--policies", default="on-demand+lru,eam@cache")
-    p.add_argument("--fraction", type=float, default=0.1, help="buffer size, share of all experts")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--link-gbps", type=float, default=0.0, help="emulated link, GB/s (0: none)")
-    p.add_argument("--link-latency-us", type=float, default=10.0)
-    p.add_argument("--tasks", type=int, default=8)
-    p.add_argument("--warm", type=int, default=2, help="warm prompts per task")
-    p.add_argument("--eval", type=int, default=2, help="eval prompts per task")
-    p.add_argument("--new-tokens", type=int, default=16)
-    p.add_argument("--max-prompt-tokens", type=int, default=96)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true")
+    add_workload_args(p, policies="on-demand+lru,eam@cache", fraction=0.1, batch=4)
     p.add_argument("--doc", action="store_true", help="write the link-off 10%% points into docs/results.md")
     args = p.parse_args(argv)
     if args.doc:
         return write_doc(argv or [])
-    labels = args.policies.split(",")
-    try:
-        specs = [parse_policy(label) for label in labels]
-    except ValueError as e:
-        p.error(f"--policies: {e}")
-
-    import torch
-
-    from moe_runtime.config import RuntimeConfig
-    from moeserve.commands.common import resolve_model
-
-    torch.set_num_threads(1)
-    args.dtype, args.cpu_threads = "fp32", 1
-    base = RuntimeConfig(
-        dtype="fp32",
-        max_batch_size=args.batch,
-        cpu_threads=1,
-        link_gbps=args.link_gbps or None,
-        link_latency_us=args.link_latency_us,
-        max_model_len=args.max_prompt_tokens + args.new_tokens + 8,
-    )
-    loaded, warm, evals, _ = load_model_and_workload(resolve_model(args), base, args, "policies")
+    labels, specs = parse_policies(p, args)
+    base, loaded, warm, evals, _ = load_workload(args)
     counter = LayoutCounter()
     uninstall = counter.install()
     try:

@@ -58,60 +58,23 @@ def parse_policy(label: str) -> tuple[str, str, dict, str | None]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, default=None, help="checkpoint folder (default: the bundled model)")
-    p.add_argument("--prompts", type=Path, default=ROOT.parent / "shared/data/prompts/prompts_combined.jsonl")
-    p.add_argument("--policies", default="on-demand+lru,eam", help="the first is the reference")
-    p.add_argument("--fraction", type=float, default=0.25, help="buffer size, share of all experts")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--link-gbps", type=float, default=0.0, help="emulated link, GB/s (0: none)")
-    p.add_argument("--link-latency-us", type=float, default=10.0)
-    p.add_argument("--tasks", type=int, default=8)
-    p.add_argument("--warm", type=int, default=2, help="warm prompts per task")
-    p.add_argument("--eval", type=int, default=2, help="eval prompts per task")
-    p.add_argument("--new-tokens", type=int, default=16)
-    p.add_argument("--max-prompt-tokens", type=int, default=96)
+    add_workload_args(p, policies="on-demand+lru,eam", fraction=0.25, batch=1)
     p.add_argument("--repeats", type=int, default=6, help="passes over the eval batches (>= 3)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.repeats < 3:
         p.error(f"--repeats {args.repeats}: must be >= 3")
-    labels = args.policies.split(",")
-    try:
-        specs = [parse_policy(label) for label in labels]
-    except ValueError as e:
-        p.error(f"--policies: {e}")
-
-    import torch
-
-    from moe_runtime.config import RuntimeConfig
-    from moe_runtime.engine.engine import LLMEngine
+    labels, specs = parse_policies(p, args)
     from moeserve.commands.common import resolve_model
 
-    torch.set_num_threads(1)
-    args.dtype, args.cpu_threads, args.policies_list = "fp32", 1, labels
-    base = RuntimeConfig(
-        dtype="fp32",
-        max_batch_size=args.batch,
-        cpu_threads=1,
-        link_gbps=args.link_gbps or None,
-        link_latency_us=args.link_latency_us,
-        max_model_len=args.max_prompt_tokens + args.new_tokens + 8,
-    )
     model_dir = resolve_model(args)
-    loaded, warm, evals, tasks = load_model_and_workload(model_dir, base, args, "policies")
+    base, loaded, warm, evals, tasks = load_workload(args)
     load_before = [round(x, 2) for x in os.getloadavg()]
     t0 = time.monotonic()
     engines = []
     try:
-        for prefetch, cache, overrides, arm in specs:
-            rt = replace(
-                base, buffer_fraction=args.fraction, prefetch_policy=prefetch, cache_policy=cache, **overrides
-            )
-            engine = LLMEngine(loaded, rt)
+        for spec in specs:
+            engine = build_engine(loaded, base, args.fraction, spec)
             engines.append(engine)
-            if arm is not None:
-                engine.prefetcher.pin(arm)
             _run_batches(engine, warm, args.batch, args.new_tokens)  # warm-up: EAMC, caches, trial
         tpots: dict[str, list[float]] = {label: [] for label in labels}
         outputs: dict[str, list] = {label: [] for label in labels}
@@ -179,6 +142,72 @@ def main(argv: list[str] | None = None) -> int:
             f"mean {r['ratio_mean']:.3f}  [{r['ratio_q1']:.3f}, {r['ratio_q3']:.3f}]  pairs {r['pairs']}"
         )
     return 0
+
+
+def add_workload_args(p: argparse.ArgumentParser, policies: str, fraction: float, batch: int) -> None:
+    """The flags of a runtime A/B on the bundled model's ``bench policies`` workload (shared with
+    ``tools/expert_layout.py``): the model, prompts, policies, buffer, batch, emulated link and
+    workload sizes, ``--json``."""
+    p.add_argument("--model", type=Path, default=None, help="checkpoint folder (default: the bundled model)")
+    p.add_argument("--prompts", type=Path, default=ROOT.parent / "shared/data/prompts/prompts_combined.jsonl")
+    p.add_argument("--policies", default=policies, help="the first is the reference")
+    p.add_argument("--fraction", type=float, default=fraction, help="buffer size, share of all experts")
+    p.add_argument("--batch", type=int, default=batch)
+    p.add_argument("--link-gbps", type=float, default=0.0, help="emulated link, GB/s (0: none)")
+    p.add_argument("--link-latency-us", type=float, default=10.0)
+    p.add_argument("--tasks", type=int, default=8)
+    p.add_argument("--warm", type=int, default=2, help="warm prompts per task")
+    p.add_argument("--eval", type=int, default=2, help="eval prompts per task")
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--max-prompt-tokens", type=int, default=96)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+
+
+def parse_policies(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[str], list[tuple]]:
+    """``(labels, specs)`` of ``--policies`` (:func:`parse_policy` each); an unknown label is a
+    parser error."""
+    labels = args.policies.split(",")
+    try:
+        return labels, [parse_policy(label) for label in labels]
+    except ValueError as e:
+        p.error(f"--policies: {e}")
+        raise  # p.error exits
+
+
+def load_workload(args: argparse.Namespace) -> tuple:
+    """``(base RuntimeConfig, loaded model, warm prompts, eval prompts, tasks)`` for ``args``
+    (:func:`add_workload_args`): fp32, one CPU thread, the emulated link as given."""
+    import torch
+
+    from moe_runtime.config import RuntimeConfig
+    from moeserve.commands.common import resolve_model
+
+    torch.set_num_threads(1)
+    args.dtype, args.cpu_threads = "fp32", 1
+    base = RuntimeConfig(
+        dtype="fp32",
+        max_batch_size=args.batch,
+        cpu_threads=1,
+        link_gbps=args.link_gbps or None,
+        link_latency_us=args.link_latency_us,
+        max_model_len=args.max_prompt_tokens + args.new_tokens + 8,
+    )
+    loaded, warm, evals, tasks = load_model_and_workload(resolve_model(args), base, args, "policies")
+    return base, loaded, warm, evals, tasks
+
+
+def build_engine(loaded, base, fraction: float, spec: tuple):  # type: ignore[no-untyped-def]
+    """An ``LLMEngine`` of policy ``spec`` (:func:`parse_policy`) at buffer ``fraction``, its
+    ``eam`` arm pinned when the label named one."""
+    from moe_runtime.engine.engine import LLMEngine
+
+    prefetch, cache, overrides, arm = spec
+    rt = replace(base, buffer_fraction=fraction, prefetch_policy=prefetch, cache_policy=cache, **overrides)
+    engine = LLMEngine(loaded, rt)
+    if arm is not None:
+        engine.prefetcher.pin(arm)
+    return engine
 
 
 if __name__ == "__main__":
