@@ -78,12 +78,16 @@ def test_dockerfile_common(name: str) -> None:
     # torch is installed on its own, before the project, so `pip install .` keeps that build.
     steps = runs(instrs)
     torch_step = next(k for k, r in enumerate(steps) if re.search(r"pip install .*torch==", r))
-    project_step = next(k for k, r in enumerate(steps) if re.search(r"pip install (\.|/src)(\s|$)", r))
+    project_step = next(
+        k for k, r in enumerate(steps) if re.search(r"pip install (-c \S+constraints\.txt )?(\.|/src)(\s|$)", r)
+    )
     assert torch_step < project_step
     assert not re.search(r"--upgrade|-U\b|--force-reinstall", steps[project_step])
+    assert "-c /src/constraints.txt" in steps[project_step], "the image installs the locked versions"
     # BuildKit reads <Dockerfile>.dockerignore; whatever the build copies must get through it.
     ignore = (DOCKER / f"{name}.dockerignore").read_text()
-    for needed in ("pyproject.toml", "README.md", "moeserve/", "moe_runtime/", "server/"):
+    packages = ("moeserve/", "moe_runtime/", "tracer/", "server/", "clients/", "richconsole/")
+    for needed in ("pyproject.toml", "README.md", "constraints.txt", *packages):
         assert f"!{needed}" in ignore, needed
 
 
