@@ -78,9 +78,8 @@ def test_dockerfile_common(name: str) -> None:
     # torch is installed on its own, before the project, so `pip install .` keeps that build.
     steps = runs(instrs)
     torch_step = next(k for k, r in enumerate(steps) if re.search(r"pip install .*torch==", r))
-    project_step = next(
-        k for k, r in enumerate(steps) if re.search(r"pip install (-c \S+constraints\.txt )?(\.|/src)(\s|$)", r)
-    )
+    project = r"pip install (-c \S+constraints\.txt )?(\.|/src)(\s|$)"
+    project_step = next(k for k, r in enumerate(steps) if re.search(project, r))
     assert torch_step < project_step
     assert not re.search(r"--upgrade|-U\b|--force-reinstall", steps[project_step])
     assert "-c /src/constraints.txt" in steps[project_step], "the image installs the locked versions"

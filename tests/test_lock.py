@@ -83,7 +83,8 @@ def test_every_import_is_a_pinned_distribution():
     for module, where in sorted(_imports((*PACKAGES, "tests", "tools")).items()):
         dists = {_norm(d) for d in providers.get(module, [])}
         if not dists & pins.keys():
-            missing.append(f"{module} (imported in {where}; provided by {sorted(dists) or 'nothing installed'})")
+            provided = sorted(dists) or "nothing installed"
+            missing.append(f"{module} (imported in {where}; provided by {provided})")
     assert not missing, "imports with no pinned distribution in constraints.txt: " + "; ".join(missing)
 
 
@@ -125,6 +126,5 @@ def test_this_environment_is_installed_from_the_lock():
             continue  # another platform's or an unused extra's requirement
         if have.split("+")[0] != pin:
             wrong.append(f"{name} {have} (lock: {pin})")
-    assert not wrong, (
-        "installed versions differ from constraints.txt; reinstall with the README's command: " + ", ".join(wrong)
-    )
+    reinstall = "reinstall with the README's command"
+    assert not wrong, f"installed versions differ from constraints.txt ({reinstall}): " + ", ".join(wrong)
