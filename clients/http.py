@@ -222,17 +222,6 @@ async def stream_completion(
     return rec
 
 
-async def get_json(client: httpx.AsyncClient, url: str, path: str) -> dict[str, Any] | None:
-    """``GET {url}{path}`` as JSON; ``None`` when unreachable, non-2xx or not JSON."""
-    try:
-        resp = await client.get(f"{url.rstrip('/')}{path}")
-        resp.raise_for_status()
-        body = resp.json()
-    except (httpx.HTTPError, ValueError):
-        return None
-    return body if isinstance(body, dict) else None
-
-
 async def get_text(client: httpx.AsyncClient, url: str, path: str) -> str | None:
     """``GET {url}{path}`` as text; ``None`` when unreachable or non-2xx."""
     try:

@@ -11,7 +11,11 @@ from typing import Any
 from clients.errors import ClientError
 from clients.prompts import DEFAULT_CHARS_PER_TOKEN
 
+#: Context length assumed when neither ``--max-context`` nor the server's ``/v1/models``
+#: (``max_model_len``, an extension that not every OpenAI-compatible server sends) states one.
 DEFAULT_MAX_CONTEXT = 2048
+#: Seconds the clients wait for the server's ``/health`` to answer 200 before giving up.
+DEFAULT_WAIT_S = 60.0
 
 
 @dataclass(slots=True)
@@ -30,17 +34,21 @@ class ReplayConfig:
         max_tokens_cap: ``max_tokens`` = min(trace ``GeneratedTokens``, this); the value itself
             without a trace.
         max_context: prompt + output tokens stay within this; ``None`` = the server's
-            ``max_model_len`` from ``/v1/models``, else 2048.
+            ``max_model_len`` from ``/v1/models``, or :data:`DEFAULT_MAX_CONTEXT` (with a warning)
+            when the server does not state one.
         seed: seeds prompt choice (and Poisson gaps).
         out: folder for ``requests.jsonl``, ``summary.json``, ``summary.txt`` and the scrapes.
         slo_tpot_ms: TPOT service-level objective for goodput, milliseconds.
-        model: ``model`` field of requests; ``None`` = the first id from ``/v1/models``.
+        model: ``model`` field of requests, one of the ids ``/v1/models`` lists; ``None`` = the
+            one model it lists (several: the run refuses to guess).
         tokenizer: ``tokenizer.json`` (or a folder with one) to measure prompt lengths.
         chars_per_token: a fixed length estimate instead; ``None`` = the server's own tokenizer
             through ``/tokenize``, else a calibration probe (``clients/sizing.py``).
         timeout_s: longest wait for the next byte of an answer, seconds.
         ignore_eos: send ``ignore_eos: true`` so outputs run to ``max_tokens`` (server extension).
         progress: show a progress bar.
+        wait_s: how long to wait for the server's ``/health`` to answer 200 before the run starts,
+            seconds (``clients/ready.py``).
     """
 
     url: str
@@ -62,6 +70,7 @@ class ReplayConfig:
     timeout_s: float = 300.0
     ignore_eos: bool = False
     progress: bool = True
+    wait_s: float = DEFAULT_WAIT_S
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -79,6 +88,8 @@ class ReplayConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ClientError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+        if self.wait_s < 0:
+            raise ClientError(f"--wait-s must be >= 0, got {self.wait_s}")
         if self.trace_offset_s < 0:
             raise ClientError(f"--trace-offset must be >= 0, got {self.trace_offset_s}")
         if self.out is None:
@@ -153,12 +164,24 @@ def add_replay_args(p: argparse.ArgumentParser, with_rate: bool = True) -> None:
         type=int,
         metavar="N",
         default=None,
-        help="prompt + output tokens limit (default: server's max_model_len, else 2048)",
+        help=f"prompt + output tokens limit (default: the server's max_model_len from /v1/models; "
+        f"{DEFAULT_MAX_CONTEXT} when the server does not state one)",
     )
     p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of prompt choice and Poisson gaps")
     p.add_argument("--slo-tpot-ms", type=float, default=None, metavar="X", help="TPOT SLO for goodput, ms")
     p.add_argument(
-        "--model", default=None, metavar="NAME", help="model name to send (default: first of /v1/models)"
+        "--model",
+        default=None,
+        metavar="NAME",
+        help="model name to send, one of those /v1/models lists (default: the one model it lists)",
+    )
+    p.add_argument(
+        "--wait-s",
+        type=float,
+        default=DEFAULT_WAIT_S,
+        metavar="SEC",
+        help="wait up to SEC seconds for the server's /health to answer 200 before starting "
+        f"(default: {DEFAULT_WAIT_S:g})",
     )
     p.add_argument(
         "--tokenizer",
@@ -205,6 +228,7 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> ReplayConfig
         timeout_s=args.timeout,
         ignore_eos=args.ignore_eos,
         progress=not args.no_progress,
+        wait_s=args.wait_s,
     )
     kw.update(overrides)
     return ReplayConfig(**kw)

@@ -1,11 +1,15 @@
 """Replay request arrivals against a running server and report what it did (MoE-Infinity §7.1).
 
-A run: ask ``/v1/models`` for the model name and context length, pick how prompt tokens are
+A run: build the request schedule, wait for the server's ``/health`` (``--wait-s``,
+``clients/ready.py``), ask ``/v1/models`` for the model name and context length (a run never
+guesses a model name: no listed model, no run), pick how prompt tokens are
 measured (``clients/sizing.py``: the server's ``/tokenize``, else a calibration probe), build the
 request schedule (trace or Poisson arrivals, prompts from the task mix fitted to each row's length
 and cut to the context), scrape
 ``/metrics``, send every request at its time on one ``httpx.AsyncClient`` (streaming), scrape
-``/metrics`` again, then summarise and write the records and the summary to ``config.out``.
+``/metrics`` again, then summarise and write the records and the summary to ``config.out``. The
+summary gives the rate offered (scheduled and sent) against the target, and says why when they
+differ by more than 10% (:func:`clients.trace.rate_note`).
 
 A failed request (unreachable server, 4xx, 5xx, timeout, broken stream) is a record with an error
 status, never an exception that ends the run.
@@ -24,7 +28,7 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from clients.http import RequestRecord, RequestSpec, get_json, get_text, stream_completion
+from clients.http import RequestRecord, RequestSpec, get_text, stream_completion
 from clients.metrics_scrape import MetricsSnapshot, ServerDelta, diff, parse_metrics
 from clients.options import DEFAULT_MAX_CONTEXT, ReplayConfig
 from clients.plots import plot_run
@@ -37,14 +41,22 @@ from clients.prompts import (
     TokenCounter,
     load_prompts,
 )
+from clients.ready import served_model, wait_until_ready
 from clients.report import Summary, render, summarize
 from clients.sizing import choose_counter
-from clients.trace import Arrival, load_azure_trace, poisson_arrivals, scale_trace, skip, window
+from clients.trace import (
+    Arrival,
+    Schedule,
+    load_azure_trace,
+    offered_rate,
+    poisson_schedule,
+    rate_note,
+    trace_schedule,
+)
 from richconsole import make_console
 
 # Tokens kept free of the context budget for special tokens and re-tokenisation at the cut.
 CONTEXT_MARGIN = 8
-DEFAULT_MODEL = "moeserve"
 
 
 def build_requests(
@@ -93,13 +105,39 @@ def build_requests(
     return specs
 
 
-def arrivals_for(cfg: ReplayConfig) -> list[Arrival]:
-    """The schedule of a run: scaled trace rows in the window, or Poisson arrivals."""
+def schedule_for(cfg: ReplayConfig) -> Schedule:
+    """The schedule of a run: scaled trace rows in the window, or Poisson arrivals (needs no server)."""
     if cfg.trace is None:
         assert cfg.rps is not None  # checked by ReplayConfig
-        return poisson_arrivals(cfg.rps, cfg.duration_s, cfg.max_requests, cfg.seed)
-    rows = skip(load_azure_trace(cfg.trace), cfg.trace_offset_s)
-    return window(scale_trace(rows, rps=cfg.rps, speedup=cfg.speedup), cfg.duration_s, cfg.max_requests)
+        return poisson_schedule(cfg.rps, cfg.duration_s, cfg.max_requests, cfg.seed)
+    return trace_schedule(
+        load_azure_trace(cfg.trace),
+        cfg.trace.name,
+        cfg.rps,
+        cfg.speedup,
+        cfg.trace_offset_s,
+        cfg.duration_s,
+        cfg.max_requests,
+    )
+
+
+def arrivals_for(cfg: ReplayConfig) -> list[Arrival]:
+    """The arrivals of :func:`schedule_for`."""
+    return schedule_for(cfg).arrivals
+
+
+def describe_schedule(schedule: Schedule) -> str:
+    """One line: how many requests over how long, the rate offered against the target and, when
+    they differ by more than 10%, why (:func:`clients.trace.rate_note`)."""
+    times = [a.time_s for a in schedule.arrivals]
+    span = max(times) - min(times) if times else 0.0
+    rate = offered_rate(times)
+    head = f"schedule: {len(times)} requests over {span:.1f} s; "
+    note = rate_note(schedule, rate)
+    if note is not None:
+        return head + note
+    shown = "no rate" if rate is None else f"{rate:.3g} req/s"
+    return head + f"offered {shown} against {schedule.target_label}"
 
 
 async def _scrape(client: httpx.AsyncClient, url: str) -> tuple[MetricsSnapshot | None, str | None]:
@@ -200,18 +238,25 @@ def write_outputs(
 async def run_async(cfg: ReplayConfig, console: Console | None = None) -> Summary:
     """Run one replay (see the module docstring); writes its files to ``cfg.out``."""
     console = console or make_console(stderr=True)
-    arrivals = arrivals_for(cfg)  # bad input files fail here, before any request
+    schedule = schedule_for(cfg)  # bad input files fail here, before any request
+    arrivals = schedule.arrivals
     prompts = load_prompts(cfg.prompts)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     timeout = httpx.Timeout(cfg.timeout_s, connect=10.0)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
-        models = await get_json(client, cfg.url, "/v1/models")
-        entries = (models or {}).get("data") or []
-        first = entries[0] if entries and isinstance(entries[0], dict) else {}
-        if models is None:
-            console.print(f"[yellow]warning[/yellow]: {cfg.url}/v1/models did not answer; sending anyway")
-        model = cfg.model or first.get("id") or DEFAULT_MODEL
-        max_context = int(cfg.max_context or first.get("max_model_len") or DEFAULT_MAX_CONTEXT)
+        waited = await wait_until_ready(client, cfg.url, cfg.wait_s)
+        if waited >= 1.0:
+            console.print(f"server at {cfg.url} ready after {waited:.1f} s")
+        served = await served_model(client, cfg.url, cfg.model)
+        model = served.id
+        max_context = cfg.max_context or served.max_model_len
+        if max_context is None:
+            max_context = DEFAULT_MAX_CONTEXT
+            console.print(
+                f"[yellow]warning[/yellow]: {cfg.url}/v1/models states no max_model_len for {model!r}; "
+                f"prompts are sized for {DEFAULT_MAX_CONTEXT} tokens (--max-context to set it)"
+            )
+        console.print(describe_schedule(schedule), markup=False)
         with httpx.Client(timeout=timeout, trust_env=False) as sync_client:
             sizing = await asyncio.to_thread(choose_counter, cfg, sync_client, model, prompts, max_context)
             specs = await asyncio.to_thread(
@@ -228,6 +273,8 @@ async def run_async(cfg: ReplayConfig, console: Console | None = None) -> Summar
         "prompts_cut": sum(s.cut for s in specs),
     }
     summary = summarize(records, wall, settings, cfg.slo_tpot_ms, server)
+    summary.target_rps = schedule.target_rps
+    summary.rate_note = rate_note(schedule, summary.offered_rps, summary.sent_rps, summary.max_send_lag_ms)
     rate = f"{cfg.rps:g} req/s" if cfg.rps else f"speedup {cfg.speedup or 1:g}"
     scrapes = {"metrics_before.prom": before_text, "metrics_after.prom": after_text}
     assert cfg.out is not None  # ReplayConfig fills in a default

@@ -17,6 +17,7 @@ from rich.console import Console
 
 from clients.http import RequestRecord
 from clients.metrics_scrape import ServerDelta
+from clients.trace import offered_rate
 from richconsole import Table
 
 PERCENTILES = (50, 90, 99)
@@ -51,7 +52,9 @@ class Summary:
         requests, succeeded, failed: request counts.
         errors: failed requests per ``status`` (with HTTP code, e.g. ``http_error 503``).
         duration_s: wall time from the first send to the last answer, seconds.
-        offered_rps: requests / span of their scheduled send times, requests/s.
+        offered_rps: the rate the schedule offered, ``(requests - 1) / span`` of their scheduled
+            send times, requests/s (``None`` for fewer than two requests).
+        sent_rps: the same over the actual send times.
         throughput_rps, output_tokens_per_s: successful requests and their output tokens per second.
         prompt_tokens, output_tokens: summed over successful requests (from the server's usage).
         goodput_rps: successful requests within the TPOT SLO per second (``None`` without an SLO).
@@ -60,6 +63,11 @@ class Summary:
         ttft, tpot, itl, e2e: latency distributions.
         server: server counter deltas over the run (``None`` when ``/metrics`` was unavailable).
         client_expert_stats: ``usage.expert_stats`` summed over successful requests.
+        target_rps: the average rate asked for (``--rps``, or the trace's rate times
+            ``--speedup``), requests/s.
+        rate_note: why the offered rate differs from the target by more than 10%, one line
+            (``offered X req/s against --rps R: ...``; :func:`clients.trace.rate_note`); ``None``
+            when they agree.
     """
 
     settings: dict[str, Any]
@@ -82,6 +90,9 @@ class Summary:
     e2e: LatencyStats
     server: ServerDelta | None = None
     client_expert_stats: dict[str, float] = field(default_factory=dict)
+    sent_rps: float | None = None
+    target_rps: float | None = None
+    rate_note: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -103,8 +114,6 @@ def summarize(
     ok = [r for r in records if r.ok]
     dur = max(duration_s, 1e-9)
     out_tokens = sum(r.output_tokens for r in ok)
-    sched = [r.scheduled_s for r in records]
-    span = max(sched) - min(sched) if len(sched) > 1 else 0.0
     lags = [r.sent_s - r.scheduled_s for r in records if r.sent_s is not None]
     goodput = None
     if slo_tpot_ms is not None:
@@ -122,7 +131,7 @@ def summarize(
         failed=len(records) - len(ok),
         errors=dict(sorted(Counter(error_key(r) for r in records if not r.ok).items())),
         duration_s=duration_s,
-        offered_rps=(len(records) - 1) / span if span > 0 else None,
+        offered_rps=offered_rate([r.scheduled_s for r in records]),
         throughput_rps=len(ok) / dur,
         output_tokens_per_s=out_tokens / dur,
         prompt_tokens=sum(r.prompt_tokens or 0 for r in ok),
@@ -136,6 +145,7 @@ def summarize(
         e2e=latency_stats([r.e2e_s for r in ok if r.e2e_s is not None]),
         server=server,
         client_expert_stats=dict(expert),
+        sent_rps=offered_rate([r.sent_s for r in records if r.sent_s is not None]),
     )
 
 
@@ -158,7 +168,10 @@ def render(summary: Summary, console: Console) -> None:
     run.add_column("value", justify="right")
     run.add_row("requests (ok / failed)", f"{s.requests} ({s.succeeded} / {s.failed})")
     run.add_row("wall time (s)", _f(s.duration_s))
+    if s.target_rps is not None:
+        run.add_row("target rate (req/s)", _f(s.target_rps, "{:.3f}"))
     run.add_row("offered rate (req/s)", _f(s.offered_rps, "{:.3f}"))
+    run.add_row("sent rate (req/s)", _f(s.sent_rps, "{:.3f}"))
     run.add_row("throughput (req/s)", _f(s.throughput_rps, "{:.3f}"))
     run.add_row("output tokens/s", _f(s.output_tokens_per_s))
     run.add_row("prompt / output tokens", f"{s.prompt_tokens} / {s.output_tokens}")
@@ -168,6 +181,8 @@ def render(summary: Summary, console: Console) -> None:
     for key, n in s.errors.items():
         run.add_row(f"errors: {key}", str(n))
     console.print(run)
+    if s.rate_note:
+        console.print(s.rate_note, soft_wrap=True, markup=False)
     sv = s.server
     if sv is None:
         console.print("server /metrics: not available")

@@ -3,7 +3,9 @@
 The shape of MoE-Infinity's Figure 9 (decode latency, TPOT, as the offered RPS grows) plus the
 buffer hit rate per rate from the server's ``/metrics``. Every rate is one full replay run against
 the same running server (its cache and EAMC carry over from rate to rate, as on a live service),
-with a pause between runs so the previous rate's requests have drained.
+with a pause between runs so the previous rate's requests have drained. Each run waits for the
+server's ``/health`` (``--wait-s``) and reads the model from ``/v1/models`` as ``moeserve replay``
+does, and says why a rate offered differs from the one asked for.
 
 Writes ``sweep.json`` (one summary per rate), ``sweep-latency.png`` and ``sweep-hitrate.png`` to
 ``--out``, and each rate's replay files to ``--out/rps-<rate>/``.
@@ -44,7 +46,8 @@ def parse_rates(text: str) -> list[float]:
 
 
 def sweep_rows(summaries: list[Summary]) -> list[dict[str, Any]]:
-    """One flat row per rate: offered rate, throughput, latency percentiles (ms), hit rate."""
+    """One flat row per rate: offered and sent rate, throughput, latency percentiles (ms), hit rate,
+    and why the offered rate differs from ``rps`` (``rate_note``, ``None`` within 10%)."""
     rows = []
     for s in summaries:
         sv = s.server
@@ -52,6 +55,7 @@ def sweep_rows(summaries: list[Summary]) -> list[dict[str, Any]]:
             {
                 "rps": s.settings["rps"],
                 "offered_rps": s.offered_rps,
+                "sent_rps": s.sent_rps,
                 "throughput_rps": s.throughput_rps,
                 "output_tokens_per_s": s.output_tokens_per_s,
                 "goodput_rps": s.goodput_rps,
@@ -64,6 +68,7 @@ def sweep_rows(summaries: list[Summary]) -> list[dict[str, Any]]:
                 },
                 "hit_rate": sv.hit_rate if sv else None,
                 "blocking_s": sv.blocking_s if sv else None,
+                "rate_note": s.rate_note,
             }
         )
     return rows

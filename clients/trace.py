@@ -204,3 +204,168 @@ def window(arrivals: list[Arrival], duration_s: float | None, max_requests: int 
     """Arrivals before ``duration_s`` seconds, at most ``max_requests`` of them."""
     out = [a for a in arrivals if duration_s is None or a.time_s < duration_s]
     return out if max_requests is None else out[:max_requests]
+
+
+def offered_rate(times_s: list[float]) -> float | None:
+    """Rate of a list of send times, requests/s: ``(n - 1) / (last - first)``.
+
+    ``None`` for fewer than two times or a zero span (no rate to speak of).
+    """
+    if len(times_s) < 2:
+        return None
+    span = max(times_s) - min(times_s)
+    return (len(times_s) - 1) / span if span > 0 else None
+
+
+@dataclass(slots=True, frozen=True)
+class Schedule:
+    """The arrivals of a run and how they were made, to tell why the offered rate is what it is.
+
+    Attributes:
+        arrivals: the requests to send, in time order.
+        source: ``"trace"`` or ``"poisson"``.
+        target_rps: the average rate asked for, requests/s: ``--rps``, or with ``--speedup`` (or
+            neither) the trace's average times the speed-up.
+        target_label: how the target was asked for, e.g. ``--rps 1`` or ``--speedup 2 (11.1 req/s)``.
+        native_rps: trace only: the average rate of the rows the scaling is computed over (the
+            file after ``--trace-offset``), requests/s.
+        speedup: trace only: trace time divided by this is run time.
+        trace_start_s: trace only: the first kept row's time in the file (after ``--trace-offset``), s.
+        trace_name: trace only: the file name.
+        duration_s, max_requests: the window's bounds (``--duration``, ``--max-requests``).
+    """
+
+    arrivals: list[Arrival]
+    source: str
+    target_rps: float | None
+    target_label: str
+    native_rps: float | None = None
+    speedup: float | None = None
+    trace_start_s: float = 0.0
+    trace_name: str = ""
+    duration_s: float | None = None
+    max_requests: int | None = None
+
+
+def trace_schedule(
+    rows: list[TraceRow],
+    trace_name: str,
+    rps: float | None,
+    speedup: float | None,
+    trace_offset_s: float,
+    duration_s: float | None,
+    max_requests: int | None,
+) -> Schedule:
+    """Skip ``trace_offset_s``, scale to ``rps`` (or by ``speedup``), keep the window.
+
+    Raises:
+        ClientError: as :func:`skip` and :func:`scale_trace`.
+    """
+    kept = skip(rows, trace_offset_s)
+    arrivals = window(scale_trace(kept, rps=rps, speedup=speedup), duration_s, max_requests)
+    native = native_rate(kept)
+    finite = not math.isinf(native)
+    if rps is not None:
+        factor = rps / native if finite else 1.0
+        target, label = rps, f"--rps {rps:g}"
+    else:
+        factor = speedup or 1.0
+        target = native * factor if finite else None
+        shown = "n/a" if target is None else f"{target:.3g}"
+        label = f"--speedup {factor:g}" if speedup else "the trace's own rate"
+        label += f" ({shown} req/s)"
+    return Schedule(
+        arrivals=arrivals,
+        source="trace",
+        target_rps=target,
+        target_label=label,
+        native_rps=native if finite else None,
+        speedup=factor,
+        trace_start_s=rows[len(rows) - len(kept)].offset_s,
+        trace_name=trace_name,
+        duration_s=duration_s,
+        max_requests=max_requests,
+    )
+
+
+def poisson_schedule(rps: float, duration_s: float | None, max_requests: int | None, seed: int) -> Schedule:
+    """:func:`poisson_arrivals` with what the report needs to explain their rate."""
+    return Schedule(
+        arrivals=poisson_arrivals(rps, duration_s, max_requests, seed),
+        source="poisson",
+        target_rps=rps,
+        target_label=f"--rps {rps:g}",
+        duration_s=duration_s,
+        max_requests=max_requests,
+    )
+
+
+#: The offered rate is explained when it differs from the target by more than this fraction.
+RATE_TOLERANCE = 0.10
+
+
+def rate_note(
+    schedule: Schedule,
+    scheduled_rps: float | None,
+    sent_rps: float | None = None,
+    max_send_lag_ms: float | None = None,
+    tolerance: float = RATE_TOLERANCE,
+) -> str | None:
+    """One line, ``offered X req/s against --rps R: <why>``, when the schedule's rate (or the rate
+    the requests were actually sent at) differs from the target by more than ``tolerance``;
+    ``None`` when they agree or there is no target.
+
+    Why, from what the schedule was built of: a trace window runs at the trace's own local rate
+    (the whole file's average is what ``--rps`` scales to, bursts and lulls are kept); a Poisson
+    sample of few arrivals varies around its mean; one arrival has no rate; sends that fell
+    behind their times lower the sent rate.
+    """
+    target, n = schedule.target_rps, len(schedule.arrivals)
+    if target is None or not target > 0:
+        return None
+    if scheduled_rps is None:
+        return (
+            f"offered no rate against {schedule.target_label}: {n} request(s) in the window, "
+            "a rate needs two at different times (a longer --duration"
+            + (" or another --trace-offset)" if schedule.source == "trace" else ")")
+        )
+    why: list[str] = []
+    if abs(scheduled_rps / target - 1) > tolerance:
+        if schedule.source == "trace" and schedule.speedup and schedule.native_rps:
+            last = schedule.arrivals[-1].time_s
+            end = schedule.duration_s if schedule.duration_s is not None else last
+            if schedule.max_requests is not None and n >= schedule.max_requests:
+                what, end = f"the first {n} arrivals (--max-requests) cover", last
+            elif schedule.duration_s is not None:
+                what = f"the {schedule.duration_s:g} s window covers"
+            else:
+                what = "the run covers"
+            a = schedule.trace_start_s
+            b = a + end * schedule.speedup
+            local = scheduled_rps / schedule.speedup
+            side = "sparser" if local < schedule.native_rps else "denser"
+            of = f"of {schedule.trace_name}" if schedule.trace_name else "of the trace"
+            whole = "the file after --trace-offset" if schedule.trace_start_s > 0 else "the whole file"
+            why.append(
+                f"{what} seconds {a:.1f}-{b:.1f} {of}, where the trace runs at {local:.2f} req/s, "
+                f"{side} than the {schedule.native_rps:.2f} req/s average of {whole} that the rate is "
+                f"scaled from (time x{1 / schedule.speedup:.3g}, bursts and lulls kept); another "
+                "--trace-offset or a longer window (--duration, --max-requests) comes closer"
+            )
+        elif schedule.source == "poisson":
+            spread = 100 / math.sqrt(max(1, n - 1))
+            why.append(
+                f"a Poisson sample of {n} arrivals, whose rate varies by about +-{spread:.0f}% "
+                "around the target; a longer --duration comes closer"
+            )
+    shown = scheduled_rps
+    if sent_rps is not None and abs(sent_rps / scheduled_rps - 1) > tolerance:
+        lag = "" if max_send_lag_ms is None else f" (up to {max_send_lag_ms:.0f} ms late)"
+        why.append(
+            f"the sends strayed from their schedule{lag}: sent at {sent_rps:.3g} req/s "
+            f"against {scheduled_rps:.3g} req/s scheduled"
+        )
+        shown = sent_rps
+    if not why:
+        return None
+    return f"offered {shown:.3g} req/s against {schedule.target_label}: " + "; ".join(why)

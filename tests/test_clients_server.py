@@ -2,7 +2,8 @@
 
 The server runs in a subprocess with half the experts in the buffer and an emulated link, so hits,
 misses and blocking time are all non-trivial. Checks: the report's counts equal the server's
-counters, sends follow the trace schedule, and real 4xx answers are reported.
+counters, sends follow the trace schedule, real 4xx answers are reported, and a replay started
+right after the server waits for it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import httpx
 import pytest
 
 from clients.options import ReplayConfig
+from clients.ready import ServerUnavailable
 from clients.replay import replay
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("server.app") is None, reason="server not present")
@@ -36,10 +38,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server_url(tiny_qwen3: Path, tmp_path_factory) -> Iterator[str]:
+def start_server(tiny_qwen3: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    """``moeserve serve`` on a free port in a subprocess (not waited for)."""
     port = free_port()
-    log = tmp_path_factory.mktemp("srv") / "server.log"
     cmd = [
         sys.executable,
         "-m",
@@ -58,7 +59,22 @@ def server_url(tiny_qwen3: Path, tmp_path_factory) -> Iterator[str]:
     ]
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server_url(tiny_qwen3: Path, tmp_path_factory) -> Iterator[str]:
+    log = tmp_path_factory.mktemp("srv") / "server.log"
+    proc, url = start_server(tiny_qwen3, log)
     try:
         deadline = time.monotonic() + 90
         while True:
@@ -74,12 +90,7 @@ def server_url(tiny_qwen3: Path, tmp_path_factory) -> Iterator[str]:
             time.sleep(0.2)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
 
 
 def write_trace(path: Path, times: list[float], lengths: list[tuple[int, int]]) -> Path:
@@ -132,20 +143,37 @@ def test_counts_match_server_counters(server_url, tiny_qwen3, prompts, tmp_path:
     assert s.ttft.count == len(TIMES) and s.tpot.count == sum(1 for _, g in LENGTHS if g > 1)
 
 
+def test_replay_right_after_serve_waits_for_it(tiny_qwen3, prompts, tmp_path: Path) -> None:
+    """``moeserve serve ... &`` then ``moeserve replay`` at once: the replay waits for the model to
+    load and asks for the model the server lists, so no request fails."""
+    proc, url = start_server(tiny_qwen3, tmp_path / "server.log")
+    try:
+        trace = write_trace(tmp_path / "t.csv", [0.0, 0.1, 0.2], [(20, 2), (30, 3), (40, 2)])
+        with pytest.raises(httpx.ConnectError):  # still importing torch, loading the model
+            httpx.get(f"{url}/health", timeout=1.0, trust_env=False)
+        out = tmp_path / "run"
+        s = replay(ReplayConfig(url=url, prompts=prompts, trace=trace, out=out, progress=False, wait_s=90))
+    finally:
+        stop_server(proc)
+    assert s.errors == {} and s.succeeded == 3
+    assert s.settings["model"] == tiny_qwen3.name and s.settings["max_context"] == 256
+
+
 def test_real_4xx_is_reported(server_url, tiny_qwen3, prompts, tmp_path: Path) -> None:
     trace = write_trace(tmp_path / "t.csv", [0.0, 0.05], [(20, 2), (20, 2)])
-    s = replay(
-        ReplayConfig(
-            url=server_url,
-            prompts=prompts,
-            trace=trace,
-            model="no-such-model",
-            out=tmp_path / "a",
-            progress=False,
+    # a model the server does not serve: refused before any request, never sent
+    match = f"--model 'no-such-model' is not served: .* lists {tiny_qwen3.name}"
+    with pytest.raises(ServerUnavailable, match=match):
+        replay(
+            ReplayConfig(
+                url=server_url,
+                prompts=prompts,
+                trace=trace,
+                model="no-such-model",
+                out=tmp_path / "a",
+                progress=False,
+            )
         )
-    )
-    assert s.succeeded == 0 and s.errors == {"http_error 404": 2}
-    assert s.server is not None and s.server.requests_success == 0
     # a prompt longer than the server's context (client told a larger one): a 400, run goes on
     trace = write_trace(tmp_path / "t2.csv", [0.0, 0.05], [(600, 2), (20, 2)])
     s = replay(

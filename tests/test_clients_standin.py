@@ -4,7 +4,9 @@ The stand-in streams ``max_tokens`` short text chunks, ``tokens_delay_s`` apart,
 it served in Prometheus counters named like moeserve's, so the report's server section is exercised.
 Its tokenizer is one token per :data:`CHARS_PER_TOKEN` characters (plus BOS), which it serves on
 ``/tokenize`` (vLLM's API) unless ``tokenize`` is off, and it refuses a prompt + ``max_tokens``
-over its 512-token context with 400, as moeserve does.
+over its 512-token context with 400, as moeserve does. Its ``/health`` answers ``health_status``
+(503 until ``unhealthy_until``), and ``/v1/models`` lists ``listed``, so tests can start it late,
+keep it unready, or make it list no model; every request's ``model`` field is recorded.
 """
 
 from __future__ import annotations
@@ -16,14 +18,18 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from clients.errors import ClientError
 from clients.options import ReplayConfig
+from clients.ready import ServerUnavailable
 from clients.replay import replay
 from moeserve.cli import main
 
@@ -63,16 +69,29 @@ class StandIn:
         self.hits = 0
         self.token_delay_s = 0.002
         self.tokenize = True
+        self.health_status = 200
+        self.unhealthy_until = 0.0  # perf_counter time before which /health answers 503
+        self.health_polls = 0
+        self.listed = ["standin"]
+        self.models_status = 200
+        self.models_seen: list[str | None] = []
 
     def app(self) -> FastAPI:
         app = FastAPI()
 
+        @app.get("/health")
+        async def health():
+            self.health_polls += 1
+            if time.perf_counter() < self.unhealthy_until:
+                return JSONResponse({"status": "loading"}, 503)
+            return JSONResponse({}, self.health_status)
+
         @app.get("/v1/models")
-        async def models() -> dict:
-            return {
-                "object": "list",
-                "data": [{"id": "standin", "object": "model", "max_model_len": CONTEXT}],
-            }
+        async def models():
+            if self.models_status != 200:
+                return JSONResponse({"error": {"message": "models broke"}}, self.models_status)
+            data = [{"id": name, "object": "model", "max_model_len": CONTEXT} for name in self.listed]
+            return {"object": "list", "data": data}
 
         @app.post("/tokenize")
         async def tokenize(request: Request):
@@ -100,6 +119,7 @@ class StandIn:
         async def completions(request: Request):
             self.received.append(time.perf_counter())
             body = await request.json()
+            self.models_seen.append(body.get("model"))
             if self.mode == "400":
                 return JSONResponse({"error": {"message": "prompt too long", "type": "invalid"}}, 400)
             if self.mode == "500":
@@ -148,20 +168,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextmanager
+def serving(state: StandIn, delay_s: float = 0.0) -> Iterator[str]:
+    """Run ``state``'s app on a free loopback port, starting ``delay_s`` seconds from now; yields
+    its URL at once (with a delay, before anything listens there)."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(state.app(), host="127.0.0.1", port=port, log_level="error"))
+
+    def run() -> None:
+        time.sleep(delay_s)
+        server.run()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=delay_s + 5)
+
+
 @pytest.fixture(scope="module")
 def standin() -> Iterator[tuple[StandIn, str]]:
     state = StandIn()
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(state.app(), host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started, "stand-in server did not start"
-    yield state, f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=5)
+    with serving(state) as url:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=1, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.02)
+        yield state, url
 
 
 @pytest.fixture()
@@ -241,7 +279,7 @@ def test_http_errors_are_reported(standin, files, tmp_path: Path, mode: str) -> 
     assert ("prompt too long" if mode == "400" else "engine died") in rec["error"]
 
 
-def test_unreachable_server_is_reported(files, tmp_path: Path) -> None:
+def test_unreachable_server_fails_with_one_line_after_wait(files, tmp_path: Path) -> None:
     trace, prompts = files
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     cfg = ReplayConfig(
@@ -252,10 +290,127 @@ def test_unreachable_server_is_reported(files, tmp_path: Path) -> None:
         max_requests=3,
         out=tmp_path / "run",
         progress=False,
+        wait_s=1.0,
     )
-    s = replay(cfg)
-    assert s.requests == 3 and s.succeeded == 0 and s.errors == {"connect_error": 3}
-    assert s.server is None
+    start = time.monotonic()
+    with pytest.raises(ServerUnavailable) as err:
+        replay(cfg)
+    waited = time.monotonic() - start
+    assert 0.9 <= waited < 5.0
+    msg = str(err.value)
+    assert "\n" not in msg and f"GET {url}/health" in msg and "within 1 s" in msg and "cannot connect" in msg
+    assert "poll(s), every 0.25 s" in msg and "--wait-s" in msg
+    assert not (tmp_path / "run").exists()  # no run, no files
+
+
+def test_cli_unreachable_server_exits_nonzero_with_one_line(files, tmp_path: Path, capsys) -> None:
+    trace, prompts = files
+    url = f"http://127.0.0.1:{free_port()}"
+    for cmd in (["replay", "--speedup", "10"], ["bench", "sweep", "--rates", "1,2"]):
+        rc = main(
+            [
+                *cmd,
+                "--url",
+                url,
+                "--trace",
+                str(trace),
+                "--prompts",
+                str(prompts),
+                "--wait-s",
+                "0.5",
+                "--out",
+                str(tmp_path / cmd[-1]),
+                "--no-progress",
+            ]
+        )
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2
+        # the sweep rules off the rate first; the error itself is one line, the last
+        assert len(lines) == (1 if cmd[0] == "replay" else 2)
+        assert lines[-1].startswith(f"moeserve: error: no server ready at {url}: ")
+        assert "within 0.5 s" in lines[-1]
+
+
+def test_waits_for_a_server_that_starts_late(files, tmp_path: Path) -> None:
+    """A server that listens only after 1.5 s and then answers /health 503 for 1.5 s more (a model
+    loading): the run waits, then sends every request with the model the server lists."""
+    trace, prompts = files
+    state = StandIn()
+    state.listed = ["late-model"]
+    state.unhealthy_until = time.perf_counter() + 3.0
+    cfg_kw = dict(prompts=prompts, trace=trace, speedup=10.0, max_tokens_cap=2, progress=False)
+    with serving(state, delay_s=1.5) as url:
+        start = time.monotonic()
+        s = replay(ReplayConfig(url=url, out=tmp_path / "run", wait_s=30.0, **cfg_kw))
+        waited = time.monotonic() - start
+    assert waited >= 3.0
+    assert state.health_polls >= 2  # answered 503 at least once before the 200
+    assert s.succeeded == s.requests == len(ROWS) and s.settings["model"] == "late-model"
+    assert state.models_seen and set(state.models_seen) == {"late-model"}
+    assert s.settings["max_context"] == CONTEXT
+
+
+@pytest.mark.parametrize(
+    ("listed", "models_status", "wanted", "match"),
+    [
+        ([], 200, None, "lists no model"),
+        (["standin"], 500, None, "answered HTTP 500"),
+        (["a", "b"], 200, None, "lists 2 models \\(a, b\\); choose one with --model"),
+        (["a", "b"], 200, "c", "--model 'c' is not served: .* lists a, b"),
+    ],
+)
+def test_never_sends_a_guessed_model_name(
+    standin, files, tmp_path: Path, listed, models_status, wanted, match
+) -> None:
+    state, url = standin
+    trace, prompts = files
+    state.listed, state.models_status = listed, models_status
+    sent_before = len(state.models_seen)
+    try:
+        with pytest.raises(ServerUnavailable, match=match) as err:
+            replay(
+                ReplayConfig(
+                    url=url,
+                    prompts=prompts,
+                    trace=trace,
+                    speedup=10.0,
+                    model=wanted,
+                    out=tmp_path / "run",
+                    progress=False,
+                    wait_s=1.0,
+                )
+            )
+    finally:
+        state.listed, state.models_status = ["standin"], 200
+    assert isinstance(err.value, ClientError) and "\n" not in str(err.value)
+    assert len(state.models_seen) == sent_before  # not one request, not even a sizing probe
+
+
+def test_model_chosen_among_several_and_no_health_route(standin, files, tmp_path: Path) -> None:
+    """``--model`` picks one of several listed models; a server whose /health is 404 (no such
+    route) counts as ready once /v1/models answers."""
+    state, url = standin
+    trace, prompts = files
+    state.listed, state.health_status = ["a", "b"], 404
+    sent_before = len(state.models_seen)
+    try:
+        s = replay(
+            ReplayConfig(
+                url=url,
+                prompts=prompts,
+                trace=trace,
+                speedup=10.0,
+                max_requests=3,
+                max_tokens_cap=2,
+                model="b",
+                out=tmp_path / "run",
+                progress=False,
+                wait_s=1.0,
+            )
+        )
+    finally:
+        state.listed, state.health_status = ["standin"], 200
+    assert s.succeeded == 3 and set(state.models_seen[sent_before:]) == {"b"}
 
 
 def test_cli_replay_and_sweep(standin, files, tmp_path: Path, capsys) -> None:
