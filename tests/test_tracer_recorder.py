@@ -306,9 +306,9 @@ def test_query_rows_are_the_querys_rows_and_sparse_counts_equal_dense(sparse: bo
     """``query_rows`` equals the routed rows of ``query`` bit for bit as layers and steps go, and
     the scatter-add form of the count (few ids against many cells) and the bincount form both
     give the EAMs counted by hand."""
-    import tracer.recorder as recorder
+    import tracer.recorder_counts as counts
 
-    monkeypatch.setattr(recorder, "_SPARSE_RATIO", 0 if sparse else 1 << 40)  # always / never sparse
+    monkeypatch.setattr(counts, "_SPARSE_RATIO", 0 if sparse else 1 << 40)  # always / never sparse
     rng = np.random.default_rng(3)
     L, E, k = 5, 7, 2
     rec = RequestRecorder(L, E, k)

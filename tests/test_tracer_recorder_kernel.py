@@ -1,4 +1,4 @@
-"""The recorder's sparse count (``tracer.recorder._add_cells``) equals the two ``np.add.at`` calls
+"""The recorder's sparse count (``tracer.recorder_counts._add_cells``) equals the two ``np.add.at`` calls
 it replaced, repeated cells included, compiled or as plain Python."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tracer.recorder import _add_cells
+from tracer.recorder_counts import _add_cells
 
 
 @pytest.mark.parametrize("seed", range(8))
