@@ -59,9 +59,9 @@ class _Naive:
 def test_lazy_recorder_counts_equal_a_naive_count_on_random_routing(
     seed: int, sparse_ratio: int, monkeypatch
 ) -> None:
-    import tracer.recorder
+    import tracer.recorder_counts
 
-    monkeypatch.setattr(tracer.recorder, "_SPARSE_RATIO", sparse_ratio)
+    monkeypatch.setattr(tracer.recorder_counts, "_SPARSE_RATIO", sparse_ratio)
     rng = np.random.default_rng(seed)
     L, E, k = 4, 8, 2
     eamc = _Commits()
