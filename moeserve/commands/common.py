@@ -9,8 +9,10 @@ import argparse
 import json
 from pathlib import Path
 
+from moe_runtime import hub
 from moe_runtime.config import DEFAULT_CACHE_POLICY, RuntimeConfig, cache_policy_names, prefetch_policy_names
-from moe_runtime.errors import CheckpointError
+from moe_runtime.errors import CheckpointError, ConfigError
+from moe_runtime.hub import ModelSource
 from moe_runtime.quant.select import EXPERT_DTYPES
 from tracer.eamc import DEFAULT_CAPACITY
 
@@ -18,9 +20,17 @@ from tracer.eamc import DEFAULT_CAPACITY
 def add_model_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
-        type=Path,
         default=None,
-        help="local Hugging Face checkpoint folder (default: the bundled tiny MoE)",
+        help="checkpoint: a local Hugging Face folder, or a Hub repo id org/name resolved through the "
+        "Hugging Face cache (HF_HOME, HF_HUB_CACHE; downloaded when missing unless HF_HUB_OFFLINE=1; "
+        "HF_TOKEN for gated repos). A path that exists is always a folder; org/name (one '/', no "
+        "leading '.', '/' or '~') that does not exist locally is a repo id "
+        "(default: the bundled tiny MoE)",
+    )
+    parser.add_argument(
+        "--revision",
+        default=None,
+        help="branch, tag or commit of a Hub --model (default: main)",
     )
 
 
@@ -111,12 +121,17 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def runtime_from_args(args: argparse.Namespace) -> RuntimeConfig:
-    """Build (and validate) the runtime settings from parsed flags."""
+def runtime_from_args(args: argparse.Namespace, dtype: str | None = None) -> RuntimeConfig:
+    """Build (and validate) the runtime settings from parsed flags.
+
+    ``dtype`` replaces ``--dtype`` (by default resolved by :func:`_dtype`, which reads the
+    checkpoint's ``config.json`` for ``--dtype auto`` on CPU): a caller that checks the flags
+    before the model is resolved passes one so nothing is read or downloaded yet.
+    """
     return RuntimeConfig(
         device=args.device,
         num_devices=args.num_devices,
-        dtype=_dtype(args),
+        dtype=dtype or _dtype(args),
         buffer_slots=args.buffer_slots,
         buffer_fraction=args.buffer_fraction,
         link_gbps=args.link_gbps,
@@ -142,6 +157,11 @@ BY_DEVICE = "by-device"
 _CHECKPOINT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
+def dtype_needs_checkpoint(args: argparse.Namespace) -> bool:
+    """Whether ``--dtype`` is read from the checkpoint's ``config.json`` (``auto`` off CUDA)."""
+    return args.dtype == "auto" and not str(args.device).startswith("cuda")
+
+
 def _dtype(args: argparse.Namespace) -> str:
     """``--dtype``, resolved: ``by-device`` = bf16 on CUDA, fp32 elsewhere; ``auto`` = bf16 on
     CUDA, else the checkpoint's ``torch_dtype`` (``dtype`` in newer configs) from its
@@ -161,15 +181,35 @@ def _dtype(args: argparse.Namespace) -> str:
 
 
 def resolve_model(args: argparse.Namespace) -> Path:
-    """``--model`` or the bundled default checkpoint.
+    """The checkpoint folder of ``--model`` (and ``--revision``): see :func:`model_source`."""
+    return model_source(args).path
+
+
+def model_source(args: argparse.Namespace) -> ModelSource:
+    """``--model`` resolved (:func:`moe_runtime.hub.resolve`: a local folder, or a Hub repo id
+    through the Hugging Face cache), or the bundled default checkpoint. Resolved once per parsed
+    ``args``; later calls return the same folder.
 
     Raises:
-        CheckpointError: no ``--model`` and the bundled model is missing from this install.
+        CheckpointError: no ``--model`` and the bundled model is missing from this install; a
+            ``--model`` that is neither a folder nor a repo id; a repo that cannot be resolved
+            (:class:`moe_runtime.hub.HubError`).
+        ConfigError: ``--revision`` with a local folder.
     """
-    if args.model is not None:
-        return args.model
-    try:
-        from moe_runtime.assets import default_model_dir
-    except ImportError:
-        raise CheckpointError("no --model given and the bundled default model is not installed") from None
-    return default_model_dir()
+    model, revision = args.model, getattr(args, "revision", None)
+    cached = getattr(args, "_model_source", None)
+    if cached is not None and cached[:2] == (model, revision):
+        return cached[2]
+    if model is not None:
+        source = hub.resolve(model, revision)
+    elif revision is not None:
+        raise ConfigError("--revision needs a Hugging Face repo id as --model")
+    else:
+        try:
+            from moe_runtime.assets import default_model_dir
+        except ImportError:
+            raise CheckpointError("no --model given and the bundled default model is not installed") from None
+        path = default_model_dir()
+        source = ModelSource(path, hub.served_name(path))
+    args._model_source = (model, revision, source)
+    return source
