@@ -15,6 +15,7 @@ written before it would cancel anything.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
 import socket
@@ -25,13 +26,24 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from moe_runtime.errors import ConfigError
 from server.http_timeouts import protocol_class
 from server.settings import DRAIN_GRACE_S, ServerSettings
 
 log = logging.getLogger("moeserve.server")
 
+START_FAILED_EXIT = 1
+"""Exit status of a server that failed to start after its model loaded, or whose final EAMC save
+at shutdown failed (0 = clean stop)."""
+USAGE_EXIT = 2
+"""A bad flag or value, or an address that cannot be bound (port in use, unknown host): nothing
+was loaded. The CLI's status for every user error."""
 ENGINE_DEAD_EXIT = 3
-"""Exit status of a server process whose engine died (0 = clean stop, 1 = failed to start)."""
+"""Exit status of a server process whose engine died while serving (a supervisor restarts it)."""
+MODEL_EXIT = 4
+"""The model could not be resolved or loaded: no such folder, a Hub repo not cached while offline,
+not found or not accessible, or a checkpoint the loader refuses (including one that does not fit
+in memory with the given flags)."""
 
 ACCEPT_ERROR = "socket.accept() out of system resource"  # asyncio's message
 CONCURRENCY_LIMIT = "Exceeded concurrency limit."  # uvicorn's warning, once per refused request
@@ -165,6 +177,42 @@ class DrainingServer(uvicorn.Server):
                 if not drain.done():
                     drain.cancel()
                 await asyncio.gather(drain, return_exceptions=True)
+
+
+_BIND_REASONS = {
+    errno.EADDRINUSE: "address already in use (another process listens there; pick another --port)",
+    errno.EADDRNOTAVAIL: "not an address of this machine",
+    errno.EACCES: "permission denied (ports below 1024 need privileges)",
+}
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not yet listening), as uvicorn binds one: IPv6 when
+    ``host`` has a ``:``, ``SO_REUSEADDR`` set. Hand it to :meth:`DrainingServer.run`; until then
+    connections are refused, as if nothing listened.
+
+    ``moeserve serve`` binds before it loads the model, so a busy port or a bad host fails in
+    milliseconds rather than after the load.
+
+    Raises:
+        ConfigError: ``"cannot bind HOST:PORT: <why>"`` (address in use, unknown host, not local,
+            permission denied).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    shown = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except socket.gaierror as exc:
+        sock.close()
+        raise ConfigError(f"cannot bind {shown}: unknown host ({exc.strerror})") from None
+    except OSError as exc:
+        sock.close()
+        reason = _BIND_REASONS.get(exc.errno) or exc.strerror or str(exc)
+        raise ConfigError(f"cannot bind {shown}: {reason}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def make_server(

@@ -21,6 +21,7 @@ from moe_runtime.engine.engine import LLMEngine
 from moe_runtime.errors import InsufficientMemoryError
 from moe_runtime.loader import load_checkpoint, read_model_config
 from moe_runtime.memory_plan import check_memory, host_available, plan_memory
+from server.runner import MODEL_EXIT
 
 EXPERT = "model.layers.1.mlp.experts.5.gate_proj.weight"
 DENSE = "model.layers.0.self_attn.q_proj.weight"
@@ -100,7 +101,7 @@ def test_serve_refuses_a_bad_config(capsys, ckpt):
     """``serve`` validates the same way, before the HTTP server starts."""
     edit_config(ckpt, vocab_size="abc")
     rc, err = run_cli(capsys, "serve", "--model", str(ckpt), "--port", "0")
-    assert_one_line(rc, err, "config.json", "vocab_size", '"abc"')
+    assert_one_line(rc, err, "config.json", "vocab_size", '"abc"', code=MODEL_EXIT)
 
 
 # ---------------------------------------------------------------- tensors
@@ -131,7 +132,9 @@ def test_non_finite_weight(capsys, ckpt, name, value, word):
 
 def test_non_finite_weight_refused_by_serve(capsys, ckpt):
     _rewrite(ckpt, _set(EXPERT, _poison(math.nan)))
-    assert_one_line(*run_cli(capsys, "serve", "--model", str(ckpt), "--port", "0"), EXPERT, "NaN")
+    assert_one_line(
+        *run_cli(capsys, "serve", "--model", str(ckpt), "--port", "0"), EXPERT, "NaN", code=MODEL_EXIT
+    )
 
 
 def test_cast_overflow_is_named(capsys, ckpt):
@@ -302,7 +305,7 @@ def test_cgroup_limit_lowers_available_memory(tmp_path, monkeypatch):
 
 
 def test_entry_point_subprocess(ckpt):
-    """The installed entry point on a NaN checkpoint: exit 2, one line, no traceback."""
+    """The installed entry point on a NaN checkpoint: exit 4 (serve's model status), one line."""
     _rewrite(ckpt, _set(EXPERT, _poison(math.nan)))
     out = subprocess.run(
         [sys.executable, "-m", "moeserve", "serve", "--model", str(ckpt), "--port", "0"],
@@ -310,5 +313,5 @@ def test_entry_point_subprocess(ckpt):
         text=True,
         timeout=120,
     )
-    assert out.returncode == 2, out.stderr
+    assert out.returncode == MODEL_EXIT, out.stderr
     assert out.stderr.strip().count("\n") == 0 and EXPERT in out.stderr and "Traceback" not in out.stderr

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moeserve.cli import main
+from server.runner import MODEL_EXIT, USAGE_EXIT
 
 
 def run_cli(capsys, *args: str) -> tuple[int, str]:
@@ -27,8 +28,8 @@ def ckpt_copy(tiny_qwen3, tmp_path):
     return dst
 
 
-def assert_one_line(rc: int, err: str, *needles: str) -> None:
-    assert rc == 2
+def assert_one_line(rc: int, err: str, *needles: str, code: int = 2) -> None:
+    assert rc == code, (rc, err)
     lines = err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("moeserve: error: "), err
     assert "Traceback" not in err
@@ -158,3 +159,21 @@ def test_bad_policy_flags(capsys, tiny_qwen3, flag, value, needle):
     args = ["generate", "--model", str(tiny_qwen3), "--prompt", "x", "--buffer-slots", "4", flag, value]
     rc, err = run_cli(capsys, *args)
     assert_one_line(rc, err, needle, value)
+
+
+def test_serve_exit_codes(capsys, tmp_path, tiny_qwen3):
+    """``serve``: a bad flag or address is 2 (nothing loaded), a model it cannot find or load is 4."""
+    rc, err = run_cli(capsys, "serve", "--model", str(tmp_path / "nope"), "--port", "0")
+    assert_one_line(rc, err, str(tmp_path / "nope"), "does not exist", code=MODEL_EXIT)
+    (tmp_path / "empty").mkdir()
+    rc, err = run_cli(capsys, "serve", "--model", str(tmp_path / "empty"), "--port", "0")
+    assert_one_line(rc, err, "config.json", code=MODEL_EXIT)
+    rc, err = run_cli(capsys, "serve", "--model", str(tiny_qwen3), "--port", "70000")
+    assert_one_line(rc, err, "--port", "70000", code=USAGE_EXIT)
+    rc, err = run_cli(capsys, "serve", "--model", str(tiny_qwen3), "--buffer-fraction", "2", "--port", "0")
+    assert_one_line(rc, err, "--buffer-fraction", code=USAGE_EXIT)
+    # 192.0.2.1 (TEST-NET-1) is never an address of this machine
+    rc, err = run_cli(
+        capsys, "serve", "--model", str(tmp_path / "nope"), "--host", "192.0.2.1", "--port", "0"
+    )
+    assert_one_line(rc, err, "cannot bind 192.0.2.1:0", "not an address of this machine", code=USAGE_EXIT)

@@ -209,3 +209,47 @@ def test_sigterm_drains_running_requests_then_saves_the_eamc(tiny_qwen3, tmp_pat
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_serve_on_a_busy_port_fails_before_the_model_loads(tiny_qwen3, monkeypatch, capsys):
+    """The address is bound first: a busy port is status 2 and one line at once, and the model is
+    never resolved or loaded (here a load that would take a minute)."""
+    from moe_runtime import loader
+    from moeserve.cli import main
+    from server.runner import USAGE_EXIT
+
+    touched: list[str] = []
+
+    def slow_load(*args, **kwargs):
+        touched.append("load")
+        time.sleep(60)
+
+    monkeypatch.setattr(loader, "load_checkpoint", slow_load)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        rc = main(["serve", "--model", str(tiny_qwen3), "--port", str(port)])
+        elapsed = time.monotonic() - t0
+    err = capsys.readouterr().err.strip()
+    assert rc == USAGE_EXIT and not touched and elapsed < 5, (rc, touched, elapsed)
+    assert err == (
+        f"moeserve: error: cannot bind 127.0.0.1:{port}: address already in use "
+        "(another process listens there; pick another --port)"
+    )
+
+
+def test_serve_on_a_busy_port_entry_point(tiny_qwen3):
+    """The same through the installed entry point: status 2, one line, no engine summary."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cmd = [sys.executable, "-m", "moeserve", "serve", "--model", str(tiny_qwen3), "--port", str(port)]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        f"moeserve: error: cannot bind 127.0.0.1:{port}: address already in use "
+        "(another process listens there; pick another --port)"
+    ]

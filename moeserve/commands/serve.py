@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from moeserve.commands.common import add_model_arg, add_runtime_args, resolve_model, runtime_from_args
+from moeserve.commands.common import (
+    add_model_arg,
+    add_runtime_args,
+    dtype_needs_checkpoint,
+    model_source,
+    runtime_from_args,
+)
 
 API_KEY_ENV = "MOESERVE_API_KEY"
 
@@ -32,7 +39,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help=f"read the API key from this file (first line); default: ${API_KEY_ENV} if set",
     )
     g.add_argument(
-        "--served-model-name", default=None, help="model id clients send (default: the model folder name)"
+        "--served-model-name",
+        default=None,
+        help="model id clients send (default: the repo id org/name for a Hub model or a folder in a "
+        "Hugging Face cache, else the model folder's name)",
     )
     g.add_argument(
         "--max-wait-ms",
@@ -133,11 +143,11 @@ def _api_key(args: argparse.Namespace) -> str | None:
     return key
 
 
-def _settings(args: argparse.Namespace, model_dir: Path) -> Any:
+def _settings(args: argparse.Namespace, model_name: str) -> Any:
     from server.settings import ServerSettings
 
     return ServerSettings(
-        served_model_name=args.served_model_name or model_dir.resolve().name,
+        served_model_name=args.served_model_name or model_name,
         api_key=_api_key(args),
         max_wait_ms=args.max_wait_ms,
         max_queue=args.max_queue,
@@ -154,23 +164,50 @@ def _settings(args: argparse.Namespace, model_dir: Path) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_runtime.engine.engine import LLMEngine
+    """Check the flags, bind the address, then resolve and load the model and serve.
+
+    Exit status (``docs/operations.md``): 0 a clean stop; 1 the server failed to start after the
+    load, or the final EAMC save failed; 2 a bad flag or an address that cannot be bound (raised,
+    the CLI prints it), before anything loads; 3 the engine died while serving; 4 the model could
+    not be resolved or loaded.
+    """
     from moe_runtime.errors import ConfigError
-    from moe_runtime.loader import load_checkpoint
-    from server.app import create_app
-    from server.runner import make_server
-    from server.tracing import TraceHooks, build_tracing, check_eamc_path
+    from server.runner import bind_socket
 
     if args.eamc_save_every and args.eamc_path is None:
         raise ConfigError("--eamc-save-every needs --eamc-path")
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
-    runtime = runtime_from_args(args)
-    model_dir = resolve_model(args)
-    settings = _settings(args, Path(model_dir))
+    # every runtime flag checked; nothing of the model read yet (--dtype auto reads its config.json)
+    runtime_from_args(args, dtype="fp32" if dtype_needs_checkpoint(args) else None)
+    settings = _settings(args, "moeserve")  # every server flag checked (the API key file read)
     if args.eamc_path is not None:
-        check_eamc_path(args.eamc_path)  # before the (slow) checkpoint load
-    loaded = load_checkpoint(model_dir, runtime)
+        from server.tracing import check_eamc_path
+
+        check_eamc_path(args.eamc_path)
+    sock = bind_socket(args.host, args.port)  # a busy port fails now, not after a long load
+    try:
+        return _serve(args, settings, sock)
+    finally:
+        sock.close()
+
+
+def _serve(args: argparse.Namespace, settings: Any, sock: Any) -> int:
+    from moe_runtime.engine.engine import LLMEngine
+    from moe_runtime.errors import MoeServeError
+    from moe_runtime.loader import load_checkpoint
+    from server.app import create_app
+    from server.runner import MODEL_EXIT, START_FAILED_EXIT, make_server
+    from server.tracing import TraceHooks, build_tracing
+
+    try:
+        source = model_source(args)
+        runtime = runtime_from_args(args)
+        settings = dataclasses.replace(settings, served_model_name=args.served_model_name or source.name)
+        loaded = load_checkpoint(source.path, runtime)
+    except MoeServeError as exc:
+        print(f"moeserve: error: {exc}", file=sys.stderr)
+        return MODEL_EXIT
     recorder, eamc, closers = build_tracing(
         loaded.config, runtime.eamc_capacity, args.record_trace, args.eamc_path, args.eamc_on_corrupt
     )
@@ -179,8 +216,8 @@ def run(args: argparse.Namespace) -> int:
     trace = TraceHooks(engine, args.eamc_path, args.eamc_save_every, closers)
     app = create_app(engine, settings, trace)
     server = make_server(app, args.host, args.port, args.log_level)
-    server.run()
+    server.run(sockets=[sock])
     if trace.final_save_failed:
         print(f"moeserve: error: {trace.last_save_error}", file=sys.stderr)
-        return 1
-    return 0 if server.started else 1
+        return START_FAILED_EXIT
+    return 0 if server.started else START_FAILED_EXIT
