@@ -4,26 +4,24 @@
 ``config.json``; ``RuntimeConfig`` holds everything the user chooses (device, dtype, buffer size,
 link emulation, batching limits). Both reject bad values in ``__post_init__`` with a
 :class:`~moe_runtime.errors.ConfigError` naming the field.
+
+This module is the floor of the runtime: it imports only modules that import nothing from the
+package (:mod:`moe_runtime.config_types` holds the family-specific values a ``ModelConfig``
+carries), and it names the choices the user has (dtypes, expert formats, policies) rather than
+importing the code that implements them.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING
 
 import torch
 
+from moe_runtime.config_types import ClampedSwiGLU, LongRoPE, MLAShape, Routing, YarnScaling
 from moe_runtime.device import normalize_device
 from moe_runtime.errors import ConfigError
 from tracer.eamc import DEFAULT_CAPACITY
-
-if TYPE_CHECKING:
-    from moe_runtime.layers.mla import MLAShape
-    from moe_runtime.layers.rotary import LongRoPE
-    from moe_runtime.layers.routing import Routing
-    from moe_runtime.layers.yarn import YarnScaling
-    from moe_runtime.models.gpt_oss import ClampedSwiGLU
 
 DTYPES = {
     "fp32": torch.float32,
@@ -33,6 +31,10 @@ DTYPES = {
     "fp16": torch.float16,
     "float16": torch.float16,
 }
+
+#: ``--expert-dtype`` values: ``auto`` (the checkpoint's format), a float dtype, or a quantized format
+#: (:mod:`moe_runtime.quant.select` turns one into a codec).
+EXPERT_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8", "int8", "mxfp4")
 
 #: Accepted range (inclusive) of each integer size in :class:`ModelConfig`. The upper bounds sit
 #: far above every released MoE (largest today: vocabulary ~262k, hidden 16k, 128 layers, 384
@@ -82,20 +84,20 @@ class ModelConfig:
         bos_token_id / eos_token_ids: special tokens from the config (may be empty).
         shared_expert_gate: the shared expert is scaled by a sigmoid gate (Qwen2-MoE); DeepSeek's
             shared experts are added ungated.
-        routing: top-k routing variant, a :class:`moe_runtime.layers.routing.Routing` (None: softmax
-            top-k, the Mixtral/Qwen/OLMoE router).
+        routing: top-k routing variant, a :class:`moe_runtime.config_types.Routing` (None: softmax
+            top-k, the Mixtral/Qwen/OLMoE router; run by :mod:`moe_runtime.layers.routing`).
         attention_kind: ``"gqa"`` (grouped-query attention, the Llama layout) or ``"mla"``
             (DeepSeek's multi-head latent attention; ``mla`` holds its shape, a
-            :class:`moe_runtime.layers.mla.MLAShape`).
+            :class:`moe_runtime.config_types.MLAShape`, run by :mod:`moe_runtime.layers.mla`).
         norm: ``"rms"`` (RMSNorm, every family but one) or ``"layer"`` (LayerNorm with a bias, for
             the decoder and final norms: Phi-3.5-MoE; ``rms_norm_eps`` is its epsilon).
         rotary_dim: leading dims of each head RoPE turns (``partial_rotary_factor * head_dim``,
             GLM-4.5: half); None = the whole head.
-        longrope: LongRoPE scaling (Phi-3.5-MoE), a :class:`moe_runtime.layers.rotary.LongRoPE`.
+        longrope: LongRoPE scaling (Phi-3.5-MoE), a :class:`moe_runtime.config_types.LongRoPE`.
         o_bias: the attention output projection carries a bias (Phi-3.5-MoE, gpt-oss;
             ``attention_bias`` covers q/k/v).
         lm_head_bias: the LM head carries a bias (Phi-3.5-MoE's ``lm_head_bias``).
-        yarn: YaRN scaling of the GQA RoPE (gpt-oss), a :class:`moe_runtime.layers.yarn.YarnScaling`;
+        yarn: YaRN scaling of the GQA RoPE (gpt-oss), a :class:`moe_runtime.config_types.YarnScaling`;
             None = plain RoPE (MLA keeps its own in ``mla``).
         attention_sinks: each attention head has a learned sink logit ``sinks [heads]`` that joins
             the softmax denominator and carries no value (gpt-oss).
@@ -105,7 +107,7 @@ class ModelConfig:
         expert_bias: each routed expert's projections carry biases, kept resident per MoE layer
             as ``[E, 2I]`` (``[gate | up]``) and ``[E, H]`` (gpt-oss).
         expert_act: the experts' activation of ``(gate, up)``: None = ``silu(gate) * up``, or a
-            :class:`moe_runtime.models.gpt_oss.ClampedSwiGLU` (gpt-oss).
+            :class:`moe_runtime.config_types.ClampedSwiGLU` (gpt-oss).
         quant_method: the checkpoint's ``quantization_config.quant_method`` (``fp8``, ``mxfp4``;
             None: unquantized); weight_block_size: fp8's ``[rows, cols]`` scale block. Set by the
             loader (:func:`moe_runtime.quant.parse_quantization`).
@@ -244,21 +246,23 @@ DEFAULT_CACHE_POLICY = "eam-reuse"
 the simulator on real Mixtral routing (docs/simulator.md)."""
 
 
-def cache_policy_names() -> list[str]:
-    """Names in the cache-policy registry (:data:`moe_runtime.buffer.cache_policy.CACHE_POLICIES`,
-    built-in policies included)."""
-    from moe_runtime.buffer import cache_policy
+#: Names of the cache policies, in the order of their registry
+#: (:data:`moe_runtime.buffer.cache_policy.CACHE_POLICIES`); a new policy is added to both
+#: (``tests/test_policies.py`` checks they agree).
+CACHE_POLICY_NAMES = ("lru", "eam", "eam-reuse", "model-counts", "oracle")
+#: Names of the prefetch policies, in the order of their registry
+#: (:data:`moe_runtime.prefetch.PREFETCH_POLICIES`; checked as the cache policies are).
+PREFETCH_POLICY_NAMES = ("on-demand", "next-layer-all", "model-counts", "hot-experts", "eam", "oracle")
 
-    if len(cache_policy.CACHE_POLICIES) == 1:  # the built-ins register on first use
-        cache_policy._register_builtin()
-    return list(cache_policy.CACHE_POLICIES)
+
+def cache_policy_names() -> list[str]:
+    """Names in the cache-policy registry (:data:`CACHE_POLICY_NAMES`)."""
+    return list(CACHE_POLICY_NAMES)
 
 
 def prefetch_policy_names() -> list[str]:
-    """Names in the prefetch-policy registry (:data:`moe_runtime.prefetch.PREFETCH_POLICIES`)."""
-    from moe_runtime.prefetch import PREFETCH_POLICIES
-
-    return list(PREFETCH_POLICIES)
+    """Names in the prefetch-policy registry (:data:`PREFETCH_POLICY_NAMES`)."""
+    return list(PREFETCH_POLICY_NAMES)
 
 
 @dataclass(slots=True)
@@ -326,8 +330,6 @@ class RuntimeConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of bf16, fp16, fp32, got {self.dtype!r}")
-        from moe_runtime.quant.select import EXPERT_DTYPES
-
         if self.expert_dtype not in EXPERT_DTYPES:
             raise ConfigError(
                 f"--expert-dtype must be one of {', '.join(EXPERT_DTYPES)}, got {self.expert_dtype!r}"

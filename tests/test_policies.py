@@ -375,3 +375,14 @@ def test_planning_after_the_resident_batch_leaves_outputs_unchanged(tiny_checkpo
     assert outs == ref
     assert engine.prefetcher.plans > 0 and "planned" in order
     assert order.count("planned") == sum(1 for o in order if o != "planned")  # once per layer run
+
+
+def test_policy_names_are_the_registries():
+    """The settings check policy names against the lists in ``moe_runtime.config`` (which imports
+    no policy code): they are the registries' names, in the registries' order."""
+    from moe_runtime.buffer.cache_policy import CACHE_POLICIES
+    from moe_runtime.config import CACHE_POLICY_NAMES, PREFETCH_POLICY_NAMES
+    from moe_runtime.prefetch import PREFETCH_POLICIES
+
+    assert tuple(CACHE_POLICIES) == CACHE_POLICY_NAMES
+    assert tuple(PREFETCH_POLICIES) == PREFETCH_POLICY_NAMES

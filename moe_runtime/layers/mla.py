@@ -20,47 +20,20 @@ splits per head into ``W_uk [nope, kv_lora]`` and ``W_uv [v, kv_lora]``; the que
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from moe_runtime.config import ModelConfig
+from moe_runtime.config_types import MLAShape
 from moe_runtime.layers.attention import attention
 from moe_runtime.layers.mla_cache import MLACache
 from moe_runtime.layers.norm import rms_norm
-from moe_runtime.layers.yarn import YarnScaling, softmax_scale, yarn_inv_freq
+from moe_runtime.layers.yarn import softmax_scale, yarn_inv_freq
 
 #: RMSNorm epsilon of ``q_a_layernorm`` and ``kv_a_layernorm`` (transformers' default, not the
 #: config's ``rms_norm_eps``)
 LATENT_NORM_EPS = 1e-6
-
-
-@dataclass(frozen=True, slots=True)
-class MLAShape:
-    """MLA widths from ``config.json``.
-
-    Attributes:
-        q_lora_rank: query compression rank; 0 = a plain ``q_proj``.
-        kv_lora_rank: width of the cached KV latent.
-        qk_nope_head_dim / qk_rope_head_dim: per-head query/key widths without and with RoPE.
-        v_head_dim: per-head value width.
-        rope_interleave: rotary pairs are adjacent dims ``(x0, x1), (x2, x3)...`` (DeepSeek's
-            layout; V2 always) rather than the two halves.
-        yarn: YaRN scaling, or None for plain RoPE.
-    """
-
-    q_lora_rank: int
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    rope_interleave: bool = True
-    yarn: YarnScaling | None = None
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 class LatentRotary:

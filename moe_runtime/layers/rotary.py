@@ -16,28 +16,10 @@ neither do we; the original Phi-3 code switches to it beyond the original contex
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from moe_runtime.layers.yarn import YarnScaling, yarn_inv_freq
-
-
-@dataclass(frozen=True, slots=True)
-class LongRoPE:
-    """``rope_scaling``/``rope_parameters`` of ``type: longrope`` (Phi-3.5-MoE).
-
-    Attributes:
-        short_factor / long_factor: per-frequency divisors, ``rotary_dim / 2`` each.
-        short_mscale / long_mscale: cos/sin multipliers within / beyond the original context.
-        original_max_position_embeddings: pre-training context length.
-    """
-
-    short_factor: tuple[float, ...]
-    long_factor: tuple[float, ...]
-    short_mscale: float
-    long_mscale: float
-    original_max_position_embeddings: int
+from moe_runtime.config_types import LongRoPE, YarnScaling
+from moe_runtime.layers.yarn import yarn_inv_freq
 
 
 class Rotary:

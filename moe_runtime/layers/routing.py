@@ -24,83 +24,58 @@ The DeepSeek variants then renormalise (``norm_topk_prob``) and multiply by
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from moe_runtime.config import ModelConfig
+from moe_runtime.config_types import Routing
 from moe_runtime.errors import ConfigError
 
 SCORINGS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc", "sparsemixer", "topk_softmax")
 
 
-@dataclass(frozen=True, slots=True)
-class Routing:
-    """A DeepSeek-style router (also GLM-4.5's ``noaux_tc``), Phi-3.5-MoE's sparsemixer, or gpt-oss's
-    ``topk_softmax``.
-
-    Attributes:
-        scoring: ``softmax`` (V2, gpt-oss) or ``sigmoid`` (V3).
-        topk_method: ``greedy``, ``group_limited_greedy`` (V2), ``noaux_tc`` (V3: biased choice,
-            groups ranked by their top-2 sum) or ``topk_softmax`` (gpt-oss: softmax over the
-            top-k logits).
-        n_group / topk_group: expert groups, and how many of them a token may use.
-        routed_scaling_factor: multiplies the routed experts' gate weights (> 0).
-        score_bias: the router carries ``e_score_correction_bias [E]`` (``noaux_tc`` only).
-        jitter_eps: sparsemixer's relative mask threshold (``router_jitter_noise``, >= 0).
+def check_routing(r: Routing, num_experts: int, top_k: int) -> None:
+    """Check router ``r`` against the expert count and top-k.
 
     Raises:
         ConfigError: an unknown scoring or method, ``noaux_tc`` without sigmoid scores, or group
-            counts that do not divide the experts / exceed the groups (checked by :meth:`check`).
+            counts that do not divide the experts / exceed the groups; the message names the
+            ``config.json`` field.
     """
-
-    scoring: str
-    topk_method: str
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-    score_bias: bool = False
-    jitter_eps: float = 0.0
-
-    def check(self, num_experts: int, top_k: int) -> None:
-        """Consistency with the expert count; raises ConfigError naming the ``config.json`` field."""
-        if self.scoring not in SCORINGS:
-            raise ConfigError(f"scoring_func must be one of {', '.join(SCORINGS)}, got {self.scoring!r}")
-        if self.topk_method not in TOPK_METHODS:
+    if r.scoring not in SCORINGS:
+        raise ConfigError(f"scoring_func must be one of {', '.join(SCORINGS)}, got {r.scoring!r}")
+    if r.topk_method not in TOPK_METHODS:
+        raise ConfigError(f"topk_method must be one of {', '.join(TOPK_METHODS)}, got {r.topk_method!r}")
+    if (r.topk_method == "noaux_tc") != (r.scoring == "sigmoid"):
+        raise ConfigError(f"topk_method {r.topk_method!r} does not go with {r.scoring} scores")
+    if r.topk_method == "sparsemixer":
+        if top_k != 2:
+            raise ConfigError(f"num_experts_per_tok={top_k}: sparsemixer routing is top-2 only")
+        if num_experts < 2 or not r.jitter_eps >= 0:
             raise ConfigError(
-                f"topk_method must be one of {', '.join(TOPK_METHODS)}, got {self.topk_method!r}"
+                f"sparsemixer needs >= 2 experts and router_jitter_noise >= 0, got {num_experts}, "
+                f"{r.jitter_eps}"
             )
-        if (self.topk_method == "noaux_tc") != (self.scoring == "sigmoid"):
-            raise ConfigError(f"topk_method {self.topk_method!r} does not go with {self.scoring} scores")
-        if self.topk_method == "sparsemixer":
-            if top_k != 2:
-                raise ConfigError(f"num_experts_per_tok={top_k}: sparsemixer routing is top-2 only")
-            if num_experts < 2 or not self.jitter_eps >= 0:
-                raise ConfigError(
-                    f"sparsemixer needs >= 2 experts and router_jitter_noise >= 0, got {num_experts}, "
-                    f"{self.jitter_eps}"
-                )
-            return
-        if self.topk_method == "topk_softmax" and self.scoring != "softmax":
-            raise ConfigError(f"topk_method 'topk_softmax' does not go with {self.scoring} scores")
-        if self.topk_method in ("greedy", "topk_softmax"):
-            return
-        if num_experts % self.n_group:
-            raise ConfigError(f"n_group={self.n_group} does not divide n_routed_experts={num_experts}")
-        if self.topk_group > self.n_group:
-            raise ConfigError(f"topk_group={self.topk_group} exceeds n_group={self.n_group}")
-        per_group = num_experts // self.n_group
-        if self.topk_method == "noaux_tc" and per_group < 2:
-            raise ConfigError(
-                f"noaux_tc ranks groups by their top-2 experts; n_group={self.n_group} leaves {per_group}"
-            )
-        if top_k > self.topk_group * per_group:
-            raise ConfigError(
-                f"num_experts_per_tok={top_k} exceeds the {self.topk_group * per_group} experts "
-                f"of topk_group={self.topk_group} groups"
-            )
+        return
+    if r.topk_method == "topk_softmax" and r.scoring != "softmax":
+        raise ConfigError(f"topk_method 'topk_softmax' does not go with {r.scoring} scores")
+    if r.topk_method in ("greedy", "topk_softmax"):
+        return
+    if num_experts % r.n_group:
+        raise ConfigError(f"n_group={r.n_group} does not divide n_routed_experts={num_experts}")
+    if r.topk_group > r.n_group:
+        raise ConfigError(f"topk_group={r.topk_group} exceeds n_group={r.n_group}")
+    per_group = num_experts // r.n_group
+    if r.topk_method == "noaux_tc" and per_group < 2:
+        raise ConfigError(
+            f"noaux_tc ranks groups by their top-2 experts; n_group={r.n_group} leaves {per_group}"
+        )
+    if top_k > r.topk_group * per_group:
+        raise ConfigError(
+            f"num_experts_per_tok={top_k} exceeds the {r.topk_group * per_group} experts "
+            f"of topk_group={r.topk_group} groups"
+        )
 
 
 def route(

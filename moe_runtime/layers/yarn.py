@@ -11,32 +11,10 @@ scale by ``mscale(factor, mscale_all_dim)**2``. Formulas equal transformers'
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True, slots=True)
-class YarnScaling:
-    """``rope_scaling``/``rope_parameters`` of ``type: yarn``.
-
-    Attributes:
-        factor: context extension factor (> 0).
-        original_max_position_embeddings: pre-training context length.
-        beta_fast / beta_slow: ramp ends, in rotations (defaults 32 / 1).
-        mscale / mscale_all_dim: DeepSeek's magnitude scales (0 = unset).
-        attention_factor: explicit cos/sin factor, or None to derive it from the above.
-        truncate: round the correction range to whole dimensions (default true).
-    """
-
-    factor: float
-    original_max_position_embeddings: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 0.0
-    mscale_all_dim: float = 0.0
-    attention_factor: float | None = None
-    truncate: bool = True
+from moe_runtime.config_types import YarnScaling
 
 
 def _mscale(scale: float, mscale: float = 1.0) -> float:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from moe_runtime.config import ModelConfig
-from moe_runtime.layers.yarn import YarnScaling
+from moe_runtime.config_types import YarnScaling
 from moe_runtime.models.fields import ConfigFields
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")  # fullmatch: "...weight\n" is not a weight

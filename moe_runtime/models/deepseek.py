@@ -13,9 +13,9 @@ transformers' ``DeepseekV2TopkRouter``, V2 never renormalises (its checkpoints s
 from __future__ import annotations
 
 from moe_runtime.config import ModelConfig
+from moe_runtime.config_types import MLAShape, Routing
 from moe_runtime.errors import ConfigError
-from moe_runtime.layers.mla import MLAShape
-from moe_runtime.layers.routing import Routing
+from moe_runtime.layers.routing import check_routing
 from moe_runtime.models.base import ROPE_KEYS, SHARED_EXPERTS_NAMES, Family, common_fields, yarn_of
 from moe_runtime.models.fields import ConfigFields
 
@@ -69,7 +69,7 @@ class DeepseekFamily(Family):
             routed_scaling_factor=f.number("routed_scaling_factor", default=1.0),
             score_bias=v3,
         )
-        routing.check(experts, top_k)
+        check_routing(routing, experts, top_k)
         first_dense = f.integer("first_k_dense_replace", lo=0, hi=layers - 1, default=0)
         freq = f.integer("moe_layer_freq", lo=1, hi=layers, default=1)
         width = f.size("moe_intermediate_size", "moe_intermediate_size")

@@ -12,8 +12,9 @@ is not served.
 from __future__ import annotations
 
 from moe_runtime.config import ModelConfig
+from moe_runtime.config_types import Routing
 from moe_runtime.errors import ConfigError
-from moe_runtime.layers.routing import Routing
+from moe_runtime.layers.routing import check_routing
 from moe_runtime.models.base import SHARED_EXPERTS_NAMES, Family, common_fields
 from moe_runtime.models.fields import ConfigFields
 
@@ -50,7 +51,7 @@ class Glm4MoeFamily(Family):
             routed_scaling_factor=f.number("routed_scaling_factor", default=1.0),
             score_bias=True,
         )
-        routing.check(experts, top_k)
+        check_routing(routing, experts, top_k)
         width = f.size("moe_intermediate_size", "moe_intermediate_size")
         first_dense = f.integer("first_k_dense_replace", lo=0, hi=layers - 1, default=1)
         return ModelConfig(

@@ -35,13 +35,12 @@ quantization methods are refused when the config is parsed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from moe_runtime.config import ModelConfig
+from moe_runtime.config_types import ClampedSwiGLU, Routing
 from moe_runtime.errors import ConfigError
-from moe_runtime.layers.routing import Routing
+from moe_runtime.layers.routing import check_routing
 from moe_runtime.models.base import ROPE_KEYS, Family, common_fields, yarn_of
 from moe_runtime.models.fields import ConfigFields, show
 
@@ -56,35 +55,6 @@ DENSE_NAMES = {
 }
 LAYER_TYPES = ("sliding_attention", "full_attention")
 _EXPERT_HF = {"gate": "gate_up_proj", "up": "gate_up_proj", "down": "down_proj"}
-
-
-@dataclass(frozen=True, slots=True)
-class ClampedSwiGLU:
-    """gpt-oss's expert activation: ``gate`` clamped above at ``limit``, ``up`` to
-    ``[-limit, limit]``, then ``(up + 1) * (gate * sigmoid(gate * alpha))`` (transformers'
-    ``GptOssExperts._apply_gate``, same op order, on our ``[gate | up]`` row layout).
-
-    Attributes:
-        alpha: sigmoid gain (``swiglu_alpha``, 1.702). limit: clamp (``swiglu_limit``, 7.0).
-    """
-
-    alpha: float = 1.702
-    limit: float = 7.0
-
-    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``gate_up [n, 2I]`` (overwritten) -> ``[n, I]``.
-
-        The sigmoid runs in place on the ``up`` half (a view with row stride ``2I``): CPU kernels
-        round a vectorised body and a scalar tail differently, and over a contiguous ``[n, I]``
-        tensor where a row's elements fall depends on ``n``; over the view each row is its own
-        loop, so the grouped, loop and few expert paths give the same bits (as ``F.silu`` on a
-        ``chunk`` view does for the other families). Clamps, products and sums are exact."""
-        i = gate_up.shape[-1] // 2
-        gate, up = gate_up[..., :i], gate_up[..., i:]
-        gate.clamp_(max=self.limit)
-        up_plus_one = up.clamp_(min=-self.limit, max=self.limit) + 1
-        sig = torch.mul(gate, self.alpha, out=up).sigmoid_()
-        return up_plus_one * (gate * sig)
 
 
 def sliding_layers_of(f: ConfigFields, num_layers: int) -> list[int]:
@@ -121,7 +91,7 @@ class GptOssFamily(Family):
         experts = f.size("num_experts", "num_local_experts", "num_experts")
         top_k = f.size("top_k", "num_experts_per_tok", "experts_per_token")
         routing = Routing(scoring="softmax", topk_method="topk_softmax")
-        routing.check(experts, top_k)
+        check_routing(routing, experts, top_k)
         sliding = sliding_layers_of(f, layers)
         window = f.integer("sliding_window", lo=1, hi=1 << 24, default=128) if sliding else None
         bias = f.boolean("attention_bias", True)

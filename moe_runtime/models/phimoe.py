@@ -12,9 +12,9 @@ shorter than the context is refused (the attention here is full-context).
 from __future__ import annotations
 
 from moe_runtime.config import ModelConfig
+from moe_runtime.config_types import LongRoPE, Routing
 from moe_runtime.errors import ConfigError
-from moe_runtime.layers.rotary import LongRoPE
-from moe_runtime.layers.routing import Routing
+from moe_runtime.layers.routing import check_routing
 from moe_runtime.models.base import ROPE_KEYS, Family, common_fields
 from moe_runtime.models.fields import ConfigFields, show
 
@@ -79,7 +79,7 @@ class PhimoeFamily(Family):
             topk_method="sparsemixer",
             jitter_eps=f.number("router_jitter_noise", default=0.01, positive=False),
         )
-        routing.check(experts, top_k)
+        check_routing(routing, experts, top_k)
         attention_bias = f.boolean("attention_bias", False)
         return ModelConfig(
             family=self.name,

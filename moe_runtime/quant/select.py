@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from moe_runtime.config import DTYPES
+from moe_runtime.config import DTYPES, EXPERT_DTYPES
 from moe_runtime.errors import ConfigError
 from moe_runtime.quant.cast import CastCodec
 from moe_runtime.quant.codec import Codec
@@ -18,8 +18,6 @@ from moe_runtime.quant.mxfp4 import Mxfp4Codec
 
 #: ``quantization_config.quant_method`` values a checkpoint may have.
 CHECKPOINT_METHODS = ("fp8", "mxfp4")
-#: ``--expert-dtype`` values: ``auto`` (the checkpoint's format), a float dtype, or a quantized format.
-EXPERT_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8", "int8", "mxfp4")
 
 
 def parse_quantization(raw: dict[str, Any]) -> tuple[str | None, tuple[int, int] | None]:
