@@ -256,7 +256,7 @@ async def run_async(cfg: ReplayConfig, console: Console | None = None) -> Summar
                 f"[yellow]warning[/yellow]: {cfg.url}/v1/models states no max_model_len for {model!r}; "
                 f"prompts are sized for {DEFAULT_MAX_CONTEXT} tokens (--max-context to set it)"
             )
-        console.print(describe_schedule(schedule), markup=False)
+        console.print(describe_schedule(schedule), markup=False, soft_wrap=True)
         with httpx.Client(timeout=timeout, trust_env=False) as sync_client:
             sizing = await asyncio.to_thread(choose_counter, cfg, sync_client, model, prompts, max_context)
             specs = await asyncio.to_thread(

@@ -468,6 +468,31 @@ def test_cli_replay_and_sweep(standin, files, tmp_path: Path, capsys) -> None:
     assert (tmp_path / "s" / "sweep-hitrate.png").stat().st_size > 0
 
 
+def test_cli_says_why_the_offered_rate_is_not_the_target(
+    standin, files, shared_data: Path, tmp_path: Path, capsys
+) -> None:
+    """The conv trace's first seconds are sparse: at --rps 20 the 3 s window offers about 4.8 req/s.
+    The schedule line and the report say so, each on one whole line, and summary.json holds it."""
+    state, url = standin
+    state.mode = "ok"
+    _, prompts = files
+    trace = shared_data / "arrival_traces/azure_llm_2023/AzureLLMInferenceTrace_conv.csv"
+    args = ["--url", url, "--trace", str(trace), "--prompts", str(prompts), "--rps", "20", "--duration", "3"]
+    rc = main(["replay", *args, "--max-tokens-cap", "1", "--out", str(tmp_path / "r"), "--no-progress"])
+    assert rc == 0
+    lines = capsys.readouterr().err.splitlines()
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    note = summary["rate_note"]
+    offered = summary["offered_rps"]
+    assert note.startswith(f"offered {offered:.3g} req/s against --rps 20: the 3 s window covers ")
+    assert note.endswith("comes closer") and "sparser than the 5.53 req/s average of the whole file" in note
+    assert summary["target_rps"] == 20.0 and summary["requests"] == summary["succeeded"] == 15
+    assert summary["sent_rps"] == pytest.approx(summary["offered_rps"], rel=0.1)
+    assert any(line.startswith("schedule: 15 requests over ") and line.endswith(note) for line in lines)
+    assert note in lines  # the report's line, whole
+    assert note in (tmp_path / "r" / "summary.txt").read_text().splitlines()
+
+
 def test_cli_bad_trace_is_one_line_error(files, tmp_path: Path, capsys) -> None:
     _, prompts = files
     bad = tmp_path / "bad.csv"
