@@ -29,6 +29,7 @@ import faiss
 import numpy as np
 
 from tracer import eam as _eam
+from tracer.eamc_store import load_eamc, save_eamc
 
 INDEX_KINDS = ("flat", "ivf")
 BLAS_MIN_BATCH = 8  # batches this large search through faiss's BLAS path (see EAMC._knn)
@@ -288,8 +289,6 @@ class EAMC:
         ``fingerprint`` defaults to the one given at construction; ``L`` and ``E`` are added.
         See :func:`tracer.eamc_store.save_eamc` for the file layout.
         """
-        from tracer.eamc_store import save_eamc
-
         save_eamc(self, path, fingerprint)
 
     @classmethod
@@ -305,8 +304,6 @@ class EAMC:
             TracerError: the file is missing, corrupt, or of another model (one line, names the
                 file and the field).
         """
-        from tracer.eamc_store import load_eamc
-
         return load_eamc(cls, path, fingerprint, **kwargs)
 
     def _restore(self, entries: np.ndarray) -> None:

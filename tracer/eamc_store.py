@@ -16,15 +16,12 @@ import os
 import zipfile
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from tracer.atomic import atomic_file
 from tracer.errors import TracerError
-
-if TYPE_CHECKING:
-    from tracer.eamc import EAMC
 
 FORMAT = "moeserve-eamc/1"
 _NORM_TOL = 1e-3
@@ -36,6 +33,29 @@ class CorruptEAMCError(TracerError):
     Not raised for a missing file, a directory, or an EAMC of another model (plain
     :class:`TracerError`): only a corrupt file may be replaced (``--eamc-on-corrupt reset``).
     """
+
+
+class StoredEAMC(Protocol):
+    """What saving and loading use of a collection (:class:`tracer.eamc.EAMC`)."""
+
+    num_layers: int
+    num_experts: int
+    dim: int
+    index_kind: str
+    fingerprint: dict[str, Any]
+    _ivf: Any
+
+    @property
+    def capacity(self) -> int: ...
+
+    def __len__(self) -> int: ...
+
+    def entries(self) -> np.ndarray: ...
+
+    def _restore(self, entries: np.ndarray) -> None: ...
+
+
+C = TypeVar("C", bound=StoredEAMC)
 
 
 def host_memory_bytes() -> int | None:
@@ -66,7 +86,7 @@ def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(d))
 
 
-def save_eamc(eamc: EAMC, path: str | Path, fingerprint: dict[str, Any] | None = None) -> None:
+def save_eamc(eamc: StoredEAMC, path: str | Path, fingerprint: dict[str, Any] | None = None) -> None:
     """Write ``eamc`` to ``path`` atomically; see the module docstring for the layout.
 
     Raises:
@@ -148,9 +168,7 @@ def _check_meta(path: Path, meta: dict[str, Any], entries: np.ndarray) -> tuple[
     return num_layers, num_experts, capacity
 
 
-def load_eamc(
-    cls: type[EAMC], path: str | Path, fingerprint: dict[str, Any] | None = None, **kwargs: Any
-) -> EAMC:
+def load_eamc(cls: type[C], path: str | Path, fingerprint: dict[str, Any] | None = None, **kwargs: Any) -> C:
     """Read an EAMC file written by :func:`save_eamc`.
 
     Args:
