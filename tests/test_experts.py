@@ -116,7 +116,7 @@ def _fake_layer(num_experts: int = 6, tokens: int = 4, k: int = 2, hidden: int =
     slots of a stand-in partition (expert ``e`` in slot ``e``)."""
     from types import SimpleNamespace
 
-    from moe_runtime.buffer.expert_buffer import ExpertHandle
+    from moe_runtime.buffer.layer_run import ExpertHandle
 
     gen = torch.Generator().manual_seed(0)
     flat = torch.randn(num_experts, 3 * inter * hidden, generator=gen)

@@ -30,14 +30,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from moe_runtime.buffer.cache_policy import make_cache_policy
-from moe_runtime.buffer.layer_run import IOThreadError, LayerRun, ResidentRun, handle
+from moe_runtime.buffer.layer_run import ExpertHandle, IOThreadError, LayerRun, ResidentRun, handle
 from moe_runtime.buffer.partition import (
     Partition,
     apply_best_plan,
@@ -55,29 +54,6 @@ from moe_runtime.store import HostExpertStore
 
 # Demand fetches one I/O round takes at once (see the module note).
 MAX_COPY_BATCH = 8
-
-
-@dataclass(slots=True)
-class ExpertHandle:
-    """A resident expert ready to run: where it sits (``slot`` of ``part``, for the grouped
-    kernels that read the slots at once) and its weights ``gate_up [2I, H]`` and ``down [H, I]``
-    (device views; read from the slot when asked, so quantized slots dequantize only experts
-    that run)."""
-
-    expert: int
-    device: torch.device
-    hit: bool
-    blocked_s: float
-    slot: int
-    part: Partition
-
-    @property
-    def gate_up(self) -> torch.Tensor:
-        return self.part.gate_up[self.slot]
-
-    @property
-    def down(self) -> torch.Tensor:
-        return self.part.down[self.slot]
 
 
 class ExpertBuffer:

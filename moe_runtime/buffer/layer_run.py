@@ -6,16 +6,23 @@ wait is the blocking time). When the caller asks for the next batch, the slots o
 are released to the cache policy. ``close()`` releases whatever was not consumed, whether or not
 iteration started, and cancels the demand fetches of experts never consumed. If an I/O thread
 died, the waiting compute thread raises :class:`IOThreadError` instead of waiting forever.
+
+Each expert is handed out as an :class:`ExpertHandle`: where it sits and its weights.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from moe_runtime.stats import ExpertStats
 
 if TYPE_CHECKING:
-    from moe_runtime.buffer.expert_buffer import ExpertBuffer, ExpertHandle
     from moe_runtime.buffer.partition import Partition
 
 
@@ -23,11 +30,49 @@ class IOThreadError(RuntimeError):
     """An expert I/O thread died; the experts it was to copy will never land."""
 
 
+@dataclass(slots=True)
+class ExpertHandle:
+    """A resident expert ready to run: where it sits (``slot`` of ``part``, for the grouped
+    kernels that read the slots at once) and its weights ``gate_up [2I, H]`` and ``down [H, I]``
+    (device views; read from the slot when asked, so quantized slots dequantize only experts
+    that run)."""
+
+    expert: int
+    device: torch.device
+    hit: bool
+    blocked_s: float
+    slot: int
+    part: Partition
+
+    @property
+    def gate_up(self) -> torch.Tensor:
+        return self.part.gate_up[self.slot]
+
+    @property
+    def down(self) -> torch.Tensor:
+        return self.part.down[self.slot]
+
+
 def handle(e: int, part: Partition, s: int, hit: bool, blocked_s: float) -> ExpertHandle:
     """The :class:`ExpertHandle` of expert ``e`` in slot ``s`` of ``part``."""
-    from moe_runtime.buffer.expert_buffer import ExpertHandle
-
     return ExpertHandle(e, part.device, hit, blocked_s, s, part)
+
+
+class RunOwner(Protocol):
+    """What a :class:`LayerRun` uses of the buffer it runs on
+    (:class:`~moe_runtime.buffer.expert_buffer.ExpertBuffer`)."""
+
+    num_experts: int
+    stats: ExpertStats
+    cond: threading.Condition
+
+    def check_io(self) -> None: ...
+
+    def _landed(self, layer: int, waiting: list[tuple[int, Partition]]) -> list[int]: ...
+
+    def _release_all(self, held: list[tuple[Partition, int]]) -> None: ...
+
+    def _abandon(self, layer: int, waiting: list[tuple[int, Partition]]) -> None: ...
 
 
 class LayerRun:
@@ -36,7 +81,7 @@ class LayerRun:
 
     def __init__(
         self,
-        buf: ExpertBuffer,
+        buf: RunOwner,
         layer: int,
         ready: list[tuple[int, Partition, int]],
         waiting: list[tuple[int, Partition]],

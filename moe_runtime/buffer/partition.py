@@ -27,7 +27,7 @@ import time
 import numpy as np
 import torch
 
-from moe_runtime.buffer.cache_policy import CachePolicy
+from moe_runtime.buffer.cache_base import CachePolicy
 from moe_runtime.io.copy_engine import CopyEngine
 from moe_runtime.io.link import LinkModel
 from moe_runtime.io.transfer_queue import Transfer, TransferQueue, best_free

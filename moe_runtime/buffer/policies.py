@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from moe_runtime.buffer import reuse_kernel
-from moe_runtime.buffer.cache_policy import CachePolicy
+import moe_runtime.buffer.reuse_kernel as reuse_kernel
+from moe_runtime.buffer.cache_base import CachePolicy
 from moe_runtime.errors import ConfigError
 
 # The ``eam-reuse`` cache's weight of a prompt token's choices against a generated token's (see
