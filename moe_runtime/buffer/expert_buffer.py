@@ -37,15 +37,15 @@ import torch
 
 from moe_runtime.buffer.cache_policy import make_cache_policy
 from moe_runtime.buffer.layer_run import ExpertHandle, IOThreadError, LayerRun, ResidentRun, handle
-from moe_runtime.buffer.partition import (
-    Partition,
+from moe_runtime.buffer.partition import Partition
+from moe_runtime.buffer.placement import home_devices
+from moe_runtime.buffer.plans import (
     apply_best_plan,
     apply_prefetch_plan,
     apply_ranked_plan,
     look_up_layer,
     prefetch_capacity,
 )
-from moe_runtime.buffer.placement import home_devices
 from moe_runtime.device import normalize_device
 from moe_runtime.io.link import LinkModel
 from moe_runtime.io.transfer_queue import Transfer
