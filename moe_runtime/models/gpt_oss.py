@@ -18,7 +18,7 @@ What differs from the Llama-style families, and where it runs:
   ``[gate | up | down]`` (``out x in``) layout. Their biases ``gate_up_proj_bias [E, 2I]``
   (interleaved, reordered to ``[gate | up]`` at load) and ``down_proj_bias [E, H]`` stay resident
   per MoE layer and are added by expert id (``moe_runtime.layers.experts.ExpertFFN``). The
-  activation is the clamped SwiGLU :class:`ClampedSwiGLU`.
+  activation is the clamped SwiGLU :class:`~moe_runtime.config_types.ClampedSwiGLU`.
 
 MXFP4 checkpoints (``quantization_config.quant_method: mxfp4``, as on the Hub) store the experts
 as ``gate_up_proj_blocks [E, 2I, H/32, 16]`` / ``gate_up_proj_scales [E, 2I, H/32]`` and
