@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import moe_runtime.prefetch.eam as eam
-from moe_runtime.prefetch import kernels
+import moe_runtime.prefetch.eam_kernels as kernels
 from moe_runtime.prefetch.gate import PrefetchGate
 from moe_runtime.prefetch.term_value import TermValue
 from tests.test_sim_engine import random_requests, sim_for

@@ -7,17 +7,19 @@ import numpy as np
 import pytest
 import torch
 
-from moe_runtime.prefetch import kernels
-from moe_runtime.prefetch.eam import ARMS, MODES
-from moe_runtime.prefetch.gate import CLEAR_DIFF, ModeTrial, PrefetchGate
+import moe_runtime.prefetch.gate_kernels as gate_kernels
+from moe_runtime.prefetch.gate import PrefetchGate
+from moe_runtime.prefetch.trial import ARMS, CLEAR_DIFF, MODES, ModeTrial
 from moe_runtime.stats import ExpertStats
 from tests.test_sim_engine import random_requests, sim_for
 
 
 def _ranked(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The positive entries of ``rows [D, E]`` as ``(row, column, rank)`` (``kernels.ranked_free``
+    """The positive entries of ``rows [D, E]`` as ``(row, column, rank)`` (``gate_kernels.ranked_free``
     with nothing held)."""
-    return kernels.ranked_free(np.ascontiguousarray(rows, dtype=np.float32), np.zeros(rows.shape, dtype=bool))
+    return gate_kernels.ranked_free(
+        np.ascontiguousarray(rows, dtype=np.float32), np.zeros(rows.shape, dtype=bool)
+    )
 
 
 def test_precision_follows_the_routing_by_distance_and_rank() -> None:

@@ -1,13 +1,16 @@
-"""The prefetch plan's compiled kernels (``moe_runtime.prefetch.kernels``) equal the numpy code
-they replaced, bit for bit, on random inputs full of ties, held keys and zero rows."""
+"""The prefetch plan's compiled kernels (``moe_runtime.prefetch.eam_kernels``, ``gate_kernels``,
+``victim_kernels``) equal the numpy code they replaced and their own plain Python (``py_func``),
+bit for bit, on random inputs full of ties, held keys and zero rows."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+import moe_runtime.prefetch.eam_kernels as eam_kernels
+import moe_runtime.prefetch.gate_kernels as gate_kernels
+import moe_runtime.prefetch.victim_kernels as victim_kernels
 from moe_runtime.io.transfer_queue import best_free
-from moe_runtime.prefetch import kernels
 from moe_runtime.prefetch.gate import PrefetchGate
 
 
@@ -26,7 +29,7 @@ def test_best_free_is_a_stable_descending_selection(seed: int) -> None:
     k = int(rng.integers(1, 300))
     cand = ((flat > 0) & ~held).nonzero()[0]
     order = (-flat[cand]).argsort(kind="stable")[:k]  # the numpy plan it replaced
-    keys, vals = kernels.best_free(flat, held, k)
+    keys, vals = best_free(flat, held, k)
     np.testing.assert_array_equal(keys, cand[order])
     np.testing.assert_array_equal(vals, flat[cand[order]])
     assert vals.dtype == np.float32
@@ -42,20 +45,20 @@ def test_limit_scores_keeps_each_rows_cap_largest_and_weights_them(seed: int) ->
     if 0 < cap < probs.shape[1]:
         kth = -np.partition(-want, cap - 1, axis=1)[:, cap - 1 : cap]
         want = np.where(want >= kth, want, 0.0)
-    rows, scores = kernels.limit_scores(probs, cap, min_prob, weights)
+    rows, scores = eam_kernels.limit_scores(probs, cap, min_prob, weights)
     np.testing.assert_array_equal(rows, want)
     np.testing.assert_array_equal(scores, (want * weights[:, None]).astype(np.float32))
 
 
 @pytest.mark.parametrize("seed", range(20))
-@pytest.mark.parametrize("width", [12, kernels.INSERTION_MAX + 72])  # insertion / counting
+@pytest.mark.parametrize("width", [12, gate_kernels.INSERTION_MAX + 72])  # insertion / counting
 def test_ranked_free_ranks_over_the_whole_row_and_drops_held(seed: int, width: int) -> None:
     rng = np.random.default_rng(seed)
     rows = _ties(rng, (3, width)) if seed % 2 else rng.random((3, width)).astype(np.float32)
     held = rng.random(rows.shape) < 0.3
     full = np.empty(rows.shape, dtype=np.int64)
     np.put_along_axis(full, np.argsort(-rows, axis=1, kind="stable"), np.arange(width)[None, :], axis=1)
-    r, c, rank = kernels.ranked_free(rows, held)
+    r, c, rank = gate_kernels.ranked_free(rows, held)
     want_r, want_c = ((rows > 0) & ~held).nonzero()
     np.testing.assert_array_equal(r, want_r)
     np.testing.assert_array_equal(c, want_c)
@@ -72,11 +75,11 @@ def test_plan_order_is_a_stable_sort_by_falling_score(seed: int) -> None:
     if seed % 5 == 0:  # values one float32 step apart, which a small weight rounds together
         rows[0] = np.float32(0.3) + np.arange(E, dtype=np.float32) % 3 * np.finfo(np.float32).eps
     weights = rng.random(D) * (1e-30 if seed % 7 == 0 else 1.0)
-    rows, scores = kernels.limit_scores(rows, 0, 0.0, weights)
+    rows, scores = eam_kernels.limit_scores(rows, 0, 0.0, weights)
     held = rng.random((D, E)) < 0.3
-    r, c, rank = kernels.ranked_free(rows, held)
+    r, c, rank = gate_kernels.ranked_free(rows, held)
     want = np.argsort(-scores[r, c], kind="stable")
-    np.testing.assert_array_equal(kernels.plan_order(r, c, rank, scores), want)
+    np.testing.assert_array_equal(gate_kernels.plan_order(r, c, rank, scores), want)
 
 
 def _gate_keep_numpy(
@@ -127,7 +130,7 @@ def test_limit_gate_plan_is_limit_scores_then_gate_plan(seed: int) -> None:
     lo = layer + 1
     probs = _ties(rng, (D, E))
     ahead = (rng.random((int(rng.integers(1, D + 1)) if seed % 2 else 0, E)) * 4).astype(np.float32)
-    blended = kernels.blend(probs, ahead, 0.7) if len(ahead) else probs
+    blended = eam_kernels.blend(probs, ahead, 0.7) if len(ahead) else probs
     cap, min_prob = int(rng.integers(1, E + 1)), float(rng.choice([0.0, 0.3]))
     if seed % 3 == 0:  # rows already limited: weights only
         cap, min_prob = 0, 0.0
@@ -140,10 +143,10 @@ def test_limit_gate_plan_is_limit_scores_then_gate_plan(seed: int) -> None:
     idle, save = float(rng.choice([0.0, 2.7])), float(rng.random())
     h = float(rng.choice([0.0, 0.05]))  # the copy's host cost
     force = seed % 4 == 1
-    rows, scores = kernels.limit_scores(blended, cap, min_prob, weights)
+    rows, scores = eam_kernels.limit_scores(blended, cap, min_prob, weights)
     held_rows = held[lo * E : (lo + D) * E].reshape(D, E)
     tail = (layer, E, slots, idle, save, h)
-    terms = kernels.gate_terms(0.7, b, q, t, force, slots, idle, save, h, 0.9)
+    terms = gate_kernels.gate_terms(0.7, b, q, t, force, slots, idle, save, h, 0.9)
     # the gate's state: candidates noted for the routed layer at distance 1, scored first
     gate = PrefetchGate(L, E, D, decay=0.9)
     gate.precision()[:] = prec
@@ -155,13 +158,13 @@ def test_limit_gate_plan_is_limit_scores_then_gate_plan(seed: int) -> None:
     for x, y in zip(want_gate.plan_state(), gate.plan_state(), strict=True):
         x[:] = y
     want_gate.observe(layer, routed)
-    r, c, rank, keep, _, net = kernels.gate_plan(
+    r, c, rank, keep, _, net = gate_kernels.gate_plan(
         rows, scores, held_rows, 1, want_gate.precision(), b, q, t, force, held, p_use, *tail,
         np.zeros(L * E, dtype=np.int32), _sort_now(),
     )  # fmt: skip
     want_gate.note(1, lo, np.stack([r, c, rank]))
     keys, priorities = np.full(D * E, -1, dtype=np.int64), np.full(D * E, -1.0)
-    m, net2, scored = kernels.limit_gate_plan(
+    m, net2, scored = gate_kernels.limit_gate_plan(
         probs, ahead, weights, held, *gate.plan_state(), routed, p_use, np.zeros(L * E, dtype=np.int32),
         _sort_now(), terms, keys, priorities, cap, min_prob, lo * E, 1, layer,
     )  # fmt: skip
@@ -196,11 +199,11 @@ def test_gate_plan_equals_the_numpy_gate(seed: int) -> None:
     idle = float(rng.choice([0.0, 0.5, 2.7, 100.0]))  # copies that fit in idle link time
     save = float(rng.random())
     h = float(rng.choice([0.0, 0.02, 0.2]))  # each copy's host cost
-    # victims by the heap, or (even seeds) by the walk of p_use's sort (kernels.least_used)
+    # victims by the heap, or (even seeds) by the walk of p_use's sort (victim_kernels.least_used)
     order = np.zeros(L * E if seed % 2 == 0 else 0, dtype=np.int32)
     args = (b, q, t, False, held, p_use, layer, E, slots, idle, save, h, order, _sort_now())
-    r, c, rank, keep, order, net = kernels.gate_plan(rows, scores, held_rows, 1, prec, *args)
-    np.testing.assert_array_equal(np.stack([r, c, rank]), np.stack(kernels.ranked_free(rows, held_rows)))
+    r, c, rank, keep, order, net = gate_kernels.gate_plan(rows, scores, held_rows, 1, prec, *args)
+    np.testing.assert_array_equal(np.stack([r, c, rank]), np.stack(gate_kernels.ranked_free(rows, held_rows)))
     want, want_net = _gate_keep_numpy(
         r, c, rank, scores, 1, prec, b, q, t, held, p_use, layer, E, slots, int(idle), save, h
     )
@@ -208,7 +211,7 @@ def test_gate_plan_equals_the_numpy_gate(seed: int) -> None:
     assert net == pytest.approx(want_net, rel=1e-12, abs=1e-15)
     # the plan's order: falling score, ties in candidate (row-major) order
     np.testing.assert_array_equal(order, np.argsort(-scores[r, c], kind="stable"))
-    forced = kernels.gate_plan(rows, scores, held_rows, 1, prec, b, q, t, True, *args[4:])[3]
+    forced = gate_kernels.gate_plan(rows, scores, held_rows, 1, prec, b, q, t, True, *args[4:])[3]
     assert forced.all()
 
 
@@ -229,14 +232,18 @@ def test_least_used_is_the_sorted_smallest_use_of_the_evictable_held_experts(see
     # the heap; the heap until it spent the sort's work, then the walk of p_use's sort; the walk at once
     for use_order, state in ((order[:0], _sort_now()), (order, np.zeros(3, dtype=np.int64)), (order, hint)):
         for _ in range(4):
-            n_held, m_avail, least = kernels.least_used(
+            n_held, m_avail, least = victim_kernels.least_used(
                 held, p_use, layer * E, (layer + 1) * E, cap, use_order, state
             )
             assert n_held == held.sum() and m_avail == evictable.sum()
             np.testing.assert_array_equal(least, want)
             assert least.dtype == np.float64
         heaps_ran = min(cap, evictable.sum()) > (p_use[evictable] == 0).sum()  # no zeros' short cut
-        if use_order.size and heaps_ran and (state[2] or state[0] >= kernels.least_used_sort_work(L * E)):
+        if (
+            use_order.size
+            and heaps_ran
+            and (state[2] or state[0] >= victim_kernels.least_used_sort_work(L * E))
+        ):
             assert state[1] == 1 and (np.diff(p_use[order]) >= 0).all()
             order[:] = 0
         if state is hint and heaps_ran:
@@ -245,13 +252,17 @@ def test_least_used_is_the_sorted_smallest_use_of_the_evictable_held_experts(see
 
 @pytest.mark.parametrize("size", [0, 1, 7, 8, 9, 63, 6144, 6151])
 def test_count_true_counts_eight_bytes_at_a_time_and_the_tail(size: int) -> None:
-    """``kernels.count_true`` (least_used's held count) equals numpy's count at sizes with and
+    """``victim_kernels.count_true`` (least_used's held count) equals numpy's count at sizes with and
     without a tail of fewer than eight entries, compiled and as plain Python, on dense and sparse
     masks (a word of eight True sums to 8 in its low byte: no carry)."""
     rng = np.random.default_rng(size)
     for density in (0.0, 0.3, 1.0):
         mask = rng.random(size) < density
-        assert kernels.count_true(mask) == kernels.count_true.py_func(mask) == np.count_nonzero(mask)
+        assert (
+            victim_kernels.count_true(mask)
+            == victim_kernels.count_true.py_func(mask)
+            == np.count_nonzero(mask)
+        )
 
 
 def _sort_now() -> np.ndarray:
@@ -261,7 +272,7 @@ def _sort_now() -> np.ndarray:
 
 @pytest.mark.parametrize("seed", range(10))
 def test_score_noted_equals_the_fancy_indexed_update(seed: int) -> None:
-    """``kernels.score_noted`` scores each distance's noted group as numpy's fancy-indexed update
+    """``gate_kernels.score_noted`` scores each distance's noted group as numpy's fancy-indexed update
     does, keeps the precision current in place, forgets the layer's groups and leaves the other
     layers' alone."""
     rng = np.random.default_rng(seed)
@@ -286,7 +297,7 @@ def test_score_noted_equals_the_fancy_indexed_update(seed: int) -> None:
     want_n = noted_n.copy()
     want_n[layer] = 0
     before = int(noted_n[layer].sum())
-    assert kernels.score_noted(figures, noted, noted_n, layer, ids, 0.9) == before
+    assert gate_kernels.score_noted(figures, noted, noted_n, layer, ids, 0.9) == before
     np.testing.assert_array_equal(figures[0], want_h)
     np.testing.assert_array_equal(figures[1], want_t)
     np.testing.assert_array_equal(figures[2], want_h / want_t)  # kept current in place
@@ -294,7 +305,7 @@ def test_score_noted_equals_the_fancy_indexed_update(seed: int) -> None:
 
 
 def test_noted_candidates_are_kept_by_layer_and_distance() -> None:
-    """``kernels.note_candidates`` keeps each candidate under its layer and distance, in order,
+    """``gate_kernels.note_candidates`` keeps each candidate under its layer and distance, in order,
     and drops those beyond the gate's depth or the last layer."""
     L, D, E = 4, 2, 8
     noted = np.zeros((L, D, 2, E), dtype=np.int32)
@@ -302,7 +313,7 @@ def test_noted_candidates_are_kept_by_layer_and_distance() -> None:
     r = np.array([0, 0, 1, 2, 3], dtype=np.int64)  # rows of a plan from layer 0 (distance0 1)
     c = np.array([5, 2, 7, 1, 4], dtype=np.int64)
     rank = np.array([0, 1, 0, 0, 0], dtype=np.int64)
-    kernels.note_candidates(noted, noted_n, r, c, rank, 1, 1)
+    gate_kernels.note_candidates(noted, noted_n, r, c, rank, 1, 1)
     assert noted_n.tolist() == [[0, 0], [2, 0], [0, 1], [0, 0]]  # distance 3 and 4 dropped
     assert noted[1, 0, :, :2].tolist() == [[5, 2], [0, 1]]
     assert noted[2, 1, :, :1].tolist() == [[7], [0]]
@@ -317,12 +328,12 @@ def test_idle_link_candidates_pay_when_used_more_often_than_their_victims() -> N
     held = np.zeros(8, dtype=bool)
     args = (1e-3, 1.0, 1e-3, False, held, np.zeros(0), 0, 4, 8)
     none = (np.zeros(0, dtype=np.int64), np.zeros(3, dtype=np.int64))  # no sort of p_use
-    assert not kernels.gate_plan(rows, rows, held_rows, 1, prec, *args, 0.0, 1e-3, 0.0, *none)[3].any()
-    keep, net = kernels.gate_plan(rows, rows, held_rows, 1, prec, *args, 2.0, 1e-3, 0.0, *none)[3::2]
+    assert not gate_kernels.gate_plan(rows, rows, held_rows, 1, prec, *args, 0.0, 1e-3, 0.0, *none)[3].any()
+    keep, net = gate_kernels.gate_plan(rows, rows, held_rows, 1, prec, *args, 2.0, 1e-3, 0.0, *none)[3::2]
     np.testing.assert_array_equal(keep, [True, True, False])
     assert net == pytest.approx((0.8 + 0.6) * 1e-3)
     # each copy's host cost counts against it too: 0.7 ms leaves only the surest one
-    keep, net = kernels.gate_plan(rows, rows, held_rows, 1, prec, *args, 2.0, 1e-3, 7e-4, *none)[3::2]
+    keep, net = gate_kernels.gate_plan(rows, rows, held_rows, 1, prec, *args, 2.0, 1e-3, 7e-4, *none)[3::2]
     np.testing.assert_array_equal(keep, [True, False, False])
     assert net == pytest.approx(0.8e-3 - 7e-4)
 
@@ -336,7 +347,7 @@ def test_row_probs_sum_in_numpys_order(width: int) -> None:
         x[0] = 0 if width % 2 else x[0]  # a zero row stays zero
         totals = x.sum(axis=1, keepdims=True, dtype=np.float32)
         totals[totals == 0] = 1.0
-        np.testing.assert_array_equal(kernels.row_probs(x), x / totals)
+        np.testing.assert_array_equal(eam_kernels.row_probs(x), x / totals)
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -351,8 +362,8 @@ def test_matched_row_probs_equals_einsum_of_the_matched_then_row_probs(seed: int
     hi = int(rng.integers(lo + 1, L + 1))
     m = times.nonzero()[0]
     summed = np.einsum("m,mf->f", times[m].astype(np.float32), entries[m, lo:hi].reshape(len(m), -1))
-    rows, matched = kernels.matched_row_probs(entries, times, lo, hi)
-    np.testing.assert_array_equal(rows, kernels.row_probs(summed.reshape(hi - lo, E)))
+    rows, matched = eam_kernels.matched_row_probs(entries, times, lo, hi)
+    np.testing.assert_array_equal(rows, eam_kernels.row_probs(summed.reshape(hi - lo, E)))
     assert matched == bool(len(m))
     totals = summed.reshape(hi - lo, E).sum(axis=1, keepdims=True, dtype=np.float32)
     totals[totals == 0] = 1.0
@@ -365,11 +376,11 @@ def test_own_plus_eamc_equals_its_numpy_form(seed: int) -> None:
     own, eamc = _ties(rng, (3, 16)), _ties(rng, (3, 16))
     own[0] = eamc[0] = 0  # a row without evidence
     for block, total in ((eamc, own + eamc), (own[:0], own)):
-        final, evidence = kernels.own_plus_eamc(own, block)
-        np.testing.assert_array_equal(final, kernels.row_probs(total))
+        final, evidence = eam_kernels.own_plus_eamc(own, block)
+        np.testing.assert_array_equal(final, eam_kernels.row_probs(total))
         np.testing.assert_array_equal(evidence, total.any(axis=1))
     # row by row: the step's rows computed once (EAMPrefetch._own_rows) equal any window's
-    whole, part = kernels.own_plus_eamc(own, own[:0]), kernels.own_plus_eamc(own[1:3], own[:0])
+    whole, part = eam_kernels.own_plus_eamc(own, own[:0]), eam_kernels.own_plus_eamc(own[1:3], own[:0])
     np.testing.assert_array_equal(whole[0][1:3], part[0])
     np.testing.assert_array_equal(whole[1][1:3], part[1])
 
@@ -380,10 +391,10 @@ def test_blend_equals_its_numpy_form(seed: int) -> None:
     n, d, E = 3, int(rng.integers(1, 4)), 16
     rows = _ties(rng, (n, E))
     ahead = (rng.random((d, E)) * 4).astype(np.float32)
-    spec = kernels.row_probs(ahead) * 2.0
+    spec = eam_kernels.row_probs(ahead) * 2.0
     want = rows.copy()
-    want[:d] = kernels.row_probs(want[:d] + spec)
-    np.testing.assert_array_equal(kernels.blend(rows, ahead, 2.0), want)
+    want[:d] = eam_kernels.row_probs(want[:d] + spec)
+    np.testing.assert_array_equal(eam_kernels.blend(rows, ahead, 2.0), want)
 
 
 def test_the_python_kernels_equal_the_compiled_ones() -> None:
@@ -410,17 +421,17 @@ def test_the_python_kernels_equal_the_compiled_ones() -> None:
         _sort_now(),
     )
     for fn, a in (
-        (kernels.gate_plan, args),
-        (kernels.best_free, (scores.reshape(-1), held[: 2 * E], 5)),
-        (kernels.limit_scores, (rows, 3, 0.0, np.array([0.9, 0.8]))),
-        (kernels.ranked_free, (wide, wide < 0.2)),  # both rankings: insertion, counting
-        (kernels.blend, (rows, rows[:1] + 0.5, 2.0)),
-        (kernels.matched_row_probs, (rows.reshape(2, 1, E), np.array([3, 0]), 0, 1)),
-        (kernels.own_plus_eamc, (rows, scores)),
-        (kernels.match_counts, (scores, 3)),
-        (kernels.row_probs, ((rng.random((2, 300)) * 9).astype(np.float32),)),
+        (gate_kernels.gate_plan, args),
+        (best_free, (scores.reshape(-1), held[: 2 * E], 5)),
+        (eam_kernels.limit_scores, (rows, 3, 0.0, np.array([0.9, 0.8]))),
+        (gate_kernels.ranked_free, (wide, wide < 0.2)),  # both rankings: insertion, counting
+        (eam_kernels.blend, (rows, rows[:1] + 0.5, 2.0)),
+        (eam_kernels.matched_row_probs, (rows.reshape(2, 1, E), np.array([3, 0]), 0, 1)),
+        (eam_kernels.own_plus_eamc, (rows, scores)),
+        (eam_kernels.match_counts, (scores, 3)),
+        (eam_kernels.row_probs, ((rng.random((2, 300)) * 9).astype(np.float32),)),
         (
-            kernels.least_used,  # the walk of p_use's sort (it sorts at once)
+            victim_kernels.least_used,  # the walk of p_use's sort (it sorts at once)
             (held, rng.random(6 * E).astype(np.float32), E, 2 * E, 7, np.zeros(6 * E, np.int32), _sort_now()),
         ),
     ):

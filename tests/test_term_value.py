@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from moe_runtime.prefetch import kernels
+import moe_runtime.prefetch.eam_kernels as eam_kernels
+import moe_runtime.prefetch.term_kernels as term_kernels
 from moe_runtime.prefetch.term_value import MAX_BACKOFF, MIN_SCORED, TermValue
 from tests.test_sim_engine import sim_for
 
@@ -24,7 +25,7 @@ def _candidates(row: np.ndarray, held: np.ndarray, cap: int) -> np.ndarray:
 def test_candidates_are_the_best_cap_experts_the_buffer_does_not_hold() -> None:
     row = np.array([0.1, 0.4, 0.0, 0.4, 0.2, 0.05], dtype=np.float32)
     held = np.zeros(6, dtype=bool)
-    top = kernels.top_candidates
+    top = term_kernels.top_candidates
     np.testing.assert_array_equal(top(row, held, 3), [1, 3, 4])
     np.testing.assert_array_equal(top(row, held, 2), [1, 3])  # ties at the cap: lower id first
     held[3] = True
@@ -37,8 +38,8 @@ def test_candidates_are_the_best_cap_experts_the_buffer_does_not_hold() -> None:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_term_candidates_are_both_plans_next_layer_candidates(seed: int) -> None:
-    """``kernels.term_candidates`` equals the definition on row 0 of each plan, the router
-    lookahead blended in as ``kernels.blend`` blends it, on rows with ties, zeros and held experts."""
+    """``term_kernels.term_candidates`` equals the definition on row 0 of each plan, the router
+    lookahead blended in as ``eam_kernels.blend`` blends it, on rows with ties, zeros and held experts."""
     rng = np.random.default_rng(seed)
     E, D = 32, 1 + seed % 3
     rows = [rng.choice([0.0, 0.25, 0.5, 1.0, 2.0], size=(D, E)).astype(np.float32) for _ in range(2)]
@@ -46,9 +47,9 @@ def test_term_candidates_are_both_plans_next_layer_candidates(seed: int) -> None
     for d in (0, 1, D):
         ahead = rng.random((d, E)).astype(np.float32)
         for cap in (0, 1, 3, 8, E):
-            got = kernels.term_candidates(rows[0], rows[1], ahead, 0.7, held, cap)
+            got = term_kernels.term_candidates(rows[0], rows[1], ahead, 0.7, held, cap)
             for ids, plan in zip(got, rows, strict=True):
-                row = kernels.blend(plan, ahead, 0.7)[0] if d else plan[0]
+                row = eam_kernels.blend(plan, ahead, 0.7)[0] if d else plan[0]
                 assert ids.dtype == np.int64
                 np.testing.assert_array_equal(ids, _candidates(row, held, cap))
 
@@ -158,8 +159,6 @@ def test_the_runtime_leaves_out_an_eamc_term_that_adds_nothing(monkeypatch: pyte
 def test_used_difference_counts_as_the_masks_do(seed: int) -> None:
     """The compiled difference in used candidates equals the numpy reference: a mask of the
     routed ids (negative ids: none), candidates past the largest routed id unused."""
-    from moe_runtime.prefetch import kernels
-
     rng = np.random.default_rng(seed)
     ids = rng.integers(-1, 20, size=12).astype(np.int64)
     with_term = rng.choice(30, size=7, replace=False).astype(np.int64)
@@ -171,6 +170,6 @@ def test_used_difference_counts_as_the_masks_do(seed: int) -> None:
         return int(used[experts[experts < used.size]].sum())
 
     want = hits(with_term) - hits(without_term)
-    for fn in (kernels.used_difference, getattr(kernels.used_difference, "py_func", None)):
+    for fn in (term_kernels.used_difference, getattr(term_kernels.used_difference, "py_func", None)):
         if fn is not None:
             assert fn(ids, with_term, without_term) == want

@@ -180,7 +180,7 @@ class TransferQueue:
         """Apply a ranked plan in one compiled call: the first ``limit`` of ``keys [n]`` (int64,
         distinct, best first) that are not ``held [num_keys]``, with ``priorities [n]``
         (float64), queued as :meth:`replan` queues them. Returns ``(new prefetches, cancelled
-        prefetches)``. For a policy that ranked its plan itself (``kernels.limit_gate_plan``):
+        prefetches)``. For a policy that ranked its plan itself (``gate_kernels.limit_gate_plan``):
         :meth:`replan_best` without its selection and sort."""
         self._head = None
         if held.size > self._queued.size:  # past the key space: grow (rare; sized by the owner)
@@ -439,12 +439,14 @@ _warm_done = False
 
 
 def _warm() -> None:
-    """Compile (or load from numba's on-disk cache) the replan kernel once per process, at the
+    """Compile (or load from numba's on-disk cache) the queue's kernels once per process, at the
     first queue's creation rather than on the first plan's clock (up to a second)."""
     global _warm_done
     if _warm_done:
         return
     flags, values = np.zeros(2, dtype=bool), np.zeros(2)
+    for scores in (values.astype(np.float32), values):  # the eam plan's scores, the baselines'
+        best_free(scores, flags, 1)
     for replace in (False, True):
         _replan(flags, values.copy(), np.zeros(2, dtype=np.int64), values.copy(), flags.copy(), False,
                 np.array([1, 0]), np.array([0.5, 1.0]), replace, 0.0, 0, 0)  # fmt: skip

@@ -1,6 +1,12 @@
-"""Cost-aware prefetching: issue a prefetch only when its expected gain beats its expected cost.
+"""The cost gate (ours, not in MoE-Infinity): issue a prefetch only when its expected gain beats
+its expected cost.
 
-NOTE: the terms (issue #15), all measured online, none typed in:
+The ``eam`` plan (MoE-Infinity §5.1, :mod:`moe_runtime.prefetch.eam`) hands over its candidates
+best first; the gate keeps the ones that pay. The policy's side of it (when to plan, the plan's
+host time, the step's link terms, the one compiled call per plan) is
+:mod:`moe_runtime.prefetch.gating`; the kernels are :mod:`moe_runtime.prefetch.gate_kernels`.
+
+NOTE: the terms, all measured online, none typed in:
 
 * ``P``: the chance a candidate is used. Every plan's candidates are ranked per later layer by the
   predictor's probability; when that layer routes, each ranked candidate is checked against the
@@ -59,7 +65,7 @@ from typing import Any
 
 import numpy as np
 
-from moe_runtime.prefetch import kernels
+import moe_runtime.prefetch.gate_kernels as gate_kernels
 
 # Weight of the past in the per-step link figures (b, q): they follow the load within a few steps.
 LINK_DECAY = 0.8
@@ -103,14 +109,14 @@ class PrefetchGate:
         if not 0 < decay <= 1:
             raise ValueError(f"gate decay must be in (0, 1], got {decay}")
         self.num_layers, self.num_experts, self.depth, self.decay = num_layers, num_experts, depth, decay
-        # [3, D, rank]: hits, trials and their ratio, kept current by observe (kernels.score_noted)
+        # [3, D, rank]: hits, trials and their ratio, kept current by observe (gate_kernels.score_noted)
         self._figures = np.empty((3, depth, num_experts))
         self.hits, self.trials, self._precision = self._figures
         self.hits[:], self.trials[:] = float(prior[0]), float(prior[1])
         self._precision[:] = self.hits / self.trials
         # the candidates noted for each layer and distance (experts, ranks; int32: a plan of every
         # later layer, the paper's, keeps L x L x 2 x E of them) and their count, until the layer
-        # routes (kernels.note_candidates / score_noted)
+        # routes (gate_kernels.note_candidates / score_noted)
         self._noted = np.zeros((num_layers, depth, 2, num_experts), dtype=np.int32)
         self._noted_n = np.zeros((num_layers, depth), dtype=np.int64)
         self.block_per_miss_s: float | None = None  # b
@@ -131,27 +137,29 @@ class PrefetchGate:
 
     def note(self, distance0: int, first_layer: int, cand: np.ndarray) -> None:
         """Remember a plan's candidates for checking when their layers route: ``cand [3, n]``
-        (int64 rows ``r``, ``c``, ``rank``, as ``kernels.gate_plan`` returns them); entry ``i``
+        (int64 rows ``r``, ``c``, ``rank``, as ``gate_kernels.gate_plan`` returns them); entry ``i``
         is expert ``c[i]`` of layer ``first_layer + r[i]``, ranked ``rank[i]`` by the predictor
         in its layer's row, ``distance0 + r[i]`` layers ahead of the routed one
-        (``kernels.note_candidates``; the runtime's plans note inside ``kernels.limit_gate_plan``).
+        (``gate_kernels.note_candidates``; the runtime's plans note inside ``gate_kernels.limit_gate_plan``).
 
         Pass only candidates a prefetch would copy (not resident or loading): they are used less
         often than the predictor's resident picks, and their precision is the one that matters.
         """
         cand = np.ascontiguousarray(cand, dtype=np.int64)
-        kernels.note_candidates(self._noted, self._noted_n, cand[0], cand[1], cand[2], first_layer, distance0)
+        gate_kernels.note_candidates(
+            self._noted, self._noted_n, cand[0], cand[1], cand[2], first_layer, distance0
+        )
 
     def observe(self, layer: int, topk_ids: np.ndarray) -> None:
         """Layer ``layer`` routed ``topk_ids [T, k]``: score the candidates noted for it
-        (``kernels.score_noted``)."""
-        self.checked += kernels.score_noted(
+        (``gate_kernels.score_noted``)."""
+        self.checked += gate_kernels.score_noted(
             self._figures, self._noted, self._noted_n, layer, routed_ids(topk_ids), self.decay
         )
 
     def plan_state(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(figures [3, D, E], noted [L, D, 2, E], noted_n [L, D])``: the arrays
-        ``kernels.limit_gate_plan`` scores and notes in place (the plan adds what it scored to
+        ``gate_kernels.limit_gate_plan`` scores and notes in place (the plan adds what it scored to
         :attr:`checked`)."""
         return self._figures, self._noted, self._noted_n
 
@@ -206,7 +214,7 @@ class PrefetchGate:
         p_used = np.ascontiguousarray(p_used, dtype=np.float64)
         reuse = np.ascontiguousarray(reuse, dtype=np.float64)
         idle = np.arange(p_used.size) < int(self.idle_copies)
-        keep, net = kernels.pays(
+        keep, net = gate_kernels.pays(
             p_used, b, self.demand_busy, transfer_s, reuse, self.force_open, idle, self.idle_save(transfer_s),
             self.copy_host_s,
         )  # fmt: skip
@@ -253,259 +261,3 @@ def clock(buffer: Any) -> float:
     """The compute side's clock: the simulator's ``now``, else wall time."""
     now = getattr(buffer, "now", None)
     return time.perf_counter() if now is None else float(now)
-
-
-# A relative cost difference beyond which ModeTrial explores the worse mode 4x less often.
-CLEAR_DIFF = 0.5
-
-
-class ModeTrial:
-    """A measured comparison of the policy's modes (arms) on the runtime's own clock.
-
-    NOTE: the gain/cost test rests on modelled terms (one avoided miss saves ``b``; idle link time
-    is ``1 - q``), which can be far off on a given host: on the bundled model at a 50% buffer the
-    plans promised several times the blocking they saved, while planning and the router
-    lookahead cost the compute thread more than that. So the runtime also measures what the
-    arms really cost the compute thread per decode step (the ``eam`` policy's measure): its wall
-    time from the step's first routed layer to its end less the time it stood runnable without
-    a CPU (``moe_runtime.prefetch.run_clock``). That holds everything the arms change on that
-    thread: planning and the router lookahead, the cache policy's hooks, the expert batches a
-    miss adds (each landed batch is a grouped call of its own), blocking on copies, and the GIL
-    waits that copies overlapping its work cause (the I/O thread's Python for each copy it
-    starts and lands; with prefetching pinned on they were 1-3 ms of a 20-28 ms step on the
-    bundled model at a 10% buffer and 0.5 GB/s, against about 0 for caching alone). Before, the
-    measure was blocking plus the thread's CPU time, which missed those waits, and the trial
-    kept prefetching on where it was no faster. (Plain wall time had been tried before that and
-    dropped as too noisy; the run delay taken off is the part of wall time a loaded host adds
-    that no arm causes, though on this host it was only about 0.02 ms per step.) Where the
-    kernel does not report the run delay, the measure is blocking plus CPU time.
-
-    The ``eam`` policy runs two arms by default (``moe_runtime.prefetch.eam.ARMS``): ``prefetch``
-    (plans, router lookahead and the loop-aware ``eam-reuse`` cache) and ``cache`` (no planning,
-    the ``eam-reuse`` cache: caching alone, the reference); a third, ``lean`` (no planning, the
-    cache evicting LRU: on-demand + LRU but for the tracer), can be added. With the cache
-    counting every token alike LRU won at a 50% buffer, where the loop-aware cache made more
-    demand copies in decode; weighing decode routing above the prompt's it no longer does, and
-    exploring LRU cost more than it found (issue 15).
-
-    Decode steps (no prefill token) run in windows of ``window`` steps, one arm per window. A
-    window's cost is its steps' summed cost over their summed work (the caller's measure of what
-    the steps asked for, e.g. expert lookups: steps whose batch needs more distinct experts cost
-    more under every arm, and would otherwise add their spread to the comparison).
-    After a switch the first ``settle`` steps are not counted: the buffer still holds what the
-    other arm chose (the cache policy differs too), so the first window after a switch inherits
-    the other arm's cache and can look cheaper or dearer than the arm is (issue 15: a bias
-    towards on-demand; the old single skipped step left it in the pairs); ``settle`` steps turn
-    over a good part of the buffer. A step with prefill tokens (new requests, whose experts are
-    not cached yet) drops the open window and the step after it. Two adjacent windows of
-    different arms ``a``, ``b`` form a pair, and their relative difference in that cost per
-    unit of work, ``(a - b) / mean``, is kept as a running mean per pair of arms (``decay`` per
-    pair): pairs, not long-run means, so a host whose load drifts compares like with like. The
-    first windows alternate the last arm, the reference, with the other arms (with three arms and
-    ``first_pairs=3``: ``0, 2, 0, 2, 1, 2, 1, 2``; with the ``eam`` policy's two: ``0, 1, 0, 1``,
-    caching alone the reference) until each other arm has ``first_pairs`` pairs with it: each is
-    measured both before and after the reference, so a cost that drifts within a batch (its early
-    decode steps miss more) largely cancels out of its running difference. Then the arm with the
-    lowest score runs (a least squares fit of one score per arm to the measured pair differences,
-    :meth:`scores`; with two arms: the cheaper one), and every ``explore_every``-th window another
-    arm, in turn (two more pairs; every ``4 * explore_every``-th while the explored arm is worse by
-    more than ``CLEAR_DIFF``, as on-demand is on a fast link, where each exploring window costs a
-    lot), so the choice follows the load. Each exploration that leaves the choice as it was doubles
-    the interval to the next one, up to ``2 ** max_backoff`` times (an exploring window is the
-    worse arm's cost plus ``settle`` steps: in ``bench policies``' short runs of the bundled model
-    without a link or at 32 GB/s, one such excursion, 8 of the 69 measured decode steps, was most
-    of what kept ``eam`` 2-6% behind on-demand + LRU at a 50% buffer); a changed choice resets it.
-
-    Args:
-        window: measured decode steps per window, >= 1.
-        explore_every: every this many windows another arm runs once, >= 2.
-        decay: weight of the past pairs in the running differences, in ``[0, 1)``.
-        first_pairs: pairs per adjacent pair of arms measured (cycling) before a choice, >= 1.
-        settle: decode steps not counted after a switch, >= 1.
-        max_backoff: the exploration interval doubles at most this many times, >= 0.
-        arms: the arms' names, at least two; the first is the prefetching one (:attr:`on`).
-
-    Raises:
-        ValueError: a value outside those ranges.
-    """
-
-    def __init__(
-        self,
-        window: int = 4,
-        explore_every: int = 8,
-        decay: float = 0.7,
-        first_pairs: int = 3,
-        settle: int = 4,
-        max_backoff: int = 3,
-        arms: tuple[str, ...] = ("prefetch", "lean"),
-    ) -> None:
-        if (
-            window < 1
-            or explore_every < 2
-            or not 0 <= decay < 1
-            or first_pairs < 1
-            or settle < 1
-            or max_backoff < 0
-            or len(arms) < 2
-        ):
-            raise ValueError(
-                "mode trial: window >= 1, explore_every >= 2, decay in [0, 1), first_pairs >= 1, "
-                f"settle >= 1, max_backoff >= 0, two arms or more; got {window}, {explore_every}, "
-                f"{decay}, {first_pairs}, {settle}, {max_backoff}, {arms}"
-            )
-        self.window, self.explore_every, self.decay = window, explore_every, decay
-        self.first_pairs, self.settle, self.max_backoff = first_pairs, settle, max_backoff
-        self.arms = tuple(arms)
-        n = len(arms)
-        self.reference = n - 1  # the first windows alternate it with each other arm
-        self.arm = 0  # the arm of the current window (0: prefetching)
-        # arms the caller ruled out for now (:meth:`bar`); a list, not an array: read at every
-        # step's end, where a numpy reduction of it cost 8-27 us (caches cold after the step)
-        self.barred = [False] * n
-        self.diffs = np.zeros((n, n))  # running (a - b) / mean of paired windows; antisymmetric
-        self.pair_counts = np.zeros((n, n), dtype=np.int64)  # pairs measured per pair of arms
-        self.pairs = 0  # pairs measured
-        self.decode_steps = 0  # decode-only steps seen, and those run in each arm
-        self.decode_steps_by_arm = [0] * n
-        self._best: int | None = None  # the arm chosen at the last window
-        self._since = 0  # windows since the last exploration
-        self._streak = 0  # explorations in a row that left the choice as it was
-        self._next_explore = 0  # index into the other arms of the next one explored
-        self._sum, self._work, self._n = 0.0, 0.0, 0  # the open window's cost, work and steps
-        self._skip = 1  # steps of the current window not counted yet
-        self._prev: tuple[int, float] | None = None  # (arm, s per unit of work) of the last window
-
-    @property
-    def on(self) -> bool:
-        """Whether the current window prefetches (the first arm)."""
-        return self.arm == 0
-
-    @property
-    def arm_name(self) -> str:
-        return self.arms[self.arm]
-
-    def bar(self, arm: str, barred: bool) -> None:
-        """Rule ``arm`` out (``barred``) or in again: a barred arm is neither chosen nor explored
-        from the next window on (the caller knows it cannot win, e.g. prefetching when a step
-        blocks for less than its planning costs). The last arm cannot be barred.
-
-        Raises:
-            ValueError: an unknown arm, or barring the last one.
-        """
-        i = self.arms.index(arm) if arm in self.arms else -1
-        if i < 0 or (barred and i == self.reference):
-            raise ValueError(f"cannot bar arm {arm!r} of {self.arms} (the last one is never barred)")
-        self.barred[i] = bool(barred)
-
-    @property
-    def settled(self) -> bool:
-        """Whether the current arm is the only one allowed (the reference, every other arm
-        barred): no pair can form, so a step's cost need not be measured (:meth:`rest`)."""
-        return self.arm == self.reference and sum(self.barred) == len(self.arms) - 1
-
-    def rest(self, decode_only: bool) -> None:
-        """A step ended that was not measured (while :attr:`settled`): it is counted, and the
-        open window and the last window's cost are dropped, so that once another arm is allowed
-        again the measuring starts afresh (its first step not counted, as after a prefill)."""
-        if decode_only:
-            self.decode_steps += 1
-            self.decode_steps_by_arm[self.arm] += 1
-        self._sum, self._work, self._n, self._prev = 0.0, 0.0, 0, None
-        self._skip = max(self._skip, 1)
-
-    @property
-    def diff(self) -> float:
-        """Running ``(prefetch - lean) / mean`` of the first and the last arm's paired windows;
-        < 0: prefetching is cheaper."""
-        return float(self.diffs[0, -1])
-
-    def scores(self) -> np.ndarray:
-        """``[arms]`` relative cost of each arm (lower: cheaper; they sum to 0): the least
-        squares fit of ``s_a - s_b`` to the running difference of every pair of arms measured so
-        far. An arm never paired scores 0."""
-        n = len(self.arms)
-        a, b = np.nonzero(np.triu(self.pair_counts, 1))
-        if not a.size:
-            return np.zeros(n)
-        m = np.zeros((a.size + 1, n))
-        m[np.arange(a.size), a] = 1.0
-        m[np.arange(a.size), b] = -1.0
-        m[-1] = 1.0  # the scores sum to 0
-        target = np.append(self.diffs[a, b], 0.0)
-        return np.linalg.lstsq(m, target, rcond=None)[0]
-
-    def end_step(self, cost_s: float, decode_only: bool, work: float = 1.0) -> bool:
-        """A step ended that cost the compute thread ``cost_s`` seconds (e.g. blocking and CPU
-        time) for ``work`` units of work (> 0; e.g. its expert lookups); ``decode_only``:
-        it had no prefill token. Returns True when the arm changed (the caller then switches
-        the policy's mode to :attr:`arm_name`)."""
-        if decode_only:
-            self.decode_steps += 1
-            self.decode_steps_by_arm[self.arm] += 1
-        else:
-            # New requests change what a step costs (their experts are not cached yet): the
-            # open window is dropped and no pair spans the change.
-            self._sum, self._work, self._n, self._prev = 0.0, 0.0, 0, None
-            self._skip = max(self._skip, 1)
-            return False
-        if self._skip:
-            self._skip -= 1
-            return False
-        self._sum += cost_s
-        self._work += work
-        self._n += 1
-        if self._n < self.window:
-            return False
-        m = self._sum / self._work if self._work > 0 else 0.0
-        self._sum, self._work, self._n = 0.0, 0.0, 0
-        prev, self._prev = self._prev, (self.arm, m)
-        if prev is not None and prev[0] != self.arm and m + prev[1] > 0:
-            self._pair(self.arm, m, prev[0], prev[1])
-        was = self.arm
-        n = len(self.arms)
-        ref = self.reference
-        allowed = [a for a in range(n) if not self.barred[a]]
-        young = [a for a in allowed if a != ref and self.pair_counts[ref, a] < self.first_pairs]
-        if young:
-            # alternate the reference arm with each other one in turn until each has its first pairs
-            if self.arm == ref:
-                self.arm = young[self._next_explore % len(young)]
-                self._next_explore += 1
-            else:
-                self.arm = ref
-        elif len(allowed) == 1:
-            self.arm = ref  # every other arm is barred
-        else:
-            scores = self.scores()
-            best = min(allowed, key=lambda a: (scores[a], a))  # ties: the earlier arm
-            if best != self._best:
-                self._streak = 0  # the choice changed: re-check it at the base rate
-            self._best = best
-            others = [a for a in allowed if a != best]
-            explore = others[self._next_explore % len(others)]
-            # a clear difference is re-checked 4x less often (exploring it costs more), and each
-            # exploration that confirmed the choice halves the rate
-            clear = scores[explore] - scores[best] > CLEAR_DIFF
-            every = self.explore_every * (4 if clear else 1)
-            every <<= min(self._streak, self.max_backoff)
-            self._since += 1
-            if self._since >= every:
-                self._since = 0
-                self._streak += 1
-                self._next_explore += 1
-                self.arm = explore
-            else:
-                self.arm = best
-        if self.arm != was:
-            self._skip = self.settle
-        return self.arm != was
-
-    def _pair(self, a: int, cost_a: float, b: int, cost_b: float) -> None:
-        """Two adjacent windows of arms ``a`` and ``b`` cost ``cost_a`` and ``cost_b`` s per unit of work."""
-        d = 2 * (cost_a - cost_b) / (cost_a + cost_b)
-        if self.pair_counts[a, b]:
-            d = self.decay * self.diffs[a, b] + (1 - self.decay) * d
-        self.diffs[a, b], self.diffs[b, a] = d, -d
-        self.pair_counts[a, b] += 1
-        self.pair_counts[b, a] += 1
-        self.pairs += 1

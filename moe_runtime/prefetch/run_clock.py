@@ -1,7 +1,7 @@
-"""The compute thread's clock for the runtime's measured trial of its modes (issue #15): wall
-time less the time the thread stood runnable but without a CPU.
+"""The compute thread's clock for the runtime's measured trial of its modes (ours): wall time
+less the time the thread stood runnable but without a CPU.
 
-NOTE: why this clock. ``gate.ModeTrial`` compares what the ``eam`` policy's arms (prefetching,
+NOTE: why this clock. ``trial.ModeTrial`` compares what the ``eam`` policy's arms (prefetching,
 caching alone) cost a decode step. Measured as the thread's CPU time plus its blocking on expert
 copies, it missed the waits an arm causes without blocking: each copy the I/O thread starts and
 lands runs Python that holds the GIL, and while copies overlap the compute thread's work (which

@@ -1,4 +1,5 @@
-"""Whether one predictor term of a plan pays for its host time, measured online (issue #15).
+"""The weighed EAMC term (ours, runtime only): whether one predictor term of a plan pays for its
+host time, measured online.
 
 NOTE: why. The ``eam`` plan blends several predictors (router lookahead, the batch's own EAM,
 the EAMC matches; MoE-Infinity §5.1 is the EAMC part). Each has its own precision, and each costs
@@ -41,7 +42,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moe_runtime.prefetch import kernels
+import moe_runtime.prefetch.term_kernels as term_kernels
 from moe_runtime.prefetch.gate import routed_ids
 
 # Plans scored before the test may skip the term (the running gain starts from these).
@@ -129,7 +130,7 @@ class TermValue:
             return
         with_term, without_term = pending
         ids = routed_ids(topk_ids).reshape(-1)
-        diff = kernels.used_difference(ids, _ids(with_term), _ids(without_term))
+        diff = term_kernels.used_difference(ids, _ids(with_term), _ids(without_term))
         self.gain_hits = diff if self.scored == 0 else self.decay * self.gain_hits + (1 - self.decay) * diff
         self.scored += 1
 
@@ -139,5 +140,5 @@ class TermValue:
 
 
 def _ids(experts: np.ndarray) -> np.ndarray:
-    """``experts`` as the int64 array ``kernels.used_difference`` takes (itself when it is one)."""
+    """``experts`` as the int64 array ``term_kernels.used_difference`` takes (itself when it is one)."""
     return experts if experts.dtype == np.int64 else experts.astype(np.int64)
