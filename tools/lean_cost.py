@@ -2,7 +2,7 @@
 
 Runs the bundled model on the runtime (CPU) with an emulated link and decodes a few batches of
 random prompts: ``on-demand`` + ``lru``, then ``eam`` + ``eam-reuse`` with its measured trial
-pinned to each mode (``moe_runtime.prefetch.eam.MODES``): ``lean`` (no planning, no router
+pinned to each mode (``moe_runtime.prefetch.trial.MODES``): ``lean`` (no planning, no router
 lookahead, the cache evicting LRU), ``cache`` (caching alone, the default trial's reference) and
 ``prefetch`` (for scale).
 Per decode MoE layer it reports the compute thread's CPU time (``time.thread_time_ns``) of the

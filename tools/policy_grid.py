@@ -24,7 +24,7 @@ and the eval prompts per task of a point to fill at least that many batches each
 draws, seeded, among the tasks with that many prompts, so the batch-16 points run other tasks than
 batch 1 and 4; the grid doc names the difference). Before it, a batch-16
 point warmed on one batch of 15 decode steps and measured one more, while the eam trial measures
-its arms in pairs of 4-step windows (``moe_runtime.prefetch.gate.ModeTrial``: six windows and
+its arms in pairs of 4-step windows (``moe_runtime.prefetch.trial.ModeTrial``: six windows and
 their settling steps, about 45 decode steps, before its first choice), so that point measured the
 trial's first exploration (prefetching on in 40-47% of its steps wherever the link left
 prefetching unbarred) where batch 1 and 4, warmed on 16 and 4 batches, measured its choice. Flags this tool does not know

@@ -62,7 +62,7 @@ class PolicyResult:
     prefetch_landed: int  # prefetches that completed a copy into a slot
     prefetch_used: int
     tokens: int
-    # eval decode steps the runtime's eam trial (moe_runtime.prefetch.gate.ModeTrial) ran with
+    # eval decode steps the runtime's eam trial (moe_runtime.prefetch.trial.ModeTrial) ran with
     # prefetching on, as a share; None for the other policies
     prefetch_on_share: float | None = None
     # the same per arm of the trial (prefetch, cache, lean): {arm: share}; None without a trial
