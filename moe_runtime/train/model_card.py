@@ -168,6 +168,15 @@ def render(
         "A conversation renders as `<|user|>\\n{message}\\n<|assistant|>\\n`; the role markers are single "
         f"special tokens. {C.CHAT_PERMILLE / 10:g} % of the QA training rows were rendered this way.",
         "",
+        "With `tools` the template follows Qwen2.5/Qwen3 (Hermes): the tools are listed as JSON inside "
+        "`<tools></tools>` in a `<|system|>` turn (after the system message, if any), a call is "
+        '`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, and tool results come back '
+        "in a `<|user|>` turn as `<tool_response>` blocks; so the server parses calls out of the output "
+        "(`server/routes/tool_calls.py`). No training row holds tools or calls: the model calls tools "
+        'only under a grammar, with `tool_choice="required"` or a named function, which constrain its '
+        "output to calls that match the tools' `parameters` and then end it "
+        '(`finish_reason: "tool_calls"`). With `"auto"` it will rarely produce a call.',
+        "",
         "## Training",
         "",
         "Command: `moeserve train-tiny --out moe_runtime/assets/tiny-moe "

@@ -14,6 +14,16 @@ Every message is ``<|{role}|>\\n{content}\\n`` (roles ``system``, ``user``, ``as
 role markers are single special tokens); an assistant message ends with the EOS token
 ``<|endoftext|>``. With ``add_generation_prompt`` the text ends in ``<|assistant|>\\n``. Half of the
 QA training rows are rendered this way, so the trained model answers after ``<|assistant|>``.
+
+Tool calls use the Qwen2.5/Qwen3 (Hermes) format, so the server's ``<tool_call>`` parser and its
+``tool_choice`` grammar apply (no training row uses it: the model calls tools reliably only under
+that grammar). With ``tools`` the first turn is ``<|system|>\\n``, the system message and ``\\n\\n`` (if
+any), ``# Tools`` ... ``<tools>`` with one JSON tool per line, then the call format; an assistant
+message with ``tool_calls`` is its content (if any) + ``\\n``, then
+``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` per call (``\\n`` between),
+then EOS; consecutive ``tool`` messages form one ``<|user|>`` turn of
+``\\n<tool_response>\\n{content}\\n</tool_response>`` pieces. Messages without tools or tool
+calls render exactly as above.
 """
 
 from __future__ import annotations
@@ -26,13 +36,65 @@ from pathlib import Path
 EOS_TOKEN = "<|endoftext|>"
 ROLE_TOKENS: tuple[str, ...] = ("<|system|>", "<|user|>", "<|assistant|>")
 SPECIAL_TOKENS: tuple[str, ...] = (EOS_TOKEN, *ROLE_TOKENS)
-# Newlines are jinja string literals, never raw text after a block tag: transformers renders with
-# ``trim_blocks=True`` (which drops such a newline), our runtime without; this renders the same in both.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] }}"
-    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
-)
+# Every tag strips the whitespace before it (``{%-``, ``{{-``) and newlines are jinja string literals:
+# transformers renders with ``trim_blocks=True``, :func:`render_chat` without; this renders the same
+# in both, and the source may be laid out on several lines.
+CHAT_TEMPLATE = r"""{%- set has_tools = tools is defined and tools %}
+{%- if has_tools %}
+    {{- '<|system|>\n' }}
+    {%- if messages and messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] + '\n\n' }}
+    {%- endif %}
+    {{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' }}
+    {{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\n' }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments ' }}
+    {{- 'within <tool_call></tool_call> XML tags:\n<tool_call>\n' }}
+    {{- '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if has_tools and loop.first and message['role'] == 'system' %}
+    {%- elif message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] %}
+        {{- '<|assistant|>\n' }}
+        {%- if message['content'] is defined and message['content'] %}
+            {{- message['content'] + '\n' }}
+        {%- endif %}
+        {%- for call in message['tool_calls'] %}
+            {%- set function = call['function'] if call['function'] is defined else call %}
+            {%- if not loop.first %}
+                {{- '\n' }}
+            {%- endif %}
+            {{- '<tool_call>\n{"name": "' + function['name'] + '", "arguments": ' }}
+            {%- if function['arguments'] is string %}
+                {{- function['arguments'] }}
+            {%- else %}
+                {{- function['arguments'] | tojson }}
+            {%- endif %}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- eos_token + '\n' }}
+    {%- elif message['role'] == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}
+            {{- '<|user|>' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}
+            {{- '\n' }}
+        {%- endif %}
+    {%- else %}
+        {{- '<|' + message['role'] + '|>\n' + message['content'] }}
+        {%- if message['role'] == 'assistant' %}
+            {{- eos_token }}
+        {%- endif %}
+        {{- '\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|assistant|>\n' }}
+{%- endif %}"""
 
 
 @lru_cache(maxsize=1)
