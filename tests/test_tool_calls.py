@@ -77,3 +77,59 @@ def test_mistral_marker_as_plain_text_and_no_parser_for_unknown_templates(tmp_pa
     content, calls = parser.parse('[TOOL_CALLS][{"name": "f", "arguments": {"a": [1]}}]', [], tok)
     assert content is None and _args(calls[0]) == {"a": [1]}
     assert tool_parser(tok, "{% for m in messages %}{{ m.content }}{% endfor %}") is None
+
+
+def _matcher(grammar: str, tok: Tokenizer):
+    from moe_runtime.engine.structured import GrammarMatcher
+
+    return GrammarMatcher(grammar, tok, 8192, tok.eos_token_ids)
+
+
+def _feed(matcher, tok: Tokenizer, text: str) -> bool:
+    """True when ``matcher`` takes all of ``text``."""
+    from moe_runtime.errors import RequestError
+
+    try:
+        for token in tok.encode(text, add_special_tokens=False):
+            matcher.consume(token)
+    except RequestError:
+        return False
+    return True
+
+
+def test_forced_grammar_allows_a_bounded_number_of_calls_then_only_the_end():
+    from server.routes.tool_calls import MAX_PARALLEL_CALLS
+
+    tok = Tokenizer(BUNDLED)
+    parser = tool_parser(tok, "<tool_call>")
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
+        },
+    }
+    block = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+    for parallel, most in ((False, 1), (True, MAX_PARALLEL_CALLS)):
+        grammar = parser.forced_grammar([tool], parallel)
+        for n in range(1, most + 1):
+            m = _matcher(grammar, tok)
+            assert _feed(m, tok, "\n".join([block] * n))
+            if n < most:  # another call or the end
+                assert not m.finished and bool(m.allowed()[tok.eos_token_ids[0]])
+            else:  # nothing may follow: the engine ends the sequence here
+                assert m.finished and not _feed(m, tok, "\n")
+        assert not _feed(_matcher(grammar, tok), tok, "\n".join([block] * (most + 1)))
+    m = _matcher(parser.forced_grammar([tool], True), tok)
+    assert not _feed(m, tok, '<tool_call>\n{ "name"')  # no free whitespace in the JSON
+    assert not _feed(_matcher(parser.forced_grammar([tool], True), tok), tok, "Sure. <tool_call>")
+
+
+def test_json_grammar_layout_cannot_be_loosened_by_the_schema():
+    from moe_runtime.engine.structured import json_grammar
+
+    tok = Tokenizer(BUNDLED)
+    loose = {"type": "object", "x-guidance": {"whitespace_flexible": True, "whitespace_pattern": " *"}}
+    assert not _feed(_matcher(json_grammar(loose), tok), tok, "{   ")
+    m = _matcher(json_grammar(loose), tok)
+    assert _feed(m, tok, '{"a": [1, 2], "b": {"c": null}}') and m.finished

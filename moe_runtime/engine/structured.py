@@ -23,21 +23,25 @@ import torch
 from moe_runtime.errors import RequestError
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-"""JSON layout the grammar allows: no free whitespace (a sampled model cannot pad forever)."""
+"""JSON layout the grammar allows: no free whitespace (a sampled model cannot pad forever). A
+schema's own ``"x-guidance"`` options are replaced by these."""
 
 
 def json_grammar(schema: dict[str, Any] | None) -> str:
-    """The llguidance grammar for JSON matching ``schema`` (``None``: any JSON object).
+    """The llguidance grammar for JSON matching ``schema`` (``None``: any JSON object), laid out
+    as :data:`JSON_OPTIONS` says whatever ``"x-guidance"`` the schema carries.
 
     Raises:
         RequestError: ``schema`` is not a JSON object llguidance can read.
     """
     import llguidance
 
+    if schema is None:
+        schema = {"type": "object"}
+    if isinstance(schema, dict):
+        schema = {**schema, "x-guidance": JSON_OPTIONS}
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(
-            schema if schema is not None else {"type": "object"}, defaults=JSON_OPTIONS
-        )
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     except (ValueError, TypeError) as exc:
         raise RequestError(f"the JSON schema cannot be used: {exc}") from None
 

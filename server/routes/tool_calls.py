@@ -15,9 +15,10 @@ A template with neither has no parser: a request with ``tools`` (and ``tool_choi
 starts a call but is not valid JSON is returned as plain content.
 
 ``tool_choice`` ``"required"`` or a named function is enforced with a grammar
-(:meth:`ToolParser.forced_grammar`): the output is one or more ``<tool_call>`` blocks whose JSON
-matches the tools' parameter schemas. Only the Qwen format has one (Mistral's marker is a
-special token a text grammar cannot write).
+(:meth:`ToolParser.forced_grammar`): the output is one ``<tool_call>`` block (``parallel_tool_calls``
+false) or 1 to :data:`MAX_PARALLEL_CALLS` blocks whose JSON matches the tools' parameter schemas,
+and then the sequence ends (``finish_reason`` ``"tool_calls"``). Only the Qwen format has one
+(Mistral's marker is a special token a text grammar cannot write).
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ from typing import Any
 from moe_runtime.engine.structured import JSON_OPTIONS, lark_grammar
 from moe_runtime.tokenizer import Tokenizer
 from server.protocol import FunctionCall, ToolCall
+
+MAX_PARALLEL_CALLS = 4
+"""The most calls a forced ``tool_choice`` (``"required"`` or a named function) may write when
+``parallel_tool_calls`` is true (false: exactly one), so its output always ends."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +82,17 @@ class ToolParser:
         return content or None, [self._call(name, args) for name, args in calls]
 
     def forced_grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str | None:
-        """A grammar that makes the output calls of ``tools`` (None for formats without one); it is
-        compiled (and a bad ``parameters`` schema found) when a matcher is built from it."""
+        """A grammar that makes the output calls of ``tools`` and nothing else (None for formats
+        without one); it is compiled (and a bad ``parameters`` schema found) when a matcher is
+        built from it.
+
+        The output is one ``<tool_call>`` block, or with ``parallel`` 1 to
+        :data:`MAX_PARALLEL_CALLS` blocks joined by ``\\n``; after the last allowed block only
+        EOS may follow, so the sequence ends there (``finish_reason`` ``"tool_calls"``). The JSON
+        has a fixed layout (:data:`~moe_runtime.engine.structured.JSON_OPTIONS`: no free
+        whitespace); only a schema with unbounded values (a string without ``maxLength``, an
+        object with free ``additionalProperties``) still lets a call run to ``max_tokens``.
+        """
         if self.name != "qwen":
             return None
         calls = [
@@ -94,7 +108,7 @@ class ToolParser:
             for t in tools
         ]
         schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_OPTIONS}
-        repeat = ' ("\\n" block)*' if parallel else ""
+        repeat = f' ("\\n" block){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else ""
         block = 'block: "<tool_call>\\n" call "\\n</tool_call>"'
         lark = f"start: block{repeat}\n{block}\ncall: %json {json.dumps(schema)}"
         return lark_grammar(lark)
