@@ -1,6 +1,8 @@
 """Errors as OpenAI error objects: ``{"error": {"message", "type", "param", "code"}}``.
 
-Every failure a client can see goes through here, so the shape never varies:
+Every failure a client can see goes through here, so the shape never varies. Every 400 names
+the field at fault in ``param`` (``messages.0.role``, ``prompt``, ...), or ``"body"`` when the
+request as a whole is at fault (not JSON, not a JSON object):
 
 ====  ========================  ====================  =============================================
 code  type                      error code            when
@@ -82,14 +84,15 @@ def error_response(status: int, message: str, code: str, param: str | None = Non
     return JSONResponse(error_body(status, message, code, param), status_code=status)
 
 
-def invalid(message: str, param: str | None = None) -> APIError:
-    """A 400 for a value the server cannot honour."""
+def invalid(message: str, param: str) -> APIError:
+    """A 400 for a value the server cannot honour; ``param`` names the field (``"messages.0.role"``)."""
     return APIError(400, message, "invalid_value", param)
 
 
-def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
+def _loc_to_param(loc: tuple[Any, ...]) -> str:
+    """``("body", "messages", 0, "role")`` -> ``"messages.0.role"``; the body itself -> ``"body"``."""
     parts = [str(p) for p in loc if p != "body"]
-    return ".".join(parts) or None
+    return ".".join(parts) or "body"
 
 
 async def _api_error(_: Request, exc: Exception) -> JSONResponse:
@@ -111,7 +114,7 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
         return error_response(400, f"{param}: {first['msg']}", "invalid_value", param)
     if first.get("type") == "json_invalid":
         error = (first.get("ctx") or {}).get("error", "")
-        return error_response(400, f"the body is not valid JSON: {error}", "invalid_schema")
+        return error_response(400, f"the body is not valid JSON: {error}", "invalid_schema", "body")
     locs = [tuple(p for p in e.get("loc", ()) if p != "body") for e in errors]
     common = locs[0]
     for loc in locs[1:]:
@@ -122,14 +125,16 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
         options = ", ".join(dict.fromkeys(str(loc[len(common)]) for loc in locs))
         message = f"{param}: matches none of the allowed forms ({options})"
     else:
-        message = f"{_loc_to_param(locs[0]) or 'body'}: {first['msg']}"
+        message = f"{_loc_to_param(locs[0])}: {first['msg']}"
         if len(errors) > 1:
             message += f" (and {len(errors) - 1} more error(s))"
     return error_response(400, message, "invalid_schema", param)
 
 
 async def _runtime_error(_: Request, exc: Exception) -> JSONResponse:
-    return error_response(400, str(exc), "invalid_value")
+    """A runtime error a route did not map to a field (the routes check fields first): the
+    exception's ``param`` when it has one, else ``"body"``."""
+    return error_response(400, str(exc), "invalid_value", getattr(exc, "param", None) or "body")
 
 
 async def _http_error(_: Request, exc: Exception) -> JSONResponse:

@@ -93,13 +93,19 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
 
+MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+"""The message roles the OpenAI chat API knows."""
+
+
 class ContentPart(_Request):
     type: str
     text: str | None = None
 
 
 class ChatMessage(_Request):
-    """One message; the tool and reasoning fields go to the chat template as they are."""
+    """One message; the tool and reasoning fields go to the chat template as they are. ``role`` is
+    one of :data:`MESSAGE_ROLES` (checked by the route: another is a 400 naming
+    ``messages.<i>.role``)."""
 
     role: str
     content: str | list[ContentPart] | None = None
@@ -195,10 +201,16 @@ class DeltaToolCall(ToolCall):
     index: int
 
 
+def _is_none(value: object) -> bool:
+    return value is None
+
+
 class AssistantMessage(BaseModel):
+    """The reply; ``tool_calls`` is left out of the JSON when the reply has none (as OpenAI does)."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None
-    tool_calls: list[ToolCall] = Field(default_factory=list)
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=_is_none)
 
 
 class ChatChoice(BaseModel):
@@ -218,9 +230,11 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ChatDelta(BaseModel):
+    """A streamed piece of the reply; fields that are None are left out of the JSON."""
+
     role: str | None = None
     content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
+    tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=_is_none)
 
 
 class ChatStreamChoice(BaseModel):

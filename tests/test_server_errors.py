@@ -83,8 +83,10 @@ def test_401_without_or_with_wrong_key(http):
         ),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         ({"prompt": []}, "prompt"),
-        ({"prompt": ""}, None),
-        ({"prompt": [5] * 64}, None),  # the prompt fills the whole 64-token context
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": [[]]}, "prompt"),
+        ({"prompt": ["ok", ""]}, "prompt"),
+        ({"prompt": [5] * 64}, "prompt"),  # the prompt fills the whole 64-token context
         ({"prompt": [1, 2, 10_000]}, "prompt"),  # token id out of range
     ],
 )
@@ -102,11 +104,19 @@ def test_400_chat_values(http):
     assert_error(post(http, {"messages": []}, path), 400, "invalid_value", "messages")
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     assert_error(post(http, {"messages": image}, path), 400, "invalid_value", "messages.0")
+    wizard = [*msgs, {"role": "wizard", "content": "abracadabra"}]
+    err = assert_error(post(http, {"messages": wizard}, path), 400, "invalid_value", "messages.1.role")
+    assert "wizard" in err["message"]
+    empty = {"messages": msgs, "chat_template": "{% if false %}x{% endif %}"}  # renders nothing
+    assert_error(post(http, empty, path), 400, "invalid_value", "messages")
+    long = [{"role": "user", "content": "word " * 100}]  # over the 64-token context
+    assert_error(post(http, {"messages": long}, path), 400, "invalid_value", "messages")
+    assert post(http, {"messages": msgs, "max_tokens": 1}, path).status_code == 200  # still serving
 
 
 def test_prompt_too_long_streaming_is_a_plain_400(http):
     r = post(http, {"prompt": [5] * 80, "stream": True})
-    err = assert_error(r, 400, "invalid_value")
+    err = assert_error(r, 400, "invalid_value", "prompt")
     assert "64" in err["message"]
 
 
@@ -139,7 +149,8 @@ def test_schema_errors_are_400_with_param(http):
     r = http.post(
         "/v1/completions", content=b"{not json", headers={**AUTH, "Content-Type": "application/json"}
     )
-    assert_error(r, 400, "invalid_schema")
+    assert_error(r, 400, "invalid_schema", "body")
+    assert_error(post(http, ["not", "an", "object"]), 400, "invalid_schema", "body")
     assert_error(post(http, {"messages": "hi"}, "/v1/chat/completions"), 400, "invalid_schema", "messages")
 
 
@@ -171,3 +182,14 @@ def test_a_failing_request_never_takes_the_server_down(http):
     r = post(http, {"prompt": "x", "max_tokens": 2, "temperature": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
     assert http.running.client.engine.num_running == 0
+
+
+def test_a_sampling_value_the_limits_miss_is_still_a_400_naming_the_field():
+    from server.errors import APIError
+    from server.protocol import CompletionRequest
+    from server.routes.common import sampling_params
+
+    for field, value in (("temperature", -1.0), ("top_p", 0.0), ("min_p", 2.0)):
+        with pytest.raises(APIError) as info:
+            sampling_params(CompletionRequest(prompt="x", **{field: value}), 4, None, 0)
+        assert info.value.status == 400 and info.value.param == field

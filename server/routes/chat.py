@@ -12,9 +12,10 @@ objects as vLLM does, ``tool_call_id``, ``reasoning_content``), and so do ``tool
 Tools: ``tool_choice`` ``"auto"`` (the default with tools) renders the tools and parses calls out
 of the output (``server/routes/tool_calls.py``; ``finish_reason="tool_calls"``); ``"none"``
 renders no tools and parses nothing; ``"required"`` or a named function also constrains the
-output with a grammar (Qwen format only). Tools on a template with no known call format are
-refused with 400. Without ``max_tokens``/``max_completion_tokens`` the reply may use
-the rest of the context.
+output with a grammar (Qwen format only) to calls of the tools, and the reply ends after them.
+Tools on a template with no known call format are refused with 400. A reply without calls has
+no ``tool_calls`` key. A message role OpenAI does not know is refused with 400. Without
+``max_tokens``/``max_completion_tokens`` the reply may use the rest of the context.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from moe_runtime.engine.request import RequestOutput, TokenLogprob
 from server.engine_client import RequestStream
 from server.errors import APIError, invalid
 from server.protocol import (
+    MESSAGE_ROLES,
     AssistantMessage,
     ChatChoice,
     ChatChoiceLogprobs,
@@ -46,6 +48,7 @@ from server.protocol import (
 )
 from server.routes.common import (
     check_model,
+    check_prompt,
     check_unsupported,
     choice_index,
     collect,
@@ -78,7 +81,15 @@ def make_router() -> APIRouter:
 
 
 def _message(m: ChatMessage, i: int) -> dict[str, Any]:
-    check_text(m.role, f"messages.{i}.role")
+    """Message ``i`` as the template gets it.
+
+    Raises:
+        APIError: 400 for a role OpenAI does not know (``param`` ``messages.<i>.role``), a content
+            part that is not text, or text that is not valid Unicode.
+    """
+    if m.role not in MESSAGE_ROLES:
+        msg = f"messages.{i}.role {m.role[:32]!r} is not one of {', '.join(map(repr, MESSAGE_ROLES))}"
+        raise invalid(msg, f"messages.{i}.role")
     if m.content is None or isinstance(m.content, str):
         content = m.content or ""
     else:
@@ -220,7 +231,9 @@ def _prompt_ids(state: ServerState, body: ChatCompletionRequest) -> tuple[list[i
         text = chat_prompt(state, body, body.messages, tools[0])
     except jinja2.TemplateError as exc:
         raise invalid(f"the chat template failed on these messages: {exc}", "messages") from None
-    return tokenize(state, text, "messages", add_special_tokens=False), tools
+    ids = tokenize(state, text, "messages", add_special_tokens=False)
+    check_prompt(state, ids, "messages")
+    return ids, tools
 
 
 def _logprobs(state: ServerState, lps: list[TokenLogprob]) -> ChatChoiceLogprobs:
@@ -272,7 +285,7 @@ async def _chat(
         choices.append(
             ChatChoice(
                 index=index,
-                message=AssistantMessage(content=content, tool_calls=tool_calls),
+                message=AssistantMessage(content=content, tool_calls=tool_calls or None),
                 logprobs=_logprobs(state, lps) if body.logprobs else None,
                 finish_reason=reason,
             )

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from fastapi import Request
 
 from moe_runtime.engine.request import RequestOutput, SamplingParams, TokenLogprob
+from moe_runtime.errors import RequestError
 from server.engine_client import EngineRequest, RequestStream
 from server.errors import APIError, invalid
 from server.protocol import ExpertUsage, SamplingFields, Usage
@@ -65,27 +66,31 @@ def sampling_params(
     ``check_sampling``) become ints; ``grammar`` comes from ``response_format``.
 
     Raises:
-        RequestError: a value out of range (answered with 400).
+        APIError: 400 for a value out of range, naming the field.
     """
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=0 if body.top_k is None else body.top_k,
-        seed=None if body.seed is None else body.seed + choice,
-        stop=[s for s in stop if s],
-        stop_token_ids=list(body.stop_token_ids or []),
-        ignore_eos=body.ignore_eos,
-        logprobs=logprobs,
-        presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-        min_p=body.min_p or 0.0,
-        logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
-        grammar=grammar,
-        prompt_logprobs=prompt_logprobs,
-    )
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=0 if body.top_k is None else body.top_k,
+            seed=None if body.seed is None else body.seed + choice,
+            stop=[s for s in stop if s],
+            stop_token_ids=list(body.stop_token_ids or []),
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            min_p=body.min_p or 0.0,
+            logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
+            grammar=grammar,
+            prompt_logprobs=prompt_logprobs,
+        )
+    except RequestError as exc:  # the limits checks come first, so only a missed case gets here
+        field = str(exc).split(" ", 1)[0]  # its message starts with the field's name
+        raise invalid(str(exc), field if field in type(body).model_fields else "body") from None
 
 
 def engine_requests(
@@ -122,6 +127,19 @@ def max_tokens_for(requested: int | None, prompt_len: int, max_model_len: int) -
     if requested < 1:
         raise invalid(f"max_tokens must be >= 1, got {requested}", "max_tokens")
     return requested
+
+
+def check_prompt(state: ServerState, ids: list[int], param: str) -> None:
+    """400 naming ``param`` when a prompt of token ``ids`` is empty or leaves no room to generate
+    within the context (``max_model_len`` tokens, prompt and output together)."""
+    if not ids:
+        raise invalid(f"{param}: the prompt is empty", param)
+    if len(ids) >= state.max_model_len:
+        msg = (
+            f"the prompt has {len(ids)} tokens; the model's context is {state.max_model_len} tokens "
+            "including at least one generated token"
+        )
+        raise invalid(msg, param)
 
 
 def usage(prompt_lens: Iterable[int], finals: Iterable[RequestOutput]) -> Usage:

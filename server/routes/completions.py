@@ -18,6 +18,7 @@ from server.errors import APIError, invalid
 from server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from server.routes.common import (
     check_model,
+    check_prompt,
     check_unsupported,
     choice_index,
     collect,
@@ -56,7 +57,12 @@ def _prompt_list(prompt: str | list) -> list[str] | list[list[int]]:
 
 
 def _prompts(state: ServerState, prompts: list[str] | list[list[int]]) -> tuple[list[list[int]], list[str]]:
-    """Token ids of each prompt and its text (for ``echo``)."""
+    """Token ids of each prompt and its text (for ``echo``).
+
+    Raises:
+        APIError: 400 naming ``prompt`` for an empty prompt, one that fills the context, or a
+            token id out of range.
+    """
     ids: list[list[int]] = []
     texts: list[str] = []
     for p in prompts:
@@ -67,6 +73,7 @@ def _prompts(state: ServerState, prompts: list[str] | list[list[int]]) -> tuple[
             check_token_ids(state, p, "prompt")
             ids.append(list(p))
             texts.append(state.tokenizer.decode(p) if state.tokenizer is not None else "")
+        check_prompt(state, ids[-1], "prompt")
     return ids, texts
 
 
