@@ -177,7 +177,7 @@ def gate_plan(
     use_order: np.ndarray,
     use_state: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]:
-    """The gate over a plan in one call (``EAMPrefetch._paying``): the candidates of ``rows
+    """The gate over a plan in one call (``GatedPlanning._paying``): the candidates of ``rows
     [D, E]`` a prefetch would copy (not ``held_rows [D, E]``), ranked as :func:`ranked_free` ranks
     them, and which of them pass the gain/cost test (:func:`pays`).
 

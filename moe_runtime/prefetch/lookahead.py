@@ -77,7 +77,7 @@ class LookaheadBlend:
         lookahead is there) and the router lookahead ``[d, E]`` (float32, contiguous) to blend
         into the first ``d`` of them, or None (none for ``layer``, or weight 0): ``rows`` itself
         then. ``ahead``: ``(layer, [D, E] scores)`` as :meth:`observe_lookahead` keeps it, or
-        None. The blend itself (``kernels.blend``) runs inside the plan's compiled call."""
+        None. The blend itself (``eam_kernels.blend``) runs inside the plan's compiled call."""
         if ahead is None or ahead[0] != layer or self.lookahead_weight == 0:
             return rows, None
         n = min(self.num_layers, layer + 1 + self.depth) - layer - 1  # rows of the plan
@@ -92,7 +92,7 @@ class LookaheadBlend:
 
     def _blended(self, rows: np.ndarray, spec: np.ndarray | None) -> np.ndarray:
         """``rows [D, E]`` with the lookahead ``spec [d, E]`` of :meth:`_plan_rows` blended in
-        (``kernels.blend``; a new array), or ``rows`` itself without one."""
+        (``eam_kernels.blend``; a new array), or ``rows`` itself without one."""
         return rows if spec is None else eam_kernels.blend(rows, spec, self.lookahead_weight)
 
     def _blend_ahead(

@@ -89,7 +89,7 @@ def term_candidates(
     cap: int,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The next layer's candidates of a plan with the EAMC term and without it
-    (``EAMPrefetch._note_eamc_term``, ``moe_runtime.prefetch.term_value``) in one call:
+    (``GatedPlanning._note_eamc_term``, ``moe_runtime.prefetch.term_value``) in one call:
     :func:`top_candidates` of row 0 of ``with_rows [D, E]`` and of ``without_rows [D', E]``
     (float32), each with the router lookahead ``ahead [d, E]`` blended in as :func:`blend`
     blends it (``d`` 0: none), against ``held [E]`` (the next layer's held mask) and ``cap``.
