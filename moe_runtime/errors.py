@@ -22,7 +22,16 @@ class ConfigError(MoeServeError):
 
 
 class RequestError(MoeServeError):
-    """A request cannot be served as asked (e.g. the prompt is longer than the context)."""
+    """A request cannot be served as asked (e.g. the prompt is longer than the context).
+
+    Attributes:
+        param: the request field at fault, as the OpenAI error object names it (``"prompt"``,
+            ``"max_tokens"``, ...), or None when no single field is.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class InsufficientMemoryError(MoeServeError):

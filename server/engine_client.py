@@ -367,7 +367,8 @@ class EngineClient:
                 self._engine_ids.add(r.request_id)
         except Exception as exc:
             self._abort_in_engine(added)
-            err = APIError(400, str(exc), "invalid_value") if isinstance(exc, MoeServeError) else exc
+            param = getattr(exc, "param", None) or "body"
+            err = APIError(400, str(exc), "invalid_value", param) if isinstance(exc, MoeServeError) else exc
             self._call(_settle, cmd.ack, err)
             return True
         self._call(_settle, cmd.ack, None)

@@ -172,18 +172,19 @@ class LLMEngine:
         if request_id in self._seqs:
             raise RequestError(f"request id {request_id!r} is already running")
         if not prompt_token_ids:
-            raise RequestError("the prompt is empty")
+            raise RequestError("the prompt is empty", "prompt")
         vocab = self.config.vocab_size
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise RequestError(f"prompt token id {bad} is out of range [0, {vocab})")
+            raise RequestError(f"prompt token id {bad} is out of range [0, {vocab})", "prompt")
         bad = next((t for t in params.logit_bias if not 0 <= t < vocab), None)
         if bad is not None:
-            raise RequestError(f"logit_bias token id {bad} is out of range [0, {vocab})")
+            raise RequestError(f"logit_bias token id {bad} is out of range [0, {vocab})", "logit_bias")
         if len(prompt_token_ids) >= self.max_model_len:
             raise RequestError(
                 f"the prompt has {len(prompt_token_ids)} tokens; the model's context is "
-                f"{self.max_model_len} tokens including at least one generated token"
+                f"{self.max_model_len} tokens including at least one generated token",
+                "prompt",
             )
         if params.grammar is not None:
             self._matchers[request_id] = GrammarMatcher(

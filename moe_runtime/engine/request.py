@@ -67,27 +67,33 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
-            raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}", "max_tokens")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature}")
+            raise RequestError(
+                f"temperature must be a finite number >= 0, got {self.temperature}", "temperature"
+            )
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.top_k < -1:
-            raise RequestError(f"top_k must be -1, 0 or positive, got {self.top_k}")
+            raise RequestError(f"top_k must be -1, 0 or positive, got {self.top_k}", "top_k")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise RequestError(f"logprobs must be in [0, 20], got {self.logprobs}")
+            raise RequestError(f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            raise RequestError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
+            raise RequestError(
+                f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}", "prompt_logprobs"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not (math.isfinite(value) and -2 <= value <= 2):
-                raise RequestError(f"{name} must be in [-2, 2], got {value}")
+                raise RequestError(f"{name} must be in [-2, 2], got {value}", name)
         if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 2):
-            raise RequestError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+            raise RequestError(
+                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}", "repetition_penalty"
+            )
         if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
-            raise RequestError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         if any(not math.isfinite(v) for v in self.logit_bias.values()):
-            raise RequestError("logit_bias values must be finite")
+            raise RequestError("logit_bias values must be finite", "logit_bias")
 
     @property
     def greedy(self) -> bool:
