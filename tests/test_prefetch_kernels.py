@@ -85,7 +85,7 @@ def test_plan_order_is_a_stable_sort_by_falling_score(seed: int) -> None:
 def _gate_keep_numpy(
     r, c, rank, scores, d0, prec, b, q, t, held, p_use, layer, E, slots, idle_n, save, h=0.0
 ):  # noqa: ANN001, ANN202, E501
-    """The numpy gate (``EAMPrefetch._paying`` with ``_victim_reuse``): ``(keep, net)``; the plan's
+    """The numpy gate (``GatedPlanning._paying`` with ``_victim_use``): ``(keep, net)``; the plan's
     best ``idle_n`` candidates are tested without the link terms, each right one saving ``save``;
     ``h``: each copy's host cost."""
     p_used = prec[np.minimum(d0 + r, prec.shape[0]) - 1, rank]
