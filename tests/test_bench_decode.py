@@ -12,11 +12,11 @@ import json
 import pytest
 import torch
 
-from moe_runtime.bench.hardware import CUDA_GPUS, gpu_profile, h2d_gbps, hbm_gbps
-from moe_runtime.bench.render import render_decode
 from moe_runtime.errors import ConfigError
-from moe_runtime.sim.hardware import GPUS
+from moeserve.bench.hardware import CUDA_GPUS, gpu_profile, h2d_gbps, hbm_gbps
+from moeserve.bench.render import render_decode
 from moeserve.cli import main
+from moeserve.sim.hardware import GPUS
 
 HBM = 100.0  # --hbm-gbps, so the bound can be recomputed exactly
 

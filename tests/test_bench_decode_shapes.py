@@ -80,7 +80,7 @@ def test_sliding_layers_read_at_most_their_window():
     """gpt-oss' sliding layers read at most ``sliding_window`` cached tokens; full layers all of them."""
     from types import SimpleNamespace
 
-    from moe_runtime.bench.decode_bounds import kv_read_bytes
+    from moeserve.bench.decode_bounds import kv_read_bytes
 
     per_layer = 64  # KV bytes per token and layer
     cfg = SimpleNamespace(num_layers=4, sliding_layers=[0, 2], sliding_window=10)

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from moe_runtime.bench.policies import PolicyResult
-from moe_runtime.bench.policy_summary import compare, paired, summarise, target, verdicts
-from moe_runtime.bench.render import render_policies
+from moeserve.bench.policies import PolicyResult
+from moeserve.bench.policy_summary import compare, paired, summarise, target, verdicts
+from moeserve.bench.render import render_policies
 from moeserve.cli import main
 
 

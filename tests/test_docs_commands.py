@@ -69,7 +69,7 @@ PARSE_ONLY: dict[tuple[str, ...], str] = {
 CREATES_OUT: dict[tuple[str, ...], str] = {
     ("replay",): "clients/replay.py write_outputs: out.mkdir(parents=True)",
     ("bench", "sweep"): "clients/sweep.py run: out.mkdir(parents=True)",
-    ("make-checkpoint",): "moe_runtime/checkpoints/writer.py: out.mkdir(parents=True)",
+    ("make-checkpoint",): "moeserve/checkpoints/writer.py: out.mkdir(parents=True)",
     ("trace", "record"): "TraceWriter (tracer/trace_file.py): path.parent.mkdir(parents=True)",
     ("trace", "import"): "TraceWriter (tracer/trace_file.py): path.parent.mkdir(parents=True); also run here",
 }

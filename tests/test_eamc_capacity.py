@@ -10,7 +10,7 @@ import pytest
 from tool_module import load_tool
 
 from moe_runtime.config import RuntimeConfig
-from moe_runtime.sim.engine import SimConfig
+from moeserve.sim.engine import SimConfig
 from tracer.eamc import DEFAULT_CAPACITY, EAMC
 from tracer.trace_file import TraceRecord
 

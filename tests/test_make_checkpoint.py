@@ -13,13 +13,13 @@ import pytest
 import torch
 import transformers
 
-from moe_runtime.checkpoints.shapes import SHAPES, hf_config, shrunk
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine.engine import LLMEngine
 from moe_runtime.engine.request import SamplingParams
 from moe_runtime.loader import read_model_config
-from moe_runtime.sim.models import MODELS
+from moeserve.checkpoints.shapes import SHAPES, hf_config, shrunk
 from moeserve.cli import main
+from moeserve.sim.models import MODELS
 
 # (hidden, layers, heads, kv heads, head_dim, vocab, experts, top-k, expert width, rope theta),
 # from each model's config.json on the Hugging Face Hub.
@@ -253,7 +253,7 @@ def test_made_checkpoint_loads_in_both_and_agrees(capsys, tmp_path, name):
 
 
 def test_routing_is_input_dependent(tmp_path):
-    from moe_runtime.checkpoints.writer import write_checkpoint
+    from moeserve.checkpoints.writer import write_checkpoint
 
     rep = write_checkpoint(shrunk(SHAPES["qwen3-30b-a3b"], 16), 1, tmp_path / "q")
     r = rep.routing

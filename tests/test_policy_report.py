@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from moe_runtime.bench.policies import PolicyResult
-from moe_runtime.bench.policy_summary import summarise
-from moe_runtime.sim.report import Row, add_relative, gap_closed
+from moeserve.bench.policies import PolicyResult
+from moeserve.bench.policy_summary import summarise
+from moeserve.sim.report import Row, add_relative, gap_closed
 
 
 def test_gap_closed_is_the_share_of_the_on_demand_to_oracle_gap() -> None:

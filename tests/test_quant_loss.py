@@ -1,4 +1,4 @@
-"""Held-out loss per expert format (moe_runtime/train/quant_loss.py, tools/quant_loss.py): the
+"""Held-out loss per expert format (moeserve/train/quant_loss.py, tools/quant_loss.py): the
 model evaluated carries exactly the runtime's stored experts."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 from moe_runtime.quant.fp8 import Fp8BlockCodec
-from moe_runtime.train.quant_loss import measure, model_with_served_experts, render
-from moe_runtime.train.trainer import evaluate
+from moeserve.train.quant_loss import measure, model_with_served_experts, render
+from moeserve.train.trainer import evaluate
 
 
 def test_served_experts_are_the_codec_round_trip(tiny_qwen3):

@@ -1,4 +1,4 @@
-"""``python -m moe_runtime.sim.calibrate`` end to end on a tiny workload (it drives the real
+"""``python -m moeserve.sim.calibrate`` end to end on a tiny workload (it drives the real
 ``bench policies`` under the probe, so a change to either breaks this first)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from moe_runtime.sim import calibrate
+from moeserve.sim import calibrate
 
 
 def test_calibration_runs_and_lru_hits_match_exactly(shared_data, tmp_path, capsys):

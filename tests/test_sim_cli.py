@@ -119,8 +119,8 @@ def test_profile_without_room_for_an_expert_errors(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from moe_runtime.errors import ConfigError
-    from moe_runtime.sim.hardware import get_hardware
-    from moe_runtime.sim.models import get_model
+    from moeserve.sim.hardware import get_hardware
+    from moeserve.sim.models import get_model
 
     with pytest.raises(ConfigError, match="deepseek-v3.*leave no room"):
         get_model("deepseek-v3").buffer_slots(get_hardware("a5000"), kv_tokens=200_000)

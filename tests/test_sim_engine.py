@@ -8,11 +8,11 @@ import pytest
 
 from moe_runtime.buffer.partition import Partition
 from moe_runtime.io.transfer_queue import TransferQueue
-from moe_runtime.sim.cost import CostModel
-from moe_runtime.sim.engine import SimConfig, Simulator
-from moe_runtime.sim.runner import SIM_COMBOS as COMBOS
-from moe_runtime.sim.runner import run_combos
-from moe_runtime.sim.workload import SimRequest
+from moeserve.sim.cost import CostModel
+from moeserve.sim.engine import SimConfig, Simulator
+from moeserve.sim.runner import SIM_COMBOS as COMBOS
+from moeserve.sim.runner import run_combos
+from moeserve.sim.workload import SimRequest
 
 
 def random_requests(
@@ -162,7 +162,7 @@ def test_prefetch_ranked_queues_the_first_free_keys_up_to_capacity(devices: int)
     """``SimBuffer.prefetch_ranked`` (``partition.apply_ranked_plan``: a plan the policy ranked,
     one compiled call on one device, per device on several) leaves the queues, the counters and
     the I/O as handing ``prefetch`` the plan's keys not held, up to the prefetch capacity, does."""
-    from moe_runtime.sim.buffer import SimBuffer
+    from moeserve.sim.buffer import SimBuffer
 
     L, E = 4, 8
     bufs = [SimBuffer(L, E, 6, devices, 1000, 1e-3) for _ in range(2)]
@@ -194,7 +194,7 @@ def test_prefetch_best_queues_what_best_free_then_prefetch_queue(devices: int) -
     select then re-plan per device on several) leaves the queues, the counters and the I/O as
     selecting with ``best_free`` and handing the plan to ``prefetch`` does."""
     from moe_runtime.io.transfer_queue import best_free
-    from moe_runtime.sim.buffer import SimBuffer
+    from moeserve.sim.buffer import SimBuffer
 
     L, E = 4, 8
     bufs = [SimBuffer(L, E, 6, devices, 1000, 1e-3) for _ in range(2)]

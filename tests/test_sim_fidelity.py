@@ -22,9 +22,9 @@ from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine.engine import LLMEngine
 from moe_runtime.engine.request import SamplingParams
 from moe_runtime.loader import load_checkpoint
-from moe_runtime.sim.cost import CostModel
-from moe_runtime.sim.engine import SimConfig, Simulator
-from moe_runtime.sim.workload import load_workload
+from moeserve.sim.cost import CostModel
+from moeserve.sim.engine import SimConfig, Simulator
+from moeserve.sim.workload import load_workload
 from tracer.eamc import EAMC
 from tracer.recorder import RequestRecorder
 from tracer.trace_file import TraceWriter

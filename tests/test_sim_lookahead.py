@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from moe_runtime.errors import ConfigError
-from moe_runtime.sim.engine import SimConfig, _lookahead_scores
 from moeserve.commands.simulate import lookahead_precision
+from moeserve.sim.engine import SimConfig, _lookahead_scores
 from tests.test_sim_engine import random_requests, sim_for
 
 

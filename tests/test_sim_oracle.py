@@ -15,11 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moe_runtime.prefetch.oracle import OracleSchedule
-from moe_runtime.sim.cost import CostModel
-from moe_runtime.sim.engine import SimConfig, Simulator
-from moe_runtime.sim.runner import SIM_COMBOS as COMBOS
-from moe_runtime.sim.runner import run_combos
-from moe_runtime.sim.workload import SimRequest
+from moeserve.sim.cost import CostModel
+from moeserve.sim.engine import SimConfig, Simulator
+from moeserve.sim.runner import SIM_COMBOS as COMBOS
+from moeserve.sim.runner import run_combos
+from moeserve.sim.workload import SimRequest
 
 
 @st.composite

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from moe_runtime.sim.cost import CostModel
-from moe_runtime.sim.hardware import get_hardware, hardware_names
-from moe_runtime.sim.models import MODELS, get_model
+from moeserve.sim.cost import CostModel
+from moeserve.sim.hardware import get_hardware, hardware_names
+from moeserve.sim.models import MODELS, get_model
 
 # Published total parameters (billions): Mixtral 46.7 (arXiv 2401.04088), Switch-base-128 7.4
 # (HF model card), NLLB-MoE 54.5 (arXiv 2207.04672), Arctic ~480 (Snowflake), Qwen3-30B-A3B 30.5

@@ -74,7 +74,7 @@ def test_loads_in_transformers_with_finite_logits(model_dir: Path) -> None:
 
 def test_tokenizer_round_trips_and_chat_template(model_dir: Path) -> None:
     from moe_runtime.tokenizer import Tokenizer
-    from moe_runtime.train.tokenizer import EOS_TOKEN, ROLE_TOKENS, render_chat
+    from moeserve.train.tokenizer import EOS_TOKEN, ROLE_TOKENS, render_chat
 
     tok = Tokenizer(model_dir)
     for text in [
@@ -119,7 +119,7 @@ def test_training_log_matches_checkpoint(model_dir: Path) -> None:
 
 
 def test_corpus_has_zero_overlap_with_replayed_prompts(shared_data: Path) -> None:
-    from moe_runtime.train.corpus import (
+    from moeserve.train.corpus import (
         REPLAYED_ROWS,
         OverlapIndex,
         assert_no_overlap,
@@ -145,9 +145,9 @@ def test_training_recipe_writes_loadable_checkpoint(tmp_path: Path) -> None:
     from transformers import Qwen3MoeForCausalLM
 
     from moe_runtime.loader import load_checkpoint
-    from moe_runtime.train.corpus import DOMAINS, CorpusSplit, Doc
-    from moe_runtime.train.shape import TinyMoeShape, TrainSettings
-    from moe_runtime.train.trainer import train
+    from moeserve.train.corpus import DOMAINS, CorpusSplit, Doc
+    from moeserve.train.shape import TinyMoeShape, TrainSettings
+    from moeserve.train.trainer import train
 
     texts = {
         "code": "def f(x):\n    return x + 1\n",

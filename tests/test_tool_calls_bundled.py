@@ -87,7 +87,7 @@ def http(running):
 def test_bundled_template_renders_tools_as_transformers_and_the_recipe_do():
     from transformers import AutoTokenizer
 
-    from moe_runtime.train.tokenizer import CHAT_TEMPLATE, render_chat
+    from moeserve.train.tokenizer import CHAT_TEMPLATE, render_chat
 
     folder = default_model_dir()
     assert json.loads((folder / "tokenizer_config.json").read_text())["chat_template"] == CHAT_TEMPLATE

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from moeserve.bench import eamc as bench_eamc
 from moeserve.commands import trace as trace_cmd
-from tracer import bench_eamc
 from tracer.analysis import top_quarter_share, trace_stats
 from tracer.errors import TracerError
 from tracer.import_routing import import_routing

@@ -42,9 +42,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moe_runtime.bench.policies import _run_batches, load_model_and_workload, register_workload_args  # noqa: E402
 from moe_runtime.buffer.cache_policy import make_cache_policy  # noqa: E402
 from moe_runtime.buffer.policies import PREFILL_WEIGHT  # noqa: E402
+from moeserve.bench.policies import _run_batches, load_model_and_workload, register_workload_args  # noqa: E402
 from tracer.recorder import RequestRecorder  # noqa: E402
 
 Routing = list[tuple[int, list[str], np.ndarray, np.ndarray, np.ndarray]]  # per routed layer

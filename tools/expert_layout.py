@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 from policy_ab import add_workload_args, build_engine, load_workload, parse_policies  # noqa: E402
 
-from moe_runtime.bench.policies import DecodeTimes, _run_batches  # noqa: E402
+from moeserve.bench.policies import DecodeTimes, _run_batches  # noqa: E402
 
 
 class LayoutCounter:

@@ -36,8 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moe_runtime.bench.policies import COMBOS, _run_batches, load_model_and_workload  # noqa: E402
 from moe_runtime.prefetch.trial import MODES  # noqa: E402
+from moeserve.bench.policies import COMBOS, _run_batches, load_model_and_workload  # noqa: E402
 
 
 def parse_policy(label: str) -> tuple[str, str, dict, str | None]:

@@ -37,7 +37,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moe_runtime.bench.policies import _run_batches, load_model_and_workload, register_workload_args  # noqa: E402
+from moeserve.bench.policies import _run_batches, load_model_and_workload, register_workload_args  # noqa: E402
 
 DOC = ROOT / "docs" / "results.md"
 # row label -> description, in table order

@@ -16,7 +16,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from moe_runtime.train.quant_loss import FORMATS, heldout_windows, measure, render  # noqa: E402
+from moeserve.train.quant_loss import FORMATS, heldout_windows, measure, render  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from moe_runtime.sim.report import gap_closed
+from moeserve.sim.report import gap_closed
 
 
 def _load(path: str) -> tuple[tuple[str, int], dict, dict[str, dict]]:

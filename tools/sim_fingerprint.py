@@ -1,6 +1,6 @@
 """Fingerprint the simulator's outputs, to check that a speed change leaves them bit-identical.
 
-Runs every bench combination (``moe_runtime.sim.runner.SIM_COMBOS``) on six cases -- the
+Runs every bench combination (``moeserve.sim.runner.SIM_COMBOS``) on six cases -- the
 imported Mixtral-8x7B trace at 57 and 40 slots (batch 1 and 4), on 2 devices with depth 3, at 57
 slots with the router lookahead modelled (batch 4), and a seeded synthetic qwen3-30b-a3b-shaped
 workload at 600 and 300 slots (batch 8 and 4, 3 devices) -- and writes every counter, TPOT,
@@ -24,13 +24,13 @@ import sys
 import time
 from pathlib import Path
 
-from moe_runtime.sim.cost import CostModel
-from moe_runtime.sim.engine import SimConfig, Simulator
-from moe_runtime.sim.hardware import get_hardware
-from moe_runtime.sim.models import get_model
-from moe_runtime.sim.runner import SIM_COMBOS, run_combos
-from moe_runtime.sim.speed import synthetic_workload
-from moe_runtime.sim.workload import load_workload, split_warm_eval
+from moeserve.sim.cost import CostModel
+from moeserve.sim.engine import SimConfig, Simulator
+from moeserve.sim.hardware import get_hardware
+from moeserve.sim.models import get_model
+from moeserve.sim.runner import SIM_COMBOS, run_combos
+from moeserve.sim.speed import synthetic_workload
+from moeserve.sim.workload import load_workload, split_warm_eval
 
 
 def cases(trace: str):

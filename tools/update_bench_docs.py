@@ -20,7 +20,7 @@ from pathlib import Path
 
 root = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(root))
-from moe_runtime.checkpoints.shapes import SHAPES, shrunk  # noqa: E402
+from moeserve.checkpoints.shapes import SHAPES, shrunk  # noqa: E402
 
 #: CPU decode benches at real per-layer widths: (shape, layers kept, width divisor, transformers
 #: baseline). deepseek-v3's MoE layer is 23 GB in bf16, more than this 24 GiB machine holds twice
@@ -268,7 +268,7 @@ Two lower bounds stand beside TPOT (milliseconds per decode step):
   the step used, from the buffer's lookups, with its rows of gpt-oss' resident expert biases;
   the KV cache at the run's mean context, at most the window in gpt-oss' sliding layers, the
   latent row per layer for DeepSeek) / the device's memory bandwidth: `hbm_gbps` in the
-  settings, from the data-sheet table of `moe_runtime/bench/hardware.py` on CUDA (it reuses the
+  settings, from the data-sheet table of `moeserve/bench/hardware.py` on CUDA (it reuses the
   simulator's GPU profiles), a measured host-memory copy on the CPU (`hbm_source`), or `--hbm-gbps`.
 - **Link bound**: bytes moved host->device per decode step / the link's bandwidth: with no
   emulated link, host->device copies of one expert measured in the same run (`h2d_gbps_measured`:
@@ -330,7 +330,7 @@ python tools/update_bench_docs.py   # renders each JSON below
 `moeserve make-checkpoint --shape NAME --layers N --out DIR [--dtype bf16|fp16|fp32] [--seed S]`
 writes a random-weight Hugging Face checkpoint with the real per-layer shapes of a published MoE
 model, keeping its first `N` decoder layers. Both `transformers` (`from_pretrained`) and moeserve
-(`--model DIR`) load it. The shapes (`moe_runtime/checkpoints/shapes.py`; sizes in bf16; "MoE
+(`--model DIR`) load it. The shapes (`moeserve/checkpoints/shapes.py`; sizes in bf16; "MoE
 layer GB": one MoE decoder layer with its attention and norms, "model GB": the whole model,
 `RealShape.checkpoint_bytes`, which counts what transformers' model of the shape holds):
 

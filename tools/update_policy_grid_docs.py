@@ -2,10 +2,10 @@
 
 One row per (link, batch, buffer): ``eam`` and on-demand+LRU TPOT, median [min, max] over the
 repeats; their paired ratio as ``bench policies`` computed it (``tpot_vs_on_demand`` of the eam
-row, :mod:`moe_runtime.bench.policy_summary`: per round eam / on-demand, median [min, max]); the
+row, :mod:`moeserve.bench.policy_summary`: per round eam / on-demand, median [min, max]); the
 share of measured decode steps the eam trial ran with prefetching on, and the per-arm shares where
 the JSON has them (``arm_shares``); and issue #15's verdict on the ratio target
-(:data:`~moe_runtime.bench.policy_summary.TPOT_RATIO_TARGET`, 1.02), see :func:`verdict`. A grid
+(:data:`~moeserve.bench.policy_summary.TPOT_RATIO_TARGET`, 1.02), see :func:`verdict`. A grid
 point or buffer without a file or row is a ``missing`` row, never dropped. Beside the figures:
 each point's workload, repeats, load averages and wall time.
 
@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 from policy_grid import BATCHES, FRACTIONS, LINKS, OUT, ROOT, link_text, point_file  # noqa: E402
 
-from moe_runtime.bench.policy_summary import BASELINE, DEFAULT, TPOT_RATIO_TARGET  # noqa: E402
-from moe_runtime.bench.render import fmt_key  # noqa: E402
+from moeserve.bench.policy_summary import BASELINE, DEFAULT, TPOT_RATIO_TARGET  # noqa: E402
+from moeserve.bench.render import fmt_key  # noqa: E402
 
 BEGIN, END = "<!-- BEGIN policy-grid -->", "<!-- END policy-grid -->"
 PREV_BEGIN, PREV_END = "<!-- BEGIN policy-grid-previous -->", "<!-- END policy-grid-previous -->"

@@ -19,14 +19,14 @@ from pathlib import Path
 
 root = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(root))
-from moe_runtime.bench.policy_summary import (  # noqa: E402
+from moeserve.bench.policy_summary import (  # noqa: E402
     GAP_CLOSED_TARGET,
     TPOT_RATIO_TARGET,
     compare,
     paired,
     target,
 )
-from moe_runtime.bench.render import fmt_key, fmt_spread, render_policies  # noqa: E402
+from moeserve.bench.render import fmt_key, fmt_spread, render_policies  # noqa: E402
 
 bench = root / "runs/bench"
 ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

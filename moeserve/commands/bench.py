@@ -9,14 +9,14 @@ import argparse
 import importlib
 
 BENCH_MODULES: list[str] = [
-    "moe_runtime.bench.decode",
-    "moe_runtime.bench.policies",
-    "moe_runtime.bench.lookahead",
-    "moe_runtime.bench.experts",
-    "moe_runtime.bench.overhead",
-    "moe_runtime.bench.render",
+    "moeserve.bench.decode",
+    "moeserve.bench.policies",
+    "moeserve.bench.lookahead",
+    "moeserve.bench.experts",
+    "moeserve.bench.overhead",
+    "moeserve.bench.render",
     "clients.sweep",
-    "tracer.bench_eamc",
+    "moeserve.bench.eamc",
 ]
 
 

@@ -6,7 +6,7 @@ Example (the Mixtral-8x7B shape with 4 of its 32 layers, 11.8 GB in bf16)::
 
 Shapes: ``mixtral-8x7b``, ``qwen3-30b-a3b``, ``qwen2-moe-a2.7b``, ``olmoe-1b-7b``,
 ``deepseek-v2-lite``, ``deepseek-v3``, ``glm-4.5-air``, ``gpt-oss-20b``, ``phi-3.5-moe``
-(:mod:`moe_runtime.checkpoints.shapes`). ``--shrink N`` (hidden from ``--help``; for tests)
+(:mod:`moeserve.checkpoints.shapes`). ``--shrink N`` (hidden from ``--help``; for tests)
 divides every width by N. Needs ``transformers`` (the ``train`` extra).
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from moe_runtime.checkpoints.shapes import SHAPES
+    from moeserve.checkpoints.shapes import SHAPES
 
     p = sub.add_parser("make-checkpoint", help="write a random-weight checkpoint of a real MoE shape")
     p.add_argument("--shape", required=True, help=f"model shape: {', '.join(SHAPES)}")
@@ -32,9 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_runtime.checkpoints.shapes import get_shape, shrunk
-    from moe_runtime.checkpoints.writer import DTYPES, check_out_dir, write_checkpoint
     from moe_runtime.errors import ConfigError
+    from moeserve.checkpoints.shapes import get_shape, shrunk
+    from moeserve.checkpoints.writer import DTYPES, check_out_dir, write_checkpoint
 
     shape = shrunk(get_shape(args.shape), args.shrink)
     if not 1 <= args.layers <= shape.num_layers:

@@ -108,18 +108,18 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_runtime.bench.policies import COMBOS
     from moe_runtime.errors import ConfigError
-    from moe_runtime.sim.cost import CostModel
-    from moe_runtime.sim.engine import SimConfig, Simulator
-    from moe_runtime.sim.hardware import get_hardware
-    from moe_runtime.sim.models import DEFAULT_KV_TOKENS, get_model
-    from moe_runtime.sim.report import add_relative, as_json, print_single, print_tables, row_of
-    from moe_runtime.sim.runner import combo_for, run_combos
-    from moe_runtime.sim.workload import load_workload, split_warm_eval
+    from moeserve.bench.policies import COMBOS
+    from moeserve.sim.cost import CostModel
+    from moeserve.sim.engine import SimConfig, Simulator
+    from moeserve.sim.hardware import get_hardware
+    from moeserve.sim.models import DEFAULT_KV_TOKENS, get_model
+    from moeserve.sim.report import add_relative, as_json, print_single, print_tables, row_of
+    from moeserve.sim.runner import combo_for, run_combos
+    from moeserve.sim.workload import load_workload, split_warm_eval
 
     if args.list_profiles:
-        from moe_runtime.sim.report import print_profiles
+        from moeserve.sim.report import print_profiles
 
         print_profiles(args.kv_tokens or DEFAULT_KV_TOKENS)
         return 0

@@ -5,7 +5,7 @@
 * ``import SRC... --out DST`` -- convert per-token routing logs (``*_routing.jsonl``) into our
   trace format (``docs/trace-format.md``).
 * ``record --prompts JSONL --out FILE`` -- run task-labelled prompts through the runtime and
-  record their traces (``moe_runtime/bench/record_traces.py``).
+  record their traces (``moeserve/bench/record_traces.py``).
 * ``predict-eval --warm FILE --eval FILE`` -- precision/recall of predicting the experts of layer
   ``l + d`` by EAMC matching, lifetime counts and the previous token (MoE-Infinity §5.1, §7.2).
 
@@ -99,6 +99,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_predict_eval)
 
-    from moe_runtime.bench.record_traces import add_record_parser
+    from moeserve.bench.record_traces import add_record_parser
 
     add_record_parser(cmds)

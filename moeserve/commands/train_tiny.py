@@ -48,9 +48,9 @@ def run(args: argparse.Namespace) -> int:
     from moe_runtime.errors import ConfigError
 
     _require_transformers()
-    from moe_runtime.train.corpus import build_corpus
-    from moe_runtime.train.shape import TrainSettings, format_split
-    from moe_runtime.train.trainer import train
+    from moeserve.train.corpus import build_corpus
+    from moeserve.train.shape import TrainSettings, format_split
+    from moeserve.train.trainer import train
 
     if args.card_only and args.card is None:
         raise ConfigError("--card-only needs --card PATH")
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         print(format_split(result["params"]))
         print(f"checkpoint written to {args.out} in {result['time_s']['total']:.0f} s")
     if args.card is not None:
-        from moe_runtime.train.model_card import write_card
+        from moeserve.train.model_card import write_card
 
         write_card(args.out, split, args.card, log=lambda m: print(m, flush=True))
         print(f"model card written to {args.card}")

@@ -1,0 +1,128 @@
+"""Hardware profiles for the simulator: host->device links and GPUs (MoE-Lightning §3, HRM levels).
+
+A :class:`HardwareProfile` is one GPU (memory, peak compute, HBM bandwidth: the compute and memory
+roofs of the device level in MoE-Lightning's Hierarchical Roofline Model, Eqs. 4-5) behind one
+host link (the cross-level memory roof, Eq. 6). Every value carries its source in a comment and in
+``docs/simulator.md``. Peak figures are the vendors' data-sheet numbers (dense, no sparsity);
+achieved kernel throughput is lower, which the roofline ignores (MoE-Lightning §4.2 does the
+same); calibration (:mod:`moeserve.sim.calibrate`) uses measured times instead.
+
+Effective link bandwidth: PCIe moves 128b/130b-encoded data in packets whose headers and flow
+control cost about 20% of the raw rate, so a pinned host->device copy reaches about 80% of it
+(the ``~25 GB/s`` usually quoted for PCIe 4.0 x16). We apply the same 0.8 to every link, NVLink-C2C
+included; this factor is our assumption, stated, not a measurement.
+
+Profiles are named ``gpu+link`` (``a5000+pcie4``); a few aliases name common servers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_runtime.errors import ConfigError
+
+GB = 1e9  # data-sheet "GB" and "GB/s" are decimal
+GiB = 1 << 30
+LINK_EFFICIENCY = 0.8  # share of the raw link rate a large pinned copy achieves (assumption, see above)
+
+
+@dataclass(frozen=True, slots=True)
+class LinkProfile:
+    """A host->device link. ``raw_gbps``: per-direction signalling rate after line encoding, GB/s;
+    ``latency_us``: fixed cost per transfer (DMA setup and launch), microseconds."""
+
+    name: str
+    raw_gbps: float
+    latency_us: float
+    source: str
+
+    @property
+    def gbps(self) -> float:
+        """Effective bandwidth, GB/s (``raw_gbps * LINK_EFFICIENCY``)."""
+        return self.raw_gbps * LINK_EFFICIENCY
+
+
+@dataclass(frozen=True, slots=True)
+class GPUProfile:
+    """One accelerator: ``memory_bytes``; ``peak_flops`` (dense BF16/FP16 tensor FLOP/s);
+    ``hbm_gbps`` (device memory bandwidth, GB/s)."""
+
+    name: str
+    memory_bytes: int
+    peak_flops: float
+    hbm_gbps: float
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
+class HardwareProfile:
+    """A GPU behind a link; ``name`` is ``gpu+link`` or an alias."""
+
+    name: str
+    gpu: GPUProfile
+    link: LinkProfile
+
+    def describe(self) -> str:
+        g, lk = self.gpu, self.link
+        return (
+            f"{self.name}: {g.name} {g.memory_bytes / GiB:.0f} GiB, {g.peak_flops / 1e12:.0f} TFLOP/s, "
+            f"HBM {g.hbm_gbps:.0f} GB/s; link {lk.name} {lk.gbps:.1f} GB/s effective "
+            f"({lk.raw_gbps:.1f} raw x {LINK_EFFICIENCY}), {lk.latency_us:.0f} us/transfer"
+        )
+
+
+# Per-transfer latency: a cudaMemcpyAsync launch plus DMA setup is of order 10 us (assumption; at
+# expert sizes of 10-400 MB it is < 1% of the transfer).
+LINKS: dict[str, LinkProfile] = {
+    # PCIe 4.0: 16 GT/s per lane, 128b/130b encoding, x16 -> 31.5 GB/s per direction (PCI-SIG, PCI
+    # Express Base Specification 4.0); MoE-Infinity §7.1 rounds it to 32 GB/s. x 0.8 = 25.2 GB/s.
+    "pcie4": LinkProfile("pcie4", 31.5, 10.0, "PCI-SIG PCIe 4.0 x16: 16 GT/s x 16 lanes, 128b/130b"),
+    # PCIe 5.0: 32 GT/s per lane, 128b/130b, x16 -> 63.0 GB/s per direction (PCI-SIG, PCIe 5.0).
+    "pcie5": LinkProfile("pcie5", 63.0, 10.0, "PCI-SIG PCIe 5.0 x16: 32 GT/s x 16 lanes, 128b/130b"),
+    # NVLink-C2C (Grace Hopper): 900 GB/s bidirectional = 450 GB/s per direction (NVIDIA GH200
+    # Grace Hopper Superchip data sheet / "NVIDIA Grace Hopper Superchip Architecture" whitepaper).
+    "nvlink-c2c": LinkProfile(
+        "nvlink-c2c", 450.0, 5.0, "NVIDIA GH200 data sheet: NVLink-C2C 900 GB/s bidir."
+    ),
+}
+
+GPUS: dict[str, GPUProfile] = {
+    # NVIDIA RTX A5000 data sheet: 24 GB GDDR6, 768 GB/s, tensor 222.2 TFLOPS with sparsity ->
+    # 111.1 TFLOPS dense FP16/BF16. The GPU of MoE-Infinity's evaluation server (§7.1).
+    "a5000": GPUProfile("a5000", 24 * GiB, 111.1e12, 768.0, "NVIDIA RTX A5000 data sheet"),
+    # NVIDIA A100 data sheet (80GB SXM): HBM2e 2,039 GB/s, BF16 tensor 312 TFLOPS dense.
+    "a100-80gb": GPUProfile("a100-80gb", 80 * GiB, 312e12, 2039.0, "NVIDIA A100 80GB SXM data sheet"),
+    # NVIDIA H100 data sheet (SXM5 80GB): HBM3 3.35 TB/s, BF16 tensor 989 TFLOPS dense (1,979 sparse).
+    "h100-80gb": GPUProfile("h100-80gb", 80 * GiB, 989e12, 3350.0, "NVIDIA H100 SXM5 data sheet"),
+    # NVIDIA GH200 data sheet: the Hopper GPU of the superchip with 96 GB HBM3 at 4 TB/s, same
+    # tensor cores as H100 SXM (989 TFLOPS dense BF16).
+    "gh200-96gb": GPUProfile("gh200-96gb", 96 * GiB, 989e12, 4000.0, "NVIDIA GH200 data sheet (96 GB HBM3)"),
+}
+
+ALIASES: dict[str, str] = {
+    "a5000": "a5000+pcie4",  # MoE-Infinity's 8-A5000 server: one PCIe 4.0 x16 link per GPU (§7.1)
+    "a100": "a100-80gb+pcie4",
+    "h100": "h100-80gb+pcie5",
+    "gh200": "gh200-96gb+nvlink-c2c",
+}
+
+
+def hardware_names() -> list[str]:
+    """Every accepted ``--hardware`` value (aliases first, then all ``gpu+link`` pairs)."""
+    return list(ALIASES) + [f"{g}+{lk}" for g in GPUS for lk in LINKS]
+
+
+def get_hardware(name: str) -> HardwareProfile:
+    """Look up ``name`` (an alias or ``gpu+link``).
+
+    Raises:
+        ConfigError: unknown GPU, link or alias (one line naming it and the choices).
+    """
+    full = ALIASES.get(name, name)
+    gpu_name, _, link_name = full.partition("+")
+    if gpu_name not in GPUS or link_name not in LINKS:
+        raise ConfigError(
+            f"--hardware {name!r} is unknown (choose an alias {', '.join(ALIASES)} or GPU+LINK with "
+            f"GPU in {', '.join(GPUS)} and LINK in {', '.join(LINKS)})"
+        )
+    return HardwareProfile(name, GPUS[gpu_name], LINKS[link_name])

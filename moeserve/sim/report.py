@@ -1,0 +1,198 @@
+"""Paper-style result tables of the simulator (MoE-Infinity §7.2-7.3, Tables 2, 3 and 5).
+
+Table 2 normalises GPU blocking time to on-demand fetching, Table 3 bandwidth (bytes moved) to
+on-demand, Table 5 reports the buffer hit rate with the oracle as "Ideal". The simulator prints
+all three views in one table per buffer size, with absolute figures beside the ratios, and the
+settings (model and hardware profiles, cost model, slots, batch, trace) underneath.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from moeserve.sim.engine import PolicyRun
+
+MiB = 1 << 20
+
+
+@dataclass(slots=True)
+class Row:
+    """One policy's figures (per generated token unless named otherwise)."""
+
+    policy: str
+    prefetch: str
+    cache: str
+    slots: int
+    lookups: int
+    hits: int
+    hit_rate: float
+    blocking_ms_per_token: float
+    bytes_per_token: float
+    tpot_ms: float
+    tokens: int
+    prefetch_issued: int
+    prefetch_used: int
+    prefetch_cancelled: int
+    late_prefetches: int
+    demand_fetches: int
+    sim_lookups: int
+    wall_s: float
+    gap_closed: float | None = None  # share of the on-demand+LRU -> oracle TPOT gap closed
+    bytes_vs_oracle: float | None = None  # bytes moved per token / the oracle's
+
+
+def gap_closed(tpot: float, on_demand: float, oracle: float) -> float | None:
+    """Fraction of the TPOT gap from on-demand+LRU (0) to the oracle (1) that ``tpot`` closes;
+    negative when slower than on-demand, None when there is no gap (oracle not faster)."""
+    gap = on_demand - oracle
+    return (on_demand - tpot) / gap if gap > 0 else None
+
+
+def add_relative(rows: list[Any], group: str = "slots") -> list[Any]:
+    """Fill ``gap_closed`` and ``bytes_vs_oracle`` of each row (a :class:`Row` or a bench
+    ``PolicyResult``: ``policy``, ``tpot_ms``, ``bytes_per_token``) against the ``on-demand+lru``
+    and ``oracle`` rows with the same ``group`` attribute (buffer size); left None where either is
+    missing. Returns ``rows``."""
+    for size in {getattr(r, group) for r in rows}:
+        block = [r for r in rows if getattr(r, group) == size]
+        base = next((r for r in block if r.policy == "on-demand+lru"), None)
+        oracle = next((r for r in block if r.policy == "oracle"), None)
+        if base is None or oracle is None:
+            continue
+        for r in block:
+            r.gap_closed = gap_closed(r.tpot_ms, base.tpot_ms, oracle.tpot_ms)
+            r.bytes_vs_oracle = r.bytes_per_token / oracle.bytes_per_token if oracle.bytes_per_token else None
+    return rows
+
+
+def row_of(run: PolicyRun) -> Row:
+    st = run.stats
+    return Row(
+        policy=run.label,
+        prefetch=run.prefetch,
+        cache=run.cache,
+        slots=run.slots,
+        lookups=run.lookups,
+        hits=int(st["hits"]),
+        hit_rate=run.hit_rate,
+        blocking_ms_per_token=1e3 * run.blocking_s_per_token,
+        bytes_per_token=run.bytes_per_token,
+        tpot_ms=1e3 * run.tpot_s,
+        tokens=run.tokens,
+        prefetch_issued=int(st["prefetch_issued"]),
+        prefetch_used=int(st["prefetch_used"]),
+        prefetch_cancelled=int(st["prefetch_cancelled"]),
+        late_prefetches=int(st["late_prefetches"]),
+        demand_fetches=int(st["demand_fetches"]),
+        sim_lookups=run.sim_lookups,
+        wall_s=run.wall_s,
+    )
+
+
+def as_json(settings: dict[str, Any], rows: list[Row]) -> dict[str, Any]:
+    return {"settings": settings, "results": [asdict(r) for r in rows]}
+
+
+def _ratio(x: float, base: float | None) -> str:
+    return f"{100 * x / base:.0f}%" if base else "-"
+
+
+def _share(x: float | None) -> str:
+    return f"{100 * x:.0f}%" if x is not None else "-"
+
+
+def print_tables(settings: dict[str, Any], rows: list[Row], title: str = "moeserve simulate") -> None:
+    """The paper-style table (one block per buffer size) and the settings line."""
+    from richconsole import Table, make_console
+
+    console = make_console()
+    table = Table(title=title)
+    cols = (
+        "slots",
+        "policy",
+        "hit rate (T5)",
+        "vs oracle",
+        "block ms/tok",
+        "block vs on-demand (T2)",
+        "MiB/tok",
+        "bytes vs on-demand (T3)",
+        "TPOT ms",
+        "gap closed",
+        "bytes vs oracle",
+        "prefetch used/issued",
+    )
+    for col in cols:
+        table.add_column(col, justify="right")
+    for slots in sorted({r.slots for r in rows}):
+        block = [r for r in rows if r.slots == slots]
+        base = next((r for r in block if (r.prefetch, r.cache) == ("on-demand", "lru")), None)
+        base = base or next((r for r in block if r.prefetch == "on-demand"), None)
+        oracle = next((r for r in block if r.prefetch == "oracle"), None)
+        for r in block:
+            table.add_row(
+                str(slots),
+                r.policy,
+                f"{r.hit_rate:.3f}",
+                f"{r.hit_rate - oracle.hit_rate:+.3f}" if oracle else "-",
+                f"{r.blocking_ms_per_token:.2f}",
+                _ratio(r.blocking_ms_per_token, base.blocking_ms_per_token if base else None),
+                f"{r.bytes_per_token / MiB:.1f}",
+                _ratio(r.bytes_per_token, base.bytes_per_token if base else None),
+                f"{r.tpot_ms:.2f}",
+                _share(r.gap_closed),
+                f"{r.bytes_vs_oracle:.2f}x" if r.bytes_vs_oracle is not None else "-",
+                f"{r.prefetch_used}/{r.prefetch_issued}",
+            )
+    console.print(table)
+    console.print("settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()), soft_wrap=True)
+
+
+def print_single(settings: dict[str, Any], row: Row) -> None:
+    """One policy: the four headline figures, then the settings line."""
+    print(
+        f"{row.policy}: hit rate {row.hit_rate:.3f} ({row.hits}/{row.lookups} lookups), "
+        f"blocking {row.blocking_ms_per_token:.2f} ms/token, {row.bytes_per_token / MiB:.1f} MiB/token, "
+        f"predicted TPOT {row.tpot_ms:.2f} ms ({row.tokens} tokens)"
+    )
+    print("settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
+
+
+def print_profiles(kv_tokens: int) -> None:
+    """Model profiles (sizes computed from their config shapes) with the buffer slots each GPU
+    holds, then the hardware pieces with their effective figures and sources."""
+    from moe_runtime.errors import ConfigError
+    from moeserve.sim.hardware import GPUS, LINK_EFFICIENCY, LINKS, GiB, get_hardware
+    from moeserve.sim.models import MODELS
+    from richconsole import Table, make_console
+
+    console = make_console()
+    models = Table(title=f"model profiles (slots: GPU memory - dense - KV for {kv_tokens} tokens - 1 GiB)")
+    for col in ("profile", "L", "E", "k", "expert MiB", "experts GiB", "dense params", "total params",
+                "dense GiB", *(f"slots {g}" for g in GPUS)):  # fmt: skip
+        models.add_column(col, justify="right")
+    for m in MODELS.values():
+        total = (m.dense_params + m.total_experts * m.expert_params) / 1e9
+        slots = []
+        for g in GPUS:
+            try:
+                slots.append(str(m.buffer_slots(get_hardware(f"{g}+pcie4"), kv_tokens)))
+            except ConfigError:
+                slots.append("0")
+        models.add_row(
+            m.name, str(m.num_layers), str(m.num_experts), str(m.top_k), f"{m.expert_bytes / MiB:.1f}",
+            f"{m.total_experts * m.expert_bytes / GiB:.1f}", f"{m.dense_params / 1e9:.2f}B",
+            f"{total:.1f}B", f"{m.dense_bytes / GiB:.2f}", *slots,
+        )  # fmt: skip
+    console.print(models)
+    hw = Table(title=f"hardware (links at {LINK_EFFICIENCY:.0%} of the raw rate)")
+    for col in ("name", "memory GiB", "peak TFLOP/s", "HBM GB/s", "raw GB/s", "effective GB/s", "us/copy",
+                "source"):  # fmt: skip
+        hw.add_column(col, justify="right")
+    for g in GPUS.values():
+        hw.add_row(g.name, f"{g.memory_bytes / GiB:.0f}", f"{g.peak_flops / 1e12:.1f}", f"{g.hbm_gbps:.0f}",
+                   "", "", "", g.source)  # fmt: skip
+    for lk in LINKS.values():
+        hw.add_row(lk.name, "", "", "", f"{lk.raw_gbps:.1f}", f"{lk.gbps:.1f}", f"{lk.latency_us:.0f}",
+                   lk.source)  # fmt: skip
+    console.print(hw)
