@@ -1,7 +1,9 @@
-"""Held-out loss per expert format (moeserve/train/quant_loss.py, tools/quant_loss.py): the
-model evaluated carries exactly the runtime's stored experts."""
+"""Held-out loss per expert format (moeserve/train/quant_loss.py, ``moeserve bench quant-loss``):
+the model evaluated carries exactly the runtime's stored experts."""
 
 from __future__ import annotations
+
+import json
 
 import torch
 from safetensors.torch import load_file
@@ -28,3 +30,21 @@ def test_measure_rows_and_rise(tiny_qwen3):
     assert auto["loss"] == evaluate(plain, windows) and auto["rise_percent"] == 0.0
     assert int8["rise_percent"] == 100 * (int8["mean"] - auto["mean"]) / auto["mean"] != 0.0
     assert "| int8 | int8 per output channel |" in render(result)
+
+
+def test_bench_quant_loss_prints_rows_and_settings(tiny_qwen3, monkeypatch, capsys):
+    import moeserve.train.quant_loss as ql
+    from moeserve.cli import main
+
+    windows = {"a": torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(0))}
+    monkeypatch.setattr(ql, "heldout_windows", lambda model, data_dir: windows)
+    argv = ["bench", "quant-loss", "--model", str(tiny_qwen3), "--formats", "auto,int8"]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["expert_dtype"] for r in out["rows"]] == ["auto", "int8"]
+    assert out["rows"][1]["rise_percent"] != 0.0 and out["windows"] == {"a": [2, 17]}
+    st = out["settings"]
+    assert st["formats"] == ["auto", "int8"] and "deterministic" in st["repeats"] and "fp32" in st["compute"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "| int8 | int8 per output channel |" in text and "settings: model=" in text

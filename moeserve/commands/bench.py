@@ -17,6 +17,8 @@ BENCH_MODULES: list[str] = [
     "moeserve.bench.render",
     "clients.sweep",
     "moeserve.bench.eamc",
+    "moeserve.bench.policy_ab",
+    "moeserve.bench.quant_loss",
 ]
 
 
