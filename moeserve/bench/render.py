@@ -198,3 +198,136 @@ def run(args: argparse.Namespace) -> int:
         ) from None
     print(render_policies(data) if kind == "policies" else render_decode(data))
     return 0
+
+
+def render_quant_decode(data: dict) -> str:
+    """``bench decode --expert-dtypes ...``: a line with each format's bytes per token against bf16's
+    (min-max over the rows of equal buffer, link and batch), then :func:`render_decode`."""
+    rows = data["results"]
+    key = ("buffer_fraction", "link_gbps", "batch")
+    bf16 = {tuple(r[k] for k in key): r["bytes_per_token"] for r in rows if r.get("expert_dtype") == "bf16"}
+    parts = []
+    for fmt in dict.fromkeys(r.get("expert_dtype") for r in rows if r.get("expert_dtype") != "bf16"):
+        ratios = [
+            bf16[tuple(r[k] for k in key)] / r["bytes_per_token"]
+            for r in rows
+            if r.get("expert_dtype") == fmt and r["bytes_per_token"] and tuple(r[k] for k in key) in bf16
+        ]
+        if ratios:
+            parts.append(f"{fmt} moves {min(ratios):.2f}-{max(ratios):.2f}x fewer bytes per token than bf16")
+    head = "; ".join(parts) + " (same buffer, link and batch).\n\n" if parts else ""
+    return head + render_decode(data)
+
+
+def _f(x: float | None, fmt: str = "{:.1f}") -> str:
+    return "" if x is None else fmt.format(x)
+
+
+def _settings_of(settings: dict, keys: tuple[str, ...]) -> str:
+    return "Settings: " + ", ".join(f"`{k}={settings[k]}`" for k in keys if k in settings)
+
+
+CLIENT_SETTINGS = ("model", "rps", "trace_offset_s", "duration_s", "max_tokens_cap", "max_context", "seed")
+
+
+def render_replay(summary: dict) -> str:
+    """A ``moeserve replay`` run (its ``summary.json``): latency percentiles, then the run's rates and
+    the server's expert counters over it."""
+    rows = [
+        [name, str(summary[key]["count"])]
+        + [_f(summary[key][q]) for q in ("mean_ms", "p50_ms", "p90_ms", "p99_ms")]
+        for name, key in (("TTFT", "ttft"), ("TPOT", "tpot"), ("ITL", "itl"), ("e2e", "e2e"))
+    ]
+    out = _table(["latency", "n", "mean ms", "p50 ms", "p90 ms", "p99 ms"], rows)
+    server = summary.get("server") or {}
+    moved = server.get("transfer_bytes") or {}
+    slo = summary.get("slo_tpot_ms")
+    run = [
+        f"{summary['succeeded']} / {summary['failed']}",
+        _f(summary.get("offered_rps"), "{:.3f}"),
+        _f(summary["throughput_rps"], "{:.3f}"),
+        _f(summary["output_tokens_per_s"]),
+        _f(summary.get("goodput_rps"), "{:.3f}"),
+        _f(server.get("hit_rate"), "{:.3f}"),
+        _f(server.get("blocking_s"), "{:.2f}"),
+        " / ".join(f"{moved.get(k, 0) / 1e6:.0f}" for k in ("demand", "prefetch")),
+    ]
+    header = ["requests ok / failed", "offered req/s", "done req/s", "output tokens/s",
+              f"goodput req/s (TPOT <= {slo:g} ms)" if slo else "goodput req/s", "buffer hit rate",
+              "blocking s", "MB moved (demand / prefetch)"]  # fmt: skip
+    out += "\n" + _table(header, [run])
+    return out + "\n" + _settings_of(summary["settings"], CLIENT_SETTINGS) + "\n"
+
+
+def render_sweep(data: dict) -> str:
+    """``moeserve bench sweep --json``: one row per rate (the server's counters per rate's run)."""
+    header = ["--rps", "offered req/s", "done req/s", "goodput req/s", "output tokens/s", "TTFT p50 / p90 ms",
+              "TPOT p50 / p90 ms", "e2e p50 ms", "hit rate", "blocking s", "failed"]  # fmt: skip
+    rows = [
+        [
+            f"{r['rps']:g}",
+            _f(r["offered_rps"], "{:.3f}"),
+            _f(r["throughput_rps"], "{:.3f}"),
+            _f(r["goodput_rps"], "{:.3f}"),
+            _f(r["output_tokens_per_s"]),
+            f"{_f(r['ttft_p50_ms'], '{:.0f}')} / {_f(r['ttft_p90_ms'], '{:.0f}')}",
+            f"{_f(r['tpot_p50_ms'])} / {_f(r['tpot_p90_ms'])}",
+            _f(r["e2e_p50_ms"], "{:.0f}"),
+            _f(r["hit_rate"], "{:.3f}"),
+            _f(r["blocking_s"]),
+            f"{r['failed']} / {r['requests']}",
+        ]
+        for r in data["rows"]
+    ]
+    return _table(header, rows) + "\n" + _settings_of(data["settings"], CLIENT_SETTINGS) + "\n"
+
+
+def render_overhead(data: dict) -> str:
+    """``moeserve bench overhead --sections --json``: host time per routed MoE layer, p50 (p90) in
+    us, median over repeats, with the gate as it decides and forced open, and the budget verdict."""
+    header = ["batch", "all layers", "layers that plan", "a planning layer", "gate open",
+              "gate open: predict / lookahead / gate / queue", "EAMC term in", "budget"]  # fmt: skip
+    rows = []
+    for r in data["results"]:
+        parts = " / ".join(
+            _f(r.get(f"open_section_{n}_p50_us")) for n in ("predict", "lookahead", "gate", "queue")
+        )
+        rows.append(
+            [
+                str(r["batch"]),
+                f"{r['total_p50_us']:.1f} ({r['total_p90_us']:.1f})",
+                f"{r['planned_share']:.0%}",
+                f"{r['planned_total_p50_us']:.1f} ({r['planned_total_p90_us']:.1f})",
+                f"{r['open_total_p50_us']:.1f} ({r['open_total_p90_us']:.1f})",
+                parts,
+                f"{r['eamc_term_share']:.0%} of plans",
+                f"{r['budget_us']:.0f} us: {'met' if r['meets_budget'] else 'not met'}",
+            ]
+        )
+    keys = ("model_profile", "hardware", "policies", "router_lookahead", "eamc_term", "buffer", "tokens",
+            "warm_requests", "repeats", "seed")  # fmt: skip
+    return _table(header, rows) + "\n" + _settings_of(data["settings"], keys) + "\n"
+
+
+def render_eamc(data: dict | list[dict]) -> str:
+    """``moeserve bench eamc --json`` runs: search and incremental matching time per query, us."""
+    header = ["L x E", "entries", "index", "search, batch 1", "search, batch 16 (per query)",
+              "PrefixMatcher per layer, batch 1", "PrefixMatcher per layer, batch 16 (per query)",
+              "paper, per query"]  # fmt: skip
+    rows = []
+    for r in data if isinstance(data, list) else [data]:
+        s = r["settings"]
+        p1, p16 = r.get("prefix_batch1"), r.get("prefix_batch16")
+        rows.append(
+            [
+                f"{s['layers']} x {s['experts']}",
+                f"{s['entries']:,}",
+                s["index"],
+                _f(r["batch1"]["median_us"]),
+                _f(r["batch16"]["per_query_us"]),
+                _f(p1["per_layer_us"]) if p1 else "",
+                _f(p16["per_layer_us"] / 16) if p16 else "",
+                _f(r.get("paper_us_per_query"), "{:g}"),
+            ]
+        )
+    return _table(header, rows)

@@ -196,3 +196,78 @@ def print_profiles(kv_tokens: int) -> None:
         hw.add_row(lk.name, "", "", "", f"{lk.raw_gbps:.1f}", f"{lk.gbps:.1f}", f"{lk.latency_us:.0f}",
                    lk.source)  # fmt: skip
     console.print(hw)
+
+
+def _md_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+
+
+def _policy_cells(r: dict[str, Any], base: dict[str, Any] | None) -> list[str]:
+    """A ``--json`` row's figures: hit rate, blocking and bytes (absolute and against on-demand+LRU,
+    MoE-Infinity Tables 5, 2 and 3), TPOT, the on-demand -> oracle gap closed, prefetches."""
+    return [
+        f"{r['hit_rate']:.3f}",
+        f"{r['blocking_ms_per_token']:.1f}",
+        _ratio(r["blocking_ms_per_token"], base["blocking_ms_per_token"] if base else None),
+        f"{r['bytes_per_token'] / MiB:,.0f}",
+        _ratio(r["bytes_per_token"], base["bytes_per_token"] if base else None),
+        f"{r['tpot_ms']:.1f}",
+        _share(r.get("gap_closed")),
+        f"{r['prefetch_used']}/{r['prefetch_issued']}",
+    ]
+
+
+POLICY_HEADER = ["hit rate (T5)", "blocking ms/token", "vs on-demand (T2)", "MiB/token",
+                 "vs on-demand (T3)", "TPOT ms", "gap closed", "prefetches used/issued"]  # fmt: skip
+
+
+def _base(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    return next((r for r in rows if r["policy"] == "on-demand+lru"), None)
+
+
+def render_simulate(data: dict[str, Any] | list[dict[str, Any]]) -> str:
+    """Markdown of one or more ``moeserve simulate --json`` outputs: per run, a line naming the
+    model, hardware and slots, then one row per policy (figures per generated token)."""
+    out = []
+    for run in data if isinstance(data, list) else [data]:
+        s = run["settings"]
+        hardware = s["hardware"].split(":")[0]
+        out.append(
+            f"**{s['model_profile']} on {hardware}**, {s['slots']} slots ({s['slots_share']} of the "
+            "experts), "
+            f"batch {s['batch']}, {s['eval_requests']} measured requests after {s['warm_requests']} warm "
+            f"ones; a copy takes {s['transfer_us'] / 1e3:.1f} ms, one expert for one token "
+            f"{s['expert_us_1tok'] / 1e3:.2f} ms.\n"
+        )
+        base = _base(run["results"])
+        rows = [[f"`{r['policy']}`", *_policy_cells(r, base)] for r in run["results"]]
+        out.append(_md_table(["policy", *POLICY_HEADER], rows))
+    return "\n".join(out)
+
+
+def render_simulate_buffers(data: list[dict[str, Any]]) -> str:
+    """Markdown of several ``moeserve simulate --json`` outputs that differ in ``--buffer-slots``:
+    one table, a row per (slots, policy), TPOT against on-demand+LRU's at the same slots."""
+    rows = []
+    for run in data:
+        s = run["settings"]
+        base = _base(run["results"])
+        for r in run["results"]:
+            vs = f"{r['tpot_ms'] / base['tpot_ms']:.3f}" if base else "-"
+            rows.append(
+                [
+                    f"{s['slots']} ({s['slots_share']})",
+                    f"`{r['policy']}`",
+                    f"{r['hit_rate']:.3f}",
+                    f"{r['tpot_ms']:.1f}",
+                    vs,
+                    _share(r.get("gap_closed")),
+                    f"{r['bytes_vs_oracle']:.2f}x" if r.get("bytes_vs_oracle") is not None else "-",
+                ]
+            )
+    s = data[0]["settings"]
+    head = f"**{s['model_profile']} on {s['hardware'].split(':')[0]}**, batch {s['batch']}.\n\n"
+    header = ["slots", "policy", "hit rate", "TPOT ms", "TPOT / on-demand+lru", "gap closed",
+              "bytes vs oracle"]  # fmt: skip
+    return head + _md_table(header, rows)
