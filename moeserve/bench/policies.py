@@ -15,8 +15,11 @@ of: ``TPOT - CPU`` is the step's waiting, for expert copies, locks or the GIL).
 Every row runs ``--repeats`` (>= 3) times after one warm-up run, interleaved round-robin (each round
 runs every row once, so slow drift of a shared host hits every policy alike); the report gives the
 median and the spread (fastest and slowest repeat) of every figure, the ``eam`` vs on-demand+LRU
-verdicts and issue #15's targets decided only when the spreads clear them
+verdicts and the targets decided only when the spreads clear them
 (:mod:`moeserve.bench.policy_summary`), and the host's load averages before and after.
+
+Several ``--link-gbps`` or ``--batch`` values (comma-separated) run a grid: one such measurement
+per (link, batch) point, one after another, all in one JSON (:mod:`moeserve.bench.policy_grid`).
 """
 
 from __future__ import annotations
@@ -28,11 +31,12 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
+from moeserve.bench.policy_grid import as_point, floats, ints, point_args, print_grid, run_grid
 from moeserve.bench.policy_summary import PolicyRow, summarise, verdicts
 from moeserve.bench.prompts import prompts_by_task
 
@@ -78,10 +82,15 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("policies", help="hit rate, blocking time, bytes and TPOT per prefetch/cache policy")
     add_model_arg(p)
-    register_workload_args(p)
+    register_workload_args(p, grid=True)
     p.add_argument("--fractions", default="0.1,0.25,0.5", help="buffer sizes as shares of all experts")
     p.add_argument("--policies", default=",".join(c[0] for c in COMBOS))
-    p.add_argument("--link-gbps", type=float, default=0.5, help="emulated link, GB/s (default: 0.5; 0 = off)")
+    p.add_argument(
+        "--link-gbps",
+        type=floats,
+        default=[0.5],
+        help="emulated link, GB/s, comma-separated for a grid (default: 0.5; 0 = off)",
+    )
     p.add_argument("--link-latency-us", type=float, default=10.0)
     p.add_argument(
         "--prefetch-depth", type=int, default=None, help="later layers a plan covers (default: all)"
@@ -94,12 +103,19 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--repeats", type=int, default=3, help="timed runs of every row, >= 3, round-robin (default: 3)"
     )
+    p.add_argument(
+        "--min-batches",
+        type=int,
+        default=0,
+        help="raise warm and eval prompts per task to fill at least this many batches (default: 0, never)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
 
 
-def register_workload_args(p: argparse.ArgumentParser) -> None:
-    """The workload flags shared by ``bench policies`` and ``bench lookahead``."""
+def register_workload_args(p: argparse.ArgumentParser, grid: bool = False) -> None:
+    """The workload flags shared by ``bench policies`` and ``bench lookahead`` (``grid``: ``--batch``
+    takes comma-separated sizes, one grid point each)."""
     default_prompts = (
         Path(__file__).resolve().parents[2].parent / "shared/data/prompts/prompts_combined.jsonl"
     )
@@ -107,7 +123,10 @@ def register_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tasks", type=int, default=6, help="tasks drawn from the prompt file")
     p.add_argument("--warm", type=int, default=4, help="prompts per task that warm the EAMC / counts")
     p.add_argument("--eval", type=int, default=2, help="prompts per task measured (disjoint from warm)")
-    p.add_argument("--batch", type=int, default=4, help="requests decoded together")
+    if grid:
+        p.add_argument("--batch", type=ints, default=[4], help="requests decoded together, comma-separated")
+    else:
+        p.add_argument("--batch", type=int, default=4, help="requests decoded together")
     p.add_argument("--new-tokens", type=int, default=24)
     p.add_argument("--max-prompt-tokens", type=int, default=96)
     p.add_argument("--seed", type=int, default=0)
@@ -198,15 +217,34 @@ def run(args: argparse.Namespace) -> int:
 
     if args.repeats < 3:
         raise ConfigError(f"--repeats {args.repeats}: must be >= 3 (median and spread of runs)")
-    settings, rounds = measure(args, args.repeats)
-    rows = summarise(rounds)
-    comparisons = verdicts(rows)
+    if args.min_batches < 0:
+        raise ConfigError(f"--min-batches {args.min_batches}: must be >= 0")
+    if len(args.link_gbps) * len(args.batch) > 1:  # a grid: every point, one JSON
+        data = run_grid(args, _point)
+        if args.json:
+            print(json.dumps(data, indent=2))
+        else:
+            print_grid(data)
+        return 0
+    one = point_args(args, args.link_gbps[0], args.batch[0])
     if args.json:
-        out = {"settings": settings, "results": [asdict(r) for r in rows], "verdicts": comparisons}
-        print(json.dumps(out, indent=2))
+        print(json.dumps(_point(one), indent=2))
     else:
+        settings, rows, comparisons = _measured(one)
         print_tables(settings, rows, comparisons)
     return 0
+
+
+def _measured(args: argparse.Namespace) -> tuple[dict, list[PolicyRow], list[dict]]:
+    """One (link, batch) point: its settings, summarised rows and verdicts."""
+    settings, rounds = measure(args, args.repeats)
+    rows = summarise(rounds)
+    return settings, rows, verdicts(rows)
+
+
+def _point(args: argparse.Namespace) -> dict:
+    """One point as its JSON: ``{"settings", "results", "verdicts"}``."""
+    return as_point(*_measured(args))
 
 
 def measure(
