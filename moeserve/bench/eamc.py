@@ -8,6 +8,9 @@ plus one ``update`` per MoE layer, amortised per layer. With
 ``--index ivf`` it also measures recall@k of the approximate index against the exact search on
 the same queries. The paper reports 21 us per query at 1k entries and 226 us at 10k.
 
+``--capacities`` measures instead, per capacity, the prediction precision on recorded traces
+against the incremental matcher's cost (:mod:`moeserve.bench.eamc_capacity`).
+
 The 1-minute load average is printed with the settings: on a shared host, other processes (on
 the same core or its SMT sibling) can slow a search several-fold, so compare runs at similar load.
 """
@@ -201,12 +204,31 @@ def _print(result: dict[str, Any]) -> None:
 
 
 def _cmd(args: argparse.Namespace) -> int:
+    if args.capacities is not None:
+        from moe_runtime.errors import ConfigError
+        from moeserve.bench.eamc_capacity import render_capacities, run_capacities
+
+        if args.repeats < 3:
+            raise ConfigError(f"--repeats {args.repeats}: must be >= 3 (median and spread)")
+        result = run_capacities(args)
+        print(json.dumps(result, indent=2) if args.json else render_capacities(result))
+        return 0
     result = run(args)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         _print(result)
     return 0
+
+
+def _capacities(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated integers expected") from None
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every capacity must be >= 1")
+    return values
 
 
 def register_bench(benches: argparse._SubParsersAction) -> None:
@@ -226,6 +248,24 @@ def register_bench(benches: argparse._SubParsersAction) -> None:
     p.add_argument("--groups", type=int, default=64, help="activation patterns of the synthetic EAMs")
     p.add_argument(
         "--noise", type=float, default=0.3, help="per-request share of the synthetic EAMs in [0, 1]"
+    )
+    p.add_argument(
+        "--capacities",
+        type=_capacities,
+        default=None,
+        help="comma-separated capacities: prediction precision (--traces) against matching cost per "
+        "capacity instead of the query latency (moeserve.bench.eamc_capacity)",
+    )
+    p.add_argument(
+        "--traces",
+        nargs=2,
+        action="append",
+        metavar=("WARM", "EVAL"),
+        help="with --capacities: trace files (moeserve trace record) of one workload; repeatable",
+    )
+    p.add_argument("--batch", type=int, default=16, help="with --capacities: the matcher's batch")
+    p.add_argument(
+        "--repeats", type=int, default=5, help="with --capacities: timed matcher calls, >= 3 (default: 5)"
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd)
