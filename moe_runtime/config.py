@@ -253,6 +253,9 @@ CACHE_POLICY_NAMES = ("lru", "eam", "eam-reuse", "model-counts", "oracle")
 #: Names of the prefetch policies, in the order of their registry
 #: (:data:`moe_runtime.prefetch.PREFETCH_POLICIES`; checked as the cache policies are).
 PREFETCH_POLICY_NAMES = ("on-demand", "next-layer-all", "model-counts", "hot-experts", "eam", "oracle")
+#: ``--expert-compute`` values (:mod:`moe_runtime.hybrid`, docs/hybrid.md): where a needed expert that
+#: is not in the device buffer runs.
+EXPERT_COMPUTE_MODES = ("device", "cpu", "auto")
 
 
 def cache_policy_names() -> list[str]:
@@ -326,6 +329,9 @@ class RuntimeConfig:
     pin_memory: bool | None = None
     cpu_threads: int | None = None
     expert_dtype: str = "auto"
+    # hybrid expert execution (moe_runtime.hybrid)
+    expert_compute: str | None = None
+    cpu_expert_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -356,6 +362,11 @@ class RuntimeConfig:
             raise ConfigError(f"--eamc-capacity must be >= 1, got {self.eamc_capacity}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ConfigError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
+        if self.expert_compute is not None and self.expert_compute not in EXPERT_COMPUTE_MODES:
+            modes = ", ".join(EXPERT_COMPUTE_MODES)
+            raise ConfigError(f"--expert-compute must be one of {modes}, got {self.expert_compute!r}")
+        if self.cpu_expert_threads is not None and self.cpu_expert_threads < 1:
+            raise ConfigError(f"--cpu-expert-threads must be >= 1, got {self.cpu_expert_threads}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"--max-model-len must be >= 2, got {self.max_model_len}")
         for flag, name, known in (
@@ -372,6 +383,16 @@ class RuntimeConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def expert_compute_mode(self) -> str:
+        """``expert_compute``, or its default: ``auto`` where experts cross a link (a CUDA device,
+        or an emulated ``link_gbps``), else ``device`` (a CPU device without a link: copying is a
+        memcpy and the "device" is the CPU, so the modes compute alike)."""
+        if self.expert_compute is not None:
+            return self.expert_compute
+        crosses = self.link_gbps is not None or torch.device(self.device).type != "cpu"
+        return "auto" if crosses else "device"
 
     @property
     def torch_device(self) -> torch.device:
