@@ -10,7 +10,13 @@ import json
 from pathlib import Path
 
 from moe_runtime import hub
-from moe_runtime.config import DEFAULT_CACHE_POLICY, RuntimeConfig, cache_policy_names, prefetch_policy_names
+from moe_runtime.config import (
+    DEFAULT_CACHE_POLICY,
+    EXPERT_COMPUTE_MODES,
+    RuntimeConfig,
+    cache_policy_names,
+    prefetch_policy_names,
+)
 from moe_runtime.errors import CheckpointError, ConfigError
 from moe_runtime.hub import ModelSource
 from moe_runtime.quant.select import EXPERT_DTYPES
@@ -119,6 +125,24 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
         choices=prefetch_policy_names(),
         help="expert prefetch policy",
     )
+    # hybrid expert execution (moe_runtime.hybrid, docs/hybrid.md)
+    h = parser.add_argument_group("hybrid expert execution")
+    h.add_argument(
+        "--expert-compute",
+        default=None,
+        choices=list(EXPERT_COMPUTE_MODES),
+        help="where an expert missing from the device buffer runs: device = copied over the link, run "
+        "on the device; cpu = on host threads from the host store, the buffer a fixed set loaded at "
+        "start (llama.cpp --n-cpu-moe); auto = each miss where a measured cost model says it finishes "
+        "first (default: auto where experts cross a link, CUDA or --link-gbps; else device)",
+    )
+    h.add_argument(
+        "--cpu-expert-threads",
+        type=int,
+        default=None,
+        help="host threads computing experts (default: the cores not taken by the compute thread's "
+        "--cpu-threads and the I/O threads, at least 1)",
+    )
 
 
 def runtime_from_args(args: argparse.Namespace, dtype: str | None = None) -> RuntimeConfig:
@@ -146,6 +170,8 @@ def runtime_from_args(args: argparse.Namespace, dtype: str | None = None) -> Run
         router_lookahead=args.router_lookahead,
         eamc_capacity=args.eamc_capacity,
         expert_dtype=args.expert_dtype,
+        expert_compute=getattr(args, "expert_compute", None),
+        cpu_expert_threads=getattr(args, "cpu_expert_threads", None),
     )
 
 
