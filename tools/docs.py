@@ -329,9 +329,10 @@ def doc_markers() -> dict[str, list[str]]:
     return found
 
 
-def regenerate(names: list[str], write: bool) -> list[str]:
+def regenerate(names: list[str], write: bool, missing: list[str] | None = None) -> list[str]:
     """Re-render blocks ``names``; returns the docs whose text differs from the rendering (and,
-    with ``write``, rewrites them). A block without data is left alone with a note."""
+    with ``write``, rewrites them). A block without data is left alone with a note; a block whose
+    doc lacks its markers is named (and added to ``missing``)."""
     changed: dict[str, str] = {}
     for name in names:
         block = BLOCKS[name]
@@ -341,7 +342,12 @@ def regenerate(names: list[str], write: bool) -> list[str]:
             continue
         doc = ROOT / block.doc
         text = changed.get(block.doc, doc.read_text(encoding="utf-8"))
-        changed[block.doc] = replace_block(text, name, render_block(name, json.loads(path.read_text())))
+        try:
+            changed[block.doc] = replace_block(text, name, render_block(name, json.loads(path.read_text())))
+        except KeyError:
+            print(f"{name}: {block.doc} has no {_begin(name)} ... {_end(name)}", file=sys.stderr)
+            if missing is not None:
+                missing.append(name)
     stale = [d for d, text in changed.items() if (ROOT / d).read_text(encoding="utf-8") != text]
     if write:
         for d in stale:
@@ -381,13 +387,14 @@ def main(argv: list[str] | None = None) -> int:
             f"blocks in the docs but not in BLOCKS (left as they are): {', '.join(unregistered)}",
             file=sys.stderr,
         )
-    stale = regenerate(list(BLOCKS), write=not args.check)
+    missing: list[str] = []
+    stale = regenerate(list(BLOCKS), write=not args.check, missing=missing)
     if args.check and stale:
         print("out of date (run python tools/docs.py): " + ", ".join(stale), file=sys.stderr)
         return 1
     for d in [] if args.check else stale:
         print(f"wrote {d}", file=sys.stderr)
-    return 0
+    return 1 if missing else 0
 
 
 if __name__ == "__main__":
