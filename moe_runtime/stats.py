@@ -23,6 +23,7 @@ _PER_LAYER_COUNTS = (
     "late_prefetches",
     "demand_fetches",
     "expert_batches",
+    "cpu_experts",
 )
 
 
@@ -56,6 +57,13 @@ class ExpertStats:
     # CUDA copy-stream events, the memcpy, or an emulated link's time); not in :meth:`summary`
     copies: int = 0
     copy_s: float = 0.0
+    # hybrid expert execution (moe_runtime.hybrid), counted by the runtime; not in :meth:`summary`:
+    # misses computed on the CPU per layer (lookups, not hits, no copy), the CPU threads' seconds
+    # on them, the compute thread's seconds waiting for their outputs, and the copies they avoided
+    cpu_experts: list[int] = field(default_factory=list)
+    cpu_expert_s: float = 0.0
+    cpu_wait_s: float = 0.0
+    cpu_avoided_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in _PER_LAYER_COUNTS:
