@@ -105,6 +105,14 @@ BLOCKS: dict[str, Block] = {
         25,
         "../shared (prompts)",
     ),
+    "policy-grid": Block(
+        "docs/results.md",
+        "moeserve bench policies --policies on-demand+lru,eam --link-gbps 0.5,4,32,0 --batch 1,4,16 "
+        "--tasks 8 --warm 2 --eval 2 --new-tokens 16 --min-batches 4 --json",
+        "moeserve.bench.policy_grid:render_grid",
+        17,
+        "../shared (prompts)",
+    ),
     "replay": Block(
         "docs/results.md",
         "moeserve serve --port 18080 --buffer-fraction 0.25 --link-gbps 0.5 &\n"
