@@ -79,6 +79,22 @@ class StepContext:
         seq = self.token_seq.astype(np.int64, copy=False)
         return _attribute(ids, hit, blocked, seq, S, num_experts)
 
+    def cpu_attribution(self, num_experts: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Per sequence ``[S]``: experts computed on the CPU (int64) and their CPU seconds (float64)
+        in the step's MoE layers that placed some there (hybrid execution, ``moe_runtime.hybrid``:
+        such a layer's :attr:`moe_layers` entry also holds ``(on_cpu [E] bool, seconds [E])``);
+        None when none did. Charged as :meth:`expert_attribution` charges hits and blocking: per
+        layer, each sequence the distinct CPU experts its tokens chose (the same compiled pass)."""
+        layers = [x for x in self.moe_layers if len(x) > 3]
+        if not layers:
+            return None
+        ids = np.concatenate([x[0] for x in layers]).astype(np.int64, copy=False)
+        on_cpu = np.concatenate([x[3] for x in layers]).astype(np.bool_, copy=False)
+        seconds = np.concatenate([x[4] for x in layers]).astype(np.float64, copy=False)
+        seq = self.token_seq.astype(np.int64, copy=False)
+        _, n, secs = _attribute(ids, on_cpu, seconds, seq, self.num_seqs, num_experts)
+        return n, secs
+
     def cached(self, key, build, *args):
         """``build(*args)`` the first time ``key`` is asked for in this step, the same object after
         (the step's masks, built once and shared by every layer)."""
