@@ -128,11 +128,17 @@ class ExpertRequestStats:
     A lookup is one (MoE layer, expert) that at least one of the request's tokens was routed to
     in a step; it is a hit when the expert was resident or fully prefetched at that moment.
     Blocking seconds are those the compute thread waited for experts this request used.
+    With hybrid execution (``moe_runtime.hybrid``): ``cpu_experts`` of those lookups were misses
+    computed on the CPU (not copied), taking ``cpu_s`` seconds of the CPU threads' time, and
+    ``bytes_not_moved`` the copies they avoided.
     """
 
     lookups: int = 0
     hits: int = 0
     blocking_s: float = 0.0
+    cpu_experts: int = 0
+    cpu_s: float = 0.0
+    bytes_not_moved: int = 0
 
     @property
     def misses(self) -> int:
