@@ -12,7 +12,7 @@ TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
 def load_tool(name: str) -> ModuleType:
     """``tools/<name>.py`` executed as module ``name``; ``tools/`` is on ``sys.path`` meanwhile, so a
-    tool that imports a sibling tool (``update_policy_grid_docs`` imports ``policy_grid``) loads."""
+    tool that imports a sibling tool loads."""
     sys.path.insert(0, str(TOOLS))
     try:
         spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")

@@ -1,8 +1,8 @@
 """Decode and prefill cost of this tree against an older commit, measured in one run.
 
-Usage (from the repository root; writes ``docs/bench-regression.md``)::
+Usage (from the repository root; prints a Markdown report, or writes it with ``--out``)::
 
-    python tools/bench_regression.py --base 8757dca --out docs/bench-regression.md
+    python tools/bench_regression.py --base 8757dca --out runs/bench-regression.md
 
 The base commit is exported with ``git archive`` into a temporary folder (no worktree, nothing in
 ``.git`` changes). Each repeat starts one worker process per tree, in alternating order (old, new,
@@ -193,7 +193,8 @@ def report(base: str, runs: dict[str, list[dict]], args, started_load: float) ->
             "median over repeats: prefetch policies move different amounts, which costs CPU time.",
             "",
             "```bash",
-            f"python tools/bench_regression.py --base {args.base} --out docs/bench-regression.md",
+            f"python tools/bench_regression.py --base {args.base}"
+            + (f" --out {args.out}" if getattr(args, "out", None) else ""),
             "```",
             "",
             *lines,
@@ -232,6 +233,7 @@ def main() -> int:
                 runs[name].append(run_worker(trees[name], args))
     text = report(base, runs, args, load)
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text)
     else:
         print(text)
