@@ -69,7 +69,7 @@ class QueryStats:
 # precision of 128 entries is within 0.004 of 1,000's one layer ahead and 0.006 two ahead (400
 # tasks), or above it (120 tasks), and the
 # incremental matcher costs an eighth as much (Qwen3-30B-A3B shape, batch 16: a full match 1.2 ms
-# against 9.6, one layer 27 us against 170): docs/tracer.md, ``tools/eamc_capacity.py``.
+# against 9.6, one layer 27 us against 170): docs/tracer.md, ``moeserve bench eamc --capacities``.
 DEFAULT_CAPACITY = 128
 
 

@@ -23,7 +23,7 @@ moves :attr:`~tracer.recorder.RequestRecorder.epoch`). Decoding that nobody quer
 the ``eam`` policy's lean mode) thus costs no numpy call per layer: on the bundled model the
 per-layer count had cost the compute thread about 45 us of CPU time per MoE layer (cold caches
 between the expert GEMMs), ``record`` now about 5 us and the deferred counting about 1 us per layer
-(``tools/lean_cost.py``). The expert ids are checked when counted.
+(``tools/lean_cost.py`` at 1e0523a). The expert ids are checked when counted.
 
 The sparse count is one compiled call, :func:`_add_cells` (numba through :mod:`tracer.jit`; the
 same function runs as plain Python where numba is missing, and ``tests/test_tracer_recorder_kernel.py``

@@ -97,8 +97,8 @@ class EAMReuseCachePolicy(CachePolicy):
     ``r`` weighs each prompt token's choices ``prefill_weight`` (default :data:`PREFILL_WEIGHT`)
     against a generated token's 1: the prompt is a prior until the requests have decoded a few
     tokens, then their decode-phase routing, which the next decode step repeats more closely,
-    dominates. Replayed offline on the bundled model's eval routing (``tools/cache_headroom.py``,
-    ``bench policies``' workload at batch 1, 4 and 16 and 10, 25 and 50% buffers, docs/results.md)
+    dominates. Replayed offline on the bundled model's eval routing (``tools/cache_headroom.py`` at 0058d22,
+    ``bench policies``' workload at batch 1, 4 and 16 and 10, 25 and 50% buffers)
     0.05 beat 1 (the plain request EAM) by up to 7 points of hit rate and tied it once (0.39 ->
     0.46 at batch 4 and 25%, where Belady without prefetching reaches 0.61).
 

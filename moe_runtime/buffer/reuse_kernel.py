@@ -17,7 +17,7 @@ next victim or once a whole pass of layers waits (a compiled call per decode lay
 thread cost about 5 us with its caches cold: 40 us of a 6.5 ms decode step at batch 1 and a 50%
 buffer, where no victim comes for many layers). The victim's calls keep the GIL: with
 ``nogil`` the I/O thread's CPU time per decode MoE layer in victims rose from about 27 to 50 us
-(``tools/lean_cost.py``, 50% buffer, 32 GB/s, batch 4), a release and re-take per victim, and
+(``tools/lean_cost.py`` at 5cbaa3d, 50% buffer, 32 GB/s, batch 4), a release and re-take per victim, and
 the compute thread's MoE block did not get faster. The victims are those of the numpy form: ``pow`` is
 libm's rather than numpy's vector one, which can differ in the last bit, and
 ``tools/sim_fingerprint.py`` found no simulator output changed (0 of 40 runs). Without numba the

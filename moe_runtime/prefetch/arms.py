@@ -90,8 +90,8 @@ class TrialArms:
     def pin(self, arm: str) -> None:
         """Hold the policy in ``arm`` (one of :data:`MODES`, as :meth:`set_arm`) from now on, for
         measurements: the trial, if any, is suspended (it neither measures, switches nor counts
-        steps any more), and the prefetch bar is not weighed. ``tools/policy_ab.py``'s ``eam@<arm>``
-        rows and ``tools/lean_cost.py`` compare the arms this way.
+        steps any more), and the prefetch bar is not weighed. ``moeserve bench ab``'s ``eam@<arm>``
+        rows compare the arms this way.
 
         Raises:
             ValueError: an unknown arm.

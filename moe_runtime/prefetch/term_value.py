@@ -5,7 +5,7 @@ NOTE: why. The ``eam`` plan blends several predictors (router lookahead, the bat
 the EAMC matches; MoE-Infinity §5.1 is the EAMC part). Each has its own precision, and each costs
 the compute thread its own host time per planning layer. With the router lookahead on (the
 default; plans then cover the next layer only) the EAMC term added 1.2 points of precision at
-distance 1 on the bundled model (``tools/predictor_precision.py``: lookahead + own 0.475, the
+distance 1 on the bundled model (``tools/predictor_precision.py`` at abf5243: lookahead + own 0.475, the
 full blend 0.487), about 0.2 more right candidates per plan of 16, while matching the running
 batch against the EAMC and turning the matches into per-expert probabilities cost the runtime
 about 65 us of a 230 us planning layer (thread CPU time, 25% buffer, 0.5 GB/s, batch 4). Where

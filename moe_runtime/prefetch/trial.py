@@ -17,7 +17,7 @@ MODES = ("prefetch", "cache", "lean")
 # The runtime trial's default arms (ModeTrial), the prefetching one first, the reference last.
 # ``lean`` is left out: once the ``eam-reuse`` cache weighed decode routing above the prompt's
 # (``moe_runtime.buffer.policies.PREFILL_WEIGHT``) it beat LRU's hit rate in every replayed setting
-# (``tools/cache_headroom.py``), and the windows spent exploring LRU cost more than they found:
+# (``tools/cache_headroom.py`` at 0058d22), and the windows spent exploring LRU cost more than they found:
 # the two arms against the three, same code otherwise, bench policies' grid workload, 3 repeats,
 # were faster at 7 of 8 (link, batch, buffer) points and within the spread at the eighth.
 ARMS = ("prefetch", "cache")
@@ -53,7 +53,7 @@ class ModeTrial:
     cache evicting LRU: on-demand + LRU but for the tracer), can be added. With the cache
     counting every token alike LRU won at a 50% buffer, where the loop-aware cache made more
     demand copies in decode; weighing decode routing above the prompt's it no longer does, and
-    exploring LRU cost more than it found (``tools/cache_headroom.py``, ``bench policies``).
+    exploring LRU cost more than it found (``tools/cache_headroom.py`` at 0058d22, ``bench policies``).
 
     Decode steps (no prefill token) run in windows of ``window`` steps, one arm per window. A
     window's cost is its steps' summed cost over their summed work (the caller's measure of what
