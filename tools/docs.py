@@ -98,6 +98,13 @@ BLOCKS: dict[str, Block] = {
         4,
         "../shared (prompts)",
     ),
+    "quant-loss": Block(
+        "docs/quantization.md",
+        "moeserve bench quant-loss --json",
+        "moeserve.train.quant_loss:render",
+        1,
+        "../shared (the training corpus)",
+    ),
     "policies": Block(
         "docs/results.md",
         "moeserve bench policies --json",
@@ -163,7 +170,7 @@ BLOCKS: dict[str, Block] = {
         "docs/simulator.md",
         "moeserve bench overhead --sections --repeats 5 --json",
         "moeserve.bench.render:render_overhead",
-        6,
+        15,
     ),
     "eamc-search": Block(
         "docs/tracer.md",
@@ -173,6 +180,25 @@ BLOCKS: dict[str, Block] = {
         "done",
         "moeserve.bench.render:render_eamc",
         3,
+    ),
+    "eamc-capacity": Block(
+        "docs/tracer.md",
+        "rm -rf runs/eamc\n"
+        f"P={SHARED_PROMPTS}\n"
+        "moeserve trace record --prompts $P --tasks 120 --per-task 12 --max-tokens 24 --batch 16 --seed 0 "
+        "--out runs/eamc/a-warm.jsonl\n"
+        "moeserve trace record --prompts $P --tasks 120 --per-task 2 --skip 12 --max-tokens 24 --batch 16 "
+        "--seed 0 --out runs/eamc/a-eval.jsonl\n"
+        "moeserve trace record --prompts $P --tasks 400 --per-task 3 --max-tokens 24 --batch 16 --seed 1 "
+        "--out runs/eamc/b-warm.jsonl\n"
+        "moeserve trace record --prompts $P --tasks 400 --per-task 1 --skip 3 --max-tokens 24 --batch 16 "
+        "--seed 1 --out runs/eamc/b-eval.jsonl\n"
+        "moeserve bench eamc --capacities 32,64,128,256,512,1000 --layers 48 --experts 128 --batch 16 --k 16 "
+        "--repeats 5 --traces runs/eamc/a-warm.jsonl runs/eamc/a-eval.jsonl "
+        "--traces runs/eamc/b-warm.jsonl runs/eamc/b-eval.jsonl --json",
+        "moeserve.bench.eamc_capacity:render_capacities",
+        15,
+        "../shared (prompts)",
     ),
 }
 
