@@ -1,0 +1,291 @@
+"""CPU kernels for one expert read straight from its host-store row, and the choice among them.
+
+An expert's row in the host store (:class:`~moe_runtime.store.HostExpertStore`) is
+``[gate | up | down]`` in the compute dtype, or a quantized expert's packed bytes
+(:mod:`moe_runtime.quant.layout`). A kernel computes ``gate_up(row, x) -> [n, 2I]`` and
+``down(row, h) -> [n, H]``; the activation and any biases between them are the device path's
+own (``moe_runtime.layers.experts``), so only the two projections differ from it.
+
+Kernels (``exact`` ones give the device path's bits on a CPU device; a kernel that is not exact
+is eligible only where the experts are stored in its own format, e.g. int8 experts):
+
+* ``linear`` (exact): ``F.linear`` on views of a plain row, as the device path runs a slot.
+* ``dequant`` (exact): the quantized row dequantized to the compute dtype, then ``F.linear``, as
+  the device path's dequantizing slot views do (fp8, MXFP4, int8 and cast experts).
+* ``cast-linear``: float experts stored in another dtype than the compute dtype (``--expert-dtype
+  bf16`` with ``--dtype fp32``): ``F.linear`` in the stored dtype, the output cast back.
+* ``int8-gemv``: int8 experts, one scale per output channel: a compiled loop (numba, ``nogil``)
+  over the int8 rows with fp32 accumulators, scaled per row; reads 1 byte per weight.
+* ``int8pack``: int8 experts through ``torch.ops.aten._weight_int8pack_mm`` (activations in bf16
+  unless the compute dtype is bf16 or fp16).
+
+fp8 and MXFP4 experts run ``dequant`` (no second copy of the store is made: see docs/hybrid.md).
+:func:`choose_kernels` measures the eligible kernels at load on the store's own experts and keeps
+the fastest per row count.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from moe_runtime.jit import njit
+
+#: token rows at which the kernels are measured at load; a step's row count uses the nearest
+ROW_POINTS = (1, 4, 32)
+_FLOAT_CODECS = ("bf16", "fp16", "fp32")
+
+
+def _has_numba() -> bool:
+    try:
+        import numba  # noqa: F401
+    except ImportError:  # pragma: no cover - numba is a dependency
+        return False
+    return True
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def int8_rows(q: np.ndarray, scale: np.ndarray, x: np.ndarray, out: np.ndarray, col0: int) -> None:
+    """``out[m, col0 + n] = scale[n] * sum_k q[n, k] * x[m, k]``: ``q [N, K]`` int8, ``scale [N, 1]``
+    float32, ``x [M, K]`` float32 C-contiguous, ``out [M, >= col0 + N]`` float32. Each weight row
+    is read once per step of up to 4 token rows (fp32 accumulators)."""
+    n_out, k_in = q.shape
+    m_rows = x.shape[0]
+    for n in range(n_out):
+        row = q[n]
+        sc = scale[n, 0]
+        m = 0
+        while m < m_rows:
+            if m + 2 <= m_rows:
+                a0 = np.float32(0.0)
+                a1 = np.float32(0.0)
+                x0 = x[m]
+                x1 = x[m + 1]
+                for k in range(k_in):
+                    w = np.float32(row[k])
+                    a0 += w * x0[k]
+                    a1 += w * x1[k]
+                out[m, col0 + n] = a0 * sc
+                out[m + 1, col0 + n] = a1 * sc
+                m += 2
+            else:
+                a0 = np.float32(0.0)
+                x0 = x[m]
+                for k in range(k_in):
+                    a0 += np.float32(row[k]) * x0[k]
+                out[m, col0 + n] = a0 * sc
+                m += 1
+
+
+class Kernel:
+    """One way to run an expert's two projections from its host row.
+
+    Args: store: the host expert store (its layout and dtypes). Attributes: name; exact."""
+
+    name = ""
+    exact = True
+
+    def __init__(self, store: Any) -> None:
+        self.layout = store.layout
+        self.dtype = store.compute_dtype
+        self.h, self.i = store.hidden_size, store.intermediate_size
+
+    def gate_up(self, row: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover
+        """``x [n, H]`` (compute dtype) -> ``[n, 2I]``, ``[gate | up]`` (compute dtype)."""
+        raise NotImplementedError
+
+    def down(self, row: torch.Tensor, h: torch.Tensor) -> torch.Tensor:  # pragma: no cover
+        """``h [n, I]`` (compute dtype) -> ``[n, H]`` (compute dtype)."""
+        raise NotImplementedError
+
+
+class Linear(Kernel):
+    name = "linear"
+
+    def gate_up(self, row, x):
+        return F.linear(x, row[: 2 * self.i * self.h].view(2 * self.i, self.h))
+
+    def down(self, row, h):
+        return F.linear(h, row[2 * self.i * self.h :].view(self.h, self.i))
+
+
+class Dequant(Kernel):
+    name = "dequant"
+
+    def gate_up(self, row, x):
+        return F.linear(x, self.layout.gate_up(row, self.dtype))
+
+    def down(self, row, h):
+        return F.linear(h, self.layout.dequant(row, "down", self.dtype))
+
+
+class CastLinear(Kernel):
+    name = "cast-linear"
+    exact = False
+
+    def _w(self, row: torch.Tensor, part: str) -> torch.Tensor:
+        return self.layout.view(row, part, "weight")
+
+    def gate_up(self, row, x):
+        xs = x.to(self.layout.codec.dtype)
+        out = torch.cat([F.linear(xs, self._w(row, "gate")), F.linear(xs, self._w(row, "up"))], dim=-1)
+        return out.to(self.dtype)
+
+    def down(self, row, h):
+        return F.linear(h.to(self.layout.codec.dtype), self._w(row, "down")).to(self.dtype)
+
+
+class Int8Gemv(Kernel):
+    name = "int8-gemv"
+    exact = False
+
+    def _run(self, row: torch.Tensor, x: torch.Tensor, parts: tuple[str, ...], width: int) -> torch.Tensor:
+        xs = x.to(torch.float32).contiguous().numpy()
+        out = np.empty((xs.shape[0], width), dtype=np.float32)
+        col = 0
+        for part in parts:
+            q = self.layout.view(row, part, "weight").numpy()
+            int8_rows(q, self.layout.view(row, part, "weight_scale").numpy(), xs, out, col)
+            col += q.shape[0]
+        y = torch.from_numpy(out)
+        return y if self.dtype == torch.float32 else y.to(self.dtype)
+
+    def gate_up(self, row, x):
+        return self._run(row, x, ("gate", "up"), 2 * self.i)
+
+    def down(self, row, h):
+        return self._run(row, h, ("down",), self.h)
+
+
+class Int8Pack(Kernel):
+    name = "int8pack"
+    exact = False
+
+    def _mm(self, row: torch.Tensor, x: torch.Tensor, part: str) -> torch.Tensor:
+        act = self.dtype if self.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        q = self.layout.view(row, part, "weight")
+        scale = self.layout.view(row, part, "weight_scale").reshape(-1).to(act)
+        return torch.ops.aten._weight_int8pack_mm(x.to(act), q, scale)
+
+    def gate_up(self, row, x):
+        return torch.cat([self._mm(row, x, "gate"), self._mm(row, x, "up")], dim=-1).to(self.dtype)
+
+    def down(self, row, h):
+        return self._mm(row, h, "down").to(self.dtype)
+
+
+def eligible_kernels(store: Any) -> list[Kernel]:
+    """The kernels that may run ``store``'s experts, the exact one first (see the module note)."""
+    layout = store.layout
+    if layout is None:
+        return [Linear(store)]
+    name = layout.codec.name
+    kernels: list[Kernel] = [Dequant(store)]
+    if name in _FLOAT_CODECS:
+        kernels.append(CastLinear(store))
+    elif name == "int8":
+        if _has_numba():
+            kernels.append(Int8Gemv(store))
+        if hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+            kernels.append(Int8Pack(store))
+    return kernels
+
+
+@dataclass
+class KernelChoice:
+    """The kernel per measured row count (:data:`ROW_POINTS`) and the measured seconds.
+
+    Attributes:
+        points: the row counts measured. kernels: the fastest kernel at each.
+        seconds: ``{kernel name: [seconds per expert at each point]}`` (medians).
+        expert_nbytes: bytes of one stored expert (its GB/s at one row: ``expert_nbytes / s``).
+    """
+
+    points: tuple[int, ...]
+    kernels: list[Kernel]
+    seconds: dict[str, list[float]]
+    expert_nbytes: int
+
+    def for_rows(self, rows: int) -> Kernel:
+        """The kernel measured fastest at the point nearest ``rows`` (log scale)."""
+        best = min(range(len(self.points)), key=lambda i: abs(np.log(max(rows, 1) / self.points[i])))
+        return self.kernels[best]
+
+    @property
+    def seconds_chosen(self) -> list[float]:
+        """Seconds per expert of the chosen kernel at each point."""
+        return [self.seconds[k.name][i] for i, k in enumerate(self.kernels)]
+
+    def gbps(self) -> float:
+        """Weights read per second at one row by the kernel chosen there, GB/s (1e9 bytes)."""
+        return self.expert_nbytes / self.seconds_chosen[0] / 1e9
+
+    def describe(self) -> str:
+        """``int8-gemv (1 row, 18.2 GB/s), int8pack from 32 rows``: the choice, for the summary."""
+        first = f"{self.kernels[0].name} ({self.gbps():.1f} GB/s at 1 row)"
+        rest = [
+            f"{k.name} from {p} rows"
+            for i, (p, k) in enumerate(zip(self.points, self.kernels))
+            if i and k is not self.kernels[i - 1]
+        ]
+        return ", ".join([first, *rest])
+
+
+def run_projections(kernel: Kernel, row: torch.Tensor, x: torch.Tensor, hidden) -> torch.Tensor:
+    """``down(hidden(gate_up(x)))`` for ``x [n, H]``: ``hidden`` maps ``[n, 2I] -> [n, I]`` (the
+    activation and gate/up biases the device path applies)."""
+    return kernel.down(row, hidden(kernel.gate_up(row, x)))
+
+
+def _silu_glu(gu: torch.Tensor) -> torch.Tensor:
+    gate, up = gu.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def choose_kernels(
+    store: Any,
+    points: tuple[int, ...] = ROW_POINTS,
+    repeats: int = 3,
+    budget_s: float = 0.5,
+    kernels: list[Kernel] | None = None,
+) -> KernelChoice:
+    """Measure each eligible kernel (:func:`eligible_kernels`) at each row count of ``points`` on
+    the store's own experts (a different expert per call, so weights come from memory, not the
+    cache; median of ``repeats`` after a warm-up) and keep the fastest per point; a kernel that
+    is not exact must beat the exact one. ``budget_s``: stop repeating a kernel's point once its
+    calls took this long (large experts). Runs on the calling thread."""
+    kernels = kernels or eligible_kernels(store)
+    n_keys = store.num_layers * store.num_experts
+    gen = torch.Generator().manual_seed(0)
+    seconds: dict[str, list[float]] = {}
+    key = 0
+    with torch.inference_mode():
+        for k in kernels:
+            seconds[k.name] = []
+            for rows in points:
+                x = torch.randn(rows, store.hidden_size, generator=gen).to(store.compute_dtype)
+                times: list[float] = []
+                spent = 0.0
+                for i in range(repeats + 1):
+                    row = store.expert(key % n_keys)
+                    key += 7  # a different expert each call (another layer's, most often)
+                    t0 = time.perf_counter()
+                    run_projections(k, row, x, _silu_glu)
+                    dt = time.perf_counter() - t0
+                    spent += dt
+                    if i:  # the first call warms up
+                        times.append(dt)
+                    if spent > budget_s and times:
+                        break
+                seconds[k.name].append(statistics.median(times))
+    chosen = []
+    for j in range(len(points)):
+        best = min(kernels, key=lambda k: (seconds[k.name][j], not k.exact))
+        chosen.append(best)
+    return KernelChoice(tuple(points), chosen, seconds, store.expert_nbytes)

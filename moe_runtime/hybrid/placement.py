@@ -1,0 +1,215 @@
+"""The runtime's placement of every needed expert of a layer: resident, in flight, copy now, or CPU.
+
+:class:`HybridPlacer` is attached to an :class:`~moe_runtime.buffer.ExpertBuffer` (``placer``);
+``start_layer`` calls :meth:`HybridPlacer.split` under the buffer's lock, before any lookup. It
+sorts the layer's experts by their slot state (READY: resident; LOADING: in flight; else missed),
+places the misses with :func:`~moe_runtime.hybrid.cost_model.place_layer` (``auto``: greedy by
+expected finish time, HybriMoE's intra-layer split; ``cpu``: every miss on the CPU, llama.cpp's
+``--n-cpu-moe``) and takes the CPU ones out of the lookup: they queue no copy, take no slot and
+are not admitted to the buffer by this use (a queued prefetch of one is cancelled: it was for
+this use). The rest is looked up as before (hits pinned, copies queued as demand).
+
+The cost model's inputs are measured: the link's time per copy (each partition's running mean of
+its I/O thread's timings, ``Partition.copy_s_mean``, before any copy a probe at load), the CPU
+kernel's time (load-time fit, then every job's own time, :attr:`CPUExpertExecutor.samples`) and
+the device's (load-time probe; on a CPU device also each batch the compute thread runs).
+
+Each layer run's predicted time is kept beside its measured time (from the placement to the end
+of the MoE block's experts, CPU outputs included: ``LayerRun.ended``) in :attr:`HybridPlacer.records`
+(:meth:`HybridPlacer.prediction_error`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from moe_runtime.buffer.slots import READY
+from moe_runtime.hybrid.cost_model import LayerCosts, LinearCost, place_layer
+from moe_runtime.hybrid.executor import CPUExpertExecutor, CPUExperts
+
+#: layer runs whose prediction and measurement are kept
+RECORDS = 20000
+
+
+@dataclass(frozen=True, slots=True)
+class LayerRecord:
+    """One layer run: its MoE layer, predicted and measured seconds, experts per placement."""
+
+    layer: int
+    predicted_s: float
+    measured_s: float
+    resident: int
+    inflight: int
+    cpu: int
+    copied: int
+
+
+class HybridPlacer:
+    """Places each layer's misses on the CPU or the link (see the module note).
+
+    Args:
+        buffer: the expert buffer it serves. mode: ``auto`` or ``cpu``.
+        executor: the CPU pool. cpu_cost / device_cost: per-expert cost fits (seconds).
+        device_timed: the device's batches can be timed on the host (a CPU device): the
+            compute thread's batches then refit ``device_cost``.
+        link_probe_s: per partition, one copy's seconds measured at load (used until the I/O
+            thread has timed a copy).
+    """
+
+    def __init__(
+        self,
+        buffer: Any,
+        mode: str,
+        executor: CPUExpertExecutor,
+        cpu_cost: LinearCost,
+        device_cost: LinearCost,
+        device_timed: bool,
+        link_probe_s: list[float],
+    ) -> None:
+        if mode not in ("auto", "cpu"):
+            raise ValueError(f"a placer runs auto or cpu, not {mode!r}")
+        self.buffer, self.mode, self.executor = buffer, mode, executor
+        self.cpu_cost, self.device_cost = cpu_cost, device_cost
+        self.device_timed = device_timed
+        self.link_probe_s = link_probe_s
+        self.records: deque[LayerRecord] = deque(maxlen=RECORDS)
+        self._pending: tuple[Any, float, int, float, tuple[int, int, int, int]] | None = None
+        self._counts: np.ndarray | None = None  # the running layer's rows per expert
+        self._cpu_rows = 1.0  # running mean rows per CPU job (the gate's CPU time per miss)
+
+    # ------------------------------------------------------------------ inputs
+    def link_seconds(self, part: Any) -> float:
+        """One copy's seconds on ``part``'s link: its I/O thread's running mean, else the probe."""
+        m = part.copy_s_mean
+        return self.link_probe_s[part.index] if m is None else m
+
+    def _drain(self) -> None:
+        """Fold the executor's finished jobs into the CPU cost fit."""
+        samples = self.executor.samples
+        while samples:
+            rows, seconds = samples.popleft()
+            self.cpu_cost.observe(1, rows, seconds)
+            self._cpu_rows += 0.05 * (rows - self._cpu_rows)
+
+    @property
+    def cpu_miss_seconds(self) -> float | None:
+        """Seconds the CPU takes for one miss at the usual rows per CPU expert (the prefetch gate's
+        blocking per miss is at most this with hybrid execution on; ``cpu`` mode: None, it never
+        prefetches)."""
+        return self.cpu_cost.predict(self._cpu_rows) if self.mode == "auto" else None
+
+    def time_batch(self, experts: list[int], seconds: float) -> None:
+        """The compute thread ran ``experts`` of the running layer as one batch in ``seconds``
+        (a CPU device): refit the device cost."""
+        if self._counts is not None and experts:
+            self.device_cost.observe(len(experts), float(self._counts[experts].sum()), seconds)
+
+    # ------------------------------------------------------------------ the split
+    def split(
+        self, layer: int, experts: list[int], keys: list[int], counts: np.ndarray
+    ) -> tuple[list[int], list[int], CPUExperts | None, float]:
+        """Place the layer's ``experts`` (flat ``keys``; ``counts [E]`` token rows per expert);
+        returns the experts and keys left for the lookup (resident, in flight, copy now), the CPU
+        share (or None) and the placement's predicted seconds. Caller holds the buffer's lock."""
+        now = time.perf_counter()
+        self._record()
+        self._drain()
+        buf = self.buffer
+        parts, home = buf.parts, buf._home
+        n_parts = len(parts)
+        resident: list[list[int]] = [[] for _ in range(n_parts)]
+        inflight: list[list[int]] = [[] for _ in range(n_parts)]
+        miss: list[int] = []
+        for i, key in enumerate(keys):
+            d = home[key]
+            part = parts[d]
+            s = part.key_slot.get(key)
+            rows = int(counts[experts[i]])
+            if s is None:
+                miss.append(i)
+            elif part.state[s] == READY:
+                resident[d].append(rows)
+            else:
+                inflight[d].append(rows)
+        link_s = [self.link_seconds(p) for p in parts]
+        costs = LayerCosts(
+            resident,
+            inflight,
+            [int(counts[experts[i]]) for i in miss],
+            [home[keys[i]] for i in miss],
+            link_s,
+            [p.loading * t for p, t in zip(parts, link_s)],
+            self.executor.threads,
+        )
+        placed = place_layer(costs, self.cpu_cost, self.device_cost, self.mode)
+        on_cpu = {miss[j] for j, c in enumerate(placed.on_cpu) if c}
+        cpu = None
+        if on_cpu:
+            st = buf.stats
+            cpu_experts = [experts[i] for i in sorted(on_cpu)]
+            for i in on_cpu:
+                key = keys[i]
+                part = parts[home[key]]
+                if part.queue.cancel(key) is not None:  # its prefetch was for this use
+                    st.prefetch_cancelled += 1
+                st.device_lookups[part.index] += 1
+            n = len(on_cpu)
+            st.lookups[layer] += n
+            st.cpu_experts[layer] += n
+            st.cpu_avoided_bytes += n * buf.store.expert_nbytes
+            experts = [e for i, e in enumerate(experts) if i not in on_cpu]
+            keys = [k for i, k in enumerate(keys) if i not in on_cpu]
+            cpu = CPUExperts(self.executor, layer, cpu_experts, buf.num_experts, st)
+        self._counts = counts
+        n_res = sum(len(r) for r in resident)
+        n_fly = sum(len(r) for r in inflight)
+        placement = (n_res, n_fly, len(on_cpu), len(miss) - len(on_cpu))
+        self._pending = (None, now, layer, placed.predicted_s, placement)
+        return experts, keys, cpu, placed.predicted_s
+
+    def bind(self, run: Any) -> None:
+        """The layer run the last :meth:`split` made: its end is measured (``run.ended``)."""
+        run.timed = True
+        if self._pending is not None:
+            self._pending = (run, *self._pending[1:])
+        if self.device_timed:
+            run.timer = self.time_batch
+
+    def _record(self) -> None:
+        """Keep the last layer run's prediction beside its measured time."""
+        pending, self._pending = self._pending, None
+        if pending is None or pending[0] is None:
+            return
+        run, t0, layer, predicted, (res, fly, n_cpu, copied) = pending
+        if run.ended > t0:
+            self.records.append(LayerRecord(layer, predicted, run.ended - t0, res, fly, n_cpu, copied))
+
+    # ------------------------------------------------------------------ figures
+    def prediction_error(self, last: int | None = None, min_misses: int = 0) -> float | None:
+        """Median of ``|predicted - measured| / measured`` over the kept layer runs (the last
+        ``last``; only runs with at least ``min_misses`` misses), or None without any."""
+        self._record()
+        recs = [r for r in self.records if r.cpu + r.copied >= min_misses and r.measured_s > 0]
+        if last is not None:
+            recs = recs[-last:]
+        if not recs:
+            return None
+        return statistics.median(abs(r.predicted_s - r.measured_s) / r.measured_s for r in recs)
+
+    def describe(self) -> str:
+        """The summary's words: mode, threads, kernel and its measured GB/s, link time."""
+        link = ", ".join(f"{1e3 * self.link_seconds(p):.2f}" for p in self.buffer.parts)
+        n = self.executor.threads
+        return (
+            f"expert compute {self.mode}: {n} CPU expert thread{'s' if n > 1 else ''}, "
+            f"kernel {self.executor.choice.describe()}, copy {link} ms per expert"
+        )
+
+    def close(self) -> None:
+        self.executor.close()
