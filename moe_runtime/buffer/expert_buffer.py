@@ -128,6 +128,9 @@ class ExpertBuffer:
                     for s, key in enumerate(homed.tolist()):
                         part.slots[s].copy_(store.expert(key))
                 part.preload(homed.tolist())
+        # hybrid expert execution (moe_runtime.hybrid.placement.HybridPlacer): places each layer's
+        # misses on the CPU or the link in start_layer; None = every miss is copied (device mode)
+        self.placer: Any = None
         self.all_resident = all(len(p.key_slot) == int((self.home == p.index).sum()) for p in self.parts)
         # all resident: every expert's handle, by key, made once (slots never change)
         self._resident_handles = (
@@ -174,6 +177,12 @@ class ExpertBuffer:
         means = [p.copy_host_s_mean for p in self.parts if p.copy_host_s_mean is not None]
         return sum(means) / len(means) if means else None
 
+    @property
+    def cpu_miss_seconds(self) -> float | None:
+        """With hybrid execution (``auto``), the CPU's seconds for one miss (the prefetch gate's
+        blocking per miss is at most this); else None."""
+        return None if self.placer is None else self.placer.cpu_miss_seconds
+
     def partition_of(self, key: int) -> Partition:
         return self.parts[self.home[key]]
 
@@ -208,13 +217,19 @@ class ExpertBuffer:
         finally:
             run.close()
 
-    def start_layer(self, layer: int, experts: list[int]) -> LayerRun | ResidentRun:
+    def start_layer(
+        self, layer: int, experts: list[int], counts: np.ndarray | None = None
+    ) -> LayerRun | ResidentRun:
         """Look the layer's experts up now: pin the resident ones, queue demand fetches for the
         missing ones (the I/O thread starts on them at once); iterate the result for the handles
         as in :meth:`run_layer` (or its ``batches()``) and ``close()`` it when done. The MoE block
         calls this before the
         prefetch policy plans the later layers, so planning overlaps this layer's demand copies
         and a prefetch can no longer evict an expert this layer is about to use.
+
+        With a :attr:`placer` (hybrid execution) ``counts [E]``, the token rows per expert, is
+        required: the misses placed on the CPU are taken out of the lookup (no copy, no slot) and
+        come back as the run's ``cpu``.
         """
         E = self.num_experts
         self.check_io()
@@ -224,11 +239,14 @@ class ExpertBuffer:
             return self._run_resident(layer, experts)
         ready: list[tuple[int, Partition, int]] = []
         waiting: list[tuple[int, Partition]] = []
+        cpu = None
         with self.cond:
             keys = [layer * E + e for e in experts]
             needed = set(keys)
             for part in self.parts:
                 part.settle_prefetches(layer, needed)
+            if self.placer is not None:
+                experts, keys, cpu, _ = self.placer.split(layer, experts, keys, counts)
             # pins a hit or in-flight copy; queues a demand fetch
             for e, (part, s) in zip(experts, look_up_layer(self.parts, self._home, keys, layer)):
                 if s is not None:
@@ -237,7 +255,11 @@ class ExpertBuffer:
                     waiting.append((e, part))
             if waiting:
                 self.cond.notify_all()
-        return LayerRun(self, layer, ready, waiting)
+        run = LayerRun(self, layer, ready, waiting)
+        if self.placer is not None:
+            run.cpu = cpu
+            self.placer.bind(run)
+        return run
 
     def _run_resident(self, layer: int, experts: list[int]) -> ResidentRun:
         st, n, key0 = self.stats, len(experts), layer * self.num_experts

@@ -8,15 +8,19 @@ iteration started, and cancels the demand fetches of experts never consumed. If 
 died, the waiting compute thread raises :class:`IOThreadError` instead of waiting forever.
 
 Each expert is handed out as an :class:`ExpertHandle`: where it sits and its weights.
+
+With hybrid expert execution (:mod:`moe_runtime.hybrid`) a run also carries ``cpu``, the experts
+placed on the CPU (computed beside the batches, never handed out), may time each batch the
+caller computes (``timer``, a CPU device) and notes when it was last closed (``timed``, ``ended``).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -89,6 +93,10 @@ class LayerRun:
         self.buf, self.layer = buf, layer
         self.ready, self.waiting = ready, waiting
         self._current: list[tuple[Partition, int]] = []  # landed experts being used
+        self.cpu: Any = None  # hybrid: the experts computed on the CPU (moe_runtime.hybrid.executor)
+        self.timer: Callable[[list[int], float], None] | None = None  # hybrid: (experts, seconds) per batch
+        self.timed = False  # hybrid: note when the run was closed
+        self.ended = 0.0  # perf_counter of the latest close() (when timed)
 
     @property
     def resident_first(self) -> bool:
@@ -110,7 +118,10 @@ class LayerRun:
         try:
             if self.ready:  # still listed while in use: close() releases them
                 st.expert_batches[layer] += 1
+                t0 = 0.0 if self.timer is None else time.perf_counter()
                 yield [handle(e, part, s, True, 0.0) for e, part, s in self.ready]
+                if self.timer is not None:
+                    self.timer([e for e, _, _ in self.ready], time.perf_counter() - t0)
                 ready, self.ready = self.ready, []
                 buf._release_all([(part, s) for _, part, s in ready])
             while self.waiting:
@@ -129,10 +140,13 @@ class LayerRun:
                     st.expert_batches[layer] += 1
                 self._current = [(part, s) for (_, part), s in zip(landed, slots)]
                 # the batch's wait is charged to its first expert (the one waited for)
+                t0 = 0.0 if self.timer is None else time.perf_counter()
                 yield [
                     handle(e, part, s, False, blocked if i == 0 else 0.0)
                     for i, ((e, part), s) in enumerate(zip(landed, slots))
                 ]
+                if self.timer is not None:
+                    self.timer([e for e, _ in landed], time.perf_counter() - t0)
                 current, self._current = self._current, []
                 buf._release_all(current)
         finally:
@@ -140,6 +154,8 @@ class LayerRun:
 
     def close(self) -> None:
         """Release every pin still held and cancel demand for experts never consumed (idempotent)."""
+        if self.timed:
+            self.ended = time.perf_counter()
         buf = self.buf
         held = [(part, s) for _, part, s in self.ready] + self._current
         self.ready, self._current = [], []
@@ -154,6 +170,8 @@ class ResidentRun:
     """The layer run of a buffer holding every expert: one batch, nothing to pin or release.
 
     Args: handles: one :class:`ExpertHandle` per needed expert."""
+
+    cpu = None  # no expert runs on the CPU: every one is resident
 
     def __init__(self, handles: list[ExpertHandle]) -> None:
         self.handles = handles

@@ -106,6 +106,7 @@ class Partition(SlotTable):
         # link's wait (picking, the victim, landing: Python that holds the GIL); None before the first
         self.copy_host_s_mean: float | None = None
         self._protected: dict[int, set[int]] = {}  # layer -> READY slots with ``prefetched`` set
+        self.loading = 0  # LOADING slots: copies allocated and not landed (the link's backlog)
 
     def has_unused_prefetch(self) -> bool:
         """Some READY slot holds a prefetch its layer has not run with yet."""
@@ -149,6 +150,7 @@ class Partition(SlotTable):
                 self._unprotect(s, old)
             self.unused[s] = False
         self.slot_key[s], self.state[s] = t.key, LOADING
+        self.loading += 1
         self.key_slot[t.key] = s
         self.held[t.key] = True
         if t.demand:
@@ -167,6 +169,7 @@ class Partition(SlotTable):
             # a running mean; a repeated figure (an emulated link's) leaves it exactly as it is
             self.copy_s_mean = copy_s if m is None else m + (1 - COPY_DECAY) * (copy_s - m)
         self.state[s] = READY
+        self.loading -= 1
         prefetch = not t.demand
         self.prefetched[s] = self.unused[s] = prefetch
         if prefetch:
