@@ -279,6 +279,9 @@ def run_experts(
         (``out [T, H]``, hit ``[E]`` bool, blocked seconds ``[E]``).
     """
     t, k = ids_host.shape
+    cpu = getattr(run, "cpu", None)  # hybrid: the CPU-placed experts start first, beside the batches
+    if cpu is not None:
+        cpu.start(x, ids_host, ffn)
     if path == "few":
         return _few_tokens(x, weights, ids_host, run, num_experts, ffn, launched)
     plan = LayerPlan(ids_host, num_experts, MAX_GAP.get(x.device.type, MAX_GROUPS))
@@ -315,6 +318,9 @@ def run_experts(
             # scaled by the router weight, then cast, as the reference does
             y = _cast(y * w_flat.index_select(0, dev[n : 2 * n]).unsqueeze(1), contrib.dtype)
             contrib.index_copy_(0, dev[2 * n : 3 * n], y)
+    if cpu is not None:  # their outputs, scaled and cast as above, at their (token, rank) rows
+        for pos, y in cpu.finish(x, weights):
+            contrib.index_copy_(0, torch.from_numpy(pos).to(x.device, non_blocking=True), y)
     # contributions summed per token in ascending expert order (ranks were sorted by expert id)
     return _sum_in_order(contrib.view(t, k, -1).unbind(1)), hit, blocked
 
@@ -408,6 +414,11 @@ def _few_tokens(
             else:
                 for i, (_, _, pos) in enumerate(mine):
                     pieces[pos] = y[i : i + 1]
+    cpu = getattr(run, "cpu", None)
+    if cpu is not None:  # hybrid: the CPU-placed experts' outputs, scaled and cast as above
+        for pos, y in cpu.finish(x, weights):
+            for i, p in enumerate(pos.tolist()):
+                pieces[p] = y if len(pos) == 1 else y[i : i + 1]
     ranks = pieces if t == 1 else torch.cat(pieces).view(t, k, -1).unbind(1)
     return _sum_in_order(ranks), hit, blocked
 

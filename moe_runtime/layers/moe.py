@@ -63,10 +63,12 @@ def moe_block(
         )
     if step.observe:
         buffer.after_routing(moe_layer, step.request_ids, ids_host)
-    needed = np.flatnonzero(np.bincount(ids_host.reshape(-1), minlength=num_experts)).tolist()
+    counts = np.bincount(ids_host.reshape(-1), minlength=num_experts)
+    needed = np.flatnonzero(counts).tolist()
     # This layer's misses go to the I/O queue (and its hits are pinned) before the prefetch
-    # policy plans later layers: the demand copies overlap the planning.
-    run = buffer.start_layer(moe_layer, needed)
+    # policy plans later layers: the demand copies overlap the planning. With hybrid execution
+    # the buffer's placer first sends some misses to the CPU (moe_runtime.hybrid).
+    run = buffer.start_layer(moe_layer, needed, counts)
     try:
         plan = None
         if prefetcher is not None and (moe_layer == 0 or not prefetcher.idle):
@@ -83,7 +85,12 @@ def moe_block(
         out, hit, blocked = run_experts(x, weights, ids_host, run, num_experts, path, ffn, launched=plan)
     finally:
         run.close()
-    step.moe_layers.append((ids_host, hit, blocked))  # per-request figures: reduced at the step's end
+    # per-request figures: reduced at the step's end (hybrid: also the CPU-placed experts' mask
+    # and seconds, moe_runtime.engine.context.StepContext.cpu_attribution)
+    cpu = getattr(run, "cpu", None)
+    step.moe_layers.append(
+        (ids_host, hit, blocked) if cpu is None else (ids_host, hit, blocked, *cpu.mask(num_experts))
+    )
     if cfg.shared_expert_intermediate_size:
         shared = F.linear(
             F.silu(F.linear(x, w[p + "shared_gate_proj"])) * F.linear(x, w[p + "shared_up"]),
