@@ -31,6 +31,7 @@ from moe_runtime.engine.sampler import Sampled, sample, token_logprob
 from moe_runtime.engine.scheduler import ScheduledSeq, Scheduler
 from moe_runtime.engine.structured import GrammarMatcher
 from moe_runtime.errors import ConfigError, RequestError
+from moe_runtime.hybrid import setup as hybrid_setup
 from moe_runtime.layers.kv_cache import KVCache
 from moe_runtime.layers.mla_cache import MLACache
 from moe_runtime.layers.router_lookahead import RouterLookahead
@@ -73,6 +74,11 @@ class LLMEngine:
         offloading = slots < total
         prefetch_policy = runtime.prefetch_policy if offloading else "on-demand"
         cache_policy = runtime.cache_policy if offloading else "lru"
+        # hybrid expert execution (moe_runtime.hybrid): cpu mode keeps a fixed resident set, so
+        # there is nothing to prefetch or evict
+        self.expert_compute = runtime.expert_compute_mode
+        if self.expert_compute == "cpu":
+            prefetch_policy, cache_policy = "on-demand", "lru"
         if (prefetch_policy.startswith("eam") or cache_policy.startswith("eam")) and recorder is None:
             recorder = _default_recorder(cfg, runtime, eamc)
         if eamc is None and recorder is not None:
@@ -114,6 +120,7 @@ class LLMEngine:
                 cfg.layer_windows,
             )
         self.model = MoEModel(cfg, loaded.dense, self.buffer, self.kv, self.max_model_len)
+        self.hybrid = hybrid_setup.attach(self.buffer, runtime, self.expert_compute)  # None: device mode
         step_context.warm()  # the step's expert attribution is compiled: not on the first step's clock
         self.prefetcher = make_prefetch_policy(
             prefetch_policy,
@@ -315,6 +322,7 @@ class LLMEngine:
         now = time.monotonic()
         outputs = []
         lookups, hits, blocking = step.expert_attribution(self.config.num_experts)
+        on_cpu = step.cpu_attribution(self.config.num_experts) if self.hybrid is not None else None
         for i, s in enumerate(scheduled):
             seq = s.seq
             if seq.status == SequenceStatus.FINISHED:  # aborted by a hook during the step
@@ -326,6 +334,10 @@ class LLMEngine:
             es.lookups += int(lookups[i])
             es.hits += int(hits[i])
             es.blocking_s += float(blocking[i])
+            if on_cpu is not None:
+                es.cpu_experts += int(on_cpu[0][i])
+                es.cpu_s += float(on_cpu[1][i])
+                es.bytes_not_moved += int(on_cpu[0][i]) * self.loaded.store.expert_nbytes
             if not s.sample:
                 continue
             try:
@@ -486,7 +498,9 @@ class LLMEngine:
             f"({100 * min(buf.num_slots, total) / total:.0f}% "
             f"of experts) on {len(buf.parts)} device(s), "
             f"KV cache {self.kv.nbytes / MiB:.1f} MiB{self._ring_note()}, "
-            f"{self._expert_format()}, experts run {self.model.expert_path}"
+            f"{self._expert_format()}, "
+            f"{hybrid_setup.describe(self.hybrid, self.runtime, self.expert_compute)}, "
+            f"experts run {self.model.expert_path}"
         )
 
     def _expert_format(self) -> str:
@@ -509,6 +523,8 @@ class LLMEngine:
         return f" ({len(ring)} sliding layers hold {windows} positions)"
 
     def close(self) -> None:
+        if self.hybrid is not None:
+            self.hybrid.close()
         self.buffer.close()
 
     def __enter__(self) -> LLMEngine:
