@@ -75,7 +75,10 @@ CREATES_OUT: dict[tuple[str, ...], str] = {
 }
 
 #: (doc, substring of the command) -> the fault, for docs this change does not own; strict xfail.
-KNOWN_BROKEN: dict[tuple[str, str], str] = {}
+KNOWN_BROKEN: dict[tuple[str, str], str] = {
+    ("docs/quantization.md", "tools/update_quant_docs.py"): "tool removed; doc being rewritten",
+    ("docs/quantization.md", "tools/quant_loss.py"): "tool removed; doc being rewritten",
+}
 
 
 @dataclass(slots=True)
