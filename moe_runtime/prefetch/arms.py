@@ -127,6 +127,8 @@ class TrialArms:
                 gate.update_link(self.buffer.stats, now, self._transfer_s())
                 if self._timed:  # h: the I/O threads' own work per copy (none in the simulator)
                     gate.copy_host_s = getattr(self.buffer, "copy_host_seconds", None) or 0.0
+                    # hybrid execution: a miss costs at most the CPU's time for it (b's cap)
+                    gate.cpu_miss_s = getattr(self.buffer, "cpu_miss_seconds", None)
             gate.new_step()
             if self.eamc_term is not None:
                 self.eamc_term.new_step()

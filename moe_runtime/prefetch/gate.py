@@ -17,6 +17,9 @@ NOTE: the terms, all measured online, none typed in:
   mean of the buffer's blocking seconds per miss (before any miss: one copy's link time). A right
   prefetch saves it only out of link time demand fetches leave idle: on a link the demand copies
   keep busy (share ``q``) the copy merely moves ahead of a demand copy that then waits instead.
+  With hybrid execution (``moe_runtime.hybrid``, runtime only) a miss may run on the CPU instead
+  of waiting for its copy, so ``b`` is the cheaper of the two: ``min(b, CPU seconds per miss)``
+  (:meth:`PrefetchGate.miss_cost_s`; ``ExpertBuffer.cpu_miss_seconds``, read at a step's end).
 * cost ``= (1 - P) * q * t + R * b + h``: a wrong prefetch holds the link for one copy's time ``t``
   (the I/O threads' own timing of their copies, ``ExpertBuffer.copy_seconds``: copy-stream events
   on CUDA; the simulator's link time there), which demand fetches queue behind with the chance
@@ -126,6 +129,9 @@ class PrefetchGate:
         self.checked = 0  # candidates checked against routing so far
         self.host_s = 0.0  # running host seconds of one planning layer (runtime only; 0 = not timed)
         self.copy_host_s = 0.0  # h: the compute thread's seconds per copy's I/O work (runtime only)
+        # with hybrid execution (moe_runtime.hybrid, runtime only) a miss may run on the CPU
+        # instead: the CPU's seconds per miss caps b (None: every miss is copied)
+        self.cpu_miss_s: float | None = None
         self.force_open = force_open
         self._last: tuple[float, float, int, int] | None = None  # (clock, blocking, misses, demand)
 
@@ -210,7 +216,7 @@ class PrefetchGate:
 
         The first ``int(idle_copies)`` are tested as copies in idle link time (no ``q`` terms).
         """
-        b = transfer_s if self.block_per_miss_s is None else self.block_per_miss_s
+        b = self.miss_cost_s(transfer_s)
         p_used = np.ascontiguousarray(p_used, dtype=np.float64)
         reuse = np.ascontiguousarray(reuse, dtype=np.float64)
         idle = np.arange(p_used.size) < int(self.idle_copies)
@@ -224,8 +230,16 @@ class PrefetchGate:
         """Seconds a right prefetch copied in idle link time saves: the next layer's demand
         copies run one fewer, so its wait shortens by up to one copy's time ``t``, as far as the
         layer blocks at all (:attr:`block_per_layer_s`); at least ``b``, the mean blocking per miss."""
+        b = self.miss_cost_s(transfer_s)
+        save = min(transfer_s, self.block_per_layer_s)
+        return max(b, save if self.cpu_miss_s is None else min(save, self.cpu_miss_s))
+
+    def miss_cost_s(self, transfer_s: float) -> float:
+        """``b``, what one avoided miss saves: the running blocking per miss (before any, one
+        copy's link time ``transfer_s``); with hybrid execution no more than the CPU's time for
+        it, the cheaper of copying and computing on the CPU (``moe_runtime.hybrid``)."""
         b = transfer_s if self.block_per_miss_s is None else self.block_per_miss_s
-        return max(b, min(transfer_s, self.block_per_layer_s))
+        return b if self.cpu_miss_s is None else min(b, self.cpu_miss_s)
 
     def plans_pay(self, net_s: float) -> bool:
         """Whether a plan whose paying candidates save ``net_s`` seconds (summed ``gain - cost``)

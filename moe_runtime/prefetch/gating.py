@@ -168,7 +168,7 @@ class GatedPlanning:
         terms = self._step_link
         if terms is None:
             gate, t = self.gate, self._transfer_s()
-            b = t if gate.block_per_miss_s is None else gate.block_per_miss_s
+            b = gate.miss_cost_s(t)  # the running blocking per miss, capped by a CPU miss's time
             packed = gate_kernels.gate_terms(
                 self.lookahead_weight, b, gate.demand_busy, t, gate.force_open, self.buffer.num_slots,
                 gate.idle_copies, gate.idle_save(t), gate.copy_host_s, gate.decay,
