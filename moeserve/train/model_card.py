@@ -25,10 +25,10 @@ from moeserve.train import card_figures
 from moeserve.train import corpus as C
 from moeserve.train import routing_analysis as ra
 from moeserve.train.corpus import DOMAINS, CorpusSplit
-from moeserve.train.tokenizer import CHAT_TEMPLATE, EOS_TOKEN
+from moeserve.train.tokenizer import EOS_TOKEN
 
 PROMPTS_PER_DOMAIN = 16
-SHOWN_COMPLETIONS = 2  # per domain
+SHOWN_COMPLETIONS = 1  # per domain
 
 
 def analyse(model_dir: Path, split: CorpusSplit, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -123,7 +123,8 @@ def render(
         "measured on the held-out split (rebuilt from `../shared/data`, or `--data-dir`).",
         "",
         "`moeserve serve` and `moeserve generate` run this model when `--model` is omitted "
-        "(`moe_runtime.assets.default_model_dir()`). It is a small Qwen3-MoE trained here so that expert "
+        "(`moe_runtime.assets.default_model_dir()`). It is a small Qwen3-MoE trained by moeserve's own "
+        "recipe (`moeserve train-tiny`, below) so that expert "
         "activation has the structure MoE-Infinity §3.1 relies on: experts specialised by domain, skewed "
         "reuse within a request, and correlation across layers. It is a routing test bed, not a useful "
         "language model.",
@@ -159,12 +160,8 @@ def render(
         "",
         "## Chat template",
         "",
-        f"`tokenizer_config.json` holds EOS `{EOS_TOKEN}` (also the pad token) and this jinja template:",
-        "",
-        "```jinja",
-        CHAT_TEMPLATE,
-        "```",
-        "",
+        f"`tokenizer_config.json` holds EOS `{EOS_TOKEN}` (also the pad token) and the jinja chat template "
+        "(`chat_template`; its source is `CHAT_TEMPLATE` in `moeserve/train/tokenizer.py`). "
         "A conversation renders as `<|user|>\\n{message}\\n<|assistant|>\\n`; the role markers are single "
         f"special tokens. {C.CHAT_PERMILLE / 10:g} % of the QA training rows were rendered this way.",
         "",
@@ -283,8 +280,9 @@ def render(
     lines += [
         "## Limitations",
         "",
-        f"- About {log['tokens_seen'] / 1e6:.1f} M training tokens on 2 CPU cores: the text it writes is "
-        "locally plausible at best. Use it to exercise routing, offloading and prefetching, not for answers.",
+        f"- About {log['tokens_seen'] / 1e6:.1f} M training tokens, a recipe sized for a CPU: the text it "
+        "writes is locally plausible at best. Use it to exercise routing, offloading and prefetching, "
+        "not for answers.",
         "- The domains are few and far apart, so specialisation is coarser than in a large MoE; the batch "
         "ratios of a real serving mix depend on how similar concurrent requests are.",
         "",
