@@ -246,14 +246,19 @@ def render_simulate(data: dict[str, Any] | list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+#: The rows :func:`render_simulate_buffers` shows: the baseline, the paper's pair, the default, the bound.
+BUFFER_ROWS = ("on-demand+lru", "eam-paper", "eam", "oracle")
+
+
 def render_simulate_buffers(data: list[dict[str, Any]]) -> str:
     """Markdown of several ``moeserve simulate --json`` outputs that differ in ``--buffer-slots``:
-    one table, a row per (slots, policy), TPOT against on-demand+LRU's at the same slots."""
+    one table, a row per (slots, policy) of :data:`BUFFER_ROWS`, TPOT against on-demand+LRU's at the
+    same slots."""
     rows = []
     for run in data:
         s = run["settings"]
         base = _base(run["results"])
-        for r in run["results"]:
+        for r in (r for r in run["results"] if r["policy"] in BUFFER_ROWS):
             vs = f"{r['tpot_ms'] / base['tpot_ms']:.3f}" if base else "-"
             rows.append(
                 [
