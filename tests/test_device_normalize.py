@@ -1,4 +1,4 @@
-"""``cuda`` means the current CUDA device, normalised once (issue 14); a dying I/O thread raises in
+"""``cuda`` means the current CUDA device, normalised once; a dying I/O thread raises in
 the compute thread instead of leaving it waiting forever."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Routed experts as grouped GEMMs (issue 14): the grouped path, the per-expert loop and any
+"""Routed experts as grouped GEMMs: the grouped path, the per-expert loop and any
 segmenting of the slot buffer give bit-identical logits, at any buffer size; the path is chosen
 once at load and named in the summary."""
 

@@ -1,4 +1,4 @@
-"""Hostile requests (issue 16): no 5xx, no engine death, no hang; one request's failure is its own.
+"""Hostile requests: no 5xx, no engine death, no hang; one request's failure is its own.
 
 Every case runs against the in-process server on the tiny checkpoint. After the module the engine
 still answers, ``/health`` is 200 and a fixed greedy completion is unchanged.

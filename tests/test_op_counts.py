@@ -1,5 +1,5 @@
 """Aten ops and host syncs per MoE layer per decode step: the CPU-checkable proxy for GPU kernel
-launches (issue 14). Counted with a ``TorchDispatchMode`` around every ``moe_block`` call of decode
+launches. Counted with a ``TorchDispatchMode`` around every ``moe_block`` call of decode
 steps of the bundled model, all experts resident."""
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def _per_layer(monkeypatch, batch: int, **runtime_kw) -> tuple[float, float]:
 
 @pytest.mark.parametrize("segmenting", ["cpu", "cuda"])
 def test_moe_layer_ops_and_syncs(monkeypatch, segmenting):
-    """Issue 14's bounds on the grouped path: <= 60 ops at batch 1, batch 8 <= 1.2x batch 1, one
+    """The bounds on the grouped path: <= 60 ops at batch 1, batch 8 <= 1.2x batch 1, one
     sync. ``cuda`` runs the CPU with CUDA's segmenting (a grouped call spans unused slots), the
     GPU's op stream. The CPU's few-token path is checked below."""
     monkeypatch.setitem(experts.MAX_GAP, "cpu", experts.MAX_GAP[segmenting])
@@ -125,7 +125,8 @@ def test_one_sync_with_tracer_policies_and_lookahead(monkeypatch):
 def test_decode_step_ops_per_decoder_layer(monkeypatch):
     """The whole decode step (embedding, attention, norms, MoE, final norm, LM head), per decoder
     layer, on the op stream a GPU runs (bf16, CUDA's segmenting, grouped experts): the CPU proxy
-    for a step's kernel launches, which bound its host time on an H100 (docs/benchmarks.md).
+    for a step's kernel launches, which bound its host time on a GPU (docs/architecture.md, "A GPU
+    decode step is host time").
     ATen's fused RMSNorm made it 93 from 109.5 at batch 1; attention's own ops are not counted
     the GPU's way here (the CPU keeps grouped-query SDPA)."""
     monkeypatch.setitem(experts.MAX_GAP, "cpu", experts.MAX_GAP["cuda"])
