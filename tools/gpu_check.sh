@@ -10,7 +10,8 @@
 #   replay-cuda-qwen3-30b-a3b-8l.txt    moeserve serve on that checkpoint + moeserve replay of the Azure
 #                                       conversation trace (summary; the replay's files in replay-cuda-*/)
 #   decode-cuda-mixtral-8x7b-4l.json    ... on the mixtral-8x7b shape, 4 layers (12.1 GB)
-#   bench-cpu-experts-cuda.json, bench-kv-cuda.json   where `moeserve bench --help` lists them
+#   bench-cpu-experts.json              experts computed on this machine's CPU (hybrid execution),
+#   bench-kv-cuda.json                  the paged KV cache; each where `moeserve bench --help` lists it
 # The two checkpoints are written in the background while the first steps run. Into OUTDIR go each
 # step's output and log (<step>.log), machine.txt (GPU, driver, torch, commit) and summary.txt (each
 # step's exit status and seconds; 124 = timed out). The whole run stops starting steps after
@@ -157,7 +158,8 @@ fi
 # Hybrid CPU experts and the paged KV cache: their rows run where this tree has the benches.
 BENCHES=$(python3 -m moeserve bench --help 2>/dev/null)
 if grep -qE '^ +cpu-experts\b' <<< "$BENCHES"; then
-  step bench-cpu-experts-cuda.json 60 python3 -m moeserve bench cpu-experts --device cuda --json
+  step bench-cpu-experts.json 90 \
+    python3 -m moeserve bench cpu-experts --shapes qwen3-30b-a3b,mixtral-8x7b --formats bf16 --json
 fi
 if grep -qE '^ +kv\b' <<< "$BENCHES"; then
   step bench-kv-cuda.json 60 python3 -m moeserve bench kv --device cuda --json
