@@ -1,0 +1,222 @@
+"""``moeserve bench cpu-experts``: one expert computed on host threads, against the read roof.
+
+Hybrid expert execution (:mod:`moe_runtime.hybrid`) computes missed experts on the CPU from host
+memory; at decode an expert meets few tokens, so its time is reading its weights once. For each
+expert shape (hidden H, width I: ``bundled`` from the bundled checkpoint, the others from
+:data:`moeserve.checkpoints.shapes.SHAPES`), format (``fp32``, ``bf16``: experts and activations
+in that dtype; ``int8``: one scale per output channel, activations fp32) and kernel
+(:mod:`moe_runtime.hybrid.cpu_kernels`: ``linear`` for the float formats; ``dequant``,
+``int8-gemv`` and ``int8pack`` for int8), a host store of random experts (seeded; enough of them
+that each call reads its weights from memory, not the cache, the pool at least
+``--pool-mib``) runs one expert's projections and SwiGLU on ``T`` token rows, ``--threads``
+experts at once (one per thread, each thread one OpenMP thread, as the executor's pool runs them).
+A row is a warm-up round and ``--repeats`` timed rounds of ``--calls`` calls: the median call's
+seconds and the spread (fastest and slowest repeat's median), the weights read per second (GB/s,
+1e9 bytes, all threads) and GFLOP/s (``2 x 3 x I x H x T`` per expert).
+
+The read roof is measured the same way: each thread sums its own contiguous ``--roof-mib`` fp32
+tensor (``torch.sum``), median of ``--repeats``; a row's ``roof %`` is its GB/s over it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from typing import Any
+
+import torch
+
+from moe_runtime.errors import ConfigError
+
+FORMATS = ("fp32", "bf16", "int8")
+DEFAULT_SHAPES = "bundled,olmoe-1b-7b,qwen3-30b-a3b,mixtral-8x7b"
+MiB = 1 << 20
+
+
+def register_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "cpu-experts", help="one expert on host threads by shape, tokens and format vs the read roof"
+    )
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"comma list (default: {DEFAULT_SHAPES})")
+    p.add_argument("--tokens", default="1,2,4,8,32", help="comma list of token rows (default: 1,2,4,8,32)")
+    p.add_argument("--formats", default=",".join(FORMATS), help="comma list of fp32, bf16, int8")
+    p.add_argument(
+        "--threads", type=int, default=1, help="experts computed at once, one per thread (default: 1)"
+    )
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds, >= 3 (default: 3)")
+    p.add_argument("--calls", type=int, default=3, help="calls per thread and round (default: 3)")
+    p.add_argument(
+        "--pool-mib", type=int, default=256, help="least MiB of experts to cycle through (default: 256)"
+    )
+    p.add_argument(
+        "--roof-mib", type=int, default=512, help="MiB each thread reads for the roof (default: 512)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.set_defaults(func=run)
+
+
+def _in_threads(threads: int, work) -> float:
+    """Run ``work(i)`` on ``threads`` threads at once (each with one OpenMP thread); wall seconds."""
+    from moe_runtime.hybrid.executor import _one_omp_thread
+
+    barrier = threading.Barrier(threads + 1)
+
+    def body(i: int) -> None:
+        _one_omp_thread()
+        with torch.inference_mode():
+            barrier.wait()
+            work(i)
+            barrier.wait()
+
+    pool = [threading.Thread(target=body, args=(i,)) for i in range(threads)]
+    for t in pool:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    barrier.wait()
+    seconds = time.perf_counter() - t0
+    for t in pool:
+        t.join()
+    return seconds
+
+
+def read_roof(threads: int, mib: int, repeats: int) -> float:
+    """GB/s the threads read together, each summing its own contiguous fp32 tensor of ``mib`` MiB
+    (median of ``repeats`` after a warm-up)."""
+    data = [torch.ones(mib * MiB // 4) for _ in range(threads)]
+    secs = [_in_threads(threads, lambda i: data[i].sum()) for _ in range(repeats + 1)][1:]
+    return threads * mib * MiB / statistics.median(secs) / 1e9
+
+
+def make_store(hidden: int, inter: int, fmt: str, pool_mib: int, seed: int) -> Any:
+    """A host store of random experts in ``fmt``, as many as fill ``pool_mib`` MiB (at least 2)."""
+    from moe_runtime.quant.int8 import Int8ChannelCodec
+    from moe_runtime.quant.layout import ExpertLayout
+    from moe_runtime.store import HostExpertStore
+
+    layout = ExpertLayout(Int8ChannelCodec(), hidden, inter) if fmt == "int8" else None
+    dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
+    nbytes = layout.nbytes if layout else 3 * hidden * inter * dtype.itemsize
+    n = max(2, -(-pool_mib * MiB // nbytes))
+    store = HostExpertStore(1, n, hidden, inter, dtype, layout=layout)
+    gen = torch.Generator().manual_seed(seed)
+    if layout is None:
+        for row in store.data:
+            row.copy_(torch.randn(row.numel(), generator=gen).mul_(0.02))
+        return store
+    for part in ("gate", "up", "down"):
+        q = layout.view(store.data, part, "weight")
+        q.copy_(torch.randint(-127, 128, q.shape, generator=gen, dtype=torch.int8))
+        layout.view(store.data, part, "weight_scale").fill_(0.02 / 127)
+    return store
+
+
+def bench_kernel(store: Any, kernel: Any, tokens: int, threads: int, calls: int, repeats: int, seed: int):
+    """Per-call seconds of ``kernel`` at ``tokens`` rows, ``threads`` experts at once: (median,
+    fastest repeat, slowest repeat) over ``repeats`` rounds after a warm-up round."""
+    from moe_runtime.hybrid.cpu_kernels import _silu_glu, run_projections
+
+    n = store.num_experts
+    gen = torch.Generator().manual_seed(seed)
+    xs = [
+        torch.randn(tokens, store.hidden_size, generator=gen).to(store.compute_dtype) for _ in range(threads)
+    ]
+    cursor = [0]
+
+    def work(i: int) -> None:
+        for c in range(calls):
+            key = (cursor[0] + i + c * threads) % n
+            run_projections(kernel, store.expert(key), xs[i], _silu_glu)
+
+    rounds = []
+    for _ in range(repeats + 1):
+        rounds.append(_in_threads(threads, work) / calls)
+        cursor[0] += calls * threads
+    timed = rounds[1:]
+    return statistics.median(timed), min(timed), max(timed)
+
+
+def _row(name: str, fmt: str, kernel: Any, t: int, times, store: Any, threads: int, roof: float) -> dict:
+    """One result row: seconds ``times`` (median, min, max) as ms, GB/s, roof share, GFLOP/s."""
+    med, lo, hi = times
+    h, i = store.hidden_size, store.intermediate_size
+    gbps = threads * store.expert_nbytes / med / 1e9
+    return {
+        "shape": name, "hidden": h, "intermediate": i, "format": fmt, "kernel": kernel.name,
+        "exact": kernel.exact, "tokens": t, "ms": 1e3 * med, "ms_min": 1e3 * lo, "ms_max": 1e3 * hi,
+        "expert_mib": store.expert_nbytes / MiB, "gbps": gbps, "roof_pct": 100 * gbps / roof,
+        "gflops": threads * 6 * h * i * t / med / 1e9,
+    }  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    from moe_runtime.hybrid.cpu_kernels import _has_numba, eligible_kernels
+    from moeserve.bench.experts import _cpu_name, _positive_ints, shape_of
+
+    tokens = _positive_ints("--tokens", args.tokens)
+    names = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    shapes = {name: shape_of(name)[:2] for name in names}  # unknown names fail before any work
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    for f in formats:
+        if f not in FORMATS:
+            raise ConfigError(f"--formats: {f!r} is not one of {', '.join(FORMATS)}")
+    if args.repeats < 3:
+        raise ConfigError(f"--repeats must be >= 3 (median and spread), got {args.repeats}")
+    for flag, v in (("--threads", args.threads), ("--calls", args.calls), ("--pool-mib", args.pool_mib)):
+        if v < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {v}")
+    torch.set_num_threads(1)
+    roof = read_roof(args.threads, args.roof_mib, args.repeats)
+    rows = []
+    for name, (h, i) in shapes.items():
+        for fmt in formats:
+            store = make_store(h, i, fmt, args.pool_mib, args.seed)
+            for kernel in eligible_kernels(store):
+                for t in tokens:
+                    times = bench_kernel(store, kernel, t, args.threads, args.calls, args.repeats, args.seed)
+                    rows.append(_row(name, fmt, kernel, t, times, store, args.threads, roof))
+            del store
+    settings = {
+        "cpu": _cpu_name(),
+        "threads": args.threads,
+        "omp_threads_per_thread": 1,
+        "repeats": args.repeats,
+        "calls": args.calls,
+        "warmup": "1 round",
+        "pool_mib": args.pool_mib,
+        "roof": f"each thread sums its own {args.roof_mib} MiB fp32 tensor, median of {args.repeats}",
+        "roof_gbps": round(roof, 2),
+        "numba": _has_numba(),
+        "torch": torch.__version__,
+    }
+    data = {"settings": settings, "results": rows}
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        render(data)
+    return 0
+
+
+def render(data: dict[str, Any]) -> None:
+    """Print the settings, then the results as a table."""
+    from richconsole import Table, make_console
+
+    s = data["settings"]
+    console = make_console()
+    console.print("\n".join(f"{k}: {v}" for k, v in s.items()))
+    table = Table(
+        "shape", "format", "kernel", "tokens", "ms (min-max)", "GB/s", "roof %", "GFLOP/s",
+        title=f"CPU expert time, {s['threads']} thread(s), read roof {s['roof_gbps']} GB/s",
+    )  # fmt: skip
+    for r in data["results"]:
+        table.add_row(
+            r["shape"], r["format"], r["kernel"] + ("" if r["exact"] else "*"), str(r["tokens"]),
+            f"{r['ms']:.3f} ({r['ms_min']:.3f}-{r['ms_max']:.3f})", f"{r['gbps']:.1f}",
+            f"{r['roof_pct']:.0f}", f"{r['gflops']:.1f}",
+        )  # fmt: skip
+    console.print(table)
+    console.print("* not exact for the compute dtype (eligible where the experts are stored in its format)")

@@ -1,0 +1,204 @@
+"""``moeserve bench hybrid``: decode TPOT by ``--expert-compute`` mode, and the cost model's error.
+
+One checkpoint is loaded once; one engine per mode (``device``, ``cpu``, ``auto``: hybrid expert
+execution, :mod:`moe_runtime.hybrid`) shares it, at one buffer size and emulated link. A run
+admits ``--batch`` fresh random prompts (seeded per run, so the cache does not meet the routing it
+was warmed on), steps until each has its first token, then times every decode step; TPOT is the
+run's mean step time. After one warm-up run per mode, the ``--repeats`` timed runs go round the
+modes in turn (run ``r`` of every mode under the same host load), each mode's row reporting the
+median run and the spread (fastest and slowest), the buffer hit rate, the misses computed on the
+CPU and the bytes copied per token, and, for the hybrid modes, the placement's predicted layer
+time against the measured one over the timed runs' layer runs
+(:meth:`~moe_runtime.hybrid.placement.HybridPlacer.prediction_error`: median of
+``|predicted - measured| / measured``) with the cost model's fits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import fields
+from typing import Any
+
+import numpy as np
+import torch
+
+from moe_runtime.errors import ConfigError
+
+
+def register_bench(sub: argparse._SubParsersAction) -> None:
+    from moeserve.commands.common import add_model_arg
+
+    p = sub.add_parser("hybrid", help="decode TPOT by --expert-compute mode, and the cost model's error")
+    add_model_arg(p)
+    p.add_argument(
+        "--modes", default="device,auto", help="comma list of device, cpu, auto (default: device,auto)"
+    )
+    p.add_argument(
+        "--buffer-fraction", type=float, default=0.25, help="buffer share of all experts (default 0.25)"
+    )
+    p.add_argument("--link-gbps", type=float, default=4.0, help="emulated link, GB/s (default: 4)")
+    p.add_argument("--link-latency-us", type=float, default=0.0)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per mode, >= 3 (default: 3)")
+    p.add_argument("--dtype", default="fp32", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--expert-dtype", default="auto")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--cpu-threads", type=int, default=1)
+    p.add_argument("--cpu-expert-threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print results as JSON")
+    p.set_defaults(func=run)
+
+
+def _run(engine, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
+    """One run: admit ``prompts``, step to their first tokens, time the decode steps."""
+    from moe_runtime.engine.request import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    ids = {f"hy-{time.monotonic_ns()}-{i}" for i in range(len(prompts))}
+    for rid, p in zip(sorted(ids), prompts):
+        engine.add_request(rid, p, params)
+    started: set[str] = set()
+    while started != ids:
+        started.update(o.request_id for o in engine.step())
+    st = engine.buffer.stats
+    before = (st.total_lookups, st.total_hits, sum(st.cpu_experts), st.demand_bytes + st.prefetch_bytes)
+    placer = engine.hybrid
+    first = len(placer.records) if placer is not None else 0
+    times = []
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    after = (st.total_lookups, st.total_hits, sum(st.cpu_experts), st.demand_bytes + st.prefetch_bytes)
+    lookups, hits, cpu, moved = (a - b for a, b in zip(after, before))
+    steps = len(times)
+    errors = []
+    if placer is not None:
+        placer.prediction_error()  # folds in the last layer run
+        errors = [abs(r.predicted_s - r.measured_s) / r.measured_s for r in list(placer.records)[first:]]
+    return {
+        "tpot_s": sum(times) / steps, "steps": steps, "lookups": lookups, "hits": hits,
+        "cpu_experts": cpu, "moved": moved, "errors": errors,
+    }  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    from moe_runtime.config import EXPERT_COMPUTE_MODES, RuntimeConfig
+    from moe_runtime.engine.engine import LLMEngine
+    from moe_runtime.loader import load_checkpoint
+    from moe_runtime.paths import shown_path
+    from moeserve.bench.experts import _cpu_name
+    from moeserve.commands.common import resolve_model
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for m in modes:
+        if m not in EXPERT_COMPUTE_MODES:
+            raise ConfigError(f"--modes: {m!r} is not one of {', '.join(EXPERT_COMPUTE_MODES)}")
+    if args.repeats < 3:
+        raise ConfigError(f"--repeats {args.repeats}: must be >= 3 (median and spread of runs)")
+    torch.set_num_threads(args.cpu_threads)
+    model_dir = resolve_model(args)
+    base = RuntimeConfig(
+        device=args.device, dtype=args.dtype, expert_dtype=args.expert_dtype,
+        buffer_fraction=args.buffer_fraction, link_gbps=args.link_gbps or None,
+        link_latency_us=args.link_latency_us, max_batch_size=args.batch,
+        max_model_len=args.prompt_len + args.new_tokens + 8, cpu_threads=args.cpu_threads,
+        cpu_expert_threads=args.cpu_expert_threads,
+    )  # fmt: skip
+    loaded = load_checkpoint(model_dir, base)
+    vocab = loaded.config.vocab_size
+    engines = {}
+    for m in modes:
+        rt = RuntimeConfig(**{**{f.name: getattr(base, f.name) for f in fields(base)}, "expert_compute": m})
+        engines[m] = LLMEngine(loaded, rt)
+    rng = np.random.default_rng(args.seed)
+
+    def prompts() -> list[list[int]]:
+        return rng.integers(0, vocab, size=(args.batch, args.prompt_len)).tolist()
+
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    try:
+        for m in modes:  # warm-up
+            _run(engines[m], prompts(), args.new_tokens)
+        for _ in range(args.repeats):
+            ps = prompts()  # the same prompts for every mode in this round
+            for m in modes:
+                runs[m].append(_run(engines[m], ps, args.new_tokens))
+        summaries = {m: engines[m].summary() for m in modes}
+        fits = {m: _fits(engines[m].hybrid) for m in modes}
+    finally:
+        for e in engines.values():
+            e.close()
+    rows = [_row(m, runs[m], fits[m], args.batch) for m in modes]
+    settings = {
+        "model": shown_path(model_dir), "architecture": loaded.config.architecture, "device": args.device,
+        "cpu": _cpu_name(), "dtype": args.dtype, "expert_dtype": args.expert_dtype,
+        "buffer_fraction": args.buffer_fraction, "link_gbps": args.link_gbps,
+        "link_latency_us": args.link_latency_us, "batch": args.batch, "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens, "repeats": args.repeats, "warmup": "1 run per mode",
+        "cpu_threads": args.cpu_threads, "prompts": "fresh per round, the same for every mode",
+        "load_avg_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+        "summaries": summaries, "torch": torch.__version__,
+    }  # fmt: skip
+    data = {"settings": settings, "results": rows}
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        _print(data)
+    return 0
+
+
+def _fits(placer: Any) -> dict | None:
+    if placer is None:
+        return None
+    c, d = placer.cpu_cost, placer.device_cost
+    return {
+        "cpu_ms_per_expert": 1e3 * c.per_expert_s, "cpu_ms_per_row": 1e3 * c.per_row_s,
+        "device_ms_per_expert": 1e3 * d.per_expert_s, "device_ms_per_row": 1e3 * d.per_row_s,
+        "link_ms": [1e3 * placer.link_seconds(p) for p in placer.buffer.parts],
+    }  # fmt: skip
+
+
+def _row(mode: str, runs: list[dict], fits: dict | None, batch: int) -> dict:
+    tpots = [1e3 * r["tpot_s"] for r in runs]
+    steps = sum(r["steps"] for r in runs)
+    lookups = sum(r["lookups"] for r in runs)
+    errors = [e for r in runs for e in r["errors"]]
+    return {
+        "mode": mode, "tpot_ms": statistics.median(tpots), "tpot_ms_min": min(tpots),
+        "tpot_ms_max": max(tpots), "tpot_ms_runs": tpots,
+        "hit_rate": sum(r["hits"] for r in runs) / lookups if lookups else 0.0,
+        "cpu_experts_per_step": sum(r["cpu_experts"] for r in runs) / steps,
+        "moved_mib_per_token": sum(r["moved"] for r in runs) / (steps * batch) / (1 << 20),
+        "prediction_error_median": statistics.median(errors) if errors else None,
+        "prediction_layer_runs": len(errors), "fits": fits,
+    }  # fmt: skip
+
+
+def _print(data: dict) -> None:
+    from richconsole import Table, make_console
+
+    console = make_console()
+    s = data["settings"]
+    console.print("\n".join(f"{k}: {v}" for k, v in s.items() if k != "summaries"))
+    for m, line in s["summaries"].items():
+        console.print(f"{m}: {line}")
+    table = Table("mode", "TPOT ms (min-max)", "vs first", "hit rate", "CPU experts/step", "MiB moved/tok",
+                  "pred. error (layer runs)")  # fmt: skip
+    first = data["results"][0]["tpot_ms"]
+    for r in data["results"]:
+        err = r["prediction_error_median"]
+        table.add_row(
+            r["mode"], f"{r['tpot_ms']:.1f} ({r['tpot_ms_min']:.1f}-{r['tpot_ms_max']:.1f})",
+            f"{r['tpot_ms'] / first:.2f}", f"{r['hit_rate']:.3f}", f"{r['cpu_experts_per_step']:.2f}",
+            f"{r['moved_mib_per_token']:.1f}",
+            "" if err is None else f"{100 * err:.1f}% ({r['prediction_layer_runs']})",
+        )  # fmt: skip
+    console.print(table)
