@@ -19,6 +19,8 @@ BENCH_MODULES: list[str] = [
     "moeserve.bench.eamc",
     "moeserve.bench.policy_ab",
     "moeserve.bench.quant_loss",
+    "moeserve.bench.cpu_experts",
+    "moeserve.bench.hybrid",
 ]
 
 
