@@ -53,34 +53,41 @@ def _has_numba() -> bool:
 @njit(nogil=True, fastmath=True, cache=True)
 def int8_rows(q: np.ndarray, scale: np.ndarray, x: np.ndarray, out: np.ndarray, col0: int) -> None:
     """``out[m, col0 + n] = scale[n] * sum_k q[n, k] * x[m, k]``: ``q [N, K]`` int8, ``scale [N, 1]``
-    float32, ``x [M, K]`` float32 C-contiguous, ``out [M, >= col0 + N]`` float32. Each weight row
-    is read once per step of up to 4 token rows (fp32 accumulators)."""
+    float32, ``x [M, K]`` float32 C-contiguous, ``out [M, >= col0 + N]`` float32. Four weight rows
+    at a time against every token row (four independent fp32 accumulators, the rows stay in L1
+    across the tokens): at one token it reads the weights at 60-70% of one core's read roof on the
+    development host, where one row at a time (one accumulator) was compute-bound lower."""
     n_out, k_in = q.shape
     m_rows = x.shape[0]
-    for n in range(n_out):
-        row = q[n]
-        sc = scale[n, 0]
-        m = 0
-        while m < m_rows:
-            if m + 2 <= m_rows:
-                a0 = np.float32(0.0)
-                a1 = np.float32(0.0)
-                x0 = x[m]
-                x1 = x[m + 1]
-                for k in range(k_in):
-                    w = np.float32(row[k])
-                    a0 += w * x0[k]
-                    a1 += w * x1[k]
-                out[m, col0 + n] = a0 * sc
-                out[m + 1, col0 + n] = a1 * sc
-                m += 2
-            else:
-                a0 = np.float32(0.0)
-                x0 = x[m]
-                for k in range(k_in):
-                    a0 += np.float32(row[k]) * x0[k]
-                out[m, col0 + n] = a0 * sc
-                m += 1
+    n = 0
+    while n + 4 <= n_out:
+        r0, r1, r2, r3 = q[n], q[n + 1], q[n + 2], q[n + 3]
+        for m in range(m_rows):
+            xm = x[m]
+            a0 = np.float32(0.0)
+            a1 = np.float32(0.0)
+            a2 = np.float32(0.0)
+            a3 = np.float32(0.0)
+            for k in range(k_in):
+                xv = xm[k]
+                a0 += np.float32(r0[k]) * xv
+                a1 += np.float32(r1[k]) * xv
+                a2 += np.float32(r2[k]) * xv
+                a3 += np.float32(r3[k]) * xv
+            out[m, col0 + n] = a0 * scale[n, 0]
+            out[m, col0 + n + 1] = a1 * scale[n + 1, 0]
+            out[m, col0 + n + 2] = a2 * scale[n + 2, 0]
+            out[m, col0 + n + 3] = a3 * scale[n + 3, 0]
+        n += 4
+    while n < n_out:
+        r0 = q[n]
+        for m in range(m_rows):
+            xm = x[m]
+            a0 = np.float32(0.0)
+            for k in range(k_in):
+                a0 += np.float32(r0[k]) * xm[k]
+            out[m, col0 + n] = a0 * scale[n, 0]
+        n += 1
 
 
 class Kernel:
