@@ -130,6 +130,7 @@ class RuntimeCollector(Collector):
         )
         copy_s.add_metric([], st.copy_s)
         yield copy_s
+        yield from _hybrid_metrics(st)
         yield _counter("prefetch_issued", "Prefetches queued.", st.prefetch_issued)
         yield _counter("prefetch_used", "Prefetched experts used before eviction.", st.prefetch_used)
         yield _counter("prefetch_cancelled", "Queued prefetches cancelled.", st.prefetch_cancelled)
@@ -178,6 +179,31 @@ class RuntimeCollector(Collector):
             ok, failed = saves
             yield _counter("eamc_saves", "EAMC files written.", ok)
             yield _counter("eamc_save_failures", "EAMC saves that failed (the file was not written).", failed)
+
+
+def _hybrid_metrics(st: Any) -> Iterator[Metric]:
+    """Hybrid expert execution (``moe_runtime.hybrid``; 0 with ``--expert-compute device``): misses
+    computed on the CPU per layer, the CPU threads' seconds on them, the compute thread's wait for
+    their outputs and the copy bytes they avoided."""
+    cpu = CounterMetricFamily(
+        PREFIX + "expert_cpu_runs",
+        "Missed experts computed on the CPU from host memory, not copied (hybrid execution). Per layer.",
+        labels=["layer"],
+    )
+    for index, value in enumerate(st.cpu_experts):
+        cpu.add_metric([str(index)], value)
+    yield cpu
+    yield _counter(
+        "expert_cpu_seconds", "Seconds the CPU expert threads spent computing experts.", st.cpu_expert_s
+    )
+    yield _counter(
+        "expert_cpu_wait_seconds", "Seconds compute waited for experts computed on the CPU.", st.cpu_wait_s
+    )
+    yield _counter(
+        "expert_transfer_avoided_bytes",
+        "Bytes not copied host->device because the expert was computed on the CPU.",
+        st.cpu_avoided_bytes,
+    )
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
