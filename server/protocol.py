@@ -8,8 +8,9 @@ Extensions beyond the OpenAI schema (vLLM's names; send them with the client's `
     requests: ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``;
     chat: ``chat_template_kwargs``, ``continue_final_message``, ``add_generation_prompt``,
     ``chat_template``, ``documents``.
-    responses: ``usage.expert_stats = {buffer_hits, buffer_misses, blocking_ms}`` for the request
-    (summed over its choices); ``/v1/models`` entries carry ``max_model_len``.
+    responses: ``usage.expert_stats = {buffer_hits, buffer_misses, blocking_ms, cpu_experts,
+    cpu_expert_ms, bytes_not_moved}`` for the request (summed over its choices; the last three are
+    hybrid expert execution's, ``moe_runtime.hybrid``); ``/v1/models`` entries carry ``max_model_len``.
 """
 
 from __future__ import annotations
@@ -140,6 +141,11 @@ class ExpertUsage(BaseModel):
     buffer_hits: int = 0
     buffer_misses: int = 0
     blocking_ms: float = 0.0
+    # hybrid expert execution (moe_runtime.hybrid): misses computed on the CPU, their CPU time,
+    # and the copy bytes they avoided
+    cpu_experts: int = 0
+    cpu_expert_ms: float = 0.0
+    bytes_not_moved: int = 0
 
 
 class Usage(BaseModel):
