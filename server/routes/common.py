@@ -145,19 +145,26 @@ def check_prompt(state: ServerState, ids: list[int], param: str) -> None:
 def usage(prompt_lens: Iterable[int], finals: Iterable[RequestOutput]) -> Usage:
     """OpenAI usage plus ``expert_stats``; prompt tokens count once per prompt, not per choice."""
     prompt_tokens = sum(prompt_lens)
-    completion_tokens = hits = misses = 0
-    blocking_s = 0.0
+    completion_tokens = hits = misses = cpu = not_moved = 0
+    blocking_s = cpu_s = 0.0
     for out in finals:
+        es = out.expert_stats
         completion_tokens += out.num_output_tokens
-        hits += out.expert_stats.hits
-        misses += out.expert_stats.misses
-        blocking_s += out.expert_stats.blocking_s
+        hits += es.hits
+        misses += es.misses
+        blocking_s += es.blocking_s
+        cpu, cpu_s, not_moved = cpu + es.cpu_experts, cpu_s + es.cpu_s, not_moved + es.bytes_not_moved
     return Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
         expert_stats=ExpertUsage(
-            buffer_hits=hits, buffer_misses=misses, blocking_ms=round(blocking_s * 1000.0, 3)
+            buffer_hits=hits,
+            buffer_misses=misses,
+            blocking_ms=round(blocking_s * 1000.0, 3),
+            cpu_experts=cpu,
+            cpu_expert_ms=round(cpu_s * 1000.0, 3),
+            bytes_not_moved=not_moved,
         ),
     )
 
