@@ -182,7 +182,7 @@ def render(
         "",
         _row("setting", "value"),
         _row("---", "---"),
-        *[_row(name, v) for name, v in st.items()],
+        _row("hyperparameters", ", ".join(f"{name} {v}" for name, v in st.items())),
         _row(
             "tokens seen",
             f"{log['tokens_seen']:,} ({st['batch_size'] // len(DOMAINS)} rows per domain per step)",
