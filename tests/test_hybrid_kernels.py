@@ -1,0 +1,172 @@
+"""CPU expert kernels (``moe_runtime.hybrid.cpu_kernels``) and the executor's layer share
+(``moe_runtime.hybrid.executor``): the exact kernels give the device path's bits (a plain row's
+``F.linear``, a quantized row's dequantizing slot view) whatever memory the weights sit in and
+however many rows; the int8 kernels are close to the dequantized ones; the kernel choice keeps
+the exact kernel on a tie and names its GB/s; the executor's outputs land at the ``(token, rank)``
+positions the device paths use."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_runtime.hybrid.cpu_kernels import (
+    CastLinear,
+    Dequant,
+    Int8Gemv,
+    Int8Pack,
+    Linear,
+    choose_kernels,
+    eligible_kernels,
+    int8_rows,
+    run_projections,
+)
+from moe_runtime.hybrid.executor import CPUExpertExecutor, CPUExperts, expert_rows
+from moe_runtime.layers.experts import _hidden
+from moe_runtime.quant.cast import CastCodec
+from moe_runtime.quant.fp8 import Fp8BlockCodec
+from moe_runtime.quant.int8 import Int8ChannelCodec
+from moe_runtime.quant.layout import DequantSlots, ExpertLayout
+from moe_runtime.quant.mxfp4 import Mxfp4Codec
+from moe_runtime.stats import ExpertStats
+from moe_runtime.store import HostExpertStore
+
+H, I, E = 64, 32, 6  # noqa: E741 - hidden, expert width, experts
+
+
+def make_store(dtype=torch.float32, codec=None, seed: int = 0) -> HostExpertStore:
+    layout = ExpertLayout(codec, H, I) if codec is not None else None
+    store = HostExpertStore(1, E, H, I, dtype, layout=layout)
+    gen = torch.Generator().manual_seed(seed)
+    for e in range(E):
+        for part, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
+            store.write(0, e, part, torch.randn(shape, generator=gen).to(dtype) * 0.1, "test")
+    return store
+
+
+def device_path(slot_row: torch.Tensor, x: torch.Tensor, store: HostExpertStore) -> torch.Tensor:
+    """What the device path computes for one expert on a slot holding ``slot_row``."""
+    if store.layout is None:
+        gu = slot_row[: 2 * I * H].view(2 * I, H)
+        down = slot_row[2 * I * H :].view(H, I)
+    else:
+        slots = slot_row.unsqueeze(0)
+        gu = DequantSlots(store.layout, slots, "gate_up", store.compute_dtype)[0]
+        down = DequantSlots(store.layout, slots, "down", store.compute_dtype)[0]
+    return F.linear(_hidden(F.linear(x, gu), None, None), down)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_linear_kernel_equals_the_device_path_bit_for_bit(dtype, rows):
+    """The plain row read in place equals ``F.linear`` on a copy of it in another buffer (a slot;
+    16-byte aligned as every slot and store row is: BLAS may take another path on misaligned
+    rows, and the runtime never makes one)."""
+    store = make_store(dtype)
+    x = torch.randn(rows, H).to(dtype)
+    for e in range(E):
+        slot = torch.empty(store.expert_numel + 64, dtype=dtype)[16 : 16 + store.expert_numel]  # other memory
+        slot.copy_(store.expert(e))
+        got = run_projections(Linear(store), store.expert(e), x, lambda gu: _hidden(gu, None, None))
+        assert torch.equal(got, device_path(slot, x, store))
+
+
+@pytest.mark.parametrize(
+    "codec",
+    [Int8ChannelCodec(), Fp8BlockCodec((16, 16)), Mxfp4Codec(), CastCodec(torch.bfloat16, "bf16")],
+    ids=["int8", "fp8", "mxfp4", "bf16"],
+)
+def test_dequant_kernel_equals_the_dequantizing_slots(codec):
+    store = make_store(torch.float32, codec)
+    x = torch.randn(3, H)
+    for e in range(E):
+        got = run_projections(Dequant(store), store.expert(e), x, lambda gu: _hidden(gu, None, None))
+        assert torch.equal(got, device_path(store.expert(e).clone(), x, store))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 9])
+def test_int8_kernels_are_close_to_the_dequantized_expert(rows):
+    store = make_store(torch.float32, Int8ChannelCodec())
+    x = torch.randn(rows, H)
+    act = lambda gu: _hidden(gu, None, None)  # noqa: E731
+    for e in range(E):
+        want = run_projections(Dequant(store), store.expert(e), x, act)
+        gemv = run_projections(Int8Gemv(store), store.expert(e), x, act)
+        torch.testing.assert_close(gemv, want, rtol=1e-4, atol=1e-5)
+        pack = run_projections(Int8Pack(store), store.expert(e), x, act)  # bf16 activations
+        torch.testing.assert_close(pack, want, rtol=0.05, atol=0.02)
+
+
+def test_int8_rows_handles_row_and_token_remainders():
+    gen = np.random.default_rng(0)
+    q = gen.integers(-127, 128, size=(7, 33)).astype(np.int8)
+    s = gen.random((7, 1)).astype(np.float32)
+    x = gen.standard_normal((3, 33)).astype(np.float32)
+    out = np.zeros((3, 10), dtype=np.float32)
+    int8_rows(q, s, x, out, 2)
+    np.testing.assert_allclose(out[:, 2:9], (x @ q.astype(np.float32).T) * s[:, 0], rtol=1e-5, atol=1e-5)
+    assert not out[:, :2].any() and not out[:, 9:].any()
+
+
+def test_eligible_kernels_by_format():
+    names = lambda store: [k.name for k in eligible_kernels(store)]  # noqa: E731
+    assert names(make_store()) == ["linear"]
+    assert names(make_store(torch.float32, Int8ChannelCodec())) == ["dequant", "int8-gemv", "int8pack"]
+    assert names(make_store(torch.float32, CastCodec(torch.bfloat16, "bf16"))) == ["dequant", "cast-linear"]
+    assert names(make_store(torch.float32, Fp8BlockCodec((16, 16)))) == ["dequant"]
+    assert all(k.exact for k in eligible_kernels(make_store())) and not CastLinear.exact
+
+
+def test_choose_kernels_keeps_the_exact_one_on_a_tie_and_names_its_gbps():
+    store = make_store(torch.float32, Int8ChannelCodec())
+    kernels = eligible_kernels(store)
+    choice = choose_kernels(store, (1, 4), repeats=1, kernels=kernels)
+    assert len(choice.kernels) == 2 and set(choice.seconds) == {k.name for k in kernels}
+    assert "GB/s at 1 row" in choice.describe() and choice.gbps() > 0
+    assert choice.for_rows(1) is choice.kernels[0] and choice.for_rows(100) is choice.kernels[1]
+
+    class Same(Linear):  # as fast as the exact one, not exact: never chosen
+        name, exact = "same", False
+
+    plain = make_store()
+    tie = choose_kernels(plain, (1,), repeats=1, kernels=[Same(plain), Linear(plain)])
+    tie.seconds = {"same": [1.0], "linear": [1.0]}
+    best = min(tie.kernels + [Same(plain)], key=lambda k: (tie.seconds[k.name][0], not k.exact))
+    assert best.name == "linear"
+
+
+def test_expert_rows_positions_follow_ascending_expert_ranks():
+    ids = np.array([[3, 1], [1, 5], [5, 3]])
+    rows = expert_rows(ids)
+    assert sorted(rows) == [1, 3, 5]
+    tok, col, pos = rows[1]  # token 0 chose 1 at column 1 (rank 0), token 1 at column 0 (rank 0)
+    assert tok.tolist() == [0, 1] and col.tolist() == [1, 0] and pos.tolist() == [0, 2]
+    tok, col, pos = rows[3]
+    assert tok.tolist() == [0, 2] and col.tolist() == [0, 1] and pos.tolist() == [1, 4]
+
+
+def test_cpu_share_scales_and_places_like_the_device_path():
+    """CPUExperts on a CPU device: each expert's output, scaled by its router weights, equals the
+    device path's ``F.linear`` pair on its rows, at its (token, rank) positions."""
+    store = make_store()
+    ex = CPUExpertExecutor(store, choose_kernels(store, (1,), repeats=1), threads=2)
+    try:
+        ids = np.array([[0, 2], [2, 4], [4, 0], [1, 2]])
+        x = torch.randn(4, H)
+        weights = torch.softmax(torch.randn(4, 2), dim=-1)
+        share = CPUExperts(ex, 0, [2, 0, 4], E, ExpertStats(1))
+        share.start(x, ids, None)
+        out = dict((tuple(p.tolist()), y) for p, y in share.finish(x, weights))
+        rows = expert_rows(ids)
+        for e in (0, 2, 4):
+            tok, col, pos = rows[e]
+            want = device_path(store.expert(e).clone(), x[torch.from_numpy(tok)], store)
+            want = want * weights.reshape(-1)[torch.from_numpy(tok * 2 + col)].unsqueeze(1)
+            assert torch.equal(out[tuple(pos.tolist())], want)
+        on_cpu, secs = share.mask(E)
+        assert on_cpu.tolist() == [True, False, True, False, True, False] and (secs[on_cpu] > 0).all()
+        assert len(ex.samples) == 3
+    finally:
+        ex.close()
