@@ -39,6 +39,10 @@ MARKER = re.compile(r"<!-- BEGIN generated:([\w.-]+) -->")
 
 SHARED_TRACE = "../shared/data/arrival_traces/azure_llm_2023/AzureLLMInferenceTrace_conv.csv"
 SHARED_PROMPTS = "../shared/data/prompts/prompts_combined.jsonl"
+# the GPU rows, as tools/gpu_check.sh runs them (its JSON goes in with --import)
+CUDA_DECODE = (
+    "--device cuda --dtype bf16 --link-gbps 0 --prefill-len 2048 --fractions 1.0,0.25 --repeats 3 --json"
+)
 MIXTRAL_LOGS = "../shared/data/routing_traces/mixtral_8x7b_instruct_fp8"
 # the client side of the two serving blocks: the Azure conversation trace, the task-labelled prompts
 CLIENT = (
@@ -78,10 +82,18 @@ BLOCKS: dict[str, Block] = {
     ),
     "decode-cuda": Block(
         "docs/benchmarks.md",
-        "moeserve bench decode --device cuda --dtype bf16 --link-gbps 0 --prefill-len 2048 --json",
+        f"moeserve bench decode {CUDA_DECODE}",
         "moeserve.bench.render:render_decode",
-        3,
+        2,
         "a CUDA device",
+    ),
+    "decode-cuda-qwen3": Block(
+        "docs/benchmarks.md",
+        "moeserve make-checkpoint --shape qwen3-30b-a3b --layers 8 --out runs/ckpt/qwen3-8l\n"
+        f"moeserve bench decode --model runs/ckpt/qwen3-8l {CUDA_DECODE}",
+        "moeserve.bench.render:render_decode",
+        6,
+        "a CUDA device, 12 GB of disk",
     ),
     "experts-cpu": Block(
         "docs/benchmarks.md",
