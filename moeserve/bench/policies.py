@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from moeserve.bench.policy_grid import as_point, floats, ints, point_args, print_grid, run_grid
+from moeserve.bench.policy_grid import as_point, floats, ints, point_args, render_grid, run_grid
 from moeserve.bench.policy_summary import PolicyRow, summarise, verdicts
 from moeserve.bench.prompts import prompts_by_task
 
@@ -271,6 +271,7 @@ def measure(
         link_gbps=args.link_gbps or None,  # 0: no emulated link
         link_latency_us=args.link_latency_us,
         max_model_len=args.max_prompt_tokens + args.new_tokens + 8,
+        expert_compute="device",  # the copy policies compared: every miss copied (bench hybrid: the modes)
         prefetch_depth=args.prefetch_depth,
         router_lookahead=args.router_lookahead,
     )
@@ -401,6 +402,14 @@ class _Runs:
                 statistics.median(times.expert_batches),
             )
         return res, access_log
+
+
+def print_grid(data: dict) -> None:
+    """Each point's tables (:func:`print_tables`), then the grid's verdict table."""
+    for d in data["points"]:
+        rows = [PolicyRow(**r) for r in d["results"]]
+        print_tables(d["settings"], rows, d["verdicts"])
+    print(render_grid(data))
 
 
 def print_tables(settings: dict, rows: list[PolicyRow], comparisons: list[dict]) -> None:

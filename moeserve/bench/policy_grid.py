@@ -198,17 +198,6 @@ def render_grid(data: dict) -> str:
     )
 
 
-def print_grid(data: dict) -> None:
-    """Each point's tables (``bench policies``' own), then the grid's verdict table."""
-    from moeserve.bench.policies import print_tables
-    from moeserve.bench.policy_summary import PolicyRow
-
-    for d in data["points"]:
-        rows = [PolicyRow(**r) for r in d["results"]]
-        print_tables(d["settings"], rows, d["verdicts"])
-    print(render_grid(data))
-
-
 def as_point(settings: dict, rows: list, comparisons: list[dict]) -> dict:
     """One point as ``bench policies --json`` prints it."""
     return {"settings": settings, "results": [asdict(r) for r in rows], "verdicts": comparisons}
