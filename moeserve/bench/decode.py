@@ -74,6 +74,13 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--device", default="cpu")
     p.add_argument("--cpu-threads", type=int, default=1)
+    p.add_argument(
+        "--expert-compute",
+        default="device",
+        choices=["device", "cpu", "auto"],
+        help="where missed experts run (docs/hybrid.md; default: device, every miss copied over the "
+        "link, which the link bound describes; moeserve bench hybrid compares the modes)",
+    )
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print results as JSON")
@@ -113,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=max(args.prompt_len + args.new_tokens, args.prefill_len + 1) + 8,
         max_num_batched_tokens=args.max_num_batched_tokens,
         cpu_threads=args.cpu_threads,
+        expert_compute=args.expert_compute,
     )
     device = base.torch_device
     hbm, hbm_source = hbm_gbps(device, args.hbm_gbps)
@@ -164,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
         "h2d_gbps_measured": round(b.h2d_gbps, 2),
         "link_gbps": args.link_gbps or None,
         "link_latency_us": args.link_latency_us,
+        "expert_compute": args.expert_compute,
         "prefetch_policy": base.prefetch_policy,
         "cache_policy": base.cache_policy,
         "prompt_len": args.prompt_len,

@@ -137,6 +137,7 @@ def measure(args: argparse.Namespace, labels: list[str], specs: list[tuple]) -> 
         link_gbps=args.link_gbps or None,
         link_latency_us=args.link_latency_us,
         max_model_len=args.max_prompt_tokens + args.new_tokens + 8,
+        expert_compute="device",  # the copy policies compared: every miss copied (bench hybrid: the modes)
     )
     loaded, warm, evals, tasks = load_model_and_workload(model_dir, base, args, "ab")
     load_before = [round(x, 2) for x in os.getloadavg()]
