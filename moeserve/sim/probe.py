@@ -62,13 +62,14 @@ class RuntimeProbe:
         start_layer, forward, hold = ExpertBuffer.start_layer, MoEModel.forward, LinkModel.hold
         links: dict[int, RunRecords] = {}
 
-        def timed_start_layer(buf: Any, layer: int, experts: list[int]) -> _TimedRun:
+        def timed_start_layer(buf: Any, layer: int, experts: list[int], counts: Any = None) -> _TimedRun:
             rec = probe._records(buf)
             for part in buf.parts:
                 if part.link is not None:
                     links[id(part.link)] = rec
             looked_up = time.perf_counter()
-            return _TimedRun(start_layer(buf, layer, experts), buf, rec, len(experts), looked_up)
+            run = start_layer(buf, layer, experts, counts)  # counts: rows per expert (hybrid placement)
+            return _TimedRun(run, buf, rec, len(experts), looked_up)
 
         def timed_forward(model: Any, input_ids: Any, step: Any) -> Any:
             t0 = time.perf_counter()
@@ -103,6 +104,9 @@ class _TimedRun:
 
     def __init__(self, run: Any, buf: Any, rec: RunRecords, experts: int, looked_up: float) -> None:
         self.run, self.buf, self.rec, self.experts, self.looked_up = run, buf, rec, experts, looked_up
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.run, name)  # the run's other attributes (``cpu``, ``resident_first``)
 
     def __iter__(self) -> Iterator[Any]:
         return self._timed(iter(self.run))
