@@ -14,9 +14,11 @@ its I/O thread's timings, ``Partition.copy_s_mean``, before any copy a probe at 
 kernel's time (load-time fit, then every job's own time, :attr:`CPUExpertExecutor.samples`) and
 the device's (load-time probe; on a CPU device also each batch the compute thread runs).
 
-Each layer run's predicted time is kept beside its measured time (from the placement to the end
-of the MoE block's experts, CPU outputs included: ``LayerRun.ended``) in :attr:`HybridPlacer.records`
-(:meth:`HybridPlacer.prediction_error`).
+Each layer run's predicted time (the lanes' last finish, plus :attr:`HybridPlacer.host_s`, the
+running mean of the host time the lanes do not hold: routing's tail, planning, the batches' index
+work) is kept beside its measured time (from the placement to the end of the MoE block's experts,
+CPU outputs included: ``LayerRun.ended``) in :attr:`HybridPlacer.records`
+(:meth:`HybridPlacer.prediction_error`); a record holds the prediction made before its run.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from moe_runtime.hybrid.executor import CPUExpertExecutor, CPUExperts
 
 #: layer runs whose prediction and measurement are kept
 RECORDS = 20000
+#: weight of a new layer run in the running host time per layer (HybridPlacer.host_s)
+HOST_DECAY = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +85,10 @@ class HybridPlacer:
         self.records: deque[LayerRecord] = deque(maxlen=RECORDS)
         self._pending: tuple[Any, float, int, float, tuple[int, int, int, int]] | None = None
         self._counts: np.ndarray | None = None  # the running layer's rows per expert
+        # the layer run's host time the lanes do not hold (routing's tail, planning, the batches'
+        # index work, gathering the CPU outputs): a running mean of measured - lanes, added to
+        # each prediction (the record keeps the prediction made before the run)
+        self.host_s = 0.0
         self._cpu_rows = 1.0  # running mean rows per CPU job (the gate's CPU time per miss)
 
     # ------------------------------------------------------------------ inputs
@@ -170,8 +178,9 @@ class HybridPlacer:
         n_res = sum(len(r) for r in resident)
         n_fly = sum(len(r) for r in inflight)
         placement = (n_res, n_fly, len(on_cpu), len(miss) - len(on_cpu))
-        self._pending = (None, now, layer, placed.predicted_s, placement)
-        return experts, keys, cpu, placed.predicted_s
+        predicted = placed.predicted_s + self.host_s
+        self._pending = (None, now, layer, predicted, placement)
+        return experts, keys, cpu, predicted
 
     def bind(self, run: Any) -> None:
         """The layer run the last :meth:`split` made: its end is measured (``run.ended``)."""
@@ -188,7 +197,10 @@ class HybridPlacer:
             return
         run, t0, layer, predicted, (res, fly, n_cpu, copied) = pending
         if run.ended > t0:
-            self.records.append(LayerRecord(layer, predicted, run.ended - t0, res, fly, n_cpu, copied))
+            measured = run.ended - t0
+            self.records.append(LayerRecord(layer, predicted, measured, res, fly, n_cpu, copied))
+            lanes = predicted - self.host_s
+            self.host_s = max(0.0, self.host_s + HOST_DECAY * (measured - lanes - self.host_s))
 
     # ------------------------------------------------------------------ figures
     def prediction_error(self, last: int | None = None, min_misses: int = 0) -> float | None:
