@@ -70,7 +70,7 @@ def test_linear_kernel_equals_the_device_path_bit_for_bit(dtype, rows):
     for e in range(E):
         slot = torch.empty(store.expert_numel + 64, dtype=dtype)[16 : 16 + store.expert_numel]  # other memory
         slot.copy_(store.expert(e))
-        got = run_projections(Linear(store), store.expert(e), x, lambda gu: _hidden(gu, None, None))
+        got = run_projections(Linear(store), e, x, lambda gu: _hidden(gu, None, None))
         assert torch.equal(got, device_path(slot, x, store))
 
 
@@ -83,7 +83,7 @@ def test_dequant_kernel_equals_the_dequantizing_slots(codec):
     store = make_store(torch.float32, codec)
     x = torch.randn(3, H)
     for e in range(E):
-        got = run_projections(Dequant(store), store.expert(e), x, lambda gu: _hidden(gu, None, None))
+        got = run_projections(Dequant(store), e, x, lambda gu: _hidden(gu, None, None))
         assert torch.equal(got, device_path(store.expert(e).clone(), x, store))
 
 
@@ -93,10 +93,10 @@ def test_int8_kernels_are_close_to_the_dequantized_expert(rows):
     x = torch.randn(rows, H)
     act = lambda gu: _hidden(gu, None, None)  # noqa: E731
     for e in range(E):
-        want = run_projections(Dequant(store), store.expert(e), x, act)
-        gemv = run_projections(Int8Gemv(store), store.expert(e), x, act)
+        want = run_projections(Dequant(store), e, x, act)
+        gemv = run_projections(Int8Gemv(store), e, x, act)
         torch.testing.assert_close(gemv, want, rtol=1e-4, atol=1e-5)
-        pack = run_projections(Int8Pack(store), store.expert(e), x, act)  # bf16 activations
+        pack = run_projections(Int8Pack(store), e, x, act)  # bf16 activations
         torch.testing.assert_close(pack, want, rtol=0.05, atol=0.02)
 
 

@@ -101,21 +101,23 @@ def int8_rows(q: np.ndarray, scale: np.ndarray, x: np.ndarray, out: np.ndarray, 
 class Kernel:
     """One way to run an expert's two projections from its host row.
 
-    Args: store: the host expert store (its layout and dtypes). Attributes: name; exact."""
+    Args: store: the host expert store (its rows, layout and dtypes). Attributes: name; exact.
+    Both methods take the expert's flat key (``layer * E + expert``)."""
 
     name = ""
     exact = True
 
     def __init__(self, store: Any) -> None:
+        self.store = store
         self.layout = store.layout
         self.dtype = store.compute_dtype
         self.h, self.i = store.hidden_size, store.intermediate_size
 
-    def gate_up(self, row: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover
+    def gate_up(self, key: int, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover
         """``x [n, H]`` (compute dtype) -> ``[n, 2I]``, ``[gate | up]`` (compute dtype)."""
         raise NotImplementedError
 
-    def down(self, row: torch.Tensor, h: torch.Tensor) -> torch.Tensor:  # pragma: no cover
+    def down(self, key: int, h: torch.Tensor) -> torch.Tensor:  # pragma: no cover
         """``h [n, I]`` (compute dtype) -> ``[n, H]`` (compute dtype)."""
         raise NotImplementedError
 
@@ -123,76 +125,84 @@ class Kernel:
 class Linear(Kernel):
     name = "linear"
 
-    def gate_up(self, row, x):
-        return F.linear(x, row[: 2 * self.i * self.h].view(2 * self.i, self.h))
+    def gate_up(self, key, x):
+        return F.linear(x, self.store.expert(key)[: 2 * self.i * self.h].view(2 * self.i, self.h))
 
-    def down(self, row, h):
-        return F.linear(h, row[2 * self.i * self.h :].view(self.h, self.i))
+    def down(self, key, h):
+        return F.linear(h, self.store.expert(key)[2 * self.i * self.h :].view(self.h, self.i))
 
 
 class Dequant(Kernel):
     name = "dequant"
 
-    def gate_up(self, row, x):
-        return F.linear(x, self.layout.gate_up(row, self.dtype))
+    def gate_up(self, key, x):
+        return F.linear(x, self.layout.gate_up(self.store.expert(key), self.dtype))
 
-    def down(self, row, h):
-        return F.linear(h, self.layout.dequant(row, "down", self.dtype))
+    def down(self, key, h):
+        return F.linear(h, self.layout.dequant(self.store.expert(key), "down", self.dtype))
 
 
 class CastLinear(Kernel):
     name = "cast-linear"
     exact = False
 
-    def _w(self, row: torch.Tensor, part: str) -> torch.Tensor:
-        return self.layout.view(row, part, "weight")
+    def _w(self, key: int, part: str) -> torch.Tensor:
+        return self.layout.view(self.store.expert(key), part, "weight")
 
-    def gate_up(self, row, x):
+    def gate_up(self, key, x):
         xs = x.to(self.layout.codec.dtype)
-        out = torch.cat([F.linear(xs, self._w(row, "gate")), F.linear(xs, self._w(row, "up"))], dim=-1)
+        out = torch.cat([F.linear(xs, self._w(key, "gate")), F.linear(xs, self._w(key, "up"))], dim=-1)
         return out.to(self.dtype)
 
-    def down(self, row, h):
-        return F.linear(h.to(self.layout.codec.dtype), self._w(row, "down")).to(self.dtype)
+    def down(self, key, h):
+        return F.linear(h.to(self.layout.codec.dtype), self._w(key, "down")).to(self.dtype)
 
 
 class Int8Gemv(Kernel):
     name = "int8-gemv"
     exact = False
 
-    def _run(self, row: torch.Tensor, x: torch.Tensor, parts: tuple[str, ...], width: int) -> torch.Tensor:
+    def __init__(self, store: Any) -> None:
+        super().__init__(store)
+        # numpy views of every expert's components, made once: a call only indexes them by key
+        lay, data = self.layout, store.data
+        self._q = {p: lay.view(data, p, "weight").numpy() for p in ("gate", "up", "down")}
+        self._s = {p: lay.view(data, p, "weight_scale").numpy() for p in ("gate", "up", "down")}
+
+    def _run(self, key: int, x: torch.Tensor, parts: tuple[str, ...], width: int) -> torch.Tensor:
         xs = x.to(torch.float32).contiguous().numpy()
         out = np.empty((xs.shape[0], width), dtype=np.float32)
         col = 0
         for part in parts:
-            q = self.layout.view(row, part, "weight").numpy()
-            int8_rows(q, self.layout.view(row, part, "weight_scale").numpy(), xs, out, col)
+            q = self._q[part][key]
+            int8_rows(q, self._s[part][key], xs, out, col)
             col += q.shape[0]
         y = torch.from_numpy(out)
         return y if self.dtype == torch.float32 else y.to(self.dtype)
 
-    def gate_up(self, row, x):
-        return self._run(row, x, ("gate", "up"), 2 * self.i)
+    def gate_up(self, key, x):
+        return self._run(key, x, ("gate", "up"), 2 * self.i)
 
-    def down(self, row, h):
-        return self._run(row, h, ("down",), self.h)
+    def down(self, key, h):
+        return self._run(key, h, ("down",), self.h)
 
 
 class Int8Pack(Kernel):
     name = "int8pack"
     exact = False
 
-    def _mm(self, row: torch.Tensor, x: torch.Tensor, part: str) -> torch.Tensor:
+    def _mm(self, key: int, x: torch.Tensor, part: str) -> torch.Tensor:
         act = self.dtype if self.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        row = self.store.expert(key)
         q = self.layout.view(row, part, "weight")
         scale = self.layout.view(row, part, "weight_scale").reshape(-1).to(act)
         return torch.ops.aten._weight_int8pack_mm(x.to(act), q, scale)
 
-    def gate_up(self, row, x):
-        return torch.cat([self._mm(row, x, "gate"), self._mm(row, x, "up")], dim=-1).to(self.dtype)
+    def gate_up(self, key, x):
+        return torch.cat([self._mm(key, x, "gate"), self._mm(key, x, "up")], dim=-1).to(self.dtype)
 
-    def down(self, row, h):
-        return self._mm(row, h, "down").to(self.dtype)
+    def down(self, key, h):
+        return self._mm(key, h, "down").to(self.dtype)
 
 
 def eligible_kernels(store: Any) -> list[Kernel]:
@@ -252,10 +262,10 @@ class KernelChoice:
         return ", ".join([first, *rest])
 
 
-def run_projections(kernel: Kernel, row: torch.Tensor, x: torch.Tensor, hidden) -> torch.Tensor:
-    """``down(hidden(gate_up(x)))`` for ``x [n, H]``: ``hidden`` maps ``[n, 2I] -> [n, I]`` (the
-    activation and gate/up biases the device path applies)."""
-    return kernel.down(row, hidden(kernel.gate_up(row, x)))
+def run_projections(kernel: Kernel, key: int, x: torch.Tensor, hidden) -> torch.Tensor:
+    """``down(hidden(gate_up(x)))`` of expert ``key`` for ``x [n, H]``: ``hidden`` maps ``[n, 2I] ->
+    [n, I]`` (the activation and gate/up biases the device path applies)."""
+    return kernel.down(key, hidden(kernel.gate_up(key, x)))
 
 
 def _silu_glu(gu: torch.Tensor) -> torch.Tensor:
@@ -288,10 +298,10 @@ def choose_kernels(
                 times: list[float] = []
                 spent = 0.0
                 for i in range(repeats + 1):
-                    row = store.expert(key % n_keys)
+                    expert = key % n_keys
                     key += 7  # a different expert each call (another layer's, most often)
                     t0 = time.perf_counter()
-                    run_projections(k, row, x, _silu_glu)
+                    run_projections(k, expert, x, _silu_glu)
                     dt = time.perf_counter() - t0
                     spent += dt
                     if i:  # the first call warms up

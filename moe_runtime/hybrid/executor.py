@@ -83,7 +83,7 @@ class CPUExpertExecutor:
                 None if b is None else self.host_bias(b)[expert] for b in (ffn.gate_up_bias, ffn.down_bias)
             )
         with torch.inference_mode():
-            y = run_projections(kernel, self.store.expert(key), xs, lambda gu: _hidden(gu, ffn, gu_bias))
+            y = run_projections(kernel, key, xs, lambda gu: _hidden(gu, ffn, gu_bias))
             y = _biased(y, down_bias)
         seconds = time.perf_counter() - t0
         self.samples.append((xs.shape[0], seconds))

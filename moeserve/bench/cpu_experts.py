@@ -14,14 +14,16 @@ A row is a warm-up round and ``--repeats`` timed rounds of ``--calls`` calls: th
 seconds and the spread (fastest and slowest repeat's median), the weights read per second (GB/s,
 1e9 bytes, all threads) and GFLOP/s (``2 x 3 x I x H x T`` per expert).
 
-The read roof is measured the same way: each thread sums its own contiguous ``--roof-mib`` fp32
-tensor (``torch.sum``), median of ``--repeats``; a row's ``roof %`` is its GB/s over it.
+The read roof is measured the same way, just before each timed round (so both see the same load
+on a shared host): each thread sums its own contiguous ``--roof-mib`` fp32 tensor (``torch.sum``);
+a row's roof is the median of its rounds' and its ``roof %`` its GB/s over that.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import threading
 import time
@@ -52,7 +54,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
         "--pool-mib", type=int, default=256, help="least MiB of experts to cycle through (default: 256)"
     )
     p.add_argument(
-        "--roof-mib", type=int, default=512, help="MiB each thread reads for the roof (default: 512)"
+        "--roof-mib", type=int, default=256, help="MiB each thread reads for the roof (default: 256)"
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -84,12 +86,18 @@ def _in_threads(threads: int, work) -> float:
     return seconds
 
 
-def read_roof(threads: int, mib: int, repeats: int) -> float:
-    """GB/s the threads read together, each summing its own contiguous fp32 tensor of ``mib`` MiB
-    (median of ``repeats`` after a warm-up)."""
-    data = [torch.ones(mib * MiB // 4) for _ in range(threads)]
-    secs = [_in_threads(threads, lambda i: data[i].sum()) for _ in range(repeats + 1)][1:]
-    return threads * mib * MiB / statistics.median(secs) / 1e9
+class ReadRoof:
+    """The threads' read roof: each thread sums its own contiguous fp32 tensor of ``mib`` MiB
+    (``torch.sum``, one OpenMP thread each), all at once."""
+
+    def __init__(self, threads: int, mib: int) -> None:
+        self.threads, self.nbytes = threads, mib * MiB
+        self.data = [torch.ones(mib * MiB // 4) for _ in range(threads)]
+        self.round()  # warm-up: the pages are touched
+
+    def round(self) -> float:
+        """GB/s of one round (all threads' bytes over its wall time)."""
+        return self.threads * self.nbytes / _in_threads(self.threads, lambda i: self.data[i].sum()) / 1e9
 
 
 def make_store(hidden: int, inter: int, fmt: str, pool_mib: int, seed: int) -> Any:
@@ -115,9 +123,12 @@ def make_store(hidden: int, inter: int, fmt: str, pool_mib: int, seed: int) -> A
     return store
 
 
-def bench_kernel(store: Any, kernel: Any, tokens: int, threads: int, calls: int, repeats: int, seed: int):
+def bench_kernel(
+    store: Any, kernel: Any, tokens: int, threads: int, calls: int, repeats: int, seed: int, roof: ReadRoof
+) -> tuple[float, float, float, float]:
     """Per-call seconds of ``kernel`` at ``tokens`` rows, ``threads`` experts at once: (median,
-    fastest repeat, slowest repeat) over ``repeats`` rounds after a warm-up round."""
+    fastest repeat, slowest repeat) over ``repeats`` rounds after a warm-up round, and the median
+    read roof (GB/s) of a roof round run just before each timed round (the same host load)."""
     from moe_runtime.hybrid.cpu_kernels import _silu_glu, run_projections
 
     n = store.num_experts
@@ -130,25 +141,30 @@ def bench_kernel(store: Any, kernel: Any, tokens: int, threads: int, calls: int,
     def work(i: int) -> None:
         for c in range(calls):
             key = (cursor[0] + i + c * threads) % n
-            run_projections(kernel, store.expert(key), xs[i], _silu_glu)
+            run_projections(kernel, key, xs[i], _silu_glu)
 
-    rounds = []
-    for _ in range(repeats + 1):
-        rounds.append(_in_threads(threads, work) / calls)
+    timed, roofs = [], []
+    for r in range(repeats + 1):
+        gbps = roof.round()
+        seconds = _in_threads(threads, work) / calls
         cursor[0] += calls * threads
-    timed = rounds[1:]
-    return statistics.median(timed), min(timed), max(timed)
+        if r:  # the first round warms up
+            timed.append(seconds)
+            roofs.append(gbps)
+    return statistics.median(timed), min(timed), max(timed), statistics.median(roofs)
 
 
-def _row(name: str, fmt: str, kernel: Any, t: int, times, store: Any, threads: int, roof: float) -> dict:
-    """One result row: seconds ``times`` (median, min, max) as ms, GB/s, roof share, GFLOP/s."""
-    med, lo, hi = times
+def _row(name: str, fmt: str, kernel: Any, t: int, times, store: Any, threads: int) -> dict:
+    """One result row: ``times`` (median, min, max seconds; roof GB/s) as ms, GB/s, roof share,
+    GFLOP/s."""
+    med, lo, hi, roof = times
     h, i = store.hidden_size, store.intermediate_size
     gbps = threads * store.expert_nbytes / med / 1e9
     return {
         "shape": name, "hidden": h, "intermediate": i, "format": fmt, "kernel": kernel.name,
         "exact": kernel.exact, "tokens": t, "ms": 1e3 * med, "ms_min": 1e3 * lo, "ms_max": 1e3 * hi,
-        "expert_mib": store.expert_nbytes / MiB, "gbps": gbps, "roof_pct": 100 * gbps / roof,
+        "expert_mib": store.expert_nbytes / MiB, "gbps": gbps, "roof_gbps": roof,
+        "roof_pct": 100 * gbps / roof,
         "gflops": threads * 6 * h * i * t / med / 1e9,
     }  # fmt: skip
 
@@ -170,15 +186,17 @@ def run(args: argparse.Namespace) -> int:
         if v < 1:
             raise ConfigError(f"{flag} must be >= 1, got {v}")
     torch.set_num_threads(1)
-    roof = read_roof(args.threads, args.roof_mib, args.repeats)
+    roof = ReadRoof(args.threads, args.roof_mib)
     rows = []
     for name, (h, i) in shapes.items():
         for fmt in formats:
             store = make_store(h, i, fmt, args.pool_mib, args.seed)
             for kernel in eligible_kernels(store):
                 for t in tokens:
-                    times = bench_kernel(store, kernel, t, args.threads, args.calls, args.repeats, args.seed)
-                    rows.append(_row(name, fmt, kernel, t, times, store, args.threads, roof))
+                    times = bench_kernel(
+                        store, kernel, t, args.threads, args.calls, args.repeats, args.seed, roof
+                    )
+                    rows.append(_row(name, fmt, kernel, t, times, store, args.threads))
             del store
     settings = {
         "cpu": _cpu_name(),
@@ -188,8 +206,10 @@ def run(args: argparse.Namespace) -> int:
         "calls": args.calls,
         "warmup": "1 round",
         "pool_mib": args.pool_mib,
-        "roof": f"each thread sums its own {args.roof_mib} MiB fp32 tensor, median of {args.repeats}",
-        "roof_gbps": round(roof, 2),
+        "roof": f"each thread sums its own {args.roof_mib} MiB fp32 tensor just before each timed round; "
+        "a row's roof is the median of its rounds'",
+        "roof_gbps_median": round(statistics.median(r["roof_gbps"] for r in rows), 2) if rows else None,
+        "load_avg_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         "numba": _has_numba(),
         "torch": torch.__version__,
     }
@@ -209,14 +229,14 @@ def render(data: dict[str, Any]) -> None:
     console = make_console()
     console.print("\n".join(f"{k}: {v}" for k, v in s.items()))
     table = Table(
-        "shape", "format", "kernel", "tokens", "ms (min-max)", "GB/s", "roof %", "GFLOP/s",
-        title=f"CPU expert time, {s['threads']} thread(s), read roof {s['roof_gbps']} GB/s",
+        "shape", "format", "kernel", "tokens", "ms (min-max)", "GB/s", "roof GB/s", "roof %", "GFLOP/s",
+        title=f"CPU expert time, {s['threads']} thread(s)",
     )  # fmt: skip
     for r in data["results"]:
         table.add_row(
             r["shape"], r["format"], r["kernel"] + ("" if r["exact"] else "*"), str(r["tokens"]),
             f"{r['ms']:.3f} ({r['ms_min']:.3f}-{r['ms_max']:.3f})", f"{r['gbps']:.1f}",
-            f"{r['roof_pct']:.0f}", f"{r['gflops']:.1f}",
+            f"{r['roof_gbps']:.1f}", f"{r['roof_pct']:.0f}", f"{r['gflops']:.1f}",
         )  # fmt: skip
     console.print(table)
     console.print("* not exact for the compute dtype (eligible where the experts are stored in its format)")
