@@ -10,9 +10,10 @@ in that dtype; ``int8``: one scale per output channel, activations fp32) and ker
 that each call reads its weights from memory, not the cache, the pool at least
 ``--pool-mib``) runs one expert's projections and SwiGLU on ``T`` token rows, ``--threads``
 experts at once (one per thread, each thread one OpenMP thread, as the executor's pool runs them).
-A row is a warm-up round and ``--repeats`` timed rounds of ``--calls`` calls: the median call's
-seconds and the spread (fastest and slowest repeat's median), the weights read per second (GB/s,
-1e9 bytes, all threads) and GFLOP/s (``2 x 3 x I x H x T`` per expert).
+A row is a warm-up round and ``--repeats`` timed rounds of ``--calls`` calls per thread (more
+where that takes under :data:`MIN_ROUND_S`): per call, the median round's time and the spread
+(the fastest and slowest round's), the weights read per second (GB/s, 1e9 bytes, all threads) and
+GFLOP/s (``2 x 3 x I x H x T`` per expert).
 
 The read roof is measured the same way, just before each timed round (so both see the same load
 on a shared host): each thread sums its own contiguous ``--roof-mib`` fp32 tensor (``torch.sum``);
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import threading
@@ -36,6 +38,9 @@ from moe_runtime.errors import ConfigError
 FORMATS = ("fp32", "bf16", "int8")
 DEFAULT_SHAPES = "bundled,olmoe-1b-7b,qwen3-30b-a3b,mixtral-8x7b"
 MiB = 1 << 20
+#: a timed round makes at least ``--calls`` calls per thread and lasts at least this long (so a
+#: scheduler tick on the shared host is a small part of it)
+MIN_ROUND_S = 0.1
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
@@ -137,20 +142,23 @@ def bench_kernel(
         torch.randn(tokens, store.hidden_size, generator=gen).to(store.compute_dtype) for _ in range(threads)
     ]
     cursor = [0]
+    n_calls = [calls]
 
-    def work(i: int) -> None:
-        for c in range(calls):
+    def work_n(i: int) -> None:
+        for c in range(n_calls[0]):
             key = (cursor[0] + i + c * threads) % n
             run_projections(kernel, key, xs[i], _silu_glu)
 
     timed, roofs = [], []
     for r in range(repeats + 1):
         gbps = roof.round()
-        seconds = _in_threads(threads, work) / calls
-        cursor[0] += calls * threads
-        if r:  # the first round warms up
+        seconds = _in_threads(threads, work_n) / n_calls[0]
+        cursor[0] += n_calls[0] * threads
+        if r:
             timed.append(seconds)
             roofs.append(gbps)
+        else:  # the warm-up round sizes the timed ones: at least MIN_ROUND_S each
+            n_calls[0] = max(calls, math.ceil(MIN_ROUND_S / max(seconds, 1e-9)))
     return statistics.median(timed), min(timed), max(timed), statistics.median(roofs)
 
 

@@ -1,0 +1,58 @@
+"""``moeserve bench cpu-experts`` and ``moeserve bench hybrid`` on small inputs: their JSON carries
+the settings beside the figures, a row per shape, format, kernel and token count (ms with its
+spread, GB/s against the same threads' read roof measured beside it), and a row per mode (TPOT
+median and spread over >= 3 runs, the cost model's prediction error for the hybrid modes)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moeserve.cli import main
+
+
+def _json(capsys, argv: list[str]) -> dict:
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_cpu_experts_rows_and_roof(capsys):
+    data = _json(
+        capsys,
+        ["bench", "cpu-experts", "--shapes", "bundled", "--tokens", "1,4", "--formats", "fp32,int8",
+         "--pool-mib", "4", "--roof-mib", "8", "--json"],
+    )  # fmt: skip
+    s, rows = data["settings"], data["results"]
+    assert s["threads"] == 1 and s["repeats"] == 3 and s["roof_gbps_median"] > 0 and "warmup" in s
+    kernels = {(r["format"], r["kernel"]) for r in rows}
+    assert kernels == {("fp32", "linear"), ("int8", "dequant"), ("int8", "int8-gemv"), ("int8", "int8pack")}
+    assert len(rows) == 2 * len(kernels)
+    for r in rows:
+        assert r["ms_min"] <= r["ms"] <= r["ms_max"] and r["gbps"] > 0 and r["gflops"] > 0
+        assert r["roof_pct"] == pytest.approx(100 * r["gbps"] / r["roof_gbps"])
+        assert r["exact"] == (r["kernel"] in ("linear", "dequant"))
+
+
+def test_cpu_experts_refuses_bad_flags(capsys):
+    assert main(["bench", "cpu-experts", "--formats", "fp64"]) != 0
+    assert "--formats: 'fp64' is not one of fp32, bf16, int8" in capsys.readouterr().err
+    assert main(["bench", "cpu-experts", "--repeats", "2"]) != 0
+    assert "--repeats must be >= 3" in capsys.readouterr().err
+
+
+def test_hybrid_rows_per_mode(capsys):
+    data = _json(
+        capsys,
+        ["bench", "hybrid", "--modes", "device,cpu,auto", "--buffer-fraction", "0.25", "--link-gbps", "1",
+         "--new-tokens", "3", "--prompt-len", "4", "--json"],
+    )  # fmt: skip
+    s, rows = data["settings"], data["results"]
+    assert [r["mode"] for r in rows] == ["device", "cpu", "auto"] and s["repeats"] == 3
+    assert "expert compute auto" in s["summaries"]["auto"]
+    for r in rows:
+        assert r["tpot_ms_min"] <= r["tpot_ms"] <= r["tpot_ms_max"] and len(r["tpot_ms_runs"]) == 3
+        hybrid = r["mode"] != "device"
+        assert (r["prediction_error_median"] is not None) == hybrid and (r["fits"] is not None) == hybrid
+        assert (r["cpu_experts_per_step"] > 0) == hybrid
+    assert rows[1]["moved_mib_per_token"] == 0  # cpu mode copies nothing
