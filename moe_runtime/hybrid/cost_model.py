@@ -27,14 +27,18 @@ from dataclasses import dataclass, field
 
 #: weight of the past per new sample in a :class:`LinearCost` fit
 DECAY = 0.97
+#: a sample counts at most this factor above (or below) the fit's prediction: on a shared host a
+#: preempted batch would otherwise pull the fit up for many samples
+CLIP = 2.0
 
 
 @dataclass
 class LinearCost:
     """``seconds = per_expert_s x experts + per_row_s x rows``, refitted online.
 
-    An exponentially weighted least-squares fit over ``(experts, rows, seconds)`` samples, with the
-    load-time figures as a prior of fixed weight ``prior_weight`` at ``rows`` 1 and ``prior_rows``
+    An exponentially weighted least-squares fit over ``(experts, rows, seconds)`` samples, each
+    clipped to within :data:`CLIP` times the current prediction, with the load-time figures as a
+    prior of fixed weight ``prior_weight`` at ``rows`` 1 and ``prior_rows``
     (so a run of decode samples, all at one row, moves the level but not the slope away from it).
 
     Args:
@@ -68,6 +72,9 @@ class LinearCost:
         """One measured batch: ``experts`` experts over ``rows`` rows took ``seconds``."""
         if experts <= 0 or seconds < 0:
             return
+        want = self.predict(rows, experts)
+        if want > 0:
+            seconds = min(max(seconds, want / CLIP), want * CLIP)
         s, d = self._sums, self.decay
         for i, v in enumerate(
             (experts * experts, experts * rows, rows * rows, seconds * experts, seconds * rows)

@@ -23,6 +23,7 @@ CPU outputs included: ``LayerRun.ended``) in :attr:`HybridPlacer.records`
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from collections import deque
@@ -32,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from moe_runtime.buffer.slots import READY
-from moe_runtime.hybrid.cost_model import LayerCosts, LinearCost, place_layer
+from moe_runtime.hybrid.cost_model import CLIP, LayerCosts, LinearCost, place_layer
 from moe_runtime.hybrid.executor import CPUExpertExecutor, CPUExperts
 
 #: layer runs whose prediction and measurement are kept
@@ -61,7 +62,10 @@ class HybridPlacer:
         buffer: the expert buffer it serves. mode: ``auto`` or ``cpu``.
         executor: the CPU pool. cpu_cost / device_cost: per-expert cost fits (seconds).
         device_timed: the device's batches can be timed on the host (a CPU device): the
-            compute thread's batches then refit ``device_cost``.
+            compute thread's batches then refit ``device_cost`` when no CPU expert runs beside
+            them, else :attr:`device_cost_shared` (on a CPU device both sides read the same
+            memory, so the device runs slower while CPU experts run; elsewhere the two fits stay
+            the load-time one).
         link_probe_s: per partition, one copy's seconds measured at load (used until the I/O
             thread has timed a copy).
     """
@@ -80,6 +84,8 @@ class HybridPlacer:
             raise ValueError(f"a placer runs auto or cpu, not {mode!r}")
         self.buffer, self.mode, self.executor = buffer, mode, executor
         self.cpu_cost, self.device_cost = cpu_cost, device_cost
+        self.device_cost_shared = copy.deepcopy(device_cost)  # the device while CPU experts run
+        self._shared = False  # the running layer has CPU experts
         self.device_timed = device_timed
         self.link_probe_s = link_probe_s
         self.records: deque[LayerRecord] = deque(maxlen=RECORDS)
@@ -116,7 +122,8 @@ class HybridPlacer:
         """The compute thread ran ``experts`` of the running layer as one batch in ``seconds``
         (a CPU device): refit the device cost."""
         if self._counts is not None and experts:
-            self.device_cost.observe(len(experts), float(self._counts[experts].sum()), seconds)
+            fit = self.device_cost_shared if self._shared else self.device_cost
+            fit.observe(len(experts), float(self._counts[experts].sum()), seconds)
 
     # ------------------------------------------------------------------ the split
     def split(
@@ -155,7 +162,12 @@ class HybridPlacer:
             [p.loading * t for p, t in zip(parts, link_s)],
             self.executor.threads,
         )
-        placed = place_layer(costs, self.cpu_cost, self.device_cost, self.mode)
+        # the device's time as it runs beside CPU experts; with none placed, as it runs alone
+        placed = place_layer(costs, self.cpu_cost, self.device_cost_shared, self.mode)
+        if not any(placed.on_cpu):
+            alone = place_layer(costs, self.cpu_cost, self.device_cost, self.mode)
+            placed = alone if not any(alone.on_cpu) else placed
+        self._shared = any(placed.on_cpu)
         on_cpu = {miss[j] for j, c in enumerate(placed.on_cpu) if c}
         cpu = None
         if on_cpu:
@@ -200,7 +212,8 @@ class HybridPlacer:
             measured = run.ended - t0
             self.records.append(LayerRecord(layer, predicted, measured, res, fly, n_cpu, copied))
             lanes = predicted - self.host_s
-            self.host_s = max(0.0, self.host_s + HOST_DECAY * (measured - lanes - self.host_s))
+            extra = min(measured - lanes, CLIP * max(self.host_s, 0.1 * lanes))  # a preempted run: clipped
+            self.host_s = max(0.0, self.host_s + HOST_DECAY * (extra - self.host_s))
 
     # ------------------------------------------------------------------ figures
     def prediction_error(self, last: int | None = None, min_misses: int = 0) -> float | None:
