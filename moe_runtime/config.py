@@ -241,6 +241,10 @@ class ModelConfig:
         return 3 * self.moe_intermediate_size * self.hidden_size
 
 
+#: Largest ``--block-size``: a cached block keeps its tokens' expert counts in uint8
+#: (``moe_runtime.engine.prefix_eam``), and longer blocks only coarsen prefix reuse.
+MAX_BLOCK_SIZE = 128
+
 DEFAULT_CACHE_POLICY = "eam-reuse"
 """The loop-aware next-use-distance cache: it closed the most of the on-demand-to-oracle gap in
 the simulator on real Mixtral routing (docs/simulator.md)."""
@@ -309,6 +313,12 @@ class RuntimeConfig:
         cpu_threads: intra-op threads for CPU compute (``torch.set_num_threads``, process-wide);
             None leaves torch's default. The CLI defaults to 1: on small experts thread fan-out
             costs more than it gains, and the I/O threads and HTTP server need the other cores.
+        block_size / num_kv_blocks / enable_prefix_caching: the paged KV cache
+            (``moe_runtime.layers.kv_cache``, ``moe_runtime.engine.kv_manager``; docs/kv-cache.md):
+            token positions per block (1..128; CUDA decodes read blocks in place at multiples of
+            16), blocks in the pool (None: the memory of ``max_batch_size`` sequences of
+            ``max_model_len`` positions, ``memory_plan.kv_num_blocks``), and reuse of cached
+            prompt prefixes across requests (vLLM's block hashing; on by default).
     """
 
     device: str = "cpu"
@@ -332,6 +342,10 @@ class RuntimeConfig:
     # hybrid expert execution (moe_runtime.hybrid)
     expert_compute: str | None = None
     cpu_expert_threads: int | None = None
+    # paged KV cache (moe_runtime.layers.kv_cache, moe_runtime.engine.kv_manager)
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -367,6 +381,10 @@ class RuntimeConfig:
             raise ConfigError(f"--expert-compute must be one of {modes}, got {self.expert_compute!r}")
         if self.cpu_expert_threads is not None and self.cpu_expert_threads < 1:
             raise ConfigError(f"--cpu-expert-threads must be >= 1, got {self.cpu_expert_threads}")
+        if not 1 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise ConfigError(f"--block-size must be in [1, {MAX_BLOCK_SIZE}], got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError(f"--num-kv-blocks must be >= 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"--max-model-len must be >= 2, got {self.max_model_len}")
         for flag, name, known in (
