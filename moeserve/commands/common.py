@@ -13,6 +13,7 @@ from moe_runtime import hub
 from moe_runtime.config import (
     DEFAULT_CACHE_POLICY,
     EXPERT_COMPUTE_MODES,
+    MAX_BLOCK_SIZE,
     RuntimeConfig,
     cache_policy_names,
     prefetch_policy_names,
@@ -82,13 +83,13 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
         help="emulate a host->device link of this bandwidth in GB/s (default: off)",
     )
     g.add_argument("--link-latency-us", type=float, default=0.0, help="emulated per-transfer latency (µs)")
-    g.add_argument("--max-batch-size", type=int, default=16, help="sequences per step (KV-cache rows)")
+    g.add_argument("--max-batch-size", type=int, default=16, help="sequences per step")
     g.add_argument("--max-num-batched-tokens", type=int, default=4096, help="tokens per step")
     g.add_argument(
         "--max-model-len",
         type=int,
         default=None,
-        help="KV-cache length per sequence (default: the model's context, at most 4096)",
+        help="most tokens per sequence, prompt and output (default: the model's context, at most 4096)",
     )
     g.add_argument(
         "--prefetch-depth", type=int, default=None, help="later layers a prefetch plan covers (default: all)"
@@ -143,6 +144,30 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
         help="host threads computing experts (default: the cores not taken by the compute thread's "
         "--cpu-threads and the I/O threads, at least 1)",
     )
+    # paged KV cache (moe_runtime.layers.kv_cache, moe_runtime.engine.kv_manager, docs/kv-cache.md)
+    kv = parser.add_argument_group("paged KV cache")
+    kv.add_argument(
+        "--block-size",
+        type=int,
+        default=16,
+        help=f"token positions per KV-cache block, 1..{MAX_BLOCK_SIZE} (default: 16; CUDA decodes read "
+        "blocks in place at multiples of 16)",
+    )
+    kv.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="KV-cache blocks in the pool (default: the memory of --max-batch-size sequences of "
+        "--max-model-len tokens); sequences are admitted while blocks are free and preempted "
+        "(recomputed later) when they run out",
+    )
+    kv.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV blocks of prompt prefixes computed before (vLLM's block hashing; "
+        "default: on; --no-enable-prefix-caching turns it off)",
+    )
 
 
 def runtime_from_args(args: argparse.Namespace, dtype: str | None = None) -> RuntimeConfig:
@@ -172,6 +197,9 @@ def runtime_from_args(args: argparse.Namespace, dtype: str | None = None) -> Run
         expert_dtype=args.expert_dtype,
         expert_compute=getattr(args, "expert_compute", None),
         cpu_expert_threads=getattr(args, "cpu_expert_threads", None),
+        block_size=getattr(args, "block_size", 16),
+        num_kv_blocks=getattr(args, "num_kv_blocks", None),
+        enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
     )
 
 
