@@ -121,10 +121,24 @@ class ExpertStats:
 
 @dataclass
 class EngineStats:
-    """Cumulative engine counters (read by the Prometheus exporter and benchmarks)."""
+    """Cumulative engine counters (read by the Prometheus exporter and benchmarks).
+
+    ``prompt_tokens`` counts each request's prompt positions once, computed or served from the
+    prefix cache (not again when a preempted request recomputes them). The paged KV cache's
+    (``moe_runtime.engine.kv_manager``): ``preemptions`` (sequences preempted by recompute),
+    ``prefix_cache_queries`` / ``prefix_cache_hits`` (prompt tokens looked up in the prefix cache
+    at admission / found there), ``kv_blocks_used`` (blocks held now, a gauge) of
+    ``kv_blocks_total``.
+    """
 
     steps: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
     step_seconds: float = 0.0
     requests_finished: dict[str, int] = field(default_factory=dict)  # finish_reason -> count
+    # paged KV cache
+    preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
