@@ -1,7 +1,11 @@
 """Per-step metadata that travels beside the packed token tensor (nano-vllm's context object).
 
 Tokens of all scheduled sequences are packed into one ``[T]`` tensor; sequence ``i`` owns tokens
-``starts[i] : starts[i] + num_new[i]`` at positions ``ctx_lens[i] - num_new[i] ..`` in its KV row.
+``starts[i] : starts[i] + num_new[i]`` at positions ``ctx_lens[i] - num_new[i] ..``. Its KV
+positions live in the paged KV cache (``moe_runtime.layers.kv_cache``): per block group ``g``,
+position ``p`` is at block ``tables[g][i, p // block_size]``, offset ``p % block_size``; the step's
+new tokens are written at the flat slots ``slots[g]`` (``block * block_size + offset``). Block tables
+and slots reach the device in one copy per step.
 """
 
 from __future__ import annotations
@@ -17,44 +21,50 @@ from moe_runtime.jit import njit
 @dataclass(slots=True)
 class StepContext:
     request_ids: list[str]
-    rows: list[int]
     starts: list[int]
     num_new: list[int]
     ctx_lens: list[int]
     positions: torch.Tensor  # [T] int64
-    token_rows: torch.Tensor  # [T] int64, KV row of each token
     token_seq: np.ndarray  # [T] int64, sequence index of each token
     token_prefill: np.ndarray  # [T] bool, prompt token
     logits_index: torch.Tensor  # [N] token indices whose logits are sampled
     all_decode: bool
     max_ctx: int
+    block_size: int = 16
+    # per block group: the sequences' block tables [S, W] (W = blocks of the longest context;
+    # freed or unused entries 0) on the device and on the host, and each new token's flat slot [T]
+    tables: list[torch.Tensor] = field(default_factory=list)
+    tables_host: list[np.ndarray] = field(default_factory=list)
+    slots: list[torch.Tensor] = field(default_factory=list)
     observe: bool = True  # tracing and policies see this step's routing (False when scoring)
-    # sequences with one new token (decodes), attended in one batched call: their KV rows, their
-    # tokens' indices in the packed step (None when every sequence decodes: all tokens, in order),
-    # the length mask over their longest context, and the indices of the other sequences
-    rows_t: torch.Tensor | None = None  # [B_d] int64
+    # sequences with one new token (decodes), attended in one batched call: their index among the
+    # step's sequences (None when every sequence decodes), their tokens' indices in the packed step
+    # (None when every sequence decodes: all tokens, in order), the length mask over their longest
+    # context, and the indices of the other sequences
+    decode_seq_t: torch.Tensor | None = None  # [B_d] int64
     decode_tokens: torch.Tensor | None = None  # [B_d] int64
     decode_mask: torch.Tensor | None = None  # [B_d, 1, 1, decode_ctx] bool
     decode_ctx: int = 0
     decode_full: bool = False  # every decoding sequence's context is decode_ctx long: no mask needed
     prefill_seqs: list[int] = field(default_factory=list)
     # two or more prefill chunks attended in one padded call (when padding costs at most
-    # PAD_WASTE x the useful work): their KV rows, their tokens' indices in the packed step, each
-    # token's index in the padded [P * max_new] queries, and the causal mask over their contexts
-    prefill_rows_t: torch.Tensor | None = None  # [P] int64
+    # PAD_WASTE x the useful work): their index among the step's sequences, their tokens' indices
+    # in the packed step, each token's index in the padded [P * max_new] queries, and the causal
+    # mask over their contexts
+    prefill_seq_t: torch.Tensor | None = None  # [P] int64
     prefill_tokens: torch.Tensor | None = None  # [sum n_p] int64
     prefill_pad: torch.Tensor | None = None  # [sum n_p] int64
     prefill_mask: torch.Tensor | None = None  # [P, 1, max_new, prefill_ctx] bool
     # per MoE layer run in this step: (router ids [T, k], hit [E] bool, blocked seconds [E]), kept
     # by reference and reduced once per step into per-sequence figures (expert_attribution)
     moe_layers: list = field(default_factory=list)
-    # what the layers share within the step, built by the first layer that needs it: masks per
-    # sliding window, float masks per dtype (``moe_runtime.layers.attention``)
+    # what the layers share within the step, built by the first layer that needs it: gathered
+    # block tables, masks per sliding window, float masks per dtype (``moe_runtime.layers.attention``)
     memo: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
-        return len(self.rows)
+        return len(self.request_ids)
 
     def expert_attribution(self, num_experts: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per sequence ``[S]``: expert lookups, buffer hits (int64) and blocked seconds (float64)
@@ -106,60 +116,87 @@ class StepContext:
     def build(
         cls,
         request_ids: list[str],
-        rows: list[int],
+        tables: list[list[list[int]]],
         past: list[int],
         num_new: list[int],
         sample: list[bool],
         device: torch.device,
+        block_size: int,
         all_logits: bool = False,
+        prompt_lens: list[int] | None = None,
     ) -> StepContext:
         """Build the context for sequences with ``past[i]`` cached tokens and ``num_new[i]`` new ones.
 
-        ``sample[i]`` says whether sequence ``i`` samples a token this step (its last new token's
-        logits are computed); a prefill chunk that does not reach the prompt's end does not.
-        ``prefill`` tokens are those of sequences with more than one new token or no past.
-        ``all_logits`` computes logits at every token instead (teacher-forced scoring).
+        Args:
+            tables: per sequence, its block table per block group (block ids; negative entries,
+                blocks a sliding group freed, are never read); each covers ``past + num_new``
+                positions.
+            sample: whether sequence ``i`` samples a token this step (its last new token's logits
+                are computed); a prefill chunk that does not reach the end of its tokens does not.
+            block_size: token positions per KV block.
+            all_logits: compute logits at every token instead (teacher-forced scoring).
+            prompt_lens: each sequence's prompt length: a token is a prompt token when its position
+                is below it (a recompute after preemption re-prefills generated tokens too);
+                without it, the tokens of a sequence with several new tokens or no past are.
         """
         starts, acc = [], 0
         for n in num_new:
             starts.append(acc)
             acc += n
         positions = np.concatenate([np.arange(p, p + n) for p, n in zip(past, num_new)])
-        token_seq = np.repeat(np.arange(len(rows)), num_new)
-        is_prefill_seq = np.array([n > 1 or p == 0 for p, n in zip(past, num_new)])
+        token_seq = np.repeat(np.arange(len(request_ids)), num_new)
+        if prompt_lens is not None:
+            token_prefill = positions < np.asarray(prompt_lens, dtype=np.int64)[token_seq]
+        else:
+            token_prefill = np.array([n > 1 or p == 0 for p, n in zip(past, num_new)])[token_seq]
         ctx = [p + n for p, n in zip(past, num_new)]
         logits_index = [s + n - 1 for s, n, smp in zip(starts, num_new, sample) if smp]
         if all_logits:
             logits_index = list(range(acc))
         all_decode = all(n == 1 for n in num_new)
         max_ctx = max(ctx)
+        # block tables [G, S, W] and each new token's slot [G, T]: one host array, one copy
+        groups, seqs, width = len(tables[0]), len(request_ids), -(-max_ctx // block_size)
+        tab = np.zeros((groups, seqs, width), dtype=np.int64)
+        for i, per_group in enumerate(tables):
+            for g, row in enumerate(per_group):
+                n = min(len(row), width)
+                tab[g, i, :n] = row[:n]
+        np.maximum(tab, 0, out=tab)
+        slots = tab[:, token_seq, positions // block_size] * block_size + positions % block_size
+        dec = [i for i, n in enumerate(num_new) if n == 1]
+        dec_ctx = np.asarray([ctx[i] for i in dec], dtype=np.int64)
+        host = np.concatenate(
+            [positions, slots.reshape(-1), tab.reshape(-1), dec, [starts[i] for i in dec], dec_ctx]
+        ).astype(np.int64)
+        dev = torch.from_numpy(host).to(device)
+        t, ns = len(positions), groups * seqs * width
+        slots_t = dev[t : t + groups * t].view(groups, t)
+        tab_t = dev[t + groups * t : t + groups * t + ns].view(groups, seqs, width)
+        rest = dev[t + groups * t + ns :].view(3, len(dec))
         ctx_obj = cls(
             request_ids=request_ids,
-            rows=rows,
             starts=starts,
             num_new=num_new,
             ctx_lens=ctx,
-            positions=torch.from_numpy(positions).to(device),
-            token_rows=torch.from_numpy(np.repeat(np.asarray(rows, dtype=np.int64), num_new)).to(device),
+            positions=dev[:t],
             token_seq=token_seq,
-            token_prefill=is_prefill_seq[token_seq],
+            token_prefill=token_prefill,
             logits_index=torch.tensor(logits_index, dtype=torch.int64, device=device),
             all_decode=all_decode,
             max_ctx=max_ctx,
+            block_size=block_size,
+            tables=list(tab_t),
+            tables_host=list(tab),
+            slots=list(slots_t),
         )
-        dec = [i for i, n in enumerate(num_new) if n == 1]
         ctx_obj.prefill_seqs = [i for i, n in enumerate(num_new) if n != 1]
         if dec:
-            dec_ctx = np.asarray([ctx[i] for i in dec], dtype=np.int64)
             ctx_obj.decode_ctx = int(dec_ctx.max())
             ctx_obj.decode_full = bool(dec_ctx.min() == ctx_obj.decode_ctx)
-            host = np.stack(
-                [np.asarray([rows[i] for i in dec]), np.asarray([starts[i] for i in dec]), dec_ctx]
-            )
-            dev = torch.from_numpy(host).to(device)  # one copy: rows, token indices, lengths
-            ctx_obj.rows_t = dev[0]
-            ctx_obj.decode_tokens = None if all_decode else dev[1]
-            mask = torch.arange(ctx_obj.decode_ctx, device=device)[None, :] < dev[2][:, None]
+            ctx_obj.decode_seq_t = None if all_decode else rest[0]
+            ctx_obj.decode_tokens = None if all_decode else rest[1]
+            mask = torch.arange(ctx_obj.decode_ctx, device=device)[None, :] < rest[2][:, None]
             ctx_obj.decode_mask = mask[:, None, None, :]
         if len(ctx_obj.prefill_seqs) > 1:
             _padded_prefill(ctx_obj, device)
@@ -185,10 +222,10 @@ def _padded_prefill(step: StepContext, device: torch.device) -> None:
     # query i of chunk p sits at position past_p + i and sees keys 0 .. past_p + i; padded queries
     # (i >= n_p) see key 0 only, so no row is fully masked (their output is dropped)
     last = np.where(np.arange(max_new)[None, :] < new[:, None], (ctx - new)[:, None] + np.arange(max_new), 0)
-    host = np.concatenate([[step.rows[i] for i in seqs], tokens, seq_of * max_new + within, last.reshape(-1)])
+    host = np.concatenate([seqs, tokens, seq_of * max_new + within, last.reshape(-1)])
     dev = torch.from_numpy(host.astype(np.int64)).to(device)  # one copy
     p, n = len(seqs), len(tokens)
-    step.prefill_rows_t = dev[:p]
+    step.prefill_seq_t = dev[:p]
     step.prefill_tokens = dev[p : p + n]
     step.prefill_pad = dev[p + n : p + 2 * n]
     last_t = dev[p + 2 * n :].view(p, max_new)
