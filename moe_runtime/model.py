@@ -20,8 +20,9 @@ from moe_runtime.config import ModelConfig
 from moe_runtime.engine.context import StepContext
 from moe_runtime.layers.attention import attention
 from moe_runtime.layers.experts import ExpertFFN, select_expert_path
-from moe_runtime.layers.kv_cache import KVCache
+from moe_runtime.layers.kv_cache import PagedKVCache
 from moe_runtime.layers.mla import MLAttention
+from moe_runtime.layers.mla_cache import PagedMLACache
 from moe_runtime.layers.moe import moe_block
 from moe_runtime.layers.norm import decoder_norm, rms_norm
 from moe_runtime.layers.rotary import Rotary
@@ -33,7 +34,8 @@ class MoEModel:
 
     Args:
         cfg: model shape. dense: canonical name -> device tensor (see ``moe_runtime.models.base``).
-        buffer: the expert buffer. kv_cache: static KV cache. max_len: positions RoPE covers.
+        buffer: the expert buffer. kv_cache: the paged KV cache (or the latent one for
+            latent attention). max_len: positions RoPE covers.
     """
 
     def __init__(
@@ -41,7 +43,7 @@ class MoEModel:
         cfg: ModelConfig,
         dense: dict[str, torch.Tensor],
         buffer: ExpertBuffer,
-        kv_cache: KVCache,
+        kv_cache: PagedKVCache | PagedMLACache,
         max_len: int,
     ) -> None:
         self.cfg = cfg
@@ -144,5 +146,5 @@ class MoEModel:
             q = rms_norm(q, w[p + "q_norm"], cfg.rms_norm_eps)
             k = rms_norm(k, w[p + "k_norm"], cfg.rms_norm_eps)
         q, k = self.rotary.apply(q, k, step.positions)
-        out = attention(q, k, v, layer, self.kv, step, w.get(p + "sinks"))  # windows: the KV rings
+        out = attention(q, k, v, layer, self.kv, step, w.get(p + "sinks"))  # sliding windows per block group
         return F.linear(out, w[p + "o"], w.get(p + "o_bias"))  # [T, H]
