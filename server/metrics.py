@@ -76,7 +76,12 @@ class RuntimeCollector(Collector):
         )
         yield _gauge("requests_running", "Requests in the running batch.", snap.num_running)
         yield _gauge("requests_waiting", "Requests waiting for a batch slot.", self.client.num_waiting)
-        yield _counter("prompt_tokens", "Prompt tokens prefilled.", snap.stats.prompt_tokens)
+        yield _counter(
+            "prompt_tokens",
+            "Prompt tokens prefilled or served from the prefix cache (a recompute after preemption "
+            "is not counted again).",
+            snap.stats.prompt_tokens,
+        )
         yield _counter("generation_tokens", "Tokens generated.", snap.stats.generation_tokens)
         success = CounterMetricFamily(
             PREFIX + "request_success", "Finished requests by finish reason.", labels=["finished_reason"]
@@ -84,9 +89,35 @@ class RuntimeCollector(Collector):
         for reason in sorted(set(snap.stats.requests_finished) | {"stop", "length", "abort"}):
             success.add_metric([reason], snap.stats.requests_finished.get(reason, 0))
         yield success
+        yield from self._kv_metrics(snap.stats)
         yield from self._expert_metrics()
         yield from self._eamc_term_metrics()
         yield from self._eamc_metrics()
+
+    @staticmethod
+    def _kv_metrics(stats: Any) -> Iterator[Metric]:
+        """The paged KV cache's figures (``EngineStats``; docs/kv-cache.md)."""
+        yield _counter(
+            "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache when their request was admitted.",
+            stats.prefix_cache_queries,
+        )
+        yield _counter(
+            "prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (their KV blocks reused, not computed).",
+            stats.prefix_cache_hits,
+        )
+        yield _counter(
+            "preemptions",
+            "Running requests preempted when KV-cache blocks ran out (recomputed when readmitted).",
+            stats.preemptions,
+        )
+        total = stats.kv_blocks_total
+        yield _gauge(
+            "kv_cache_usage",
+            "Share of KV-cache blocks held by requests (0..1; cached free blocks count as free).",
+            stats.kv_blocks_used / total if total else 0.0,
+        )
 
     def _expert_metrics(self) -> Iterator[Metric]:
         buffer = self.client.engine.buffer
