@@ -21,6 +21,7 @@ BENCH_MODULES: list[str] = [
     "moeserve.bench.quant_loss",
     "moeserve.bench.cpu_experts",
     "moeserve.bench.hybrid",
+    "moeserve.bench.kv",
 ]
 
 
