@@ -147,7 +147,17 @@ class ExpertRequestStats:
 
 @dataclass(slots=True)
 class Sequence:
-    """One generation stream: prompt + output tokens, its KV-cache row and progress."""
+    """One generation stream: prompt + output tokens and progress.
+
+    Attributes (KV cache, ``moe_runtime.engine.kv_manager``):
+        num_computed: positions whose K/V are in the cache (0 again after a preemption).
+        num_cached_tokens: prompt positions a prefix-cache hit supplied at the first admission
+            (``usage.prompt_tokens_details.cached_tokens``); None until admitted.
+        num_recorded: positions whose expert routing the tracer counted (or was credited from
+            cached blocks); a recompute after preemption does not count them again.
+        num_preemptions: times the scheduler preempted it (recompute: its KV blocks were freed).
+        kv_hashes: hashes of its full blocks, computed once (prefix caching).
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -158,8 +168,11 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # filled during prefill
-    kv_row: int = -1
-    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_computed: int = 0
+    num_cached_tokens: int | None = None
+    num_recorded: int = 0
+    num_preemptions: int = 0
+    kv_hashes: list[bytes] = field(default_factory=list)
     finish_reason: str | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -200,6 +213,8 @@ class RequestOutput:
         error: on ``finish_reason="error"``, one line saying what failed for this request (its
             sampling, detokenising or stop check raised); the other requests keep running.
         num_prompt_tokens / num_output_tokens: running totals for ``usage``.
+        num_cached_tokens: prompt tokens served from the prefix cache (OpenAI's
+            ``usage.prompt_tokens_details.cached_tokens``).
         expert_stats: the request's accumulated expert-buffer figures.
         arrival_time / first_token_time / finish_time: ``time.monotonic()`` seconds.
     """
@@ -220,3 +235,4 @@ class RequestOutput:
     finish_time: float | None
     error: str | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int = 0
