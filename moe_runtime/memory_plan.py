@@ -11,10 +11,9 @@ The plan counts the large, long-lived allocations:
 - **compute device**: the dense weights (embeddings, attention, norms, routers, shared experts, LM
   head; gpt-oss's attention sinks, o/router biases and resident expert biases), the expert
   buffer's slots (none when one CPU device holds every expert: the slots are the store itself) and
-  the static KV cache, ``max_batch_size * kv_elements_per_token * sum(length over layers)``
-  elements (``2 * kv_heads * head_dim``, or for MLA the latent width
-  ``kv_lora_rank + qk_rope_head_dim``; ``length`` is ``max_model_len``, or a sliding-window
-  layer's window where shorter: gpt-oss's ring, ``moe_runtime.layers.kv_cache.kv_lengths``).
+  the paged KV cache, ``num_kv_blocks * KVLayout.bytes_per_block`` (``--num-kv-blocks``, else
+  :func:`kv_num_blocks`: the memory of ``max_batch_size`` sequences of ``max_model_len``
+  positions, a sliding-window layer's window where shorter, ``moe_runtime.layers.kv_cache``).
 
 On CPU the device bytes come out of host memory too. Activations, the router lookahead's folded
 router copies and allocator overhead are not counted (small next to the above). Available memory:
@@ -34,8 +33,8 @@ import torch
 
 from moe_runtime.buffer.placement import home_devices
 from moe_runtime.config import ModelConfig, RuntimeConfig
-from moe_runtime.errors import InsufficientMemoryError
-from moe_runtime.layers.kv_cache import kv_lengths
+from moe_runtime.errors import ConfigError, InsufficientMemoryError
+from moe_runtime.layers.kv_cache import KVLayout
 from moe_runtime.models.base import expected_dense_shapes
 from moe_runtime.quant import expert_layout
 
@@ -51,8 +50,40 @@ def buffer_slot_count(runtime: RuntimeConfig, total_experts: int) -> int:
 
 
 def kv_cache_len(cfg: ModelConfig, runtime: RuntimeConfig) -> int:
-    """Tokens per KV-cache row: ``--max-model-len``, else the model's context capped at 4096."""
+    """Most positions per sequence: ``--max-model-len``, else the model's context capped at 4096."""
     return runtime.max_model_len or min(cfg.max_position_embeddings, 4096)
+
+
+def kv_layout(cfg: ModelConfig, runtime: RuntimeConfig) -> KVLayout:
+    """The paged KV cache's block layout for ``cfg`` under ``runtime`` (``--block-size``)."""
+    return KVLayout.build(
+        cfg.num_layers,
+        runtime.block_size,
+        cfg.kv_elements_per_token,
+        kv_cache_len(cfg, runtime),
+        cfg.layer_windows,
+    )
+
+
+def kv_num_blocks(cfg: ModelConfig, runtime: RuntimeConfig) -> int:
+    """KV blocks in the pool: ``--num-kv-blocks``, else ``KVLayout.default_num_blocks`` (the static
+    layout's memory of ``--max-batch-size`` sequences of ``--max-model-len`` positions).
+
+    Raises:
+        ConfigError: ``--num-kv-blocks`` below what one ``max_model_len`` sequence needs.
+    """
+    layout = kv_layout(cfg, runtime)
+    max_len, step = kv_cache_len(cfg, runtime), runtime.max_num_batched_tokens
+    if runtime.num_kv_blocks is None:
+        return layout.default_num_blocks(runtime.max_batch_size, max_len, step)
+    least = layout.min_num_blocks(max_len, step)
+    if runtime.num_kv_blocks < least:
+        raise ConfigError(
+            f"--num-kv-blocks {runtime.num_kv_blocks} cannot hold one sequence of --max-model-len "
+            f"{max_len} (it needs {least} blocks of {runtime.block_size} tokens); raise it or lower "
+            "--max-model-len"
+        )
+    return runtime.num_kv_blocks
 
 
 def engine_devices(runtime: RuntimeConfig) -> list[torch.device]:
@@ -71,7 +102,7 @@ class MemoryPlan:
     Attributes:
         expert_store: host expert store.
         dense: dense weights, on the compute device.
-        kv_cache: static KV cache, on the compute device.
+        kv_cache: the paged KV cache's block pool, on the compute device.
         buffer_slots: expert slots per buffer partition (device), in partition order.
         slot_bytes: bytes of one slot (= one packed expert, quantized or not); 0 when the slots
             alias the store.
@@ -136,12 +167,11 @@ def plan_memory(cfg: ModelConfig, runtime: RuntimeConfig) -> MemoryPlan:
     parts = partition_slots(runtime, cfg.num_moe_layers, cfg.num_experts)
     alias = len(devices) == 1 and devices[0].type == "cpu" and parts[0] >= total and runtime.link_gbps is None
     dense = sum(math.prod(s) for s in expected_dense_shapes(cfg).values()) * itemsize
-    rows = sum(kv_lengths(cfg.num_layers, kv_cache_len(cfg, runtime), cfg.layer_windows))  # per sequence
-    kv = runtime.max_batch_size * rows * cfg.kv_elements_per_token
+    kv = kv_num_blocks(cfg, runtime) * kv_layout(cfg, runtime).bytes_per_block(itemsize)
     return MemoryPlan(
         expert_store=total * expert_bytes,
         dense=dense,
-        kv_cache=kv * itemsize,
+        kv_cache=kv,
         buffer_slots=parts,
         slot_bytes=0 if alias else expert_bytes,
         devices=tuple(devices),
@@ -210,7 +240,11 @@ def check_memory(plan: MemoryPlan, source: str) -> None:
         parts = {"expert store": plan.expert_store}
         if plan.compute.type == "cpu":
             parts.update({"dense": plan.dense, "KV cache": plan.kv_cache, "buffer": plan.buffer})
-        hint = "; lower --max-batch-size or --max-model-len" if max(parts.values()) == plan.kv_cache else ""
+        hint = (
+            "; lower --num-kv-blocks, --max-batch-size or --max-model-len"
+            if max(parts.values()) == plan.kv_cache
+            else ""
+        )
         listed = ", ".join(f"{k} {human_bytes(v)}" for k, v in parts.items())
         raise InsufficientMemoryError(
             f"{source}: the model needs {human_bytes(plan.host)} of host memory ({listed}), "
@@ -225,5 +259,6 @@ def check_memory(plan: MemoryPlan, source: str) -> None:
                 parts[:0] = [f"dense {human_bytes(plan.dense)}", f"KV cache {human_bytes(plan.kv_cache)}"]
             raise InsufficientMemoryError(
                 f"{source}: {dev} needs {human_bytes(need)} ({', '.join(parts)}), only {human_bytes(free)} "
-                "is free; lower --buffer-slots/--buffer-fraction, --max-batch-size or --max-model-len"
+                "is free; lower --buffer-slots/--buffer-fraction, --num-kv-blocks, --max-batch-size or "
+                "--max-model-len"
             )

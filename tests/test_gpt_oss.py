@@ -6,10 +6,9 @@ sinks and router/expert biases, YaRN RoPE without truncation, a SwiGLU clamp tha
 tokens equal and fp32 logits within 1e-4 at every step for 32 new tokens, for one prompt and a
 batch of four prompts of different lengths, every expert resident and at a 2-slot buffer; chunked
 prefill and a request joining mid-decode; prompts 4-5x the window (whole, in chunks shorter and
-longer than the window); the grouped, loop and few expert paths bit-identical. Kernel level:
-sinks by SDPA's log-sum-exp and by a padded key, and sliding layers over their KV ring (chunks,
-decodes, a mixed step of different lengths) equal transformers' eager attention; the ring plan
-and float masks are built once per step, not per layer; a sliding layer's KV rows hold the window.
+longer than the window); the grouped, loop and few expert paths bit-identical; the sliding
+layers' block group holds only the blocks a window still covers (the kernel-level attention tests
+are in ``tests/test_window_attention.py``).
 Also: removing any gpt-oss piece (sinks, window, biases, clamp) moves the logits far beyond the
 tolerance, so the comparisons above depend on each; the RoPE tables and the router equal
 transformers'; the memory plan counts the new dense tensors; bad config fields are refused by name.
@@ -36,12 +35,11 @@ from test_runtime_oracle import (
 from tiny_models import make_gpt_oss_checkpoint
 
 from moe_runtime.config import RuntimeConfig
-from moe_runtime.engine.context import StepContext
 from moe_runtime.engine.engine import LLMEngine
 from moe_runtime.engine.request import SamplingParams
 from moe_runtime.errors import CheckpointError, ConfigError
 from moe_runtime.layers import attention
-from moe_runtime.layers.kv_cache import KVCache
+from moe_runtime.layers.kv_cache import KVLayout, PagedKVCache
 from moe_runtime.layers.norm import rms_norm
 from moe_runtime.layers.rotary import Rotary
 from moe_runtime.layers.router_lookahead import RouterLookahead
@@ -98,20 +96,51 @@ def long_refs(gpt_oss):
     return greedy_references(gpt_oss[0], LONG, 12)[1]
 
 
-@pytest.mark.parametrize("chunk", [None, 3, 9], ids=["whole", "chunks-3", "chunks-9"])
-def test_prompts_several_windows_long(gpt_oss, long_refs, chunk):
-    """Prompts 4-5x the window (the sliding layers' KV rings wrap several times), prefilled whole or
-    in chunks shorter and longer than the window, then decoded as a batch of two different lengths,
-    give transformers' tokens and logits; the sliding layers' KV rows hold the window only."""
-    runtime = RuntimeConfig(buffer_slots=2, max_num_batched_tokens=chunk or 64, **RUNTIME)
+@pytest.mark.parametrize(
+    "chunk, block_size", [(None, 16), (3, 2), (9, 4)], ids=["whole", "chunks-3", "chunks-9"]
+)
+def test_prompts_several_windows_long(gpt_oss, long_refs, chunk, block_size):
+    """Prompts 4-5x the window (the sliding layers free blocks as the window moves on), prefilled
+    whole or in chunks shorter and longer than the window, then decoded as a batch of two
+    different lengths, give transformers' tokens and logits; the sliding layers form their own
+    block group, whose blocks hold the two sliding layers' keys."""
+    runtime = RuntimeConfig(
+        buffer_slots=2, max_num_batched_tokens=chunk or 64, block_size=block_size, **RUNTIME
+    )
     with LLMEngine.from_pretrained(gpt_oss[0], runtime) as engine:
         results = _run_collecting_logits(
             engine, LONG, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
         )
-        kv, cfg, summary = engine.kv, engine.config, engine.summary()
+        kv, summary = engine.kv, engine.summary()
     assert_matches(results, long_refs)
-    assert "(2 sliding layers hold 4 positions)" in summary
-    assert [kv.k[i].shape[2] for i in range(cfg.num_layers)] == [4, 64, 4]  # window, max_model_len, window
+    assert "2 sliding layers keep their 4-token window" in summary
+    assert kv.sliding == {0: 4, 2: 4} and kv.layout.group_of == (1, 0, 1) and kv.layout.slots == 2
+
+
+def test_sliding_blocks_are_freed(gpt_oss):
+    """With 2-token blocks, a sequence's sliding-window group holds only the blocks the windows of
+    its step's queries cover (the others are freed, NULL in its table, when it is next scheduled)
+    while the full group holds every block; the pool gets them all back at the end."""
+    runtime = RuntimeConfig(block_size=2, max_num_batched_tokens=5, **RUNTIME)
+    held = []
+    with LLMEngine.from_pretrained(gpt_oss[0], runtime) as engine:
+        manager = engine.kv_manager
+        engine.add_request("a", LONG[0], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        past = 0
+        while engine.has_unfinished():
+            engine.step()
+            seq = engine.scheduler.running[0] if engine.scheduler.running else None
+            if seq is None:
+                continue
+            full, sliding = manager.tables(seq)[0], manager.tables(seq)[1]
+            assert len(full) == len(sliding) and -1 not in full
+            live = [b for b in sliding if b != -1]
+            # blocks from the one holding position past - 3 (the step's first query's window)
+            assert len(live) == len(sliding) - max(0, past - 3) // 2
+            held.append(len(live))
+            past = seq.num_computed
+        assert manager.num_free == manager.num_blocks
+    assert max(held) <= 5 and len(sliding) >= 16  # 3 positions of window + a step's 5 tokens, of 17 blocks
 
 
 def test_padded_prefill_of_two_prompts(gpt_oss):
@@ -121,13 +150,13 @@ def test_padded_prefill_of_two_prompts(gpt_oss):
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     with (
         mock.patch.object(attention, "_prefill_padded", wraps=attention._prefill_padded) as padded,
-        mock.patch.object(attention, "_ring_group", wraps=attention._ring_group) as ring_group,
+        mock.patch.object(attention, "_window_group", wraps=attention._window_group) as window_group,
         LLMEngine.from_pretrained(path, RuntimeConfig(**RUNTIME)) as engine,
     ):
         results = _run_collecting_logits(engine, [PROMPTS[0], PROMPTS[2]], params)
     cfg = engine.config
     assert padded.call_count == cfg.num_layers - len(cfg.sliding_layers)  # the prefill step, full layers
-    assert ring_group.call_args_list[0].args[1] == [0, 1]  # both chunks in one group over the rings
+    assert window_group.call_args_list[0].args[2] == [0, 1]  # both chunks in one group over the windows
     assert_matches(results, [(tokens[:8], logits[:8]) for tokens, logits in (refs[0], refs[2])])
 
 
@@ -147,10 +176,11 @@ def _without(engine, piece: str) -> None:
     if piece == "sinks":
         for layer in range(engine.config.num_layers):
             model.w.pop(f"layers.{layer}.sinks")
-    elif piece == "window":  # full-length KV rows for every layer: no ring, no window
+    elif piece == "window":  # every layer in the full-attention block group: no window
         cfg, kv = engine.config, model.kv
-        model.kv = KVCache(
-            cfg.num_layers, kv.rows, cfg.num_kv_heads, kv.max_len, cfg.head_dim, torch.float32, kv.k[1].device
+        layout = KVLayout.build(cfg.num_layers, kv.block_size, cfg.kv_elements_per_token, 1 << 20)
+        model.kv = PagedKVCache(
+            layout, kv.num_blocks, cfg.num_kv_heads, cfg.head_dim, torch.float32, kv.k[1].device
         )
     elif piece == "expert biases":
         model.ffn = {
@@ -193,104 +223,6 @@ def test_rotary_equals_transformers(gpt_oss):
     want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
     got_q, got_k = ours.apply(q[0].transpose(0, 1), k[0].transpose(0, 1), positions)
     assert torch.equal(got_q, want_q[0].transpose(0, 1)) and torch.equal(got_k, want_k[0].transpose(0, 1))
-
-
-def _eager(q, k, v, sinks, visible):
-    """transformers' ``eager_attention_forward`` (GQA 4:2, head dim 16) under a boolean mask
-    ``[Lq, C]``: ``[1, Lq, Hq, D]``."""
-    from types import SimpleNamespace
-
-    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
-
-    module = SimpleNamespace(num_key_value_groups=2, sinks=sinks, training=False)
-    mask = torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))[None, None]
-    return eager_attention_forward(module, q, k, v, mask, scaling=16**-0.5)[0]
-
-
-def _qkv_sinks(n: int, seed: int = 3):
-    gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(1, h, n, 16, generator=gen) for h in (4, 2, 2))
-    return q, k, v, torch.randn(4, generator=gen)
-
-
-@pytest.mark.parametrize("route", ["log-sum-exp", "padding"])
-def test_sinks_equal_transformers_eager(route):
-    """Sinks from SDPA's log-sum-exp (CPU) and as an extra padded key (where no log-sum-exp is
-    returned) both equal transformers' eager attention: 5 new queries after 4 cached keys."""
-    q, k, v, sinks = _qkv_sinks(9)
-    q = q[:, :, 4:]
-    prefix = torch.ones(5, 9, dtype=torch.bool).tril(diagonal=4)  # the step's causal mask
-    want = _eager(q, k, v, sinks, prefix)
-    if route == "padding":
-        got = attention._sinks_by_padding(q, k, v, prefix, sinks)
-    else:
-        got = attention._sinks_by_lse(q, k, v, attention._additive(prefix, q.dtype), sinks)
-    torch.testing.assert_close(got.transpose(1, 2), want, atol=1e-6, rtol=0)
-
-
-@pytest.mark.parametrize("chunks", [(4, 5), (9, 3), (2, 1, 1, 5, 1, 1, 1), (12,)])
-def test_ring_attention_equals_transformers_eager(chunks):
-    """A window-3 layer over its 3-position KV ring, the tokens fed in the given chunks (longer
-    than the window, single decodes), with sinks, equals transformers' eager attention with its
-    mask rule (``q - window < kv <= q``) over every key."""
-    total = sum(chunks)
-    q, k, v, sinks = _qkv_sinks(total)
-    cache = KVCache(1, 2, 2, 32, 16, torch.float32, torch.device("cpu"), windows={0: 3})
-    assert cache.k[0].shape == (2, 2, 3, 16) and cache.nbytes == 2 * 2 * 2 * 3 * 16 * 4
-    outs, past = [], 0
-    for n in chunks:
-        step = StepContext.build(["a"], [1], [past], [n], [True], torch.device("cpu"))
-        part = (x[0, :, past : past + n].transpose(0, 1) for x in (q, k, v))
-        outs.append(attention.attention(*part, 0, cache, step, sinks))
-        past += n
-    pos, kv = torch.arange(total)[:, None], torch.arange(total)[None, :]
-    want = _eager(q, k, v, sinks, (kv <= pos) & (kv > pos - 3))
-    torch.testing.assert_close(torch.cat(outs), want.reshape(total, -1), atol=1e-6, rtol=0)
-
-
-def test_ring_mixed_step_and_masks_built_once_per_step(monkeypatch):
-    """One step mixing decodes of different lengths with two prefill chunks (one padded call),
-    over window-4 rings, equals transformers' eager attention per sequence; the step's ring plan
-    and its float masks are built once for all of its layers."""
-    cpu = torch.device("cpu")
-    window, layers = 4, 6  # even layers slide
-    cache = KVCache(
-        layers, 4, 2, 32, 16, torch.float32, cpu, windows={i: window for i in range(0, layers, 2)}
-    )
-    rows, past, new = [2, 0, 3, 1], [9, 5, 0, 3], [1, 6, 7, 1]
-    total = [p + n for p, n in zip(past, new)]
-    seqs = [_qkv_sinks(t, seed=10 + i) for i, t in enumerate(total)]
-    sinks = seqs[0][3]
-    pre = [i for i in range(4) if past[i]]  # their history, prefilled through the rings
-    step = StepContext.build(
-        ["h"] * len(pre),
-        [rows[i] for i in pre],
-        [0] * len(pre),
-        [past[i] for i in pre],
-        [True] * len(pre),
-        cpu,
-    )
-    hist = [torch.cat([seqs[i][j][0, :, : past[i]].transpose(0, 1) for i in pre]) for j in range(3)]
-    for layer in range(layers):
-        attention.attention(*hist, layer, cache, step, sinks)
-    plans = mock.MagicMock(wraps=attention._ring_plan)
-    masks = mock.MagicMock(wraps=attention._additive)
-    monkeypatch.setattr(attention, "_ring_plan", plans)
-    monkeypatch.setattr(attention, "_additive", masks)
-    step = StepContext.build(list("abcd"), rows, past, new, [True] * 4, cpu)
-    assert step.prefill_mask is not None  # the two chunks share one padded call
-    now = [torch.cat([seqs[i][j][0, :, past[i] :].transpose(0, 1) for i in range(4)]) for j in range(3)]
-    outs = [attention.attention(*now, layer, cache, step, sinks) for layer in range(layers)]
-    assert plans.call_count == 1  # one window: one plan for the three sliding layers
-    assert masks.call_count == 4  # decodes and prefills: once on the rings, once on full rows
-    for layer, out in enumerate(outs):
-        for i in range(4):
-            q, k, v, _ = seqs[i]
-            pos, kv = torch.arange(past[i], total[i])[:, None], torch.arange(total[i])[None, :]
-            visible = (kv <= pos) & ((kv > pos - window) if layer % 2 == 0 else True)
-            want = _eager(q[:, :, past[i] :], k, v, sinks, visible).reshape(new[i], -1)
-            a = step.starts[i]
-            torch.testing.assert_close(out[a : a + new[i]], want, atol=1e-6, rtol=0)
 
 
 def test_router_and_lookahead_match_transformers(gpt_oss):
@@ -443,11 +375,13 @@ def test_released_config_parses(tmp_path):
 
 
 def test_kv_plan_of_20b_holds_windows_only(tmp_path):
-    """At gpt-oss-20b's shape and 4096 tokens, the 12 sliding layers' KV rows hold 128 positions:
-    the planned KV cache is 12 x 4096 + 12 x 128 token-layers, about half of full-length rows."""
+    """At gpt-oss-20b's shape and 4096 tokens, the 12 sliding layers' block group holds a window's
+    blocks per sequence: the planned KV cache is 2 sequences x (256 + 9) blocks of 16 tokens and 12
+    layers (the full group's 4096 positions, the sliding group's 128 + one block of alignment),
+    about half of full-length rows."""
     (tmp_path / "config.json").write_text(json.dumps(GPT_OSS_20B))
     _, cfg, _ = read_model_config(tmp_path)
     plan = plan_memory(cfg, RuntimeConfig(max_model_len=4096, max_batch_size=2, dtype="bf16"))
     per_token_layer = 2 * 8 * 64 * 2  # K and V, 8 KV heads x 64 dims, bf16
-    assert plan.kv_cache == 2 * (12 * 4096 + 12 * 128) * per_token_layer
+    assert plan.kv_cache == 2 * (256 + 9) * 12 * 16 * per_token_layer
     assert 0.51 < plan.kv_cache / (2 * 24 * 4096 * per_token_layer) < 0.52

@@ -1,8 +1,11 @@
-"""Grouped-query attention over a packed step with a static KV cache.
+"""Grouped-query attention over a packed step with a paged KV cache.
 
 A step holds several sequences, each contributing ``n_i`` new tokens at positions
-``past_i .. past_i + n_i - 1`` (prefill chunks and single decode tokens mixed). New K/V are written
-into each sequence's cache row, then:
+``past_i .. past_i + n_i - 1`` (prefill chunks and single decode tokens mixed). The new K/V are
+written into each sequence's blocks first (``StepContext.slots``: one ``index_copy_`` per layer
+into the flat ``[num_blocks * block_size]`` view), then each group of queries attends over its
+sequences' blocks, gathered into a contiguous tensor (``index_select`` of the block ids of the
+step's block tables, ``moe_runtime.layers.kv_cache``) and handed to SDPA:
 
 * every sequence decoding one token (all of a decode step, or the decodes of a mixed step): one
   batched SDPA over ``[B_d, heads, 1, ctx]`` with a length mask;
@@ -10,30 +13,29 @@ into each sequence's cache row, then:
   them when padding costs at most ``PAD_WASTE`` x the useful work
   (``moe_runtime.engine.context``), else one SDPA per chunk.
 
-On CUDA the SDPA backends are limited to flash, memory-efficient and math
-(``torch.nn.attention.sdpa_kernel``): the cuDNN backend builds a new plan whenever the KV length
-changes, i.e. at every decode step (issue 14: 7.3 ms of host time per call on an H100).
+On CUDA, decodes read their blocks in place where the model allows it (``paged_decode``:
+FlexAttention over the block tables; ``cache.flex``), and the SDPA backends are limited to flash,
+memory-efficient and math (``torch.nn.attention.sdpa_kernel``): the cuDNN backend builds a new plan
+whenever the KV length changes, i.e. at every decode step (7.3 ms of host time per call on an H100).
 
 gpt-oss adds two options:
 
-* a sliding window: a query at position ``p`` sees keys ``p - window + 1 .. p``. A layer whose
-  window is shorter than the cache keeps a ring of ``window`` KV positions per row (position ``p``
-  at index ``p % window``, ``moe_runtime.layers.kv_cache``), so its KV memory does not grow with
-  the context. Such a layer attends per group of sequences (the decodes; the prefill chunks in one
-  padded call, as above, or one each) over ``[ring | new tokens]``: the ring as the step found it
-  (``min(window, past)`` positions) and the group's new keys, under a mask that keeps each query's
-  window (causal within the chunk); then each sequence's last ``window`` new keys and values are
-  written. A chunk longer than the window thus still sees its own early keys. The
-  :class:`RingPlan` (indices, masks) is built once per step and window and shared by the layers
-  (``StepContext.cached``);
+* a sliding window: a query at position ``p`` sees keys ``p - window + 1 .. p``. Such a layer's
+  block group keeps only the blocks some window still covers (``moe_runtime.engine.kv_manager``
+  frees the others). It attends per group of sequences (the decodes; the prefill chunks in one
+  padded call, as above, or one each) over each sequence's blocks from the one holding
+  ``past - window + 1`` to its last, under a mask of each query's window (causal within the
+  chunk); the new keys were written before, so a chunk longer than the window still sees its own
+  early keys. The :class:`WindowPlan` (block tables, masks) is built once per step and group and
+  shared by the layers (``StepContext.cached``);
 * attention sinks (``sinks [Hq]``): a learned logit per head that joins the softmax denominator
   and carries no value: ``out_sink = out * S / (S + exp(sink)) = out * sigmoid(lse - sink)``,
   ``lse`` being the log-sum-exp of the query's visible logits. On CPU the flash kernel
   (``aten._scaled_dot_product_flash_attention_for_cpu``, GQA native) returns ``out`` and ``lse``
   in one call under an additive mask (built once per step and dtype): no copies of q, k or v.
-  Elsewhere (CUDA, not yet run on a GPU: ``aten._scaled_dot_product_efficient_attention`` with
-  ``compute_log_sumexp`` returns ``lse`` but takes no GQA and wants an additive bias aligned to 16
-  keys; not wired untested) the sink is one extra key whose logit is the sink:
+  Elsewhere (CUDA's gathered path, not yet run on a GPU: ``aten._scaled_dot_product_efficient_attention``
+  with ``compute_log_sumexp`` returns ``lse`` but takes no GQA and wants an additive bias aligned
+  to 16 keys; not wired untested) the sink is one extra key whose logit is the sink:
   queries, keys and values are padded by :data:`SINK_PAD` head dims (zeros; one copy each), a
   query holds ``sink_h / scale`` in the first of them, the extra key 1 there and 0 elsewhere, its
   value 0; real keys hold 0 there, so their logits are unchanged and the extra key's is ``sink_h``
@@ -43,7 +45,9 @@ gpt-oss adds two options:
   memory-efficient kernel (or math).
 
 The masks of the other paths are built once per step too (the decodes' length mask and the padded
-prefill mask by ``StepContext.build``, a lone chunk's causal mask on first use).
+prefill mask by ``StepContext.build``, a lone chunk's causal mask on first use). Latent attention
+(``moe_runtime.layers.mla``) passes one cache tensor as keys and values: it is written and
+gathered once.
 """
 
 from __future__ import annotations
@@ -54,8 +58,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-
-from moe_runtime.layers.kv_cache import KVCache
 
 # SDPA backends allowed on CUDA: none of them re-plans when the KV length changes
 CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -69,56 +71,109 @@ def attention(
     k: torch.Tensor,
     v: torch.Tensor,
     layer: int,
-    cache: KVCache,
+    cache,
     step,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attend and update the cache.
+    """Write the step's keys and values into ``cache``, then attend.
 
     Args:
-        q: ``[T, Hq, D]`` rotated queries; k, v: ``[T, Hkv, D]`` rotated keys and values.
-        layer: decoder layer index into the cache; a layer with a ring (``cache.ring``) attends
-            over its sliding window.
+        q: ``[T, Hq, D]`` rotated queries; k, v: ``[T, Hkv, D]`` rotated keys and values (the
+            same tensor for latent attention).
+        layer: decoder layer index into the cache (``PagedKVCache`` or ``PagedMLACache``); a layer
+            whose block group has a window attends over its sliding window.
         step: the step's :class:`~moe_runtime.engine.context.StepContext`.
         sinks: ``[Hq]`` attention-sink logits, or None (module docstring).
 
     Returns:
         ``[T, Hq * D]`` attention output, in token order.
     """
-    kc, vc = cache.k[layer], cache.v[layer]  # [rows, Hkv, max_len or window, D]
-    window = cache.ring.get(layer)
-    if window is None:
-        kc[step.token_rows, :, step.positions] = k
-        vc[step.token_rows, :, step.positions] = v
-        if step.all_decode and not q.is_cuda:  # the common CPU case: no backend context
-            return _decode(q, kc, vc, step, sinks).reshape(q.shape[0], -1)
+    group = cache.group_of[layer]
+    window = cache.windows[group]
+    kc, vc = cache.k_flat[layer], cache.v_flat[layer]  # [num_blocks * block_size, Hkv, D]
+    kc.index_copy_(0, step.slots[group], k)
+    if vc is not kc:
+        vc.index_copy_(0, step.slots[group], v)
+    t = q.shape[0]
+    flex = getattr(cache, "flex", None)
+    if step.all_decode and not q.is_cuda and window is None:  # the common CPU case: no backend context
+        return _decode(q, kc, vc, step, group, sinks).reshape(t, -1)
+    if step.all_decode and flex is not None and q.is_cuda:  # blocks read in place
+        return flex.decode(q, kc, vc, step, group, window, sinks).reshape(t, -1)
     backends = sdpa_kernel(CUDA_BACKENDS) if q.is_cuda else contextlib.nullcontext()
     with backends:
         if window is not None:
-            return _ring_attention(q, k, v, kc, vc, step, sinks, window).reshape(q.shape[0], -1)
+            return _window_attention(q, kc, vc, step, group, window, sinks).reshape(t, -1)
         if step.all_decode:
-            return _decode(q, kc, vc, step, sinks).reshape(q.shape[0], -1)
+            return _decode(q, kc, vc, step, group, sinks).reshape(t, -1)
         out = torch.empty_like(q)  # [T, Hq, D]
-        if step.rows_t is not None:  # the decodes of a mixed step, in one call
-            od = _decode(q.index_select(0, step.decode_tokens), kc, vc, step, sinks).squeeze(2)
+        if step.decode_tokens is not None:  # the decodes of a mixed step, in one call
+            qd = q.index_select(0, step.decode_tokens)
+            if flex is not None and q.is_cuda:
+                od = flex.decode(qd, kc, vc, step, group, None, sinks).squeeze(2)
+            else:
+                od = _decode(qd, kc, vc, step, group, sinks).squeeze(2)
             out.index_copy_(0, step.decode_tokens, od)
         if step.prefill_mask is not None:  # every prefill chunk in one padded call
-            out.index_copy_(0, step.prefill_tokens, _prefill_padded(q, kc, vc, step, sinks))
-            return out.reshape(q.shape[0], -1)
+            out.index_copy_(0, step.prefill_tokens, _prefill_padded(q, kc, vc, step, group, sinks))
+            return out.reshape(t, -1)
         for i in step.prefill_seqs:
-            start, n = step.starts[i], step.num_new[i]
-            row, ctx = step.rows[i], step.ctx_lens[i]
+            start, n, ctx = step.starts[i], step.num_new[i], step.ctx_lens[i]
             qi = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-            ki = kc[row, :, :ctx].unsqueeze(0)
-            vi = vc[row, :, :ctx].unsqueeze(0)
-            past = ctx - n
-            if past == 0 and sinks is None:
+            slots = step.cached(("chunk", group, i), _chunk_slots, step, group, i)
+            ki, vi = _gather_kv(kc, vc, slots, 1, ctx)
+            if ctx == n and sinks is None:
                 oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
             else:
                 mask = step.cached(("chunk", i), _causal, n, ctx, q.device)
                 oi = _sdpa(qi, ki, vi, mask, sinks, step, ("chunk", i))
             out[start : start + n] = oi[0].transpose(0, 1)
-        return out.reshape(q.shape[0], -1)
+        return out.reshape(t, -1)
+
+
+def token_slots(table: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
+    """The flat slots (``block * block_size + offset``) of positions ``0 .. length - 1`` of each
+    row of ``table [S, nb]``, ``[S * length]`` (row after row)."""
+    offsets = torch.arange(block_size, device=table.device)
+    return (table[:, :, None] * block_size + offsets).reshape(table.shape[0], -1)[:, :length].reshape(-1)
+
+
+def gather(flat: torch.Tensor, slots: torch.Tensor, rows: int, length: int) -> torch.Tensor:
+    """``flat [num_blocks * block_size, H, D]`` at ``slots [rows * length]`` as ``[rows, H, length,
+    D]`` (a transposed view of one copy)."""
+    return flat.index_select(0, slots).view(rows, length, *flat.shape[1:]).transpose(1, 2)
+
+
+def _gather_kv(kc, vc, slots, rows, length) -> tuple[torch.Tensor, torch.Tensor]:
+    keys = gather(kc, slots, rows, length)
+    return keys, keys if vc is kc else gather(vc, slots, rows, length)
+
+
+def _blocks(positions: int, block_size: int) -> int:
+    return -(-positions // block_size)
+
+
+def _decode_slots(step, group: int) -> torch.Tensor:
+    """The decoding sequences' slots over their longest context ``[B_d * decode_ctx]``."""
+    table = step.tables[group]
+    if step.decode_seq_t is not None:
+        table = table.index_select(0, step.decode_seq_t)
+    return token_slots(
+        table[:, : _blocks(step.decode_ctx, step.block_size)], step.block_size, step.decode_ctx
+    )
+
+
+def _prefill_slots(step, group: int) -> torch.Tensor:
+    """The padded prefill chunks' slots over their longest context ``[P * prefill_ctx]``."""
+    ctx = step.prefill_mask.shape[-1]
+    table = step.tables[group].index_select(0, step.prefill_seq_t)
+    return token_slots(table[:, : _blocks(ctx, step.block_size)], step.block_size, ctx)
+
+
+def _chunk_slots(step, group: int, i: int) -> torch.Tensor:
+    """Sequence ``i``'s slots over its context ``[ctx_i]``."""
+    ctx = step.ctx_lens[i]
+    return token_slots(step.tables[group][i : i + 1, : _blocks(ctx, step.block_size)], step.block_size, ctx)
 
 
 def _causal(n: int, ctx: int, device: torch.device) -> torch.Tensor:
@@ -182,23 +237,23 @@ def _sinks_by_padding(q, keys, vals, visible, sinks) -> torch.Tensor:
     return out[..., :d]
 
 
-def _prefill_padded(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, step, sinks=None) -> torch.Tensor:
+def _prefill_padded(q: torch.Tensor, kc, vc, step, group: int, sinks=None) -> torch.Tensor:
     """One SDPA for all prefill chunks, padded to ``[P, Hq, max_new, D]``; returns their tokens'
     outputs ``[sum n_p, Hq, D]`` in ``step.prefill_tokens`` order."""
     p, _, max_new, ctx = step.prefill_mask.shape
     qp = q.new_zeros((p * max_new, q.shape[1], q.shape[2]))
     qp.index_copy_(0, step.prefill_pad, q.index_select(0, step.prefill_tokens))
     qp = qp.view(p, max_new, q.shape[1], q.shape[2]).transpose(1, 2)  # [P, Hq, max_new, D]
-    keys = kc[step.prefill_rows_t, :, :ctx]  # [P, Hkv, C, D]
-    vals = vc[step.prefill_rows_t, :, :ctx]
+    slots = step.cached(("prefill-slots", group), _prefill_slots, step, group)
+    keys, vals = _gather_kv(kc, vc, slots, p, ctx)
     out = _sdpa(qp, keys, vals, step.prefill_mask, sinks, step, "prefill")
     return out.transpose(1, 2).reshape(p * max_new, q.shape[1], q.shape[2]).index_select(0, step.prefill_pad)
 
 
-def _decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, step, sinks=None) -> torch.Tensor:
+def _decode(q: torch.Tensor, kc, vc, step, group: int, sinks=None) -> torch.Tensor:
     """One batched SDPA for the decoding sequences' queries ``q [B_d, Hq, D]`` -> ``[B_d, Hq, 1, D]``."""
-    keys = kc[step.rows_t, :, : step.decode_ctx]  # [B_d, Hkv, C, D]
-    vals = vc[step.rows_t, :, : step.decode_ctx]
+    slots = step.cached(("decode-slots", group), _decode_slots, step, group)
+    keys, vals = _gather_kv(kc, vc, slots, q.shape[0], step.decode_ctx)  # [B_d, Hkv, C, D]
     if q.is_cuda and sinks is None:
         return decode_grouped(q, keys, vals, None if step.decode_full else step.decode_mask)
     return _sdpa(q.unsqueeze(2), keys, vals, step.decode_mask, sinks, step, "decode")
@@ -231,85 +286,74 @@ def decode_grouped(
 
 
 @dataclass(frozen=True, slots=True)
-class RingGroup:
-    """Sequences of a step attended in one SDPA over their ring and their new tokens.
+class WindowGroup:
+    """Sequences of a step attended in one SDPA over the blocks their windows cover.
 
     Attributes:
-        rows: ``[S]`` KV rows. tokens: ``[n]`` their tokens' indices in the packed step.
-        pad: ``[n]`` each token's index in the padded ``[S * max_new]`` queries.
-        max_new: the longest chunk. ring_len: ring indices read (``min(window, longest past)``).
-        mask: ``[S, 1, max_new, ring_len + max_new]`` bool, keys = ring then the new tokens.
-        start: the first token of the group's only chunk (its tokens are then a slice), or None.
+        slots: ``[S * keys]`` flat slots of each sequence's blocks from its first block still in
+            its first query's window (key ``c`` of sequence ``s`` is at position
+            ``first_s * block_size + c``). rows: ``S``. keys: blocks x block size.
+        tokens: ``[n]`` their tokens' indices in the packed step. pad: ``[n]`` each token's index
+            in the padded ``[S * max_new]`` queries. max_new: the longest chunk.
+        mask: ``[S, 1, max_new, nb * block_size]`` bool, each query's window (padded queries see
+            key 0 only). start: the first token of the group's only chunk (its tokens are then a
+            slice), or None.
     """
 
-    rows: torch.Tensor
+    slots: torch.Tensor
+    rows: int
+    keys: int
     tokens: torch.Tensor
     pad: torch.Tensor
     max_new: int
-    ring_len: int
     mask: torch.Tensor
     start: int | None
 
 
-@dataclass(frozen=True, slots=True)
-class RingPlan:
-    """A step's attention over the rings of one window: the groups, then the writes (each
-    sequence's last ``window`` new tokens: token indices ``tokens``, to ``rows`` at ``slots``)."""
-
-    groups: list[RingGroup]
-    tokens: torch.Tensor
-    rows: torch.Tensor
-    slots: torch.Tensor
-
-
-def _ring_plan(step, window: int, device: torch.device) -> RingPlan:
-    """The step's :class:`RingPlan` for ``window``: decodes in one group, prefill chunks in one
-    padded group where the step pads them (``step.prefill_mask``), else one group each."""
+def _window_plan(step, group: int, window: int, device: torch.device) -> list[WindowGroup]:
+    """The step's groups over one sliding block group: decodes in one group, prefill chunks in
+    one padded group where the step pads them (``step.prefill_mask``), else one group each."""
     dec = [i for i in range(step.num_seqs) if i not in step.prefill_seqs]
     sets = [dec] if dec else []
     sets += [step.prefill_seqs] if step.prefill_mask is not None else [[i] for i in step.prefill_seqs]
-    groups = [_ring_group(step, seqs, window, device) for seqs in sets]
-    tokens, rows, slots = [], [], []
-    for i in range(step.num_seqs):  # positions past .. ctx - 1; the last ``window`` are kept
-        first = max(step.ctx_lens[i] - step.num_new[i], step.ctx_lens[i] - window)
-        pos = torch.arange(first, step.ctx_lens[i])
-        tokens.append(step.starts[i] + pos - (step.ctx_lens[i] - step.num_new[i]))
-        rows.append(torch.full_like(pos, step.rows[i]))
-        slots.append(pos % window)
-    host = torch.stack([torch.cat(tokens), torch.cat(rows), torch.cat(slots)])
-    dev = host.to(device)  # one copy
-    return RingPlan(groups, dev[0], dev[1], dev[2])
+    return [_window_group(step, group, seqs, window, device) for seqs in sets]
 
 
-def _ring_group(step, seqs: list[int], window: int, device: torch.device) -> RingGroup:
+def _window_group(step, group: int, seqs: list[int], window: int, device: torch.device) -> WindowGroup:
+    bs = step.block_size
     new = torch.tensor([step.num_new[i] for i in seqs])
-    past = torch.tensor([step.ctx_lens[i] - step.num_new[i] for i in seqs])
-    max_new, ring_len = int(new.max()), min(window, int(past.max()))
+    ctx = torch.tensor([step.ctx_lens[i] for i in seqs])
+    past = ctx - new
+    first = (past - window + 1).clamp(min=0) // bs  # first block a query of the chunk sees
+    nb = int(((ctx + bs - 1) // bs - first).max())
+    host_tab = step.tables_host[group]
+    table = torch.zeros(len(seqs), nb, dtype=torch.int64)
+    for r, i in enumerate(seqs):
+        row = host_tab[i, int(first[r]) : int(first[r]) + nb]
+        table[r, : len(row)] = torch.from_numpy(row)
+    max_new = int(new.max())
     seq_of = torch.repeat_interleave(torch.arange(len(seqs)), new)
     within = torch.arange(int(new.sum())) - torch.repeat_interleave(new.cumsum(0) - new, new)
     starts = torch.tensor([step.starts[i] for i in seqs])
     i = torch.arange(max_new)[None, :, None]  # query index in the chunk
-    real = i < new[:, None, None]
-    # ring index j holds position past - 1 - ((past - 1 - j) mod window), written once j < past
-    j = torch.arange(ring_len)[None, None, :]
-    p = past[:, None, None]
-    held = p - 1 - (p - 1 - j).remainder(window)
-    sees_ring = real & (j < p) & (held > p + i - window)
-    m = torch.arange(max_new)[None, None, :]  # new key index
-    sees_new = torch.where(real, (m <= i) & (m > i - window), m == 0)  # padded queries: key 0
-    mask = torch.cat([sees_ring, sees_new], dim=-1)[:, None]
-    host = torch.cat(
-        [torch.tensor([step.rows[i] for i in seqs]), starts[seq_of] + within, seq_of * max_new + within]
+    qpos = past[:, None, None] + i
+    kpos = first[:, None, None] * bs + torch.arange(nb * bs)[None, None, :]
+    seen = (kpos <= qpos) & (kpos > qpos - window)
+    pad_row = torch.arange(nb * bs)[None, None, :] == 0
+    mask = torch.where(i < new[:, None, None], seen, pad_row)[:, None]
+    slots = (table[:, :, None] * bs + torch.arange(bs)).reshape(-1)
+    host = torch.cat([slots, starts[seq_of] + within, seq_of * max_new + within])
+    dev = host.to(device)  # one copy
+    s, n = slots.numel(), len(within)
+    start = step.starts[seqs[0]] if len(seqs) == 1 else None
+    return WindowGroup(
+        dev[:s], len(seqs), nb * bs, dev[s : s + n], dev[s + n :], max_new, mask.to(device), start
     )
-    dev = host.to(device)
-    s, n = len(seqs), len(within)
-    start = step.starts[seqs[0]] if s == 1 else None
-    return RingGroup(dev[:s], dev[s : s + n], dev[s + n :], max_new, ring_len, mask.to(device), start)
 
 
-def _padded(x: torch.Tensor, g: RingGroup) -> torch.Tensor:
+def _padded(x: torch.Tensor, g: WindowGroup) -> torch.Tensor:
     """The group's rows of ``x [T, H, D]`` as ``[S, H, max_new, D]`` (zeros where a chunk is short)."""
-    s = g.rows.shape[0]
+    s = g.rows
     if g.start is not None:  # one chunk: a view
         return x[g.start : g.start + g.max_new].transpose(0, 1).unsqueeze(0)
     if g.max_new == 1:
@@ -319,24 +363,18 @@ def _padded(x: torch.Tensor, g: RingGroup) -> torch.Tensor:
     return buf.view(s, g.max_new, x.shape[1], x.shape[2]).transpose(1, 2)
 
 
-def _ring_attention(q, k, v, kc, vc, step, sinks, window: int) -> torch.Tensor:
-    """Sliding-window attention over ring caches ``kc``/``vc [rows, Hkv, window, D]`` (module
-    docstring): every group attends over its ring, read before this step writes it, and its new
-    tokens; then each sequence's last ``window`` new keys and values are written."""
-    plan = step.cached(("ring", window), _ring_plan, step, window, q.device)
+def _window_attention(q, kc, vc, step, group: int, window: int, sinks) -> torch.Tensor:
+    """Sliding-window attention over the blocks each sequence's windows cover (module docstring);
+    the step's new keys are already in the blocks."""
+    plan = step.cached(("window", group), _window_plan, step, group, window, q.device)
     out = torch.empty_like(q)
-    for gi, g in enumerate(plan.groups):
-        keys, vals = _padded(k, g), _padded(v, g)
-        if g.ring_len:
-            keys = torch.cat((kc[g.rows, :, : g.ring_len], keys), dim=2)
-            vals = torch.cat((vc[g.rows, :, : g.ring_len], vals), dim=2)
-        o = _sdpa(_padded(q, g), keys, vals, g.mask, sinks, step, ("ring", window, gi))
-        s, heads, d = g.rows.shape[0], q.shape[1], q.shape[2]
+    for gi, g in enumerate(plan):
+        keys, vals = _gather_kv(kc, vc, g.slots, g.rows, g.keys)
+        o = _sdpa(_padded(q, g), keys, vals, g.mask, sinks, step, ("window", group, gi))
+        s, heads, d = g.rows, q.shape[1], q.shape[2]
         o = o.transpose(1, 2).reshape(s * g.max_new, heads, d)
         if g.start is not None:
             out[g.start : g.start + g.max_new] = o
         else:
             out.index_copy_(0, g.tokens, o if g.max_new == 1 else o.index_select(0, g.pad))
-    kc[plan.rows, :, plan.slots] = k.index_select(0, plan.tokens)
-    vc[plan.rows, :, plan.slots] = v.index_select(0, plan.tokens)
     return out

@@ -13,7 +13,8 @@ splits per head into ``W_uk [nope, kv_lora]`` and ``W_uv [v, kv_lora]``; the que
 ``[q_nope W_uk | q_rope]``, which dotted with a cached ``[c | k_rope]`` equals transformers'
 ``q_nope . (W_uk c) + q_rope . k_rope``. That is multi-query attention with one KV head of width
 ``kv_lora_rank + qk_rope_head_dim``, run by the GQA kernel of ``moe_runtime.layers.attention``
-(decodes batched, prefill chunks padded) with the cached row as key and as value; the first
+(decodes batched, prefill chunks padded, the blocks gathered once) with the cached row as key
+and as value; the first
 ``kv_lora_rank`` output dims, times ``W_uv``, are the heads' values, then ``o_proj``.
 """
 
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 from moe_runtime.config import ModelConfig
 from moe_runtime.config_types import MLAShape
 from moe_runtime.layers.attention import attention
-from moe_runtime.layers.mla_cache import MLACache
+from moe_runtime.layers.mla_cache import PagedMLACache
 from moe_runtime.layers.norm import rms_norm
 from moe_runtime.layers.yarn import softmax_scale, yarn_inv_freq
 
@@ -82,10 +83,10 @@ class MLAttention:
         self.q_scale = softmax_scale(cfg.mla.qk_head_dim, cfg.mla.yarn) * math.sqrt(width)
 
     def __call__(
-        self, x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, cache: MLACache, step
+        self, x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, cache: PagedMLACache, step
     ) -> torch.Tensor:
         """``x [T, H]`` (normed) -> attention output ``[T, H]``; writes the step's latents to
-        ``cache`` at ``step.token_rows``/``step.positions``."""
+        ``cache`` at the step's slots (``step.slots``)."""
         s, heads, p = self.shape, self.cfg.num_heads, f"layers.{layer}."
         t, nope, rope, rank = x.shape[0], s.qk_nope_head_dim, s.qk_rope_head_dim, s.kv_lora_rank
         if s.q_lora_rank:

@@ -7,7 +7,7 @@ What differs from the Llama-style families, and where it runs:
   joining the softmax denominator; ``layer_types`` alternating ``sliding_attention`` (a query sees
   the last ``sliding_window`` positions) and ``full_attention`` layers
   (``moe_runtime.layers.attention``: sinks rescale SDPA's output by its log-sum-exp; a sliding
-  layer's KV rows are a ring of ``sliding_window`` positions, ``moe_runtime.layers.kv_cache``);
+  layers' block group keeps only the KV blocks a window still covers, ``moe_runtime.layers.kv_cache``);
   YaRN RoPE in the half-split layout
   (``moe_runtime.layers.rotary``).
 * router: ``mlp.router`` is a linear layer with a bias; top-k of its logits, then a softmax over
