@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moe_runtime.config import RuntimeConfig
-from moe_runtime.engine import engine as engine_module
+from moe_runtime.engine import outputs as outputs_module
 from moe_runtime.engine.detokenizer import finish_text, take_delta, update_text
 from moe_runtime.engine.engine import LLMEngine
 from moe_runtime.engine.request import SamplingParams, Sequence
@@ -68,14 +68,14 @@ def test_sampling_params_refuse_non_finite_values(bad):
 def test_a_failing_request_finishes_with_error_and_the_others_run_on(engine, monkeypatch):
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     alone = [o.output_token_ids for o in engine.generate([[3, 4, 5], [9, 8]], params)]
-    real = engine_module.update_text
+    real = outputs_module.update_text
 
     def update_text_failing_for_one(seq, tokenizer):
         if seq.request_id == "bad" and len(seq.output_token_ids) == 2:
             raise ValueError("injected")
         return real(seq, tokenizer)
 
-    monkeypatch.setattr(engine_module, "update_text", update_text_failing_for_one)
+    monkeypatch.setattr(outputs_module, "update_text", update_text_failing_for_one)
     for rid, prompt in [("a", [3, 4, 5]), ("bad", [1, 2]), ("b", [9, 8])]:
         engine.add_request(rid, prompt, params)
     finals = {}

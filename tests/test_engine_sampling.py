@@ -83,14 +83,14 @@ def test_logprobs_are_returned_per_token(engine):
         assert lp.logprob <= 0 and len(lp.top) == 2 and max(lp.top.values()) == pytest.approx(lp.logprob)
 
 
-def test_abort_frees_the_row_and_other_requests_continue(engine):
+def test_abort_frees_the_blocks_and_other_requests_continue(engine):
     engine.add_request("x", PROMPT, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
     engine.add_request("y", PROMPT, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     engine.step()
     assert engine.abort_request("x") and not engine.abort_request("x")
     while engine.has_unfinished():
         engine.step()
-    assert engine.num_running == 0 and len(engine.scheduler._free_rows) == 8
+    assert engine.num_running == 0 and engine.kv_manager.num_free == engine.kv_manager.num_blocks
 
 
 def test_bad_requests_are_refused(engine):

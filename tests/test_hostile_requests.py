@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from moe_runtime.config import RuntimeConfig
-from moe_runtime.engine import engine as engine_module
+from moe_runtime.engine import outputs as outputs_module
 from moe_runtime.engine import sampler as sampler_module
 from moe_runtime.engine.engine import LLMEngine
 from moeserve.cli import main
@@ -201,14 +201,14 @@ def test_one_failing_request_leaves_eight_concurrent_streams_intact(http, monkey
     assert len(set(alone)) > 1  # the prompts really differ
 
     if fault == "detokenizer":
-        real = engine_module.update_text
+        real = outputs_module.update_text
 
         def update_text(seq, tokenizer):
             if seq.prompt_token_ids == BAD_PROMPT and len(seq.output_token_ids) == 3:
                 raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
             return real(seq, tokenizer)
 
-        monkeypatch.setattr(engine_module, "update_text", update_text)
+        monkeypatch.setattr(outputs_module, "update_text", update_text)
         bad = {"prompt": BAD_PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     else:
         real = sampler_module._draw

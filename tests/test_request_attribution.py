@@ -51,8 +51,9 @@ def test_one_reduction_per_step_charges_what_the_per_layer_form_did(num_new):
     rng = np.random.default_rng(len(num_new) * 10 + sum(num_new))
     E, k, L = 16, 2, 5
     S = len(num_new)
+    tables = [[[i]] for i in range(S)]  # one block of 16 positions each
     step = StepContext.build(
-        [f"r{i}" for i in range(S)], list(range(S)), [3] * S, num_new, [True] * S, torch.device("cpu")
+        [f"r{i}" for i in range(S)], tables, [3] * S, num_new, [True] * S, torch.device("cpu"), 16
     )
     want = np.zeros((3, S))
     for _ in range(L):

@@ -12,7 +12,10 @@ routing), :meth:`~RequestRecorder.query` when a prefetch/cache policy wants the 
 (:meth:`~RequestRecorder.query_sum` their sum, :meth:`~RequestRecorder.query_rows` a few layers' rows), and
 :meth:`~RequestRecorder.end_step` once the step's forward is done; per request:
 :meth:`~RequestRecorder.begin_request` when it is admitted and :meth:`~RequestRecorder.finish`
-(commit to the EAMC and the trace file) or :meth:`~RequestRecorder.abort` (drop) at the end.
+(commit to the EAMC and the trace file) or :meth:`~RequestRecorder.abort` (drop) at the end;
+:meth:`~RequestRecorder.credit` when the runtime skipped computing some of its tokens (a
+prefix-cache hit) and hands their stored counts over instead (a trace file then lacks those
+tokens' per-token choices).
 
 ``record`` only keeps a layer's ids; they are counted when something reads the counts. The slot
 tables that hold the EAMs and that lazy count (one compiled call when the ids are few) are
@@ -308,6 +311,34 @@ class RequestRecorder(SlotCounts, TraceChoices):
         slot = self._get(request_id).slot
         self._flush()
         return self._eam[slot, PREFILL].copy(), self._eam[slot, DECODE].copy()
+
+    def credit(self, request_id: str, counts: np.ndarray, decode: bool = False) -> None:
+        """Add routing computed elsewhere to a live request's EAM, as counts of finished steps.
+
+        A serving runtime that skips a prompt prefix (a prefix-cache hit: the KV blocks were
+        computed for an earlier request) credits the request with the counts stored with those
+        blocks, so its EAM, the EAMC entry it commits and the policies' reads equal a full prefill's.
+
+        Args:
+            counts: ``(L, E)`` non-negative integer counts (each token's choices, once per layer).
+            decode: count them as generated tokens' (default: prompt tokens').
+
+        Raises:
+            KeyError: the request is not live.
+            ValueError: ``counts`` is not ``(L, E)`` or has negative entries.
+        """
+        slot = self._get(request_id).slot
+        counts = np.asarray(counts)
+        if counts.shape != (self.num_layers, self.num_experts) or (counts < 0).any():
+            raise ValueError(
+                f"credit counts must be non-negative ({self.num_layers}, {self.num_experts}), "
+                f"got shape {counts.shape}"
+            )
+        self._flush()
+        self._eam[slot, DECODE if decode else PREFILL] += counts.astype(self._eam.dtype, copy=False)
+        self._sum[slot] += counts.astype(np.float32)
+        self._query_memo = None
+        self.epoch += 1
 
     def _get(self, request_id: str) -> LiveRequest:
         try:

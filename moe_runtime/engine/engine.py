@@ -1,18 +1,18 @@
 """The engine: add requests, step, stream outputs (vLLM's ``LLMEngine`` shape, MoE-offloading inside).
 
 ``step()`` is schedule -> execute -> update. It is not thread-safe: one engine thread owns it (the
-server's engine client forwards requests to that thread).
+server's engine client forwards requests to that thread). Its parts live beside it by concern:
+request admission (``admission.py``), the step's outputs and finishing (``outputs.py``), prompt
+scoring (``scoring.py``), the paged KV cache it builds (``kv_setup.py``) and the expert trace of
+cached and recomputed blocks (``prefix_eam.py``).
 
 Failure isolation: an exception while scheduling or in the forward pass is a runtime (device)
 fault and propagates out of ``step()``: the engine is then unusable. An exception in one request's
-post-processing (sampling, detokenising, stop checks, building its output) finishes only that
-request, with ``finish_reason="error"`` and ``RequestOutput.error`` saying what failed; every other
-request of the step carries on.
+post-processing finishes only that request (``outputs.py``).
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from pathlib import Path
@@ -24,16 +24,18 @@ import torch
 from moe_runtime.buffer import ExpertBuffer
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine import context as step_context
+from moe_runtime.engine.admission import RequestAdmission
 from moe_runtime.engine.context import StepContext
-from moe_runtime.engine.detokenizer import finish_text, take_delta, update_text
-from moe_runtime.engine.request import RequestOutput, SamplingParams, Sequence, SequenceStatus
-from moe_runtime.engine.sampler import Sampled, sample, token_logprob
+from moe_runtime.engine.kv_setup import build_kv
+from moe_runtime.engine.outputs import StepOutputs
+from moe_runtime.engine.prefix_eam import StepRecorder
+from moe_runtime.engine.request import RequestOutput, SamplingParams, Sequence
+from moe_runtime.engine.sampler import sample
 from moe_runtime.engine.scheduler import ScheduledSeq, Scheduler
+from moe_runtime.engine.scoring import PromptScoring
 from moe_runtime.engine.structured import GrammarMatcher
-from moe_runtime.errors import ConfigError, RequestError
+from moe_runtime.errors import ConfigError
 from moe_runtime.hybrid import setup as hybrid_setup
-from moe_runtime.layers.kv_cache import KVCache
-from moe_runtime.layers.mla_cache import MLACache
 from moe_runtime.layers.router_lookahead import RouterLookahead
 from moe_runtime.loader import LoadedModel, load_checkpoint
 from moe_runtime.memory_plan import buffer_slot_count, engine_devices, human_bytes, kv_cache_len
@@ -42,10 +44,9 @@ from moe_runtime.prefetch import make_prefetch_policy
 from moe_runtime.stats import EngineStats
 
 MiB = 1 << 20
-log = logging.getLogger("moeserve.engine")
 
 
-class LLMEngine:
+class LLMEngine(RequestAdmission, StepOutputs, PromptScoring):
     """Serve one checkpoint with experts offloaded.
 
     Args:
@@ -103,22 +104,10 @@ class LLMEngine:
             link,
             context,
         )
-        if cfg.mla is not None:  # the latent, not expanded K/V
-            width = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
-            self.kv = MLACache(
-                cfg.num_layers, runtime.max_batch_size, self.max_model_len, width, runtime.torch_dtype, device
-            )
-        else:
-            self.kv = KVCache(
-                cfg.num_layers,
-                runtime.max_batch_size,
-                cfg.num_kv_heads,
-                self.max_model_len,
-                cfg.head_dim,
-                runtime.torch_dtype,
-                device,
-                cfg.layer_windows,
-            )
+        kv = build_kv(cfg, runtime, device, cfg.num_moe_layers, tracing=recorder is not None)
+        self.kv_setup = kv
+        self.kv = kv.cache  # the tensors; ``kv_manager`` the blocks
+        self.kv_manager = kv.manager
         self.model = MoEModel(cfg, loaded.dense, self.buffer, self.kv, self.max_model_len)
         self.hybrid = hybrid_setup.attach(self.buffer, runtime, self.expert_compute)  # None: device mode
         step_context.warm()  # the step's expert attribution is compiled: not on the first step's clock
@@ -134,15 +123,18 @@ class LLMEngine:
             lookahead=runtime.router_lookahead,
             **(policy_context or {}),
         )
-        self.model.recorder = recorder
+        # the model records through a per-step filter: recomputed tokens are not counted twice,
+        # and cached blocks keep their tokens' expert counts (prefix_eam)
+        self.step_recorder = StepRecorder(recorder, kv.activations) if recorder is not None else None
+        self.model.recorder = self.step_recorder
         self.model.prefetcher = self.prefetcher
         if getattr(self.prefetcher, "lookahead_depth", 0) > 0:
             self.model.lookahead = RouterLookahead(
                 cfg, loaded.dense, self.prefetcher.lookahead_depth, policy=self.prefetcher
             )
-        self.scheduler = Scheduler(runtime.max_batch_size, runtime.max_num_batched_tokens)
+        self.scheduler = Scheduler(runtime.max_batch_size, runtime.max_num_batched_tokens, kv.manager)
         self.eos_token_ids = loaded.eos_token_ids
-        self.stats = EngineStats()
+        self.stats = EngineStats(kv_blocks_total=kv.manager.num_blocks)
         self._seqs: dict[str, Sequence] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._matchers: dict[str, GrammarMatcher] = {}  # sequences with a grammar (structured output)
@@ -165,95 +157,41 @@ class LLMEngine:
         runtime = runtime or RuntimeConfig()
         return cls(load_checkpoint(model_dir, runtime), runtime, recorder, **kwargs)
 
-    # ------------------------------------------------------------------ requests
-    def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, task: str | None = None
-    ) -> None:
-        """Queue a request (FCFS).
-
-        Raises:
-            RequestError: empty prompt, token id out of range (prompt or ``logit_bias``),
-                duplicate id, a prompt that leaves no room to generate within ``max_model_len``,
-                or a grammar that does not compile.
-        """
-        if request_id in self._seqs:
-            raise RequestError(f"request id {request_id!r} is already running")
-        if not prompt_token_ids:
-            raise RequestError("the prompt is empty", "prompt")
-        vocab = self.config.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError(f"prompt token id {bad} is out of range [0, {vocab})", "prompt")
-        bad = next((t for t in params.logit_bias if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError(f"logit_bias token id {bad} is out of range [0, {vocab})", "logit_bias")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise RequestError(
-                f"the prompt has {len(prompt_token_ids)} tokens; the model's context is "
-                f"{self.max_model_len} tokens including at least one generated token",
-                "prompt",
-            )
-        if params.grammar is not None:
-            self._matchers[request_id] = GrammarMatcher(
-                params.grammar, self.tokenizer, vocab, list(self.eos_token_ids)
-            )
-        seq = Sequence(request_id, list(prompt_token_ids), params, task)
-        self._seqs[request_id] = seq
-        if not params.greedy:
-            gen = torch.Generator(device=self.device)  # where the logits are: multinomial needs it
-            seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy)
-            gen.manual_seed(seed % 2**64)  # torch's range; -1 and 2**64 - 1 seed alike, as before
-            self._generators[request_id] = gen
-        if self.recorder is not None:
-            self.recorder.begin_request(request_id, len(prompt_token_ids), task)
-        self.scheduler.add(seq)
-
-    def abort_request(self, request_id: str) -> bool:
-        """Drop a waiting or running request, freeing its KV row. Returns False if unknown."""
-        seq = self._seqs.get(request_id)
-        if seq is None:
-            return False
-        self._finish(seq, "abort", commit=False)
-        return True
-
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
-
-    @property
-    def num_running(self) -> int:
-        return len(self.scheduler.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
-
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         """Run one forward pass over the scheduled batch; return one output per request that
         produced a token or finished."""
         scheduled = self.scheduler.schedule()
+        self._sync_kv_stats()
         if not scheduled:
             return []
         t0 = time.perf_counter()
-        ids, past = [], []
+        self._credit_hits(scheduled)
+        ids: list[int] = []
+        past, tables, prompt_lens = [], [], []
         for s in scheduled:
-            past.append(s.seq.num_computed)
-            ids.extend(s.seq.all_token_ids()[s.seq.num_computed : s.seq.num_computed + s.num_new])
+            seq, c = s.seq, s.seq.num_computed
+            past.append(c)
+            tables.append(self.kv_manager.tables(seq))
+            prompt_lens.append(len(seq.prompt_token_ids))
+            ids.extend(_tokens(seq, c, s.num_new))
         step = StepContext.build(
             [s.seq.request_id for s in scheduled],
-            [s.seq.kv_row for s in scheduled],
+            tables,
             past,
             [s.num_new for s in scheduled],
             [s.sample for s in scheduled],
             self.device,
+            self.kv_manager.block_size,
+            prompt_lens=prompt_lens,
         )
+        self._begin_recording(scheduled, step)
         scored = self._score_prompts(scheduled, step)
         logits = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=self.device), step)
         if scored:
             logits = self._take_prompt_logprobs(scheduled, logits, scored)
         self.last_logits = logits  # [N, V] fp32, rows in scheduled order of sampling sequences
-        if self.recorder is not None:
-            self.recorder.end_step()
+        self._end_recording(step)
         self.prefetcher.end_step()
         sampling = [s.seq for s in scheduled if s.sample]
         picks = sample(
@@ -268,43 +206,51 @@ class LLMEngine:
         outputs = self._update(scheduled, step, dict(zip((q.request_id for q in sampling), picks)))
         self.stats.steps += 1
         self.stats.step_seconds += time.perf_counter() - t0
+        self._sync_kv_stats()
         return outputs
 
-    def _score_prompts(self, scheduled: list[ScheduledSeq], step: StepContext) -> list[int]:
-        """Add the logits rows prompt logprobs need to ``step.logits_index`` (after the sampling
-        rows); returns, per scheduled sequence, how many it added (empty when none did)."""
-        if not any(s.seq.params.prompt_logprobs is not None and s.seq.is_prefill for s in scheduled):
-            return []
-        extra, counts = [], []
-        for i, s in enumerate(scheduled):
-            seq, n = s.seq, 0
-            if seq.params.prompt_logprobs is not None and seq.is_prefill:
-                # position j's logits score prompt token j + 1; the prompt's last position samples
-                first = seq.num_computed
-                last = min(first + s.num_new, len(seq.prompt_token_ids) - 1)
-                extra.extend(step.starts[i] + j - seq.num_computed for j in range(first, last))
-                n = max(0, last - first)
-            counts.append(n)
-        index = torch.tensor(extra, dtype=torch.int64, device=self.device)
-        step.logits_index = torch.cat([step.logits_index, index])
-        return counts
+    def _credit_hits(self, scheduled: list[ScheduledSeq]) -> None:
+        """A sequence admitted with a prefix-cache hit whose tokens the tracer has not counted is
+        credited its hit blocks' stored expert counts (``prefix_eam``)."""
+        for s in scheduled:
+            seq, hit = s.seq, s.hit
+            if hit is None or seq.num_recorded >= hit.tokens:
+                continue
+            acts, group = self.kv_setup.activations, self.kv_setup.activation_group
+            if self.recorder is not None and acts is not None and group is not None and seq.num_recorded == 0:
+                self.recorder.credit(seq.request_id, acts.counts(hit.blocks[group]))
+            self._mark_recorded(seq, hit.tokens)
 
-    def _take_prompt_logprobs(
-        self, scheduled: list[ScheduledSeq], logits: torch.Tensor, counts: list[int]
-    ) -> torch.Tensor:
-        """Record the prompt logprobs of the extra rows; return the sampling rows ``[N, V]``."""
-        n = sum(1 for s in scheduled if s.sample)
-        logp = logits[n:].log_softmax(-1)
-        row = 0
-        for s, k in zip(scheduled, counts):
-            seq = s.seq
-            if seq.params.prompt_logprobs is not None and seq.is_prefill and seq.num_computed == 0:
-                seq.prompt_logprobs.append(None)  # the first prompt token has no context
-            for j in range(seq.num_computed, seq.num_computed + k):
-                target = seq.prompt_token_ids[j + 1]
-                seq.prompt_logprobs.append(token_logprob(logp[row], target, seq.params.prompt_logprobs or 0))
-                row += 1
-        return logits[:n]
+    def _begin_recording(self, scheduled: list[ScheduledSeq], step: StepContext) -> None:
+        """Tell the step recorder which tokens the tracer counts: those at positions it has not
+        counted yet (a recompute after preemption repeats the others)."""
+        if self.step_recorder is None:
+            return
+        recorded = np.asarray([s.seq.num_recorded for s in scheduled], dtype=np.int64)
+        keep = None
+        if (recorded > np.asarray([s.seq.num_computed for s in scheduled])).any():
+            positions = step.positions.cpu().numpy() if step.positions.is_cuda else step.positions.numpy()
+            keep = positions >= recorded[step.token_seq]
+        self.step_recorder.begin(step.token_seq, step.token_prefill, keep)
+
+    def _end_recording(self, step: StepContext) -> None:
+        if self.recorder is None:
+            return
+        self.recorder.end_step()
+        group = self.kv_setup.activation_group
+        if self.kv_setup.activations is None or group is None or not step.observe:
+            self.step_recorder.end(None, None)
+            return
+        bs = step.block_size
+        positions = np.concatenate([np.arange(p - n, p) for p, n in zip(step.ctx_lens, step.num_new)])
+        blocks = step.tables_host[group][step.token_seq, positions // bs]
+        self.step_recorder.end(blocks, positions % bs == 0)
+
+    def _sync_kv_stats(self) -> None:
+        st, kv = self.stats, self.kv_manager
+        st.preemptions = self.scheduler.num_preemptions
+        st.prefix_cache_queries, st.prefix_cache_hits = kv.queries, kv.hits
+        st.kv_blocks_used = kv.num_blocks - kv.num_free
 
     def _allowed(self, sampling: list[Sequence]) -> dict[int, torch.Tensor] | None:
         """Row -> grammar mask ``[V]`` of the sampling rows that have a grammar."""
@@ -315,157 +261,6 @@ class LLMEngine:
             for i, q in enumerate(sampling)
             if q.request_id in self._matchers
         }
-
-    def _update(
-        self, scheduled: list[ScheduledSeq], step: StepContext, picks: dict[str, Sampled | Exception]
-    ) -> list[RequestOutput]:
-        now = time.monotonic()
-        outputs = []
-        lookups, hits, blocking = step.expert_attribution(self.config.num_experts)
-        on_cpu = step.cpu_attribution(self.config.num_experts) if self.hybrid is not None else None
-        for i, s in enumerate(scheduled):
-            seq = s.seq
-            if seq.status == SequenceStatus.FINISHED:  # aborted by a hook during the step
-                continue
-            if seq.is_prefill:
-                self.stats.prompt_tokens += s.num_new
-            seq.num_computed += s.num_new
-            es = seq.expert_stats
-            es.lookups += int(lookups[i])
-            es.hits += int(hits[i])
-            es.blocking_s += float(blocking[i])
-            if on_cpu is not None:
-                es.cpu_experts += int(on_cpu[0][i])
-                es.cpu_s += float(on_cpu[1][i])
-                es.bytes_not_moved += int(on_cpu[0][i]) * self.loaded.store.expert_nbytes
-            if not s.sample:
-                continue
-            try:
-                outputs.append(self._advance(seq, picks[seq.request_id], now))
-            except Exception as exc:  # this request's fault only: finish it, keep the batch
-                outputs.append(self._fail(seq, exc))
-        return outputs
-
-    def _advance(self, seq: Sequence, pick: Sampled | Exception, now: float) -> RequestOutput:
-        """Append one sampled token, check the stops, build the output; raises for this request."""
-        if isinstance(pick, Exception):
-            raise pick
-        seq.output_token_ids.append(pick.token)
-        if (matcher := self._matchers.get(seq.request_id)) is not None:
-            matcher.consume(pick.token)
-        if pick.logprob is not None:
-            seq.output_logprobs.append(pick.logprob)
-        self.stats.generation_tokens += 1
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        reason = self._stop_reason(seq, pick.token)
-        if reason is not None:
-            self._finish(seq, reason, commit=True)
-        return self._output(seq, new_tokens=1)
-
-    def _fail(self, seq: Sequence, exc: Exception) -> RequestOutput:
-        """Finish ``seq`` with ``finish_reason="error"``; its output carries one line on why."""
-        log.error("request %s failed: %s: %s", seq.request_id, type(exc).__name__, exc, exc_info=exc)
-        if seq.status != SequenceStatus.FINISHED:
-            self._finish(seq, "error", commit=False)
-        else:  # it failed after finishing (building its output): count it as an error
-            self.stats.requests_finished[seq.finish_reason] -= 1
-            self.stats.requests_finished["error"] = self.stats.requests_finished.get("error", 0) + 1
-            seq.finish_reason = "error"
-        return RequestOutput(
-            request_id=seq.request_id,
-            new_token_ids=[],
-            new_text="",
-            text=seq.output_text[: seq.sent_text_len],
-            finished=True,
-            finish_reason="error",
-            num_prompt_tokens=len(seq.prompt_token_ids),
-            num_output_tokens=len(seq.output_token_ids),
-            output_token_ids=list(seq.output_token_ids),
-            logprobs=None,
-            expert_stats=seq.expert_stats,
-            arrival_time=seq.arrival_time,
-            first_token_time=seq.first_token_time,
-            finish_time=seq.finish_time,
-            error=f"generation failed for this request ({type(exc).__name__})",
-        )
-
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        if update_text(seq, self.tokenizer):
-            return "stop"
-        reason = None
-        matcher = self._matchers.get(seq.request_id)
-        eos = not p.ignore_eos and token in self.eos_token_ids
-        if token in p.stop_token_ids or eos or (matcher is not None and matcher.finished):
-            reason = "stop"
-        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
-        if reason is not None:
-            finish_text(seq, self.tokenizer)
-        return reason
-
-    def _finish(self, seq: Sequence, reason: str, commit: bool) -> None:
-        seq.finish_reason = reason
-        seq.finish_time = time.monotonic()
-        self.scheduler.finish(seq)
-        self._seqs.pop(seq.request_id, None)
-        self._generators.pop(seq.request_id, None)
-        self._matchers.pop(seq.request_id, None)
-        self.stats.requests_finished[reason] = self.stats.requests_finished.get(reason, 0) + 1
-        if self.recorder is not None:
-            (self.recorder.finish if commit else self.recorder.abort)(seq.request_id)
-
-    def _output(self, seq: Sequence, new_tokens: int) -> RequestOutput:
-        finished = seq.status == SequenceStatus.FINISHED
-        with_prompt = seq.params.prompt_logprobs is not None and (seq.sent_tokens == 0 or finished)
-        new_ids = seq.output_token_ids[seq.sent_tokens :]
-        seq.sent_tokens = len(seq.output_token_ids)
-        delta = take_delta(seq, finished)
-        return RequestOutput(
-            request_id=seq.request_id,
-            new_token_ids=new_ids,
-            new_text=delta,
-            text=seq.output_text[: seq.sent_text_len],
-            finished=finished,
-            finish_reason=seq.finish_reason,
-            num_prompt_tokens=len(seq.prompt_token_ids),
-            num_output_tokens=len(seq.output_token_ids),
-            output_token_ids=list(seq.output_token_ids),
-            logprobs=seq.output_logprobs[-len(new_ids) :]
-            if seq.params.logprobs is not None and new_ids
-            else None,
-            expert_stats=seq.expert_stats,
-            arrival_time=seq.arrival_time,
-            first_token_time=seq.first_token_time,
-            finish_time=seq.finish_time,
-            prompt_logprobs=list(seq.prompt_logprobs) if with_prompt else None,
-        )
-
-    def prefill_logits(self, token_ids: list[int]) -> torch.Tensor:
-        """Teacher-forced logits ``[T, V]`` (fp32) at every position of ``token_ids``.
-
-        Runs one prefill in a borrowed KV row, with tracing and prefetching off; engine thread only.
-
-        Raises:
-            RequestError: no free KV row, or the sequence does not fit ``max_model_len``.
-        """
-        if not token_ids or len(token_ids) > self.max_model_len:
-            raise RequestError(f"cannot score {len(token_ids)} tokens (context {self.max_model_len})")
-        row = self.scheduler.take_row()
-        if row is None:
-            raise RequestError("no free KV-cache row to score with")
-        recorder, prefetcher = self.model.recorder, self.model.prefetcher
-        self.model.recorder = self.model.prefetcher = None
-        try:
-            step = StepContext.build(
-                ["score"], [row], [0], [len(token_ids)], [True], self.device, all_logits=True
-            )
-            step.observe = False
-            return self.model.forward(torch.tensor(token_ids, dtype=torch.int64, device=self.device), step)
-        finally:
-            self.model.recorder, self.model.prefetcher = recorder, prefetcher
-            self.scheduler.return_row(row)
 
     # ------------------------------------------------------------------ conveniences
     def generate(
@@ -485,10 +280,11 @@ class LLMEngine:
 
     def summary(self) -> str:
         """One line: dense bytes on device, expert bytes in host memory, slots and their bytes, the
-        KV cache (and the sliding layers' ring length), the expert path (``grouped`` GEMMs or a
-        per-expert ``loop``)."""
+        KV cache (blocks, sliding layers, prefix caching) and its attention path, the expert path
+        (``grouped`` GEMMs or a per-expert ``loop``)."""
         st, buf = self.loaded.store, self.buffer
         total = st.num_layers * st.num_experts
+        itemsize = torch.empty((), dtype=self.runtime.torch_dtype).element_size()
         return (
             f"{self.config.architecture}: dense {self.loaded.dense_nbytes / MiB:.1f} MiB on {self.device}, "
             f"experts {st.nbytes / MiB:.1f} MiB in host memory ({total} experts x "
@@ -497,7 +293,7 @@ class LLMEngine:
             f"{buf.num_slots * st.expert_nbytes / MiB:.1f} MiB "
             f"({100 * min(buf.num_slots, total) / total:.0f}% "
             f"of experts) on {len(buf.parts)} device(s), "
-            f"KV cache {self.kv.nbytes / MiB:.1f} MiB{self._ring_note()}, "
+            f"{self.kv_setup.describe(itemsize)}, "
             f"{self._expert_format()}, "
             f"{hybrid_setup.describe(self.hybrid, self.runtime, self.expert_compute)}, "
             f"experts run {self.model.expert_path}"
@@ -513,14 +309,6 @@ class LLMEngine:
             f"experts {name}, {human_bytes(st.expert_nbytes)} per expert "
             f"({human_bytes(st.plain_nbytes)} in {plain})"
         )
-
-    def _ring_note(self) -> str:
-        """`` (N sliding layers hold W positions)`` where sliding-window layers keep KV rings."""
-        ring = self.kv.ring
-        if not ring:
-            return ""
-        windows = "/".join(str(w) for w in sorted(set(ring.values())))
-        return f" ({len(ring)} sliding layers hold {windows} positions)"
 
     def close(self) -> None:
         if self.hybrid is not None:
@@ -544,3 +332,14 @@ def _default_recorder(cfg, runtime: RuntimeConfig, eamc: Any | None) -> Any:
     if eamc is None:
         eamc = EAMC(cfg.num_moe_layers, cfg.num_experts, capacity=runtime.eamc_capacity)
     return RequestRecorder(cfg.num_moe_layers, cfg.num_experts, cfg.top_k, eamc=eamc)
+
+
+def _tokens(seq: Sequence, start: int, n: int) -> list[int]:
+    """Tokens ``start .. start + n - 1`` of ``seq`` (prompt then output), without joining the lists."""
+    prompt = seq.prompt_token_ids
+    if start + n <= len(prompt):
+        return prompt[start : start + n]
+    if start >= len(prompt):
+        out = seq.output_token_ids
+        return out[start - len(prompt) : start - len(prompt) + n]
+    return prompt[start:] + seq.output_token_ids[: start + n - len(prompt)]
