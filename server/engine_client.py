@@ -10,8 +10,10 @@ and a stream never starts for a request the engine refused.
 
 NOTE: continuous batching with auto-batching (MoE-Infinity §7.4, "auto-batching of requests
 based on the maximal latency and maximal batch size"). Requests join and leave the running batch
-between steps: the engine's FCFS scheduler admits waiting requests whenever a batch slot and a KV
-row are free, and finished or aborted requests leave at once. When the engine is idle and a
+between steps: the engine's FCFS scheduler admits waiting requests whenever a batch slot and the
+KV-cache blocks of their first chunk are free (preempting the latest running request when a
+running one finds none: it is recomputed later, its client only waits), and finished or aborted
+requests leave at once. When the engine is idle and a
 request arrives, the thread waits up to ``max_wait_ms`` for more requests (stopping early once
 ``max_batch_size`` are waiting) before the first step, so a burst shares its prefill step and its
 expert fetches instead of the first request running alone.
@@ -90,7 +92,7 @@ class RequestStream:
             yield item
 
     def abort(self) -> None:
-        """Cancel the members still running (client gone); frees their KV rows and slots."""
+        """Cancel the members still running (client gone); frees their KV blocks and slots."""
         if self._open:
             self._client.abort(sorted(self._open))
             self._open.clear()

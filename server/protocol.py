@@ -148,10 +148,17 @@ class ExpertUsage(BaseModel):
     bytes_not_moved: int = 0
 
 
+class PromptTokensDetails(BaseModel):
+    """OpenAI's ``usage.prompt_tokens_details``: ``cached_tokens`` came from the prefix cache."""
+
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
     expert_stats: ExpertUsage = Field(default_factory=ExpertUsage)
 
 

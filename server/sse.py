@@ -1,7 +1,7 @@
 """Server-sent events and client-disconnect handling.
 
 NOTE: why a disconnect listener. A client that goes away must free its engine requests at once
-(KV row, batch slot, pinned experts), not when the next token happens to be written: a request
+(KV blocks, batch slot, pinned experts), not when the next token happens to be written: a request
 still waiting for a batch slot writes nothing for a long time. So both helpers here watch the ASGI
 ``receive`` channel for ``http.disconnect`` while the response is produced, cancel the producer
 when it arrives, and always run the ``on_close`` callback (which aborts whatever is still open;

@@ -295,7 +295,7 @@ async def _chat(
         created=created,
         model=model,
         choices=choices,
-        usage=usage([len(ids)], (o for o, _ in finals.values())),
+        usage=usage([len(ids)], (o for o, _ in finals.values()), body.n),
     )
 
 
@@ -378,7 +378,7 @@ async def _events(
                     yield chunk([ChatStreamChoice(index=index, delta=delta)])
                 yield chunk([ChatStreamChoice(index=index, delta=ChatDelta(), finish_reason=reason)])
         if include_usage:
-            yield chunk([], usage=usage([prompt_len], finals).model_dump())
+            yield chunk([], usage=usage([prompt_len], finals, n).model_dump())
     except APIError as exc:
         yield sse_event(exc.body())
     yield DONE

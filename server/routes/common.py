@@ -12,7 +12,7 @@ from moe_runtime.engine.request import RequestOutput, SamplingParams, TokenLogpr
 from moe_runtime.errors import RequestError
 from server.engine_client import EngineRequest, RequestStream
 from server.errors import APIError, invalid
-from server.protocol import ExpertUsage, SamplingFields, Usage
+from server.protocol import ExpertUsage, PromptTokensDetails, SamplingFields, Usage
 from server.routes.limits import check_text
 from server.state import ServerState
 
@@ -116,6 +116,14 @@ def choice_index(request_id: str) -> int:
     return int(request_id.rsplit("-", 1)[1])
 
 
+def _index(request_id: str, position: int) -> int:
+    """The choice index in an engine request id, else ``position`` (ids not made by the routes)."""
+    try:
+        return choice_index(request_id)
+    except (IndexError, ValueError):
+        return position
+
+
 def max_tokens_for(requested: int | None, prompt_len: int, max_model_len: int) -> int:
     """``requested``, or (when None) what the context leaves after the prompt (at least 1).
 
@@ -142,22 +150,30 @@ def check_prompt(state: ServerState, ids: list[int], param: str) -> None:
         raise invalid(msg, param)
 
 
-def usage(prompt_lens: Iterable[int], finals: Iterable[RequestOutput]) -> Usage:
-    """OpenAI usage plus ``expert_stats``; prompt tokens count once per prompt, not per choice."""
+def usage(prompt_lens: Iterable[int], finals: Iterable[RequestOutput], n: int = 1) -> Usage:
+    """OpenAI usage plus ``expert_stats``; prompt tokens count once per prompt, not per choice, and
+    so do the prompt's ``cached_tokens`` (its first choice's: choices admitted together share no
+    blocks yet)."""
     prompt_tokens = sum(prompt_lens)
     completion_tokens = hits = misses = cpu = not_moved = 0
     blocking_s = cpu_s = 0.0
-    for out in finals:
+    first: dict[int, tuple[int, int]] = {}  # prompt -> (lowest choice index, its cached tokens)
+    for position, out in enumerate(finals):
         es = out.expert_stats
         completion_tokens += out.num_output_tokens
         hits += es.hits
         misses += es.misses
         blocking_s += es.blocking_s
         cpu, cpu_s, not_moved = cpu + es.cpu_experts, cpu_s + es.cpu_s, not_moved + es.bytes_not_moved
+        index = _index(out.request_id, position)
+        seen = first.get(index // n)
+        if seen is None or index < seen[0]:
+            first[index // n] = (index, out.num_cached_tokens)
     return Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(c for _, c in first.values())),
         expert_stats=ExpertUsage(
             buffer_hits=hits,
             buffer_misses=misses,

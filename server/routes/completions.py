@@ -154,7 +154,7 @@ async def _complete(
         created=created,
         model=model,
         choices=choices,
-        usage=usage((len(p) for p in prompts), (o for o, _ in finals.values())),
+        usage=usage((len(p) for p in prompts), (o for o, _ in finals.values()), body.n),
     )
 
 
@@ -203,7 +203,7 @@ async def _events(
             if out.finished:
                 finals.append(out)
         if include_usage:
-            yield chunk([], usage=usage((len(p) for p in prompts), finals).model_dump())
+            yield chunk([], usage=usage((len(p) for p in prompts), finals, n).model_dump())
     except APIError as exc:
         yield sse_event(exc.body())
     yield DONE
