@@ -161,7 +161,7 @@ def test_cpu_share_scales_and_places_like_the_device_path():
         weights = torch.softmax(torch.randn(4, 2), dim=-1)
         share = CPUExperts(ex, 0, [2, 0, 4], E, ExpertStats(1))
         share.start(x, ids, None)
-        out = dict((tuple(p.tolist()), y) for p, y in share.finish(x, weights))
+        out = {tuple(p.tolist()): y for p, _, y in share.finish(x, weights)}
         rows = expert_rows(ids)
         for e in (0, 2, 4):
             tok, col, pos = rows[e]

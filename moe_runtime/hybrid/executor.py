@@ -93,6 +93,13 @@ class CPUExpertExecutor:
         self.pool.shutdown(wait=True)
 
 
+def upload(host: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``host`` (int64) on ``device``: itself on the CPU; elsewhere through pinned memory, so the
+    non-blocking copy neither waits for the stream nor blocks the host."""
+    t = torch.from_numpy(np.ascontiguousarray(host, dtype=np.int64))
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+
+
 def expert_rows(ids_host: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """``expert -> (tokens [n], columns [n], positions [n])`` of ``ids_host [T, k]``: the tokens
     that chose it, the column of that choice in the router weights and the ``(token, rank)``
@@ -139,7 +146,7 @@ class CPUExperts:
             host, local = x, {e: tok for e, tok, _, _ in mine}
         else:  # only the tokens' rows cross, one gather and one non-blocking copy
             tokens = np.unique(np.concatenate([tok for _, tok, _, _ in mine]))
-            idx = torch.from_numpy(tokens).to(x.device, non_blocking=True)
+            idx = upload(tokens, x.device)
             host = x.index_select(0, idx).to("cpu", non_blocking=True)  # pinned, on the compute stream
             ready = torch.cuda.Event()
             ready.record()
@@ -162,10 +169,12 @@ class CPUExperts:
             y = pinned
         return y, seconds
 
-    def finish(self, x: torch.Tensor, weights: torch.Tensor) -> list[tuple[np.ndarray, torch.Tensor]]:
-        """Wait for every job; per CPU expert ``(positions [n], y [n, H])``: its output scaled by
-        its router weights (``weights [T, k]``) and cast to ``x``'s dtype, as the device paths
-        do, on ``x``'s device, and the ``(token, rank)`` positions it fills."""
+    def finish(
+        self, x: torch.Tensor, weights: torch.Tensor
+    ) -> list[tuple[np.ndarray, torch.Tensor, torch.Tensor]]:
+        """Wait for every job; per CPU expert ``(positions [n], positions on x's device, y [n, H])``:
+        its output scaled by its router weights (``weights [T, k]``) and cast to ``x``'s dtype, as
+        the device paths do, on ``x``'s device, and the ``(token, rank)`` positions it fills."""
         out = []
         w_flat = weights.reshape(-1)
         waited = 0.0
@@ -176,9 +185,9 @@ class CPUExperts:
             self.seconds[e] = seconds
             if y.device != x.device:
                 y = y.to(x.device, non_blocking=True)
-            idx = torch.from_numpy(src).to(x.device, non_blocking=True)
-            y = y * w_flat.index_select(0, idx).unsqueeze(1)
-            out.append((pos, y if y.dtype == x.dtype else y.to(x.dtype)))
+            idx = upload(np.concatenate([src, pos]), x.device)  # one upload: weight and row index
+            y = y * w_flat.index_select(0, idx[: len(src)]).unsqueeze(1)
+            out.append((pos, idx[len(src) :], y if y.dtype == x.dtype else y.to(x.dtype)))
         st = self.stats
         st.cpu_wait_s += waited
         st.cpu_expert_s += sum(self.seconds.values())

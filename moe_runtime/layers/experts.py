@@ -319,8 +319,8 @@ def run_experts(
             y = _cast(y * w_flat.index_select(0, dev[n : 2 * n]).unsqueeze(1), contrib.dtype)
             contrib.index_copy_(0, dev[2 * n : 3 * n], y)
     if cpu is not None:  # their outputs, scaled and cast as above, at their (token, rank) rows
-        for pos, y in cpu.finish(x, weights):
-            contrib.index_copy_(0, torch.from_numpy(pos).to(x.device, non_blocking=True), y)
+        for _, pos, y in cpu.finish(x, weights):
+            contrib.index_copy_(0, pos, y)
     # contributions summed per token in ascending expert order (ranks were sorted by expert id)
     return _sum_in_order(contrib.view(t, k, -1).unbind(1)), hit, blocked
 
@@ -416,7 +416,7 @@ def _few_tokens(
                     pieces[pos] = y[i : i + 1]
     cpu = getattr(run, "cpu", None)
     if cpu is not None:  # hybrid: the CPU-placed experts' outputs, scaled and cast as above
-        for pos, y in cpu.finish(x, weights):
+        for pos, _, y in cpu.finish(x, weights):
             for i, p in enumerate(pos.tolist()):
                 pieces[p] = y if len(pos) == 1 else y[i : i + 1]
     ranks = pieces if t == 1 else torch.cat(pieces).view(t, k, -1).unbind(1)
