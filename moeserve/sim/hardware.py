@@ -1,8 +1,10 @@
-"""Hardware profiles for the simulator: host->device links and GPUs (MoE-Lightning §3, HRM levels).
+"""Hardware profiles for the simulator: host->device links, GPUs and hosts (MoE-Lightning §3, HRM levels).
 
 A :class:`HardwareProfile` is one GPU (memory, peak compute, HBM bandwidth: the compute and memory
 roofs of the device level in MoE-Lightning's Hierarchical Roofline Model, Eqs. 4-5) behind one
-host link (the cross-level memory roof, Eq. 6). Every value carries its source in a comment and in
+host link (the cross-level memory roof, Eq. 6), in a host whose CPU socket can compute experts
+from its own memory (the CPU level's roofs, Eqs. 1-3; hybrid expert execution,
+:mod:`moeserve.sim.hybrid`). Every value carries its source in a comment and in
 ``docs/simulator.md``. Peak figures are the vendors' data-sheet numbers (dense, no sparsity);
 achieved kernel throughput is lower, which the roofline ignores (MoE-Lightning §4.2 does the
 same); calibration (:mod:`moeserve.sim.calibrate`) uses measured times instead.
@@ -11,6 +13,12 @@ Effective link bandwidth: PCIe moves 128b/130b-encoded data in packets whose hea
 control cost about 20% of the raw rate, so a pinned host->device copy reaches about 80% of it
 (the ``~25 GB/s`` usually quoted for PCIe 4.0 x16). We apply the same 0.8 to every link, NVLink-C2C
 included; this factor is our assumption, stated, not a measurement.
+
+Host memory: a memory-bound kernel sustains about 80% of the DRAM channels' nominal rate (STREAM
+Triad class; the nominal rate is channels x MT/s x 8 bytes). We use the sustained figure for the
+CPU's expert time and the hybrid bound, the same 0.8 as the links'; an assumption, stated. A host is
+the CPU socket (NUMA node) whose memory holds the GPU's experts: MoE-Infinity partitions experts
+by NUMA node (§5.3), so a GPU's experts are read by that socket's cores and channels.
 
 Profiles are named ``gpu+link`` (``a5000+pcie4``); a few aliases name common servers.
 """
@@ -24,6 +32,7 @@ from moe_runtime.errors import ConfigError
 GB = 1e9  # data-sheet "GB" and "GB/s" are decimal
 GiB = 1 << 30
 LINK_EFFICIENCY = 0.8  # share of the raw link rate a large pinned copy achieves (assumption, see above)
+HOST_MEMORY_EFFICIENCY = 0.8  # share of the nominal DRAM rate a memory-bound kernel sustains (assumption)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,12 +64,51 @@ class GPUProfile:
 
 
 @dataclass(frozen=True, slots=True)
+class HostProfile:
+    """The CPU socket beside a GPU: ``cores`` (physical) and ``threads`` (hardware threads);
+    ``mem_gbps_nominal`` (DRAM channels x MT/s x 8 bytes, GB/s); ``peak_flops`` (FLOP/s of the
+    fastest instructions a BF16 expert's matrix products run on: AMX on Sapphire Rapids, FP32 FMA
+    where the cores have no BF16 arithmetic); ``expert_overhead_us`` (fixed host time per expert
+    computed on the CPU: dispatching the job, its ops' launches, its output's copy back;
+    microseconds, an assumption)."""
+
+    name: str
+    cores: int
+    threads: int
+    mem_gbps_nominal: float
+    peak_flops: float
+    expert_overhead_us: float
+    source: str
+
+    @property
+    def mem_gbps(self) -> float:
+        """Sustained memory bandwidth, GB/s (``mem_gbps_nominal * HOST_MEMORY_EFFICIENCY``)."""
+        return self.mem_gbps_nominal * HOST_MEMORY_EFFICIENCY
+
+    def default_lanes(self, io_threads: int = 1) -> int:
+        """Host threads computing experts: the runtime's rule (``moe_runtime.hybrid.setup.
+        default_threads``) for a GPU run with ``--cpu-threads 1`` (the compute thread launches
+        kernels), counted in physical cores (an SMT sibling shares its core's memory bandwidth, so
+        it adds no lane): the cores less the compute thread and the I/O threads (one per device),
+        at least 1."""
+        return max(1, self.cores - 1 - io_threads)
+
+    def describe(self) -> str:
+        return (
+            f"{self.name}: {self.cores} cores, DRAM {self.mem_gbps_nominal:.1f} GB/s nominal, "
+            f"{self.mem_gbps:.1f} sustained (x {HOST_MEMORY_EFFICIENCY}), "
+            f"{self.peak_flops / 1e12:.1f} TFLOP/s, {self.expert_overhead_us:.0f} us per CPU expert"
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class HardwareProfile:
-    """A GPU behind a link; ``name`` is ``gpu+link`` or an alias."""
+    """A GPU behind a link, in a host; ``name`` is ``gpu+link`` or an alias."""
 
     name: str
     gpu: GPUProfile
     link: LinkProfile
+    host: HostProfile | None = None
 
     def describe(self) -> str:
         g, lk = self.gpu, self.link
@@ -99,6 +147,72 @@ GPUS: dict[str, GPUProfile] = {
     "gh200-96gb": GPUProfile("gh200-96gb", 96 * GiB, 989e12, 4000.0, "NVIDIA GH200 data sheet (96 GB HBM3)"),
 }
 
+# Per-expert host overhead of a CPU expert job (Python dispatch, two projections' launches, the
+# output's copy back): 50 us, an assumption; calibration (moeserve.sim.calibrate) measures it.
+CPU_EXPERT_OVERHEAD_US = 50.0
+
+HOSTS: dict[str, HostProfile] = {
+    # MoE-Infinity's A5000 testbed (§7.1): an 8-GPU server with 1 TB of DRAM; the paper names no
+    # CPU. Assumed: a dual-socket AMD EPYC 7543 (Zen 3 "Milan", the 2021 class of 8-GPU PCIe 4.0
+    # servers), 16 x 64 GB DDR4-3200, one socket per NUMA node. AMD EPYC 7543 product page: 32
+    # cores / 64 threads, 2.8 GHz base, 8 channels DDR4-3200 = 204.8 GB/s per socket. Zen 3 has
+    # two 256-bit FMA pipes and no BF16 arithmetic: 32 FP32 FLOP/cycle x 32 cores x 2.8 GHz.
+    "epyc-7543": HostProfile(
+        "epyc-7543",
+        32,
+        64,
+        204.8,
+        32 * 32 * 2.8e9,
+        CPU_EXPERT_OVERHEAD_US,
+        "AMD EPYC 7543 product page (assumed CPU of MoE-Infinity's 1 TB A5000 server)",
+    ),  # fmt: skip
+    # NVIDIA DGX A100 user guide: 2 x AMD EPYC 7742. AMD EPYC 7742 product page: 64 cores / 128
+    # threads, 2.25 GHz base, 8 x DDR4-3200 = 204.8 GB/s per socket; Zen 2: 32 FP32 FLOP/cycle.
+    "epyc-7742": HostProfile(
+        "epyc-7742",
+        64,
+        128,
+        204.8,
+        64 * 32 * 2.25e9,
+        CPU_EXPERT_OVERHEAD_US,
+        "AMD EPYC 7742 product page; NVIDIA DGX A100 user guide",
+    ),  # fmt: skip
+    # A typical H100 server socket (NVIDIA DGX H100 user guide: 2 x Xeon Platinum 8480C). Intel
+    # ARK, Xeon Platinum 8480+: 56 cores / 112 threads, 2.0 GHz base, 8 channels DDR5-4800 =
+    # 307.2 GB/s nominal (~246 GB/s sustained at 0.8). AMX: 1024 BF16 FLOP/cycle/core (Intel
+    # AMX overview), x 56 cores x 2.0 GHz = 114.7 TFLOP/s, the data-sheet peak torch's BF16 linear
+    # (oneDNN) runs on.
+    "xeon-8480": HostProfile(
+        "xeon-8480",
+        56,
+        112,
+        307.2,
+        1024 * 56 * 2.0e9,
+        CPU_EXPERT_OVERHEAD_US,
+        "Intel ARK Xeon Platinum 8480+; NVIDIA DGX H100 user guide",
+    ),  # fmt: skip
+    # NVIDIA GH200 Grace Hopper Superchip data sheet: 72 Arm Neoverse V2 cores, LPDDR5X up to
+    # 512 GB/s. NVIDIA Grace CPU Superchip data sheet: 7.1 TFLOPS FP64 peak for 144 cores, so 3.55
+    # per 72-core Grace and twice that in FP32 (7.1 TFLOP/s; BF16 matrix peaks are not in it).
+    "grace-72": HostProfile(
+        "grace-72",
+        72,
+        72,
+        512.0,
+        7.1e12,
+        CPU_EXPERT_OVERHEAD_US,
+        "NVIDIA GH200 and Grace CPU Superchip data sheets",
+    ),  # fmt: skip
+}
+
+# The host each GPU sits in (its socket).
+GPU_HOSTS: dict[str, str] = {
+    "a5000": "epyc-7543",
+    "a100-80gb": "epyc-7742",
+    "h100-80gb": "xeon-8480",
+    "gh200-96gb": "grace-72",
+}
+
 ALIASES: dict[str, str] = {
     "a5000": "a5000+pcie4",  # MoE-Infinity's 8-A5000 server: one PCIe 4.0 x16 link per GPU (§7.1)
     "a100": "a100-80gb+pcie4",
@@ -125,4 +239,4 @@ def get_hardware(name: str) -> HardwareProfile:
             f"--hardware {name!r} is unknown (choose an alias {', '.join(ALIASES)} or GPU+LINK with "
             f"GPU in {', '.join(GPUS)} and LINK in {', '.join(LINKS)})"
         )
-    return HardwareProfile(name, GPUS[gpu_name], LINKS[link_name])
+    return HardwareProfile(name, GPUS[gpu_name], LINKS[link_name], HOSTS[GPU_HOSTS[gpu_name]])
