@@ -26,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warm-trace", default=None, help="separate trace that warms (default: split --trace)")
     p.add_argument("--model-profile", default="mixtral-8x7b", help="model profile (default: mixtral-8x7b)")
     p.add_argument("--hardware", default="a5000", help="GPU+LINK profile or alias (default: a5000)")
-    p.add_argument("--policy", default="eam", help="prefetch policy (default: eam)")
+    p.add_argument("--policy", default="eam", help="prefetch policy, or a comma list (default: eam)")
     p.add_argument("--cache-policy", default=None, help="cache policy (default: the policy's pairing)")
     p.add_argument("--all-policies", action="store_true", help="every combination of bench policies")
     p.add_argument("--buffer-slots", type=int, default=None, help="slots in total (default: from memory)")
@@ -57,6 +57,28 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="model the eam row's router lookahead: per-distance top-k precision, comma-separated "
         "(e.g. 0.647,0.576) or the JSON of moeserve bench lookahead (default: no lookahead)",
+    )
+    p.add_argument(
+        "--expert-compute",
+        default="device",
+        help="where missed experts run: device (copied), cpu, auto (hybrid, the runtime's placement), "
+        "or a comma list of them, one set of rows each (default: device)",
+    )
+    p.add_argument(
+        "--cpu-lanes", type=int, default=None, help="host threads computing experts (default: the host's)"
+    )
+    p.add_argument(
+        "--split-eval",
+        type=int,
+        default=None,
+        help="cut the measured requests into N sequences of consecutive tokens (a batch of N streams)",
+    )
+    p.add_argument(
+        "--prefill-tokens",
+        type=int,
+        default=0,
+        help="also run each row with an N-token prompt before every measured request (routed as the "
+        "trace's tokens) and report its prefill steps' placement",
     )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
@@ -105,6 +127,16 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError(f"--prefetch-depth must be >= 1, got {args.prefetch_depth}")
     if not args.layer_jitter_us >= 0:  # also rejects nan
         raise ConfigError(f"--layer-jitter-us must be >= 0, got {args.layer_jitter_us}")
+    for name in ("cpu_lanes", "split_eval"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.prefill_tokens < 0:
+        raise ConfigError(f"--prefill-tokens must be >= 0, got {args.prefill_tokens}")
+    from moeserve.sim.hybrid import MODES
+
+    for mode in args.expert_compute.split(","):
+        if mode not in MODES:
+            raise ConfigError(f"--expert-compute: {mode!r} is not one of {', '.join(MODES)}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -113,10 +145,11 @@ def run(args: argparse.Namespace) -> int:
     from moeserve.sim.cost import CostModel
     from moeserve.sim.engine import SimConfig, Simulator
     from moeserve.sim.hardware import get_hardware
+    from moeserve.sim.hybrid import CPUCost, HybridConfig
     from moeserve.sim.models import DEFAULT_KV_TOKENS, get_model
     from moeserve.sim.report import add_relative, as_json, print_single, print_tables, row_of
-    from moeserve.sim.runner import combo_for, run_combos
-    from moeserve.sim.workload import load_workload, split_warm_eval
+    from moeserve.sim.runner import combo_for, run_combos, run_modes
+    from moeserve.sim.workload import load_workload, split_requests, split_warm_eval
 
     if args.list_profiles:
         from moeserve.sim.report import print_profiles
@@ -128,7 +161,11 @@ def run(args: argparse.Namespace) -> int:
     _check(args)
     profile = get_model(args.model_profile)
     hw = get_hardware(args.hardware)
-    combos = list(COMBOS) if args.all_policies else [combo_for(args.policy, args.cache_policy)]
+    combos = (
+        list(COMBOS)
+        if args.all_policies
+        else [combo_for(p.strip(), args.cache_policy) for p in args.policy.split(",") if p.strip()]
+    )
     wl = load_workload(args.trace)
     shape = (wl.num_layers, wl.num_experts, wl.top_k)
     if shape != (profile.num_layers, profile.num_experts, profile.top_k):
@@ -146,10 +183,20 @@ def run(args: argparse.Namespace) -> int:
         warm, evals = warm_wl.requests, wl.requests
     else:
         warm, evals = split_warm_eval(wl, args.warm, args.warm_pick)
+    if args.split_eval:
+        evals = split_requests(evals, args.split_eval)
     kv_tokens = DEFAULT_KV_TOKENS if args.kv_tokens is None else args.kv_tokens
     slots = args.buffer_slots or args.num_devices * profile.buffer_slots(hw, kv_tokens)
     slots = min(slots, profile.total_experts)
     cost = CostModel.roofline(profile, hw, args.host_overhead_us)
+    lanes = args.cpu_lanes or hw.host.default_lanes(args.num_devices)
+    hybrid = HybridConfig(
+        "device",
+        lanes,
+        CPUCost.roofline(profile.expert_bytes, profile.expert_flops_per_token, hw.host, lanes),
+        profile.expert_bytes / ((hw.link.gbps + hw.host.mem_gbps) * 1e9),
+        cost.expert_bytes_s,
+    )
     config = SimConfig(
         slots=slots,
         num_devices=args.num_devices,
@@ -159,11 +206,16 @@ def run(args: argparse.Namespace) -> int:
         eamc_capacity=args.eamc_capacity,
         layer_jitter_s=args.layer_jitter_us * 1e-6,
         lookahead_precision=lookahead_precision(args.lookahead_precision),
+        hybrid=hybrid,
     )
     sim = Simulator(*shape, profile.expert_bytes, cost, config)
     t0 = time.perf_counter()
     c0 = time.process_time()
-    runs = run_combos(sim, combos, warm, evals)
+    modes = args.expert_compute.split(",")
+    if modes == ["device"] and not args.prefill_tokens:
+        runs = run_combos(sim, combos, warm, evals)
+    else:
+        runs = run_modes(sim, combos, modes, warm, evals, args.prefill_tokens, wl.requests)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     rows = add_relative([row_of(r) for r in runs])
     simulated = sum(r.sim_lookups for r in runs)
@@ -175,12 +227,18 @@ def run(args: argparse.Namespace) -> int:
         "model_profile": profile.name,
         "expert_MiB": round(profile.expert_bytes / 2**20, 1),
         "hardware": hw.describe(),
+        "host": hw.host.describe(),
         "slots": slots,
         "slots_share": f"{slots / profile.total_experts:.1%}",
         "num_devices": args.num_devices,
         "batch": args.batch,
         "layer_jitter_us": args.layer_jitter_us,
         "lookahead_precision": ",".join(f"{v:g}" for v in config.lookahead_precision) or "none",
+        "expert_compute": args.expert_compute,
+        "cpu_lanes": lanes,
+        "cpu_expert_us_1tok": round(hybrid.cpu.seconds(1) * 1e6, 2),
+        "measured_sequences": len(evals),
+        "prefill_tokens": args.prefill_tokens,
         **cost.describe(),
         "sim_lookups": simulated,
         "sim_wall_s": round(wall, 2),

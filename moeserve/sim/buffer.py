@@ -122,6 +122,8 @@ class SimBuffer:
         self._next_done = INF  # earliest done_at over self._io
         self.landed: list[int] = []  # keys landed since finish_layer last cleared it
         self.all_resident = all(len(p.key_slot) == int((self.home == p.index).sum()) for p in self.parts)
+        # hybrid expert execution (moeserve.sim.hybrid.SimPlacer): places misses on the CPU or the link
+        self.placer: Any = None
 
     @property
     def num_slots(self) -> int:
@@ -235,10 +237,14 @@ class SimBuffer:
         seconds expert ``e`` computes. Advances ``now`` past the layer; returns its blocking seconds."""
         return self.finish_layer(layer, self.start_layer(layer, experts), compute_s)
 
-    def start_layer(self, layer: int, experts: list[int]) -> tuple[list, list]:
+    def start_layer(
+        self, layer: int, experts: list[int], counts: np.ndarray | None = None
+    ) -> tuple[list, list]:
         """Look the layer's experts up at ``now`` (``ExpertBuffer.start_layer``): pin hits, queue
         misses as demand and start the idle links. Returns ``(ready, waiting)`` for
-        :meth:`finish_layer`; the engine runs the prefetch policy in between, as the runtime."""
+        :meth:`finish_layer`; the engine runs the prefetch policy in between, as the runtime.
+        With a :attr:`placer` (hybrid execution) ``counts [E]``, the token rows per expert, is
+        required: the misses it places on the CPU are taken out of the lookup."""
         E, st, parts, home = self.num_experts, self.stats, self.parts, self._home
         base = layer * E
         if self.access_log is not None:
@@ -251,6 +257,8 @@ class SimBuffer:
                 if part.has_unused_prefetch():  # settle_prefetches is a no-op otherwise
                     needed = needed or {base + e for e in experts}
                     part.settle_prefetches(layer, needed)
+        if self.placer is not None:
+            experts = self.placer.split(layer, experts, counts)
         ready: list[tuple[int, Partition, int]] = []
         waiting: list[tuple[int, int, Partition]] = []  # (expert, key, partition)
         keys = [base + e for e in experts]
@@ -266,8 +274,22 @@ class SimBuffer:
         return ready, waiting
 
     def finish_layer(self, layer: int, run: tuple[list, list], compute_s: Callable[[int], float]) -> float:
-        """Compute the experts of ``start_layer``'s ``run``: resident first, then each as it lands.
-        Advances ``now`` past the layer; returns its blocking seconds."""
+        """Compute the experts of ``start_layer``'s ``run``: resident first, then each as it lands,
+        while the CPU lanes run the experts placed there (hybrid execution); the compute thread
+        waits for the last of those after its own. Advances ``now`` past the layer; returns its
+        blocking seconds (waiting for copies)."""
+        placer = self.placer
+        if placer is None or not placer.jobs:
+            return self._finish_device(layer, run, compute_s)
+        cpu_end = placer.run_jobs(self.now)
+        blocked = self._finish_device(layer, run, compute_s)
+        if cpu_end > self.now:
+            self.stats.cpu_wait_s += cpu_end - self.now
+            self.now = cpu_end
+        return blocked
+
+    def _finish_device(self, layer: int, run: tuple[list, list], compute_s: Callable[[int], float]) -> float:
+        """The device's part of :meth:`finish_layer`."""
         ready, waiting = run
         st = self.stats
         if self._next_done <= self.now:

@@ -34,6 +34,7 @@ from moe_runtime.prefetch import OracleSchedule, make_prefetch_policy
 from moe_runtime.stats import ExpertStats
 from moeserve.sim.buffer import SimBuffer
 from moeserve.sim.cost import CostModel
+from moeserve.sim.hybrid import HybridConfig, SimPlacer, StepTally, preload_fixed
 from moeserve.sim.workload import SimRequest
 from tracer.eamc import DEFAULT_CAPACITY
 
@@ -62,6 +63,8 @@ class SimConfig:
             measures it. Each token's guess keeps each of its real experts with that chance and
             otherwise names a random expert it did not choose (seeded by ``lookahead_seed``); the
             ``eam`` prefetch gets the guesses' counts as its lookahead scores. Empty: no lookahead.
+        hybrid: hybrid expert execution (``--expert-compute``) and the hybrid bound; None: every
+            miss copied and no bound.
     """
 
     slots: int
@@ -75,6 +78,7 @@ class SimConfig:
     jitter_seed: int = 0
     lookahead_precision: tuple[float, ...] = ()
     lookahead_seed: int = 0
+    hybrid: HybridConfig | None = None
 
 
 @dataclass(slots=True)
@@ -93,6 +97,9 @@ class PolicyRun:
     wall_s: float
     sim_lookups: int  # lookups simulated in this run, warm part included (speed measurement)
     access_log: list[tuple[int, tuple[int, ...]]] | None = field(default=None, repr=False)
+    # hybrid execution and the bound (moeserve.sim.hybrid.StepTally.summary, plus the CPU's
+    # seconds); None without SimConfig.hybrid
+    hybrid: dict[str, Any] | None = None
 
     @property
     def lookups(self) -> int:
@@ -188,7 +195,21 @@ class Simulator:
             buf.access_log = []
         st0 = buf.stats.snapshot()
         t0 = buf.now
+        hy = self.config.hybrid
+        if hy is not None:
+            state.tally = StepTally(hy.bound_miss_s, hy.bound_hit_s)
         tpots, steps = self._run_batches(state, evals)
+        hybrid = None
+        if state.tally is not None:
+            st = buf.stats
+            hybrid = {
+                "mode": hy.mode,
+                "lanes": hy.lanes if hy.mode != "device" else 0,
+                **state.tally.summary(),
+                "cpu_expert_s": st.cpu_expert_s - st0.cpu_expert_s,
+                "cpu_wait_s": st.cpu_wait_s - st0.cpu_wait_s,
+                "cpu_avoided_bytes": st.cpu_avoided_bytes - st0.cpu_avoided_bytes,
+            }
         return PolicyRun(
             label or f"{prefetch}+{cache}",
             prefetch,
@@ -202,6 +223,7 @@ class Simulator:
             time.perf_counter() - t_wall,
             buf.stats.total_lookups,
             buf.access_log,
+            hybrid,
         )
 
     def make_state(
@@ -219,6 +241,10 @@ class Simulator:
             ConfigError: unknown policy name, or an oracle policy without ``oracle_log``.
         """
         cfg = self.config
+        hy = cfg.hybrid
+        mode = "device" if hy is None else hy.mode
+        if mode == "cpu":  # a fixed resident set: nothing to prefetch or evict (as the engine)
+            prefetch, cache = "on-demand", "lru"
         context: dict[str, Any] = {}
         if oracle_log is not None:
             context["oracle"] = OracleSchedule(oracle_log, self.E)
@@ -243,6 +269,13 @@ class Simulator:
             recorder=recorder, depth=cfg.prefetch_depth, eamc=eamc, **context,
         )  # fmt: skip
         state = RunState(buf, prefetcher, recorder)
+        if mode != "device" and not buf.all_resident:
+            if hy.cpu is None:
+                raise ValueError("hybrid execution needs a CPU cost (HybridConfig.cpu)")
+            if mode == "cpu":
+                preload_fixed(buf)
+            buf.placer = SimPlacer(buf, mode, hy.lanes, hy.cpu, self.cost.expert_s, self.expert_bytes)
+            state.gate = getattr(prefetcher, "gate", None)
         if "lookahead" in context:
             state.ahead = (np.asarray(precision[:depth]), np.random.default_rng(cfg.lookahead_seed))
         if cfg.layer_jitter_s > 0:
@@ -256,6 +289,7 @@ class Simulator:
         params = SamplingParams(max_tokens=1 << 30, temperature=0, ignore_eos=True)
         tpots: list[float] = []
         n_steps = 0
+        tally, st = state.tally, buf.stats
         for i in range(0, len(reqs), cfg.batch):
             sched = Scheduler(cfg.batch, cfg.max_num_batched_tokens)
             for j, r in enumerate(reqs[i : i + cfg.batch]):
@@ -269,10 +303,17 @@ class Simulator:
             while sched.has_unfinished():
                 scheduled = sched.schedule()
                 t0 = buf.now
-                self._step(state, scheduled)
+                if tally is not None:
+                    by_id = state.by_id
+                    prefill = any(s.seq.num_computed < by_id[s.seq.request_id].num_prefill for s in scheduled)
+                    before = sum(st.lookups), sum(st.hits), sum(st.cpu_experts)
+                dense_s = self._step(state, scheduled)
                 n_steps += 1
                 if not first:
                     times.append(buf.now - t0)
+                if tally is not None:
+                    after = sum(st.lookups), sum(st.hits), sum(st.cpu_experts)
+                    tally.step(prefill, *(a - b for a, b in zip(after, before)), dense_s, first)
                 first = False
                 for s in scheduled:
                     seq = s.seq
@@ -283,10 +324,13 @@ class Simulator:
                         if recorder is not None:
                             recorder.finish(seq.request_id)
             tpots.append(sum(times) / max(1, len(times)))
+            if tally is not None:
+                tally.end_group()
         return tpots, n_steps
 
-    def _step(self, state: RunState, scheduled: list[ScheduledSeq]) -> None:
-        """One engine step over ``scheduled`` (see the module note)."""
+    def _step(self, state: RunState, scheduled: list[ScheduledSeq]) -> float:
+        """One engine step over ``scheduled`` (see the module note); returns the seconds of its
+        dense part (every layer's and the step's fixed cost)."""
         buf, recorder, prefetcher, cost = state.buffer, state.recorder, state.prefetcher, self.cost
         rids, ids_parts, w_parts, prefill_parts, counts_new = [], [], [], [], []
         ctx = 0
@@ -332,7 +376,7 @@ class Simulator:
             buf.after_routing(layer, rids, lid)
             if scale:
                 buf.now += scale * (time.perf_counter() - t_host)
-            run = buf.start_layer(layer, needed[layer])  # demand queued before the plan (runtime order)
+            run = buf.start_layer(layer, needed[layer], counts[layer])  # demand queued before the plan
             buf.now += cost.plan_s
             if scale:
                 t_host = time.perf_counter()
@@ -349,7 +393,10 @@ class Simulator:
         buf.now += cost.step_fixed_s
         if recorder is not None:
             recorder.end_step()
+        if state.gate is not None:  # hybrid: a miss costs at most the CPU's time for it (the gate's b)
+            state.gate.cpu_miss_s = buf.placer.cpu_miss_seconds
         prefetcher.end_step()
+        return sum(dense) + cost.step_fixed_s
 
 
 def _lookahead_scores(
@@ -395,10 +442,12 @@ def _layer_counts(ids: np.ndarray, num_experts: int) -> tuple[list[list[int]], n
 class RunState:
     """One policy run's live objects: the buffer, the prefetch policy, the recorder (or None)."""
 
-    __slots__ = ("buffer", "prefetcher", "recorder", "by_id", "jitter", "ahead")
+    __slots__ = ("buffer", "prefetcher", "recorder", "by_id", "jitter", "ahead", "tally", "gate")
 
     def __init__(self, buffer: SimBuffer, prefetcher: Any, recorder: Any | None) -> None:
         self.buffer, self.prefetcher, self.recorder = buffer, prefetcher, recorder
         self.by_id: dict[str, SimRequest] = {}
         self.jitter: np.random.Generator | None = None  # layer-time noise (SimConfig.layer_jitter_s)
         self.ahead: tuple[np.ndarray, np.random.Generator] | None = None  # lookahead precision, rng
+        self.tally: StepTally | None = None  # the measured steps' placement counts and bound
+        self.gate: Any = None  # the prefetch gate whose b a CPU miss caps (hybrid auto)

@@ -40,6 +40,11 @@ class Row:
     wall_s: float
     gap_closed: float | None = None  # share of the on-demand+LRU -> oracle TPOT gap closed
     bytes_vs_oracle: float | None = None  # bytes moved per token / the oracle's
+    expert_compute: str = "device"  # where misses ran (--expert-compute)
+    cpu_lanes: int = 0  # host threads computing experts (0: none)
+    bound_ms: float | None = None  # the hybrid bound of a step, aggregated as TPOT (moeserve.sim.hybrid)
+    placement: dict[str, float] | None = None  # per decode step: experts on the CPU, copied, resident
+    prefill_placement: dict[str, float] | None = None  # the same per prefill step (and their count)
 
 
 def gap_closed(tpot: float, on_demand: float, oracle: float) -> float | None:
@@ -68,6 +73,8 @@ def add_relative(rows: list[Any], group: str = "slots") -> list[Any]:
 
 def row_of(run: PolicyRun) -> Row:
     st = run.stats
+    hy = run.hybrid or {}
+    bound = hy.get("bound_s")
     return Row(
         policy=run.label,
         prefetch=run.prefetch,
@@ -87,7 +94,25 @@ def row_of(run: PolicyRun) -> Row:
         demand_fetches=int(st["demand_fetches"]),
         sim_lookups=run.sim_lookups,
         wall_s=run.wall_s,
+        expert_compute=hy.get("mode", "device"),
+        cpu_lanes=hy.get("lanes", 0),
+        bound_ms=None if bound is None else 1e3 * bound,
+        placement=_counts(hy.get("decode")),
+        prefill_placement=_counts(hy.get("prefill"), steps=True),
     )
+
+
+def _counts(c: dict[str, Any] | None, steps: bool = False) -> dict[str, float] | None:
+    """A step kind's mean experts per step (and its step count), None when it had no step."""
+    if not c or not c["steps"]:
+        return None
+    out = {k: round(c[k], 2) for k in ("cpu", "copied", "resident")}
+    return {**out, "steps": c["steps"]} if steps else out
+
+
+def placement_text(c: dict[str, float] | None) -> str:
+    """``cpu / copied / resident`` experts per step, or ``-``."""
+    return "-" if c is None else f"{c['cpu']:.1f} / {c['copied']:.1f} / {c['resident']:.1f}"
 
 
 def as_json(settings: dict[str, Any], rows: list[Row]) -> dict[str, Any]:
@@ -122,12 +147,16 @@ def print_tables(settings: dict[str, Any], rows: list[Row], title: str = "moeser
         "bytes vs oracle",
         "prefetch used/issued",
     )
+    hybrid = any(r.bound_ms is not None for r in rows)
+    if hybrid:
+        cols += ("hybrid bound ms", "CPU / copied / resident per step", "prefill steps: the same")
     for col in cols:
         table.add_column(col, justify="right")
     for slots in sorted({r.slots for r in rows}):
         block = [r for r in rows if r.slots == slots]
-        base = next((r for r in block if (r.prefetch, r.cache) == ("on-demand", "lru")), None)
-        base = base or next((r for r in block if r.prefetch == "on-demand"), None)
+        fetch = [r for r in block if r.expert_compute == "device"]
+        base = next((r for r in fetch if (r.prefetch, r.cache) == ("on-demand", "lru")), None)
+        base = base or next((r for r in fetch if r.prefetch == "on-demand"), None)
         oracle = next((r for r in block if r.prefetch == "oracle"), None)
         for r in block:
             table.add_row(
@@ -143,6 +172,15 @@ def print_tables(settings: dict[str, Any], rows: list[Row], title: str = "moeser
                 _share(r.gap_closed),
                 f"{r.bytes_vs_oracle:.2f}x" if r.bytes_vs_oracle is not None else "-",
                 f"{r.prefetch_used}/{r.prefetch_issued}",
+                *(
+                    (
+                        "-" if r.bound_ms is None else f"{r.bound_ms:.2f}",
+                        placement_text(r.placement),
+                        placement_text(r.prefill_placement),
+                    )
+                    if hybrid
+                    else ()
+                ),
             )
     console.print(table)
     console.print("settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()), soft_wrap=True)
@@ -154,6 +192,17 @@ def print_single(settings: dict[str, Any], row: Row) -> None:
         f"{row.policy}: hit rate {row.hit_rate:.3f} ({row.hits}/{row.lookups} lookups), "
         f"blocking {row.blocking_ms_per_token:.2f} ms/token, {row.bytes_per_token / MiB:.1f} MiB/token, "
         f"predicted TPOT {row.tpot_ms:.2f} ms ({row.tokens} tokens)"
+        + ("" if row.bound_ms is None else f", hybrid bound {row.bound_ms:.2f} ms")
+        + (
+            ""
+            if row.placement is None
+            else f"; per step CPU / copied / resident {placement_text(row.placement)}"
+            + (
+                ""
+                if row.prefill_placement is None
+                else f" (prefill steps {placement_text(row.prefill_placement)})"
+            )
+        )
     )
     print("settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
 
@@ -162,7 +211,16 @@ def print_profiles(kv_tokens: int) -> None:
     """Model profiles (sizes computed from their config shapes) with the buffer slots each GPU
     holds, then the hardware pieces with their effective figures and sources."""
     from moe_runtime.errors import ConfigError
-    from moeserve.sim.hardware import GPUS, LINK_EFFICIENCY, LINKS, GiB, get_hardware
+    from moeserve.sim.hardware import (
+        GPU_HOSTS,
+        GPUS,
+        HOST_MEMORY_EFFICIENCY,
+        HOSTS,
+        LINK_EFFICIENCY,
+        LINKS,
+        GiB,
+        get_hardware,
+    )
     from moeserve.sim.models import MODELS
     from richconsole import Table, make_console
 
@@ -196,6 +254,16 @@ def print_profiles(kv_tokens: int) -> None:
         hw.add_row(lk.name, "", "", "", f"{lk.raw_gbps:.1f}", f"{lk.gbps:.1f}", f"{lk.latency_us:.0f}",
                    lk.source)  # fmt: skip
     console.print(hw)
+    hosts = Table(title=f"hosts (memory sustained at {HOST_MEMORY_EFFICIENCY:.0%} of the nominal rate)")
+    for col in ("name", "beside", "cores", "CPU lanes", "DRAM GB/s nominal", "sustained", "peak TFLOP/s",
+                "us per CPU expert", "source"):  # fmt: skip
+        hosts.add_column(col, justify="right")
+    for h in HOSTS.values():
+        gpus = ", ".join(g for g, name in GPU_HOSTS.items() if name == h.name)
+        hosts.add_row(h.name, gpus, str(h.cores), str(h.default_lanes()), f"{h.mem_gbps_nominal:.1f}",
+                      f"{h.mem_gbps:.1f}", f"{h.peak_flops / 1e12:.1f}", f"{h.expert_overhead_us:.0f}",
+                      h.source)  # fmt: skip
+    console.print(hosts)
 
 
 def _md_table(header: list[str], rows: list[list[str]]) -> str:

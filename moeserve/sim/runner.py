@@ -71,3 +71,49 @@ def run_combos(
             log = run.access_log
         runs[combo] = run
     return [runs[c] for c in wanted]
+
+
+def run_modes(
+    sim: Simulator,
+    combos: list[tuple],
+    modes: list[str],
+    warm: list[SimRequest],
+    evals: list[SimRequest],
+    prefill_tokens: int = 0,
+    pool: list[SimRequest] | None = None,
+) -> list[PolicyRun]:
+    """:func:`run_combos` once per ``--expert-compute`` mode (``sim.config.hybrid`` gives the
+    lanes and the CPU's cost): ``device`` runs ``combos``; ``cpu`` one row, ``cpu`` (its policies
+    are fixed: no prefetch, LRU over a fixed set); ``auto`` ``combos`` but the oracle (whose
+    schedule replays a fetch-only run), labelled ``LABEL (auto)``. With ``prefill_tokens``, every
+    row but the oracle runs again with a prompt of that many rows before each measured request
+    (:func:`~moeserve.sim.workload.with_prompts` over ``pool``), and its ``hybrid["prefill"]``
+    counts are that run's prefill steps'."""
+    from dataclasses import replace
+
+    from moeserve.sim.workload import with_prompts
+
+    base = sim.config.hybrid
+    if base is None:
+        raise ConfigError("--expert-compute needs a host profile (hybrid settings)")
+    prompted = with_prompts(evals, prefill_tokens, pool or evals) if prefill_tokens else None
+    out: list[PolicyRun] = []
+    for mode in modes:
+        cfg = replace(sim.config, hybrid=replace(base, mode=mode))
+        s = Simulator(sim.L, sim.E, sim.k, sim.expert_bytes, sim.cost, cfg)
+        if mode == "cpu":
+            rows: list[tuple] = [("cpu", "on-demand", "lru")]
+        elif mode == "auto":
+            rows = [c for c in combos if "oracle" not in c[1:3]]
+        else:
+            rows = list(combos)
+        runs = run_combos(s, rows, warm, evals)
+        for run, row in zip(runs, rows):
+            if mode == "auto":
+                run.label = f"{run.label} (auto)"
+            if prompted is not None and "oracle" not in row[1:3]:
+                la = LOOKAHEAD.get(row[0])
+                again = s.run(row[1], row[2], warm, prompted, label=run.label, lookahead=la)
+                run.hybrid["prefill"] = again.hybrid["prefill"]
+        out += runs
+    return out

@@ -114,3 +114,49 @@ def split_warm_eval(
             f"({len(workload.requests)} requests over tasks {', '.join(by_task)})"
         )
     return warm, evals
+
+
+def split_requests(requests: list[SimRequest], n: int) -> list[SimRequest]:
+    """``requests`` cut into ``n`` sequences of consecutive rows (each request into pieces by its
+    share of the rows, at least one; a prompt stays in its request's first piece), so that a batch
+    of ``n`` has ``n`` token streams when the trace holds fewer requests. Unchanged when ``n`` is
+    at most ``len(requests)``."""
+    if n <= len(requests):
+        return list(requests)
+    lengths = np.asarray([r.num_rows - r.num_prefill for r in requests], dtype=np.float64)
+    extra = n - len(requests)
+    share = extra * lengths / lengths.sum()
+    pieces = 1 + np.floor(share).astype(int)
+    for i in np.argsort(-(share - np.floor(share)), kind="stable")[: n - int(pieces.sum())]:
+        pieces[i] += 1  # the largest remainders take the pieces left
+    out = []
+    for r, k in zip(requests, pieces.tolist()):
+        k = max(1, min(k, r.num_rows - r.num_prefill))
+        bounds = np.linspace(r.num_prefill, r.num_rows, k + 1).round().astype(int)
+        bounds[0] = 0
+        for j in range(k):
+            a, b = bounds[j], bounds[j + 1]
+            prefill = r.num_prefill if j == 0 else 0
+            out.append(SimRequest(f"{r.request_id}/{j}", r.task, r.ids[a:b], r.weights[a:b], prefill))
+    return out
+
+
+def with_prompts(requests: list[SimRequest], tokens: int, pool: list[SimRequest]) -> list[SimRequest]:
+    """``requests`` each with a ``tokens``-row prompt before its rows, whose routing is ``pool``'s
+    rows in order (all its requests' rows concatenated, request ``i`` starting at row
+    ``i x tokens``, cyclically): a stand-in for prompt routing where a trace holds none."""
+    ids = np.concatenate([r.ids for r in pool])
+    weights = np.concatenate([r.weights for r in pool])
+    out = []
+    for i, r in enumerate(requests):
+        rows = (i * tokens + np.arange(tokens)) % len(ids)
+        out.append(
+            SimRequest(
+                r.request_id,
+                r.task,
+                np.concatenate([ids[rows], r.ids]),
+                np.concatenate([weights[rows], r.weights]),
+                r.num_prefill + tokens,
+            )
+        )
+    return out
