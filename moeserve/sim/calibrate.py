@@ -22,6 +22,8 @@ NOTE: what is measured and what is compared.
 4. *Prediction.* The simulator on the trace with each cost model, the same slots
    (``ceil(fraction * L * E)``) and batch. Targets: hit rate within 3 points, blocking time per
    token within 25 %.
+5. *Hybrid execution* (:mod:`moeserve.sim.calibrate_hybrid`): the runtime's ``--expert-compute
+   cpu`` row and ``auto`` rows (``--auto-policies``) against the simulator's, TPOT within 25 %.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import numpy as np
 import torch
 
 from moeserve.bench import policies as bench
+from moeserve.sim import calibrate_hybrid
 from moeserve.sim.probe import Costs, RuntimeProbe, costs_from_records
 
 
@@ -161,8 +164,10 @@ def simulate(
     expert_bytes: int,
     host_time_scale: float,
     wake_s: float,
+    hybrid: Any = None,
 ) -> dict[str, float]:
-    """The simulator's figures for one combination at one buffer fraction."""
+    """The simulator's figures for one combination at one buffer fraction (``hybrid``: a
+    :class:`~moeserve.sim.hybrid.HybridConfig`, where misses run)."""
     from moeserve.sim.cost import CostModel
     from moeserve.sim.engine import SimConfig, Simulator
     from moeserve.sim.runner import run_combos
@@ -178,6 +183,7 @@ def simulate(
         slots=min(total, max(1, math.ceil(fraction * total))),
         batch=batch,
         layer_jitter_s=costs.layer_jitter_s,
+        hybrid=hybrid,
     )
     config.host_time_scale = host_time_scale
     sim = Simulator(eval_wl.num_layers, eval_wl.num_experts, eval_wl.top_k, expert_bytes, cost, config)
@@ -187,7 +193,16 @@ def simulate(
         "blocking_ms_per_token": 1e3 * run.blocking_s_per_token,
         "bytes_per_token": run.bytes_per_token,
         "tpot_ms": 1e3 * run.tpot_s,
+        "cpu_per_token": _cpu(run),
     }
+
+
+def _cpu(run: Any) -> float:
+    """Experts computed on the CPU per generated token (0 without hybrid execution)."""
+    if not run.hybrid or not run.tokens:
+        return 0.0
+    d, p = run.hybrid["decode"], run.hybrid["prefill"]
+    return (d["cpu"] * d["steps"] + p["cpu"] * p["steps"]) / run.tokens
 
 
 def _row(r: dict[str, Any], s: dict[str, float], mode: str, rep: int, spread: str) -> dict[str, Any]:
@@ -234,6 +249,10 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
     offline, link = measure_offline(loaded, args, warm, evals)
     print(f"offline costs: {asdict(offline)}; link: {link}", file=sys.stderr)
     reps = [run_runtime(args) for _ in range(args.repeat)]
+    rows_h = calibrate_hybrid.hybrid_rows(args.auto_policies) if args.hybrid else []
+    reps_h = args.repeat if rows_h else 0
+    hyb = [calibrate_hybrid.run_runtime(loaded, args, warm, evals, rows_h) for _ in range(reps_h)]
+    offline_cpu = calibrate_hybrid.offline_cpu_cost(loaded) if rows_h else None
     settings = {**reps[0][0]["settings"], "traces": [str(t) for t in traces], "repeats": args.repeat}
     rows: list[dict[str, Any]] = []
     inrun_costs: list[dict[str, Any]] = []
@@ -259,12 +278,23 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
                 offline_sim[key] = simulate(offline, traces, frac, combo, args.batch, nbytes, 1.0, wake)
             s_in = simulate(inrun, traces, frac, combo, args.batch, nbytes, 0.0, wake)
             rows += [_row(r, offline_sim[key], "offline", rep, spread), _row(r, s_in, "in-run", rep, spread)]
+    hybrid_rows: list[dict[str, Any]] = []
+    for rep, results in enumerate(hyb):
+        got, costs = calibrate_hybrid.compare(results, offline, offline_cpu, link, traces, args, loaded, rep)
+        hybrid_rows += got
+        inrun_costs += costs
     return {
         "settings": settings,
         "offline_costs": asdict(offline),
         "link": link,
         "in_run_costs": inrun_costs,
         "comparison": rows,
+        "hybrid": {
+            "lanes": calibrate_hybrid.lanes(args),
+            "offline_cpu": None if offline_cpu is None else asdict(offline_cpu),
+            "comparison": hybrid_rows,
+            "runtime": [[r for _, _, r, _ in results] for results in hyb],
+        },
         "runtime": [rp[0]["results"] for rp in reps],
     }
 
@@ -305,6 +335,8 @@ def print_comparison(doc: dict[str, Any], seconds: float) -> None:
         console.print(f"{mode} costs: {text}")
     o, lk = doc["offline_costs"], doc["link"]
     us = {k: round(1e6 * v, 2) for k, v in {**o, **lk}.items() if isinstance(v, float)}
+    if doc["hybrid"]["comparison"]:
+        calibrate_hybrid.print_rows(console, doc["hybrid"]["comparison"])
     console.print(f"offline costs and link (us): {us}; calibration took {seconds:.0f} s", soft_wrap=True)
     console.print("settings: " + ", ".join(f"{k}={v}" for k, v in doc["settings"].items()), soft_wrap=True)
 
@@ -334,6 +366,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu-threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int, default=1, help="runtime benchmark runs (shows its own spread)")
+    p.add_argument(
+        "--auto-policies",
+        default=calibrate_hybrid.AUTO_POLICIES,
+        help="bench rows also run with --expert-compute auto (beside one cpu row per buffer size)",
+    )
+    p.add_argument("--no-hybrid", dest="hybrid", action="store_false", help="skip the cpu and auto rows")
     p.add_argument("--out", type=Path, default=Path("sim-calibration"), help="folder for traces and JSON")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)

@@ -3,15 +3,17 @@ simulator's cost model stands for, while the unchanged runtime (``bench policies
 
 :class:`RuntimeProbe` temporarily wraps ``ExpertBuffer.start_layer`` (one record per MoE layer:
 start and end of its expert phase, i.e. of iterating the layer run, experts, blocking seconds),
-``MoEModel.forward`` (one record per step: start, end, tokens) and ``LinkModel.hold`` (seconds
-from a copy's start until the emulated link released it), keyed by buffer so each policy run of
-the benchmark can be analysed on its own. Nothing in the runtime changes; the wrappers are
-removed on exit.
+``MoEModel.forward`` (one record per step: start, end, tokens), ``LinkModel.hold`` (seconds
+from a copy's start until the emulated link released it) and, with hybrid expert execution,
+``CPUExperts.finish`` (the compute thread's wait for a layer's CPU experts, and each CPU job's rows
+and seconds), keyed by buffer so each policy run of the benchmark can be analysed on its own.
+Nothing in the runtime changes; the wrappers are removed on exit.
 
 :func:`costs_from_records` turns one run's records into the simulator's cost parameters: the
 expert phase of a layer minus its blocking is fitted as ``c + a * experts + b * token-choices``;
-the gap between consecutive layers up to the lookup (attention, router, tracer, cache-policy hook)
-as ``d0 + d1 * tokens``; from the lookup to the first expert (the prefetch plan) as its mean;
+the gap between consecutive layers up to the lookup (attention, router, tracer, cache-policy hook;
+less the wait for CPU experts, which the simulator models itself) as ``d0 + d1 * tokens``; the CPU
+jobs as ``a + b * rows``; from the lookup to the first expert (the prefetch plan) as its mean;
 the rest of a step (embedding, LM head, sampling, scheduling) as a constant.
 """
 
@@ -28,12 +30,16 @@ import numpy as np
 @dataclass(slots=True)
 class RunRecords:
     """Records of one buffer (one policy run): layers ``(looked_up, t0, t1, experts, blocked_s)``
-    (``looked_up``: ``start_layer`` called; ``t0 .. t1``: the expert phase), forwards
-    ``(t0, t1, tokens)``, link holds ``(started, released)``."""
+    (``looked_up``: ``start_layer`` called; ``t0 .. t1``: the expert phase; ``experts``: those the
+    device computes), forwards ``(t0, t1, tokens)``, link holds ``(started, released)``; with
+    hybrid execution the compute thread's waits for CPU experts ``(started, ended)`` and the CPU
+    jobs ``(rows, seconds)``."""
 
     layers: list[tuple[float, float, float, int, float]] = field(default_factory=list)
     forwards: list[tuple[float, float, int]] = field(default_factory=list)
     holds: list[tuple[float, float]] = field(default_factory=list)
+    cpu_waits: list[tuple[float, float]] = field(default_factory=list)
+    cpu_jobs: list[tuple[int, float]] = field(default_factory=list)
 
 
 class RuntimeProbe:
@@ -42,6 +48,7 @@ class RuntimeProbe:
     def __init__(self) -> None:
         self.runs: list[RunRecords] = []
         self._by_buffer: dict[int, RunRecords] = {}
+        self._by_stats: dict[int, RunRecords] = {}  # a buffer's ExpertStats -> its records (CPU jobs)
         self._keep: list[Any] = []  # keeps buffers alive so ids are not reused
         self._saved: list[tuple[Any, str, Any]] = []
 
@@ -55,11 +62,13 @@ class RuntimeProbe:
 
     def __enter__(self) -> RuntimeProbe:
         from moe_runtime.buffer.expert_buffer import ExpertBuffer
+        from moe_runtime.hybrid.executor import CPUExperts
         from moe_runtime.io.link import LinkModel
         from moe_runtime.model import MoEModel
 
         probe = self
         start_layer, forward, hold = ExpertBuffer.start_layer, MoEModel.forward, LinkModel.hold
+        finish = CPUExperts.finish
         links: dict[int, RunRecords] = {}
 
         def timed_start_layer(buf: Any, layer: int, experts: list[int], counts: Any = None) -> _TimedRun:
@@ -67,9 +76,12 @@ class RuntimeProbe:
             for part in buf.parts:
                 if part.link is not None:
                     links[id(part.link)] = rec
+            probe._by_stats[id(buf.stats)] = rec
             looked_up = time.perf_counter()
             run = start_layer(buf, layer, experts, counts)  # counts: rows per expert (hybrid placement)
-            return _TimedRun(run, buf, rec, len(experts), looked_up)
+            cpu = getattr(run, "cpu", None)
+            on_device = len(experts) - (len(cpu.experts) if cpu is not None else 0)
+            return _TimedRun(run, buf, rec, on_device, looked_up)
 
         def timed_forward(model: Any, input_ids: Any, step: Any) -> Any:
             t0 = time.perf_counter()
@@ -83,10 +95,21 @@ class RuntimeProbe:
             if rec is not None:
                 rec.holds.append((started, time.perf_counter()))
 
+        def timed_finish(cpu: Any, x: Any, weights: Any) -> Any:
+            rows = [(e, len(pos)) for e, _, pos, _ in cpu.jobs]
+            t0 = time.perf_counter()
+            out = finish(cpu, x, weights)
+            rec = probe._by_stats.get(id(cpu.stats))
+            if rec is not None:
+                rec.cpu_waits.append((t0, time.perf_counter()))
+                rec.cpu_jobs += [(n, cpu.seconds[e]) for e, n in rows]
+            return out
+
         for cls, name, fn in (
             (ExpertBuffer, "start_layer", timed_start_layer),
             (MoEModel, "forward", timed_forward),
             (LinkModel, "hold", timed_hold),
+            (CPUExperts, "finish", timed_finish),
         ):
             self._saved.append((cls, name, getattr(cls, name)))
             setattr(cls, name, fn)
@@ -97,6 +120,7 @@ class RuntimeProbe:
             setattr(cls, name, fn)
         self._saved.clear()
         self._keep.clear()
+        self._by_stats.clear()
 
 
 class _TimedRun:
@@ -154,6 +178,8 @@ class Costs:
     io_gap_s: float | None = None
     plan_s: float = 0.0  # from the lookup to the first expert: the prefetch plan, the gather
     layer_jitter_s: float = 0.0  # robust std of the gaps between layers around their fit
+    cpu_a_s: float | None = None  # a CPU job (hybrid execution): a + b * rows; None: no job ran
+    cpu_b_s: float | None = None
 
 
 def costs_from_records(rec: RunRecords, num_layers: int, top_k: int) -> Costs:
@@ -171,6 +197,7 @@ def costs_from_records(rec: RunRecords, num_layers: int, top_k: int) -> Costs:
     c, a, b = _fit(np.column_stack([np.ones(len(lay)), lay[:, 3], tokens * top_k]), busy)
     plan_s = float(np.mean(lay[:, 1] - lay[:, 0])) if len(lay) else 0.0
     gaps, gap_tokens, step_rest = [], [], []
+    gap_iv, rest_iv = [], []  # the (start, end) of each gap and step rest
     for i, (f0, _, n) in enumerate(fwd):
         sel = np.flatnonzero(idx == i)
         if len(sel) != num_layers:
@@ -178,11 +205,16 @@ def costs_from_records(rec: RunRecords, num_layers: int, top_k: int) -> Costs:
         prev_end = f0
         for j in sel:
             gaps.append(lay[j, 0] - prev_end)
+            gap_iv.append((prev_end, lay[j, 0]))
             gap_tokens.append(n)
             prev_end = lay[j, 2]
         if i + 1 < len(fwd):
             period = fwd[i + 1][0] - f0
             step_rest.append(period - (prev_end - f0))
+            rest_iv.append((prev_end, fwd[i + 1][0]))
+    if rec.cpu_waits:  # the waits for CPU experts are the simulator's to model, not dense time
+        gaps = list(np.asarray(gaps) - _waited(gap_iv, rec.cpu_waits))
+        step_rest = list(np.asarray(step_rest) - _waited(rest_iv, rec.cpu_waits))
     d0, d1 = _fit(np.column_stack([np.ones(len(gaps)), gap_tokens]), np.asarray(gaps))
     # timing noise of a layer: 1.4826 x the median absolute deviation of the gaps around the fit
     # (a normal's std, not inflated by the rare preemption that a plain std would count)
@@ -196,4 +228,19 @@ def costs_from_records(rec: RunRecords, num_layers: int, top_k: int) -> Costs:
         gaps = np.asarray([b[0] - a[1] for a, b in zip(holds, holds[1:])])
         back_to_back = gaps[(gaps >= 0) & (gaps < 0.5 * transfer)]  # the next copy was already queued
         io_gap = float(np.median(back_to_back)) if back_to_back.size else None
-    return Costs(float(a), float(b), float(d0 + c), float(d1), step_s, transfer, io_gap, plan_s, jitter)
+    cpu_a = cpu_b = None
+    if rec.cpu_jobs:
+        jobs = np.asarray(rec.cpu_jobs, dtype=np.float64)
+        cpu_a, cpu_b = (float(v) for v in _fit(np.column_stack([np.ones(len(jobs)), jobs[:, 0]]), jobs[:, 1]))
+    return Costs(
+        float(a), float(b), float(d0 + c), float(d1), step_s, transfer, io_gap, plan_s, jitter, cpu_a, cpu_b
+    )
+
+
+def _waited(intervals: list[tuple[float, float]], waits: list[tuple[float, float]]) -> np.ndarray:
+    """Per ``(start, end)`` interval, the seconds of the ``waits`` that began inside it."""
+    w = np.asarray(sorted(waits), dtype=np.float64)
+    total = np.concatenate([[0.0], np.cumsum(w[:, 1] - w[:, 0])])
+    iv = np.asarray(intervals, dtype=np.float64).reshape(-1, 2)
+    lo, hi = np.searchsorted(w[:, 0], iv[:, 0]), np.searchsorted(w[:, 0], iv[:, 1])
+    return total[hi] - total[lo]
