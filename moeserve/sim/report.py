@@ -344,3 +344,45 @@ def render_simulate_buffers(data: list[dict[str, Any]]) -> str:
     header = ["slots", "policy", "hit rate", "TPOT ms", "TPOT / on-demand+lru", "gap closed",
               "bytes vs oracle"]  # fmt: skip
     return head + _md_table(header, rows)
+
+
+def render_simulate_hybrid(data: list[dict[str, Any]]) -> str:
+    """Markdown of several ``moeserve simulate --expert-compute device,cpu,auto --json`` outputs
+    (rows ``eam``, ``oracle``, ``cpu``, ``eam (auto)``): one table row per output, TPOT of each
+    mode, ``auto`` against fetch-only ``eam``, the hybrid bound and ``auto``'s placement per
+    decode step and per prefill step (CPU / copied / resident experts)."""
+    rows = []
+    for run in data:
+        s = run["settings"]
+        r = {x["policy"]: x for x in run["results"]}
+        eam, oracle, cpu, auto = r["eam"], r["oracle"], r["cpu"], r["eam (auto)"]
+        bounds = f"{eam['bound_ms']:.1f} / {auto['bound_ms']:.1f}"
+        rows.append(
+            [
+                f"{s['hardware'].split(':')[0]}, {s['slots']} slots",
+                str(s["batch"]),
+                str(s["cpu_lanes"]),
+                *(f"{x['tpot_ms']:.1f}" for x in (eam, oracle, cpu, auto)),
+                f"{auto['tpot_ms'] / eam['tpot_ms']:.2f}",
+                bounds,
+                placement_text(auto["placement"]),
+                placement_text(auto["prefill_placement"]),
+            ]
+        )
+    header = ["profile", "batch", "CPU lanes", "`eam` (device) ms", "`oracle` ms", "`cpu` ms", "`auto` ms",
+              "auto / eam", "bound ms (eam / auto)", "auto per step: CPU / copied / resident",
+              "per prefill step (512-token prompts)"]  # fmt: skip
+    copy: dict[str, float] = {}
+    jobs: dict[str, dict[int, float]] = {}
+    for d in data:
+        st = d["settings"]
+        hw = st["hardware"].split(":")[0]
+        copy[hw] = st["transfer_us"] / 1e3
+        jobs.setdefault(hw, {})[st["cpu_lanes"]] = st["cpu_expert_us_1tok"] / 1e3
+    per_hw = "; ".join(
+        f"{hw}: a copy {copy[hw]:.1f} ms, a CPU job "
+        + " or ".join(f"{ms:.1f} ms ({n} lane{'s' if n > 1 else ''})" for n, ms in jobs[hw].items())
+        for hw in copy
+    )
+    head = f"**{data[0]['settings']['model_profile']}**, one expert for one token: {per_hw}.\n\n"
+    return head + _md_table(header, rows)
