@@ -65,7 +65,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "or a comma list of them, one set of rows each (default: device)",
     )
     p.add_argument(
-        "--cpu-lanes", type=int, default=None, help="host threads computing experts (default: the host's)"
+        "--cpu-lanes",
+        type=int,
+        default=0,
+        help="host threads computing experts, one expert each (default 0: the host's, as the runtime)",
     )
     p.add_argument(
         "--split-eval",
@@ -127,11 +130,11 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError(f"--prefetch-depth must be >= 1, got {args.prefetch_depth}")
     if not args.layer_jitter_us >= 0:  # also rejects nan
         raise ConfigError(f"--layer-jitter-us must be >= 0, got {args.layer_jitter_us}")
-    for name in ("cpu_lanes", "split_eval"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.prefill_tokens < 0:
-        raise ConfigError(f"--prefill-tokens must be >= 0, got {args.prefill_tokens}")
+    if args.split_eval is not None and args.split_eval < 1:
+        raise ConfigError(f"--split-eval must be >= 1, got {args.split_eval}")
+    for name in ("cpu_lanes", "prefill_tokens"):
+        if getattr(args, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     from moeserve.sim.hybrid import MODES
 
     for mode in args.expert_compute.split(","):

@@ -351,6 +351,9 @@ def render_simulate_hybrid(data: list[dict[str, Any]]) -> str:
     (rows ``eam``, ``oracle``, ``cpu``, ``eam (auto)``): one table row per output, TPOT of each
     mode, ``auto`` against fetch-only ``eam``, the hybrid bound and ``auto``'s placement per
     decode step and per prefill step (CPU / copied / resident experts)."""
+    order = {h: i for i, h in enumerate(dict.fromkeys(d["settings"]["hardware"] for d in data))}
+    data = sorted(data, key=lambda d: (order[d["settings"]["hardware"]], d["settings"]["batch"],
+                                       -d["settings"]["cpu_lanes"]))  # fmt: skip
     rows = []
     for run in data:
         s = run["settings"]
