@@ -12,6 +12,7 @@ then part of the one before), loaded once at start; nothing is copied after.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
@@ -57,9 +58,11 @@ def probe_link(buffer: Any) -> list[float]:
             out.append(part.link.transfer_seconds(buffer.store.expert_nbytes))
             continue
         key = int(np.flatnonzero(buffer.home == part.index)[0])
-        part.copier.bind_thread()
-        part.copier.copy(part.slots[0], buffer.store.expert(key), None)  # the first is warm-up
-        out.append(part.copier.copy(part.slots[0], buffer.store.expert(key), None))
+        # the partition's device for the probe only: the calling thread's current device stays
+        cuda = part.device.type == "cuda"
+        with torch.cuda.device(part.device) if cuda else contextlib.nullcontext():
+            part.copier.copy(part.slots[0], buffer.store.expert(key), None)  # the first is warm-up
+            out.append(part.copier.copy(part.slots[0], buffer.store.expert(key), None))
     return out
 
 
