@@ -203,3 +203,17 @@ def test_metrics_and_usage_carry_the_cpu_figures():
         "x", [], "", "", True, "stop", 1, 1, [], None, ExpertRequestStats(), 0.0, None, None
     )
     assert usage([1], [plain]).expert_stats.cpu_experts == 0
+
+
+@pytest.mark.parametrize(
+    "prefetch,cache",
+    [("on-demand", "lru"), ("next-layer-all", "lru"), ("model-counts", "model-counts"),
+     ("hot-experts", "lru"), ("eam", "eam"), ("eam", "eam-reuse")],
+)  # fmt: skip
+def test_auto_runs_with_every_policy_and_keeps_the_bits(device_logits, prefetch, cache):
+    """The baselines and the eam policies run beside hybrid placement (a link slow enough that
+    some misses go to the CPU, fast enough that some are copied): the same logits as device."""
+    rt = _rt(expert_compute="auto", link_gbps=0.5, prefetch_policy=prefetch, cache_policy=cache)
+    got, engine = _logits(rt)
+    assert all(torch.equal(a, b) for a, b in zip(got, device_logits))
+    assert sum(engine.buffer.stats.cpu_experts) > 0
