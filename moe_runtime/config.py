@@ -285,7 +285,9 @@ class RuntimeConfig:
         buffer_slots: expert slots in total (split evenly over ``num_devices``); ``None`` derives
             it from ``buffer_fraction``.
         buffer_fraction: share of all experts the buffer holds (0, 1], used when
-            ``buffer_slots`` is ``None``; 1.0 keeps every expert resident.
+            ``buffer_slots`` is ``None``; 1.0 keeps every expert resident. ``None`` (both unset):
+            the memory plan sizes the buffer where it knows the device's memory (CUDA, or
+            ``device_memory``), else every expert is resident (``moe_runtime.memory_split``).
         link_gbps: emulated host->device bandwidth in GB/s (1e9 bytes/s); ``None`` = no emulation.
         link_latency_us: fixed emulated per-transfer latency in microseconds.
         max_batch_size: most sequences in one engine step.
@@ -319,13 +321,23 @@ class RuntimeConfig:
             16), blocks in the pool (None: the memory of ``max_batch_size`` sequences of
             ``max_model_len`` positions, ``memory_plan.kv_num_blocks``), and reuse of cached
             prompt prefixes across requests (vLLM's block hashing; on by default).
+        gpu_memory_utilization: share (0, 1] of the device's memory the memory plan may take
+            (dense weights, activations, KV cache and expert slots; vLLM's flag of that name).
+        device_memory: bytes standing in for the compute device's memory (on the CPU, where the
+            "device" is host memory, so the plan and its tests run without an accelerator);
+            None: CUDA's own, and no plan on the CPU.
+        kv_cache_memory: bytes of KV cache (whole blocks of it); fixes the KV side of the plan as
+            ``num_kv_blocks`` does (give one of them).
+        plan_data: trace files (``moeserve-trace/1``) or EAMC files the memory plan reads the
+            traffic's sequence lengths and the expert hit-rate curve from (docs/operations.md
+            "Sizing"); empty: the built-in defaults.
     """
 
     device: str = "cpu"
     num_devices: int = 1
     dtype: str = "fp32"
     buffer_slots: int | None = None
-    buffer_fraction: float = 1.0
+    buffer_fraction: float | None = None
     link_gbps: float | None = None
     link_latency_us: float = 0.0
     max_batch_size: int = 16
@@ -346,6 +358,11 @@ class RuntimeConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
+    # memory plan (moe_runtime.memory_split)
+    gpu_memory_utilization: float = 0.9
+    device_memory: int | None = None
+    kv_cache_memory: int | None = None
+    plan_data: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -356,8 +373,17 @@ class RuntimeConfig:
             )
         if self.buffer_slots is not None and self.buffer_slots < 1:
             raise ConfigError(f"--buffer-slots must be >= 1, got {self.buffer_slots}")
-        if not 0 < self.buffer_fraction <= 1:
+        if self.buffer_fraction is not None and not 0 < self.buffer_fraction <= 1:
             raise ConfigError(f"--buffer-fraction must be in (0, 1], got {self.buffer_fraction}")
+        util = self.gpu_memory_utilization
+        if not 0 < util <= 1:
+            raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {util}")
+        sizes = (("--device-memory", self.device_memory), ("--kv-cache-memory", self.kv_cache_memory))
+        for flag, value in sizes:
+            if value is not None and value < 1:
+                raise ConfigError(f"{flag} must be >= 1 byte, got {value}")
+        if self.kv_cache_memory is not None and self.num_kv_blocks is not None:
+            raise ConfigError("give --kv-cache-memory or --num-kv-blocks, not both")
         if self.link_gbps is not None and self.link_gbps <= 0:
             raise ConfigError(f"--link-gbps must be > 0, got {self.link_gbps}")
         if self.link_latency_us < 0:

@@ -44,8 +44,14 @@ CGROUP_V1 = Path("/sys/fs/cgroup/memory")
 
 def buffer_slot_count(runtime: RuntimeConfig, total_experts: int) -> int:
     """Expert slots the buffer holds in total: ``--buffer-slots``, else ``ceil(fraction * total)``,
-    at most ``total_experts`` and at least 1."""
-    wanted = runtime.buffer_slots or max(1, math.ceil(runtime.buffer_fraction * total_experts))
+    else (neither set, and no memory plan fixed them: :mod:`moe_runtime.memory_split`) every
+    expert; at most ``total_experts`` and at least 1."""
+    if runtime.buffer_slots:
+        wanted = runtime.buffer_slots
+    elif runtime.buffer_fraction is not None:
+        wanted = max(1, math.ceil(runtime.buffer_fraction * total_experts))
+    else:
+        wanted = total_experts
     return min(total_experts, wanted)
 
 
