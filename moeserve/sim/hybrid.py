@@ -166,6 +166,9 @@ class SimPlacer:
             [p.loading * t for p, t in zip(parts, link_s)],
             self.lanes,
         )
+        # the runtime keeps a second device fit for layers with CPU experts beside the device; it
+        # differs from the first only on a CPU device (refitted there): on a GPU both stay the
+        # load-time probe, as here
         placed = place_layer(costs, self.cpu_fit, self.device_fit, self.mode)
         self.predicted_s = placed.predicted_s
         on_cpu = {miss[j] for j, c in enumerate(placed.on_cpu) if c}
