@@ -1,8 +1,8 @@
 """``njit``: numba's compiler where numba is installed, else the function as written.
 
 numba is a dependency (``pyproject.toml``), but a machine that installs the package without its
-dependencies (the lent GPU machine, ``docs/benchmarks.md``: numba's llvmlite alone is larger than
-what a device run may carry) still imports and runs everything: the kernels are plain
+dependencies (a GPU machine where only a minimal set of wheels is carried: numba's llvmlite alone
+is larger than the rest) still imports and runs everything: the kernels are plain
 numpy-and-loops Python that numba compiles, and run as that Python, with the same results
 (``tests/test_prefetch_kernels.py`` and ``tests/test_tracer_recorder_kernel.py`` check both),
 only slower. ``moe_runtime.jit`` re-exports it.

@@ -164,7 +164,7 @@ class ExpertBuffer:
     def copy_seconds(self) -> float | None:
         """Seconds one expert copy takes, as the I/O threads timed them (the devices' running
         means averaged; ``Partition.copy_s_mean``), or None before any copy landed. The prefetch
-        gate's link time per copy (issue #15: the link measured from the I/O thread's own timings)."""
+        gate's link time per copy: the link as the I/O threads measured it, not as configured."""
         means = [p.copy_s_mean for p in self.parts if p.copy_s_mean is not None]
         return sum(means) / len(means) if means else None
 

@@ -8,8 +8,8 @@ As numpy (the evictable mask's ``nonzero``, a gather, ``argmax``, plus a rescore
 and a re-derivation of the use probabilities at the first victim after each routed layer) it
 cost several microseconds per victim and tens per layer: on the bundled model at a 25% buffer
 and 4 GB/s, about 40 victims a decode step, the trial's ``cache`` arm
-(``moe_runtime.prefetch.gate.ModeTrial``) spent 0.3-0.4 ms of a 7-8 ms step more compute-thread
-CPU than LRU, more than the copies it saved (issue #15). Here a victim is one loop over the
+(``moe_runtime.prefetch.trial.ModeTrial``) spent 0.3-0.4 ms of a 7-8 ms step more compute-thread
+CPU than LRU, more than the copies it saved. Here a victim is one loop over the
 slots that scores only the evictable ones, and the probabilities of a routed layer's row are
 derived in the same call as the next victim (:func:`reuse_victim`'s ``pending_ids``); routed layers
 that no victim followed wait, and are derived together in one call (:func:`add_rows_probs`) at the

@@ -9,7 +9,7 @@ overwritten while a queued kernel may still read it.
 Each copy is timed by the I/O thread itself (:meth:`CopyEngine.wait` returns its seconds): on
 CUDA, the copy stream's own time between an event recorded after the slot's release event has
 passed and the copy's done event (the transfer alone, not the wait for the slot); on the CPU, the
-``memcpy``. The prefetch gate takes its link time per copy from these (issue #15).
+``memcpy``. The prefetch gate takes its link time per copy from these.
 """
 
 from __future__ import annotations

@@ -155,7 +155,7 @@ class TransferQueue:
         priorities. Returns ``(keys [m] int64, scores [m], new prefetches, cancelled
         prefetches)``, the keys best first. The same queue as :func:`best_free` then
         :meth:`replan` give (tests check it), without the per-call Python in between: this runs
-        once per planning MoE layer (issue #15's host budget)."""
+        once per planning MoE layer, inside its host-time budget."""
         self._head = None
         if base + flat.size > self._queued.size:  # past the key space: grow (rare; sized by the owner)
             self._fit(base + flat.size - 1)

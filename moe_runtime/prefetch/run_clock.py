@@ -13,8 +13,8 @@ blocks while the copies run. Wall time holds those waits, but also the host's pr
 processes on the CPU), which no arm causes. Linux counts the latter per thread
 (``/proc/thread-self/schedstat``, the run delay: time spent runnable on a run queue), so wall
 time less the run delay keeps the waits an arm causes (GIL, locks, copies, the link) and leaves
-out the host's preemption. (On the development host the run delay was about 0.02 ms per decode
-step: there the clock is nearly wall time.)
+out the host's preemption. (On a 2-core host with nothing else running the run delay was about
+0.02 ms per decode step: there the clock is nearly wall time.)
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ repeat; on CPU with one intra-op thread the clock is the thread's CPU time, whic
 on a shared host do not inflate). Reported per row: median and min/max of the per-call time in
 µs, the speed-up grouped over loop, whether the paths' outputs are bit-identical, and the path
 the engine runs at that token count (``step runs``). ``--markdown FILE``
-writes the table with its settings (docs/bench-experts.md is written this way).
+writes the table with its settings as a Markdown document.
 
 Shapes (hidden H, expert width I, experts E, top-k) come from the one table of real shapes,
 :data:`moeserve.checkpoints.shapes.SHAPES` (the public configs; ``moeserve make-checkpoint``
@@ -262,7 +262,7 @@ def _document(data: dict[str, Any], table: str) -> str:
     cmd = (
         f"moeserve bench experts --device {s['device'].split(':')[0]} --dtype {s['dtype']} "
         f"--shapes {shapes} --tokens {tokens} --repeats {s['repeats']} --calls {s['calls']} "
-        f"--markdown docs/bench-experts.md"
+        f"--markdown bench-experts.md"
     )
     return f"""# Routed experts: per-expert loop, grouped GEMMs, few-token path (`moeserve bench experts`)
 

@@ -45,7 +45,7 @@ from tracer.eamc import DEFAULT_CAPACITY
 HOOKS = ("record", "cache", "lookahead", "plan")
 HOOKS_TOTAL = ("total", *HOOKS)
 FIGURES = (*HOOKS_TOTAL, "planned_total")  # planned_total: the layers that predicted a plan
-BUDGET_US = 50.0  # issue #15: p50 host work per MoE layer
+BUDGET_US = 50.0  # the target for p50 host work per MoE layer: well under a GPU layer's time
 LOOKAHEAD_PRECISION = (0.647, 0.576, 0.493)  # bench lookahead, bundled model, d = 1..3 (timing only)
 # the parts of a planning layer's ``plan`` figure (--sections): EAMC matching and the per-layer
 # probabilities, the router lookahead's rows, the gain/cost test (their blend, ranking, victims:

@@ -23,7 +23,7 @@ OPTIONAL_METRICS = ("cpu_ms", "expert_batches_per_step")
 #: Counters reported as the median over repeats.
 COUNTS = ("prefetch_issued", "prefetch_landed", "prefetch_used", "tokens")
 BASELINE, ORACLE, DEFAULT = "on-demand+lru", "oracle", "eam"
-#: Issue #15's targets: eam TPOT / on-demand+LRU TPOT at most this, in every row ...
+#: The default policy's targets: eam TPOT / on-demand+LRU TPOT at most this, in every row ...
 TPOT_RATIO_TARGET = 1.02
 #: ... and at least this share of the on-demand -> oracle TPOT gap closed (at 25%, 0.5 GB/s).
 GAP_CLOSED_TARGET = 0.5
@@ -193,7 +193,7 @@ def target(lo: float | None, hi: float | None, bound: float, at_most: bool) -> s
 
 def verdicts(rows: list[PolicyRow | dict], policy: str = DEFAULT) -> list[dict[str, Any]]:
     """Per buffer size: ``policy`` against on-demand+lru (TPOT and blocking, decided only when the
-    spreads separate) and issue #15's targets (TPOT ratio <= 1.02; gap closed >= 0.5) judged on the
+    spreads separate) and the default policy's targets (TPOT ratio <= 1.02; gap closed >= 0.5) judged on the
     paired spreads. Buffer sizes without both rows are skipped."""
     out = []
     for fraction in sorted({_get(r, "buffer_fraction") for r in rows}):

@@ -112,7 +112,7 @@ def fmt_key(d: dict, key: str, fmt: str = "{:.2f}", scale: float = 1.0) -> str:
 
 def verdict_rows(verdicts: list[dict]) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the eam vs on-demand+LRU table of a policies run (one row per buffer):
-    TPOT and blocking with their spreads and verdicts, issue #15's ratio and gap-closed targets."""
+    TPOT and blocking with their spreads and verdicts, the TPOT-ratio and gap-closed targets."""
     header = ["buffer", "eam TPOT ms", "on-demand+lru TPOT ms", "TPOT", "eam blocking ms/token",
               "on-demand blocking ms/token", "blocking", "TPOT eam / on-demand",
               "<= 1.02", "gap closed", ">= 0.5"]  # fmt: skip
