@@ -24,6 +24,7 @@ import torch
 from moe_runtime.config import ModelConfig, RuntimeConfig
 from moe_runtime.errors import CheckpointError, ConfigError, InsufficientMemoryError
 from moe_runtime.memory_plan import check_memory, human_bytes, plan_memory
+from moe_runtime.memory_split import MemorySplit, measure_devices, resolve_split
 from moe_runtime.models import ConfigFields, ExpertTensor, Family, family_for
 from moe_runtime.models.base import expected_dense_shapes
 from moe_runtime.quant import expert_layout, parse_quantization
@@ -46,6 +47,11 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     generation_config: dict[str, Any] = field(default_factory=dict)
     load_seconds: float = 0.0
+    # the memory plan made for ``runtime`` before the load, and the CUDA devices' (free, total)
+    # bytes measured then (moe_runtime.memory_split): an engine on other settings plans again
+    runtime: RuntimeConfig | None = None
+    memory_split: MemorySplit | None = None
+    device_memory: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def dense_nbytes(self) -> int:
@@ -202,7 +208,8 @@ def load_checkpoint(
         CheckpointError: missing folder/files, a file outside the model folder, corrupt
             safetensors, a missing, misshaped, non-float or non-finite tensor (named).
         ConfigError: unsupported architecture, or a config field missing, mistyped or out of range.
-        InsufficientMemoryError: the planned memory does not fit (needed vs available bytes).
+        InsufficientMemoryError: the planned memory does not fit (needed vs available bytes), or
+            the device budget cannot hold the dense part (:mod:`moe_runtime.memory_split`).
     """
     t0 = time.perf_counter()
     runtime = runtime or RuntimeConfig()
@@ -212,7 +219,9 @@ def load_checkpoint(
     if runtime.device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"--device {runtime.device}: CUDA is not available on this machine")
     files = safetensors_files(path)
-    plan = plan_memory(cfg, runtime)
+    measured = measure_devices(runtime)  # before anything of ours is on the device
+    split = resolve_split(cfg, runtime, measured, str(path))
+    plan = plan_memory(cfg, split.runtime)
     check_memory(plan, str(path))
     pin = runtime.pin_memory if runtime.pin_memory is not None else torch.cuda.is_available()
     moe_index = {layer: i for i, layer in enumerate(cfg.moe_layers)}
@@ -305,7 +314,8 @@ def load_checkpoint(
     tokenizer = Tokenizer(path) if load_tokenizer and (path / "tokenizer.json").exists() else None
     gen_path = path / "generation_config.json"
     gen = _read_json(gen_path) if gen_path.exists() else {}
-    return LoadedModel(path, family, cfg, dense, store, tokenizer, gen, time.perf_counter() - t0)
+    took = time.perf_counter() - t0
+    return LoadedModel(path, family, cfg, dense, store, tokenizer, gen, took, runtime, split, measured)
 
 
 def _stored_dtype(handle: Any, name: str) -> torch.dtype | None:

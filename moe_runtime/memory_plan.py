@@ -15,8 +15,10 @@ The plan counts the large, long-lived allocations:
   :func:`kv_num_blocks`: the memory of ``max_batch_size`` sequences of ``max_model_len``
   positions, a sliding-window layer's window where shorter, ``moe_runtime.layers.kv_cache``).
 
-On CPU the device bytes come out of host memory too. Activations, the router lookahead's folded
-router copies and allocator overhead are not counted (small next to the above). Available memory:
+On CPU the device bytes come out of host memory too. Activations (:func:`activation_bytes`, an
+estimate) count against the device's budget when the memory plan sizes the split
+(:mod:`moe_runtime.memory_split`), not against host memory; the router lookahead's folded router
+copies and allocator overhead are not counted (small next to the above). Available memory:
 host, ``MemAvailable`` from ``/proc/meminfo``, lowered to the cgroup's limit minus its usage when
 the process runs in a memory-limited cgroup (containers); CUDA, ``torch.cuda.mem_get_info`` per
 device. Where neither source exists (not Linux) the host side is not checked.
@@ -101,6 +103,50 @@ def engine_devices(runtime: RuntimeConfig) -> list[torch.device]:
     return [device] * runtime.num_devices
 
 
+def itemsize(runtime: RuntimeConfig) -> int:
+    """Bytes per element of the runtime dtype."""
+    return torch.empty((), dtype=runtime.torch_dtype).element_size()
+
+
+def dense_bytes(cfg: ModelConfig, runtime: RuntimeConfig) -> int:
+    """Bytes of the dense weights on the compute device."""
+    return sum(math.prod(s) for s in expected_dense_shapes(cfg).values()) * itemsize(runtime)
+
+
+def expert_bytes(cfg: ModelConfig, runtime: RuntimeConfig) -> int:
+    """Bytes of one packed expert (one slot) in the format experts are kept in."""
+    layout = expert_layout(cfg, runtime)
+    return layout.nbytes if layout else cfg.expert_numel * itemsize(runtime)
+
+
+def activation_bytes(cfg: ModelConfig, runtime: RuntimeConfig) -> int:
+    """Estimated peak bytes of one step's live tensors on the compute device, for a step of
+    ``--max-num-batched-tokens`` tokens ``T`` and ``--max-batch-size`` sequences ``B``:
+
+    - per token, in the runtime dtype: 5 hidden-wide vectors (residual, norm, attention output,
+      MoE output, the expert rows' outputs summed), the query and the new K/V (or latent), and per
+      routed choice the expert's ``[gate | up]`` and activation (``3 I``) and output (``H``), plus
+      a dense or shared MLP's ``3 I`` where the model has one; 16 bytes per choice of ids and
+      weights;
+    - one layer's K and V of ``B`` sequences of ``--max-model-len`` positions, twice: gathered for
+      attention (the gather path, CPU and CUDA prefill; ``kv_cache.py``) and SDPA's working copy
+      (grouped-query expansion, the mask);
+    - ``B`` rows of fp32 logits over the vocabulary, twice (the sampler's working copy).
+
+    Attention scores are not counted (SDPA's flash and memory-efficient kernels do not make them),
+    nor the allocator's fragmentation: ``--gpu-memory-utilization`` leaves that headroom.
+    """
+    size = itemsize(runtime)
+    t, b = runtime.max_num_batched_tokens, runtime.max_batch_size
+    h, k, i = cfg.hidden_size, cfg.top_k, cfg.moe_intermediate_size
+    q = cfg.num_heads * (cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim if cfg.mla else cfg.head_dim)
+    mlp = max(cfg.dense_intermediate_size, cfg.shared_expert_intermediate_size)
+    per_token = (5 * h + q + cfg.kv_elements_per_token + k * (3 * i + h) + 3 * mlp) * size + 16 * k
+    gathered = 2 * b * kv_cache_len(cfg, runtime) * cfg.kv_elements_per_token * size
+    logits = 2 * min(b, t) * cfg.vocab_size * 4
+    return t * per_token + gathered + logits
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     """Bytes the runtime will allocate for one model (see the module docstring for what counts).
@@ -113,6 +159,9 @@ class MemoryPlan:
         slot_bytes: bytes of one slot (= one packed expert, quantized or not); 0 when the slots
             alias the store.
         devices: device of each partition; ``compute`` is the device of dense weights and KV cache.
+        expert_bytes: bytes of one packed expert (a slot's size even where the slots alias the store).
+        activations: :func:`activation_bytes`, on ``compute`` (not in :meth:`per_device`, which
+            counts allocations).
     """
 
     expert_store: int
@@ -122,6 +171,8 @@ class MemoryPlan:
     slot_bytes: int
     devices: tuple[torch.device, ...]
     compute: torch.device
+    expert_bytes: int = 0
+    activations: int = 0
 
     @property
     def buffer(self) -> int:
@@ -148,40 +199,47 @@ class MemoryPlan:
         return self.expert_store + sum(b for d, b in self.per_device().items() if d.type == "cpu")
 
 
-def partition_slots(runtime: RuntimeConfig, num_layers: int, num_experts: int) -> tuple[int, ...]:
+def partition_slots(
+    runtime: RuntimeConfig, num_layers: int, num_experts: int, slots: int | None = None
+) -> tuple[int, ...]:
     """Slots of each buffer partition, as :class:`~moe_runtime.buffer.ExpertBuffer` sizes them:
     ``ceil(slots / n)`` each (every expert when all are resident), never more than the experts
-    homed on the partition, at least 1. Beyond 2^20 experts the homes are not hashed (it would
-    cost memory) and each partition is assumed to home them all: an upper bound."""
+    homed on the partition, at least 1. ``slots``: the total (default :func:`buffer_slot_count`).
+    Beyond 2^20 experts the homes are not hashed (it would cost memory) and each partition is
+    assumed to home them all: an upper bound."""
     total = num_layers * num_experts
-    slots = buffer_slot_count(runtime, total)
+    slots = buffer_slot_count(runtime, total) if slots is None else min(slots, total)
     n = runtime.num_devices
     per = total if slots >= total else math.ceil(slots / n)
-    homed = [total] * n
+    return tuple(max(1, min(per, h)) for h in homed_experts(num_layers, num_experts, n))
+
+
+def homed_experts(num_layers: int, num_experts: int, n: int) -> list[int]:
+    """Experts homed on each of ``n`` partitions (all of them on each beyond 2^20 experts)."""
+    total = num_layers * num_experts
     if n > 1 and total <= 1 << 20:
-        homed = np.bincount(home_devices(num_layers, num_experts, n), minlength=n).tolist()
-    return tuple(max(1, min(per, h)) for h in homed)
+        return np.bincount(home_devices(num_layers, num_experts, n), minlength=n).tolist()
+    return [total] * n
 
 
 def plan_memory(cfg: ModelConfig, runtime: RuntimeConfig) -> MemoryPlan:
     """The :class:`MemoryPlan` of ``cfg`` under ``runtime`` (arithmetic only, allocates nothing)."""
-    itemsize = torch.empty((), dtype=runtime.torch_dtype).element_size()
     total = cfg.num_moe_layers * cfg.num_experts
-    layout = expert_layout(cfg, runtime)
-    expert_bytes = layout.nbytes if layout else cfg.expert_numel * itemsize
+    one = expert_bytes(cfg, runtime)
     devices = engine_devices(runtime)
     parts = partition_slots(runtime, cfg.num_moe_layers, cfg.num_experts)
     alias = len(devices) == 1 and devices[0].type == "cpu" and parts[0] >= total and runtime.link_gbps is None
-    dense = sum(math.prod(s) for s in expected_dense_shapes(cfg).values()) * itemsize
-    kv = kv_num_blocks(cfg, runtime) * kv_layout(cfg, runtime).bytes_per_block(itemsize)
+    kv = kv_num_blocks(cfg, runtime) * kv_layout(cfg, runtime).bytes_per_block(itemsize(runtime))
     return MemoryPlan(
-        expert_store=total * expert_bytes,
-        dense=dense,
+        expert_store=total * one,
+        dense=dense_bytes(cfg, runtime),
         kv_cache=kv,
         buffer_slots=parts,
-        slot_bytes=0 if alias else expert_bytes,
+        slot_bytes=0 if alias else one,
         devices=tuple(devices),
         compute=runtime.torch_device,  # indexed, as engine_devices' (one key per GPU)
+        expert_bytes=one,
+        activations=activation_bytes(cfg, runtime),
     )
 
 

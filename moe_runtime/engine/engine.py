@@ -39,6 +39,7 @@ from moe_runtime.hybrid import setup as hybrid_setup
 from moe_runtime.layers.router_lookahead import RouterLookahead
 from moe_runtime.loader import LoadedModel, load_checkpoint
 from moe_runtime.memory_plan import buffer_slot_count, engine_devices, human_bytes, kv_cache_len
+from moe_runtime.memory_split import split_for
 from moe_runtime.model import MoEModel
 from moe_runtime.prefetch import make_prefetch_policy
 from moe_runtime.stats import EngineStats
@@ -69,6 +70,9 @@ class LLMEngine(RequestAdmission, StepOutputs, PromptScoring):
         policy_context: dict[str, Any] | None = None,
     ) -> None:
         cfg = loaded.config
+        # the memory plan fixes the slots and KV blocks where it knows the device's memory
+        self.memory_split = split_for(loaded, runtime)
+        runtime = self.memory_split.runtime
         total = cfg.num_moe_layers * cfg.num_experts
         slots = buffer_slot_count(runtime, total)
         # With every expert resident no policy has anything to decide: skip their per-layer work.
@@ -281,11 +285,13 @@ class LLMEngine(RequestAdmission, StepOutputs, PromptScoring):
     def summary(self) -> str:
         """One line: dense bytes on device, expert bytes in host memory, slots and their bytes, the
         KV cache (blocks, sliding layers, prefix caching) and its attention path, the expert path
-        (``grouped`` GEMMs or a per-expert ``loop``)."""
+        (``grouped`` GEMMs or a per-expert ``loop``); after the memory plan's two lines when it
+        sized the split (``MemorySplit.describe``)."""
         st, buf = self.loaded.store, self.buffer
+        plan = self.memory_split.describe()
         total = st.num_layers * st.num_experts
         itemsize = torch.empty((), dtype=self.runtime.torch_dtype).element_size()
-        return (
+        return (plan + "\n" if plan else "") + (
             f"{self.config.architecture}: dense {self.loaded.dense_nbytes / MiB:.1f} MiB on {self.device}, "
             f"experts {st.nbytes / MiB:.1f} MiB in host memory ({total} experts x "
             f"{st.expert_nbytes / MiB:.2f} MiB{', pinned' if st.data.is_pinned() else ''}), "
