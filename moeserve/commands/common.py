@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
+
+import torch
 
 from moe_runtime import hub
 from moe_runtime.config import (
@@ -43,7 +46,11 @@ def add_model_arg(parser: argparse.ArgumentParser) -> None:
 
 def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("runtime")
-    g.add_argument("--device", default="cpu", help="compute device: cpu, cuda, cuda:1 (default: cpu)")
+    g.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="compute device: cpu, cuda, cuda:1 (default: cuda when present, else cpu)",
+    )
     g.add_argument(
         "--num-devices",
         type=int,
@@ -68,13 +75,17 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     )
     size = g.add_mutually_exclusive_group()
     size.add_argument(
-        "--buffer-slots", type=int, default=None, help="expert slots in the device buffer (total)"
+        "--buffer-slots",
+        type=int,
+        default=None,
+        help="expert slots in the device buffer (total; default: the memory plan's)",
     )
     size.add_argument(
         "--buffer-fraction",
         type=float,
-        default=1.0,
-        help="buffer size as a share of all experts, (0, 1] (default: 1.0 = all resident)",
+        default=None,
+        help="buffer size as a share of all experts, (0, 1] (default: the memory plan's on CUDA or with "
+        "--device-memory; else 1.0 = all resident)",
     )
     g.add_argument(
         "--link-gbps",
@@ -153,13 +164,20 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
         help=f"token positions per KV-cache block, 1..{MAX_BLOCK_SIZE} (default: 16; CUDA decodes read "
         "blocks in place at multiples of 16)",
     )
-    kv.add_argument(
+    pool = kv.add_mutually_exclusive_group()
+    pool.add_argument(
         "--num-kv-blocks",
         type=int,
         default=None,
-        help="KV-cache blocks in the pool (default: the memory of --max-batch-size sequences of "
-        "--max-model-len tokens); sequences are admitted while blocks are free and preempted "
-        "(recomputed later) when they run out",
+        help="KV-cache blocks in the pool (default: the memory plan's on CUDA or with --device-memory; "
+        "else the memory of --max-batch-size sequences of --max-model-len tokens); sequences are "
+        "admitted while blocks are free and preempted (recomputed later) when they run out",
+    )
+    pool.add_argument(
+        "--kv-cache-memory",
+        type=byte_size,
+        default=None,
+        help="KV cache in bytes (whole blocks; units allowed: 4GiB, 500MB), instead of --num-kv-blocks",
     )
     kv.add_argument(
         "--enable-prefix-caching",
@@ -167,6 +185,31 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="reuse the KV blocks of prompt prefixes computed before (vLLM's block hashing; "
         "default: on; --no-enable-prefix-caching turns it off)",
+    )
+    # memory plan (moe_runtime.memory_split, docs/operations.md "Sizing")
+    m = parser.add_argument_group("memory plan")
+    m.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="share of the device's memory the plan may take: dense weights, activations, KV cache, "
+        "expert slots (default: 0.9)",
+    )
+    m.add_argument(
+        "--device-memory",
+        type=byte_size,
+        default=None,
+        help="bytes standing in for the device's memory (units allowed: 24GiB); on the CPU it turns the "
+        "plan on (default: CUDA's own; none on the CPU: every expert resident)",
+    )
+    m.add_argument(
+        "--plan-data",
+        action="append",
+        default=None,
+        metavar="PATH",
+        help="a trace file or EAMC file of past traffic: the plan takes its sequence lengths and expert "
+        "hit-rate curve from it (repeatable; default: serve's --record-trace and --eamc-path files when "
+        "they exist, else the Azure conversation lengths and a Zipf routing)",
     )
 
 
@@ -200,7 +243,47 @@ def runtime_from_args(args: argparse.Namespace, dtype: str | None = None) -> Run
         block_size=getattr(args, "block_size", 16),
         num_kv_blocks=getattr(args, "num_kv_blocks", None),
         enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
+        gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),
+        device_memory=getattr(args, "device_memory", None),
+        kv_cache_memory=getattr(args, "kv_cache_memory", None),
+        plan_data=_plan_data(args),
     )
+
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def byte_size(text: str) -> int:
+    """``--device-memory``/``--kv-cache-memory``: bytes, with an optional unit (``24GiB``,
+    ``500MB``, ``80G``: binary for ``KiB``..``TiB``, decimal for ``K``/``KB``..``T``/``TB``).
+
+    Raises:
+        argparse.ArgumentTypeError: not a positive size.
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([kmgtKMGT]?)(i?)[bB]?\s*", text)
+    if not m or (m.group(3) and not m.group(2)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size in bytes (e.g. 24GiB, 500MB, 1000000)")
+    unit = m.group(2).lower()
+    scale = 1 << (10 * "kmgt".index(unit) + 10) if m.group(3) else _UNITS[unit]
+    value = int(float(m.group(1)) * scale)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1 byte")
+    return value
+
+
+def _plan_data(args: argparse.Namespace) -> tuple[str, ...]:
+    """``--plan-data`` files, else serve's own ``--record-trace`` and ``--eamc-path`` files where
+    they exist and hold something (an ``--eamc-on-corrupt reset`` EAMC is left out: it may not read)."""
+    given = getattr(args, "plan_data", None)
+    if given:
+        return tuple(given)
+    found = []
+    trace, eamc = getattr(args, "record_trace", None), getattr(args, "eamc_path", None)
+    if trace is not None and Path(trace).is_file() and Path(trace).stat().st_size > 0:
+        found.append(str(trace))
+    if eamc is not None and Path(eamc).is_file() and getattr(args, "eamc_on_corrupt", "fail") == "fail":
+        found.append(str(eamc))
+    return tuple(found)
 
 
 #: The ``--dtype`` default: bf16 on CUDA (fp32 there wastes half the memory and bandwidth),
