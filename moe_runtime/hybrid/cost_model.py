@@ -6,16 +6,22 @@ placement (:mod:`moe_runtime.hybrid.placement`) and a discrete-event simulator c
 NOTE: the model. A layer's needed experts are *resident* (their slot is ready: they run on the
 device), *in flight* (a copy is landing: wait for it, then the device) or *missed*. A miss either
 crosses the link (``copy``: it lands after the link's backlog and the copies placed before it, then
-the device runs it) or runs on one of ``P`` host threads from host memory (``cpu``, as Fiddler,
-KTransformers and llama.cpp's ``--n-cpu-moe`` compute experts). Each resource is a lane with a
-finish time: one link and one device lane per device partition, ``P`` CPU lanes. Misses are placed
+the device runs it) or runs on the CPU from host memory (``cpu``, as Fiddler, KTransformers and
+llama.cpp's ``--n-cpu-moe`` compute experts). Each resource is a lane with a finish time: one link
+and one device lane per device partition, and the CPU lanes. The runtime has ONE CPU lane: its
+pool splits each expert over every thread by output rows (as llama.cpp and KTransformers split a
+matrix product over their threads), so its experts run one after another at the whole pool's rate
+(at decode, the socket's memory bandwidth rather than one core's), and the CPU fit is the whole
+pool's: measured at load with every thread on one expert, refitted from each layer run's experts.
+``cpu_lanes`` > 1 models independent executors sharing nothing (each with the same fit); the
+runtime and the simulator pass 1. Misses are placed
 greedily by expected finish time (HybriMoE's intra-layer split, HybriMoE §4): most rows first (a
 prefill chunk's busy experts, whose CPU time is compute-bound, meet the device first), each where
 it would finish first, ties to the device. So the CPU side and the link side end together, and a
 miss with many tokens goes to the device by the same rule as any other.
 
 Times come from two :class:`LinearCost` fits, ``seconds = per_expert + per_row x rows``: the CPU
-kernel's (measured at load, then from the executor's own timings) and the device's (measured at
+pool's (measured at load, then from the executor's own timings) and the device's (measured at
 load; on a CPU device also from the compute thread's batches). The link's time per expert is the
 I/O threads' own measure (``ExpertBuffer.copy_seconds``, the prefetch gate's ``t``).
 """
@@ -116,7 +122,8 @@ class LayerCosts:
         miss_rows: the rows of each missed expert; miss_part: its home partition.
         link_s: one expert's copy time per partition (the I/O threads' measure).
         link_backlog_s: per partition, link time still taken by copies in flight.
-        cpu_lanes: host threads computing experts (``P``); 0 = no CPU side.
+        cpu_lanes: independent CPU executors, each running one expert at a time (the runtime's
+            pool, every thread on each expert, is 1); 0 = no CPU side.
         cpu_busy_s: per CPU lane, work still queued on it (usually 0 at a layer's start).
     """
 

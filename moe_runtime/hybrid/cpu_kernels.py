@@ -22,12 +22,20 @@ is eligible only where the experts are stored in its own format, e.g. int8 exper
 fp8 and MXFP4 experts run ``dequant`` (no second copy of the store is made: see docs/hybrid.md).
 :func:`choose_kernels` measures the eligible kernels at load on the store's own experts and keeps
 the fastest per row count.
+
+Each kernel also computes a range of a projection's output rows (``gate_up_rows``, ``down_rows``):
+the executor splits one expert over every pool thread that way, as llama.cpp and KTransformers
+split a matrix product's rows over their threads. A range is the same product on fewer weight
+rows, so each output element's dot product is the whole product's where the range starts at a
+multiple of :data:`ROW_ALIGN` (the executor checks this per kernel at load and runs a kernel whose
+ranges differ whole). fp8's block scales span rows: its ``dequant`` runs whole.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +47,10 @@ from moe_runtime.jit import njit
 
 #: token rows at which the kernels are measured at load; a step's row count uses the nearest
 ROW_POINTS = (1, 4, 32)
+#: a range of output rows starts at a multiple of this: on this host's MKL sgemm and oneDNN a
+#: product split at 16-row boundaries gives the whole product's bits for 1-32 token rows, where
+#: 8-row boundaries did not (fp32, 4+ rows); 16 fp32 values are one AVX-512 register
+ROW_ALIGN = 16
 _FLOAT_CODECS = ("bf16", "fp16", "fp32")
 
 
@@ -98,14 +110,27 @@ def int8_rows(q: np.ndarray, scale: np.ndarray, x: np.ndarray, out: np.ndarray, 
         n += 1
 
 
+def gate_up_pieces(inter: int, r0: int, r1: int) -> list[tuple[str, int, int]]:
+    """Rows ``[r0, r1)`` of the fused ``[gate | up]`` product (``2 x inter`` rows) as
+    ``(part, first, end)`` rows of the ``gate`` and ``up`` matrices."""
+    out = []
+    if r0 < inter:
+        out.append(("gate", r0, min(r1, inter)))
+    if r1 > inter:
+        out.append(("up", max(r0, inter) - inter, r1 - inter))
+    return out
+
+
 class Kernel:
     """One way to run an expert's two projections from its host row.
 
-    Args: store: the host expert store (its rows, layout and dtypes). Attributes: name; exact.
-    Both methods take the expert's flat key (``layer * E + expert``)."""
+    Args: store: the host expert store (its rows, layout and dtypes). Attributes: name; exact;
+    splits (the projections run by ranges of output rows: ``gate_up_rows``, ``down_rows``).
+    Every method takes the expert's flat key (``layer * E + expert``)."""
 
     name = ""
     exact = True
+    splits = True
 
     def __init__(self, store: Any) -> None:
         self.store = store
@@ -121,25 +146,57 @@ class Kernel:
         """``h [n, I]`` (compute dtype) -> ``[n, H]`` (compute dtype)."""
         raise NotImplementedError
 
+    def gate_up_rows(self, key: int, x: torch.Tensor, r0: int, r1: int) -> torch.Tensor:  # pragma: no cover
+        """Columns ``r0:r1`` of :meth:`gate_up`'s output, ``[n, r1 - r0]``."""
+        raise NotImplementedError
+
+    def down_rows(self, key: int, h: torch.Tensor, r0: int, r1: int) -> torch.Tensor:  # pragma: no cover
+        """Columns ``r0:r1`` of :meth:`down`'s output, ``[n, r1 - r0]``."""
+        raise NotImplementedError
+
 
 class Linear(Kernel):
     name = "linear"
 
+    def gate_up_rows(self, key, x, r0, r1):
+        h = self.h
+        return F.linear(x, self.store.expert(key)[r0 * h : r1 * h].view(r1 - r0, h))
+
+    def down_rows(self, key, h, r0, r1):
+        at, i = 2 * self.i * self.h, self.i
+        return F.linear(h, self.store.expert(key)[at + r0 * i : at + r1 * i].view(r1 - r0, i))
+
     def gate_up(self, key, x):
-        return F.linear(x, self.store.expert(key)[: 2 * self.i * self.h].view(2 * self.i, self.h))
+        return self.gate_up_rows(key, x, 0, 2 * self.i)
 
     def down(self, key, h):
-        return F.linear(h, self.store.expert(key)[2 * self.i * self.h :].view(self.h, self.i))
+        return self.down_rows(key, h, 0, self.h)
 
 
 class Dequant(Kernel):
     name = "dequant"
+
+    def __init__(self, store: Any) -> None:
+        super().__init__(store)
+        self.splits = bool(self.layout.codec.row_scaled)  # fp8's block scales span rows
+
+    def _rows(self, key: int, part: str, a: int, b: int) -> torch.Tensor:
+        lay, row = self.layout, self.store.expert(key)
+        comps = {n: lay.view(row, part, n)[a:b] for n in lay.component_names}
+        return lay.codec.dequantize(comps, b - a, lay.shape(part)[1], self.dtype)
 
     def gate_up(self, key, x):
         return F.linear(x, self.layout.gate_up(self.store.expert(key), self.dtype))
 
     def down(self, key, h):
         return F.linear(h, self.layout.dequant(self.store.expert(key), "down", self.dtype))
+
+    def gate_up_rows(self, key, x, r0, r1):
+        ws = [self._rows(key, p, a, b) for p, a, b in gate_up_pieces(self.i, r0, r1)]
+        return F.linear(x, ws[0] if len(ws) == 1 else torch.cat(ws))
+
+    def down_rows(self, key, h, r0, r1):
+        return F.linear(h, self._rows(key, "down", r0, r1))
 
 
 class CastLinear(Kernel):
@@ -157,6 +214,14 @@ class CastLinear(Kernel):
     def down(self, key, h):
         return F.linear(h.to(self.layout.codec.dtype), self._w(key, "down")).to(self.dtype)
 
+    def gate_up_rows(self, key, x, r0, r1):
+        xs = x.to(self.layout.codec.dtype)
+        outs = [F.linear(xs, self._w(key, p)[a:b]) for p, a, b in gate_up_pieces(self.i, r0, r1)]
+        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)).to(self.dtype)
+
+    def down_rows(self, key, h, r0, r1):
+        return F.linear(h.to(self.layout.codec.dtype), self._w(key, "down")[r0:r1]).to(self.dtype)
+
 
 class Int8Gemv(Kernel):
     name = "int8-gemv"
@@ -169,33 +234,39 @@ class Int8Gemv(Kernel):
         self._q = {p: lay.view(data, p, "weight").numpy() for p in ("gate", "up", "down")}
         self._s = {p: lay.view(data, p, "weight_scale").numpy() for p in ("gate", "up", "down")}
 
-    def _run(self, key: int, x: torch.Tensor, parts: tuple[str, ...], width: int) -> torch.Tensor:
+    def _run(self, key: int, x: torch.Tensor, pieces, width: int) -> torch.Tensor:
+        """``pieces``: ``(part, first, end)`` weight rows, their outputs side by side (``width``)."""
         xs = x.to(torch.float32).contiguous().numpy()
         out = np.empty((xs.shape[0], width), dtype=np.float32)
         col = 0
-        for part in parts:
-            q = self._q[part][key]
-            int8_rows(q, self._s[part][key], xs, out, col)
-            col += q.shape[0]
+        for part, a, b in pieces:
+            int8_rows(self._q[part][key][a:b], self._s[part][key][a:b], xs, out, col)
+            col += b - a
         y = torch.from_numpy(out)
         return y if self.dtype == torch.float32 else y.to(self.dtype)
 
     def gate_up(self, key, x):
-        return self._run(key, x, ("gate", "up"), 2 * self.i)
+        return self._run(key, x, (("gate", 0, self.i), ("up", 0, self.i)), 2 * self.i)
 
     def down(self, key, h):
-        return self._run(key, h, ("down",), self.h)
+        return self._run(key, h, (("down", 0, self.h),), self.h)
+
+    def gate_up_rows(self, key, x, r0, r1):
+        return self._run(key, x, gate_up_pieces(self.i, r0, r1), r1 - r0)
+
+    def down_rows(self, key, h, r0, r1):
+        return self._run(key, h, (("down", r0, r1),), r1 - r0)
 
 
 class Int8Pack(Kernel):
     name = "int8pack"
     exact = False
 
-    def _mm(self, key: int, x: torch.Tensor, part: str) -> torch.Tensor:
+    def _mm(self, key: int, x: torch.Tensor, part: str, a: int = 0, b: int | None = None) -> torch.Tensor:
         act = self.dtype if self.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
         row = self.store.expert(key)
-        q = self.layout.view(row, part, "weight")
-        scale = self.layout.view(row, part, "weight_scale").reshape(-1).to(act)
+        q = self.layout.view(row, part, "weight")[a:b]
+        scale = self.layout.view(row, part, "weight_scale")[a:b].reshape(-1).to(act)
         return torch.ops.aten._weight_int8pack_mm(x.to(act), q, scale)
 
     def gate_up(self, key, x):
@@ -203,6 +274,13 @@ class Int8Pack(Kernel):
 
     def down(self, key, h):
         return self._mm(key, h, "down").to(self.dtype)
+
+    def gate_up_rows(self, key, x, r0, r1):
+        outs = [self._mm(key, x, p, a, b) for p, a, b in gate_up_pieces(self.i, r0, r1)]
+        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)).to(self.dtype)
+
+    def down_rows(self, key, h, r0, r1):
+        return self._mm(key, h, "down", r0, r1).to(self.dtype)
 
 
 def eligible_kernels(store: Any) -> list[Kernel]:
@@ -279,13 +357,18 @@ def choose_kernels(
     repeats: int = 3,
     budget_s: float = 0.5,
     kernels: list[Kernel] | None = None,
+    run: Callable[[Kernel, int, torch.Tensor], Any] | None = None,
 ) -> KernelChoice:
     """Measure each eligible kernel (:func:`eligible_kernels`) at each row count of ``points`` on
     the store's own experts (a different expert per call, so weights come from memory, not the
     cache; median of ``repeats`` after a warm-up) and keep the fastest per point; a kernel that
     is not exact must beat the exact one. ``budget_s``: stop repeating a kernel's point once its
-    calls took this long (large experts). Runs on the calling thread."""
+    calls took this long (large experts). ``run(kernel, key, x)`` computes one expert (default:
+    :func:`run_projections` on the calling thread; the runtime passes its pool's, so the times
+    are every pool thread's on one expert)."""
     kernels = kernels or eligible_kernels(store)
+    if run is None:
+        run = lambda k, key, x: run_projections(k, key, x, _silu_glu)  # noqa: E731
     n_keys = store.num_layers * store.num_experts
     gen = torch.Generator().manual_seed(0)
     seconds: dict[str, list[float]] = {}
@@ -301,7 +384,7 @@ def choose_kernels(
                     expert = key % n_keys
                     key += 7  # a different expert each call (another layer's, most often)
                     t0 = time.perf_counter()
-                    run_projections(k, expert, x, _silu_glu)
+                    run(k, expert, x)
                     dt = time.perf_counter() - t0
                     spent += dt
                     if i:  # the first call warms up

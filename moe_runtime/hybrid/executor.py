@@ -1,19 +1,35 @@
-"""The CPU expert executor: experts computed on host threads straight from the host store.
+"""The CPU expert executor: experts computed by a pool of host threads straight from the host store.
 
 As Fiddler and llama.cpp's ``--n-cpu-moe`` do, a missed expert can run where its weights already
-are: host memory, which a CPU reads faster than a PCIe link moves it. :class:`CPUExpertExecutor`
-is a pool of host threads; each job is one expert over its token rows (the projections of the
-kernel :func:`~moe_runtime.hybrid.cpu_kernels.choose_kernels` picked for that many rows, the
-device path's own activation and biases between them). torch ops release the GIL, so jobs run in
-parallel; each pool thread keeps one OpenMP thread (``omp_set_num_threads(1)`` for itself) so the
-pool does not multiply the compute thread's intra-op threads.
+are: host memory, which a CPU reads faster than a PCIe link moves it. At decode a layer has one
+or two such experts, each a matrix-vector product whose time is reading its weights, and one
+thread reads host memory at about one core's rate. So :class:`CPUExpertExecutor` splits every
+CPU expert over all its pool threads by ranges of output rows, as llama.cpp and KTransformers
+split a matrix product's rows over their threads: the pool is one lane that works on the layer's
+experts together and reads at the socket's rate.
+
+A run (:class:`Batch`) is a list of units: every expert's gate/up ranges, then every expert's
+down ranges, expert by expert. The down projection needs the whole activated ``[n, I]`` of its
+expert, so each expert has a barrier of its own: the worker that completes its last gate/up unit
+joins the ranges (bit for bit the whole product: :data:`~moe_runtime.hybrid.cpu_kernels.ROW_ALIGN`,
+:meth:`CPUExpertExecutor.check_split`), applies the device path's activation and biases, and
+releases the expert's down units; a worker that takes a down unit of an expert not yet released
+waits for it, which a running worker is completing (no deadlock however many workers run). The
+worker that completes an expert's last down unit joins its output. Workers take units from one
+shared iterator, so a fast worker takes more (KTransformers' dynamic split of a layer's work).
+
+Each pool thread keeps one OpenMP thread (``omp_set_num_threads(1)`` for itself), so the pool
+does not multiply the compute thread's intra-op threads. A range is at least
+:data:`MIN_UNIT_BYTES` of weights: each unit costs some Python on the GIL, which small experts
+(the bundled model's) cannot amortise over many threads.
 
 :class:`CPUExperts` is one layer run's share: ``start`` sends only the hidden rows of the CPU
 experts' tokens to the host (on CUDA: one gather and one non-blocking copy into pinned memory on
-the compute stream, an event the jobs wait on in their own threads) and submits the jobs, before
-the device computes the resident experts; ``finish`` brings each output ``[T_e, H]`` back (on CUDA
-from pinned memory, non-blocking), scaled by its router weights and cast as the device path does,
-and says at which ``(token, rank)`` positions it goes. No host sync is added on the device stream.
+the compute stream, an event the workers wait on in their own threads) and starts the batch,
+before the device computes the resident experts; ``finish`` brings each output ``[T_e, H]`` back
+(on CUDA from pinned memory, non-blocking), scaled by its router weights and cast as the device
+path does, and says at which ``(token, rank)`` positions it goes. No host sync is added on the
+device stream.
 """
 
 from __future__ import annotations
@@ -29,8 +45,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from moe_runtime.hybrid.cpu_kernels import KernelChoice, run_projections
+from moe_runtime.hybrid.cpu_kernels import ROW_ALIGN, Kernel, KernelChoice
 from moe_runtime.layers.experts import ExpertFFN, _biased, _hidden
+
+#: least weight bytes in one range of a split projection. A unit costs about 10 us of Python on
+#: the GIL (its weight view, the op's dispatch, the barrier's bookkeeping; bench cpu-experts on the
+#: development host), which one core reading 1 MiB at 10-20 GB/s takes 50-100 us to amortise
+MIN_UNIT_BYTES = 1 << 20
+#: token rows at which :meth:`CPUExpertExecutor.check_split` compares ranges with whole products
+CHECK_ROWS = (1, 3, 5, 32)
 
 
 def _one_omp_thread() -> None:
@@ -41,25 +64,92 @@ def _one_omp_thread() -> None:
 
 
 class CPUExpertExecutor:
-    """Host threads computing experts from the host store.
+    """A pool of host threads computing experts from the host store, every thread on each expert.
 
     Args:
         store: the :class:`~moe_runtime.store.HostExpertStore`.
-        choice: the kernels by row count (:func:`~moe_runtime.hybrid.cpu_kernels.choose_kernels`).
+        choice: the kernels by row count (:func:`~moe_runtime.hybrid.cpu_kernels.choose_kernels`);
+            None: set later with :meth:`set_choice` (the runtime measures the kernels on this pool).
         threads: pool threads (>= 1).
+        min_unit_bytes: least weight bytes of one range (None: :data:`MIN_UNIT_BYTES`).
 
     Attributes:
-        samples: ``(rows, seconds)`` of each finished job, appended by the pool threads and
-            drained by the placement (its CPU cost fit), a thread-safe deque.
+        samples: ``(rows, seconds)`` of each CPU expert of each finished layer run (its share of
+            the batch's time), appended by :meth:`CPUExperts.finish` and drained by the placement
+            (its CPU cost fit), a thread-safe deque.
+        whole: names of kernels whose ranges did not give the whole product's bits: run whole.
     """
 
-    def __init__(self, store: Any, choice: KernelChoice, threads: int) -> None:
-        self.store, self.choice, self.threads = store, choice, max(1, threads)
+    def __init__(
+        self, store: Any, choice: KernelChoice | None, threads: int, min_unit_bytes: int | None = None
+    ) -> None:
+        self.store, self.threads = store, max(1, threads)
+        self.min_unit_bytes = MIN_UNIT_BYTES if min_unit_bytes is None else min_unit_bytes
         self.pool = ThreadPoolExecutor(self.threads, "moeserve-cpu-expert", initializer=_one_omp_thread)
         self.samples: collections.deque[tuple[int, float]] = collections.deque(maxlen=4096)
+        self.whole: set[str] = set()
+        self._plans: dict[str, tuple[list[tuple[int, int]], list[tuple[int, int]]]] = {}
         self._host_bias: dict[int, torch.Tensor] = {}
         self._bias_lock = threading.Lock()
+        self.choice: KernelChoice | None = None
+        if choice is not None:
+            self.set_choice(choice)
 
+    def set_choice(self, choice: KernelChoice) -> None:
+        """Use ``choice``'s kernels (their ranges checked first: :meth:`check_split`)."""
+        self.check_split(choice.kernels)
+        self.choice = choice
+
+    # ------------------------------------------------------------------ ranges
+    def _plan(self, kernel: Kernel, n_out: int, row_bytes: int) -> list[tuple[int, int]]:
+        if not kernel.splits or kernel.name in self.whole or self.threads == 1:
+            return [(0, n_out)]
+        step = max(-(-n_out // self.threads), -(-self.min_unit_bytes // max(1, row_bytes)))
+        step = -(-step // ROW_ALIGN) * ROW_ALIGN
+        return [(r, min(r + step, n_out)) for r in range(0, n_out, step)]
+
+    def plans(self, kernel: Kernel) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """``(gate/up ranges, down ranges)`` of ``kernel``'s experts: about one per thread, each
+        starting at a multiple of ``ROW_ALIGN`` rows and at least ``min_unit_bytes`` of weights;
+        one whole range where the kernel does not split."""
+        got = self._plans.get(kernel.name)
+        if got is None:
+            st = self.store
+            h, i, nbytes = st.hidden_size, st.intermediate_size, st.expert_nbytes
+            got = self._plans[kernel.name] = (
+                self._plan(kernel, 2 * i, nbytes // (3 * i)),
+                self._plan(kernel, h, nbytes // (3 * h)),
+            )
+        return got
+
+    def check_split(self, kernels: list[Kernel], rows: tuple[int, ...] = CHECK_ROWS) -> None:
+        """Per kernel that splits here: its ranges joined against its whole products on the store's
+        first expert, at ``rows`` token rows, on a pool thread (one OpenMP thread, as it runs); a
+        kernel whose bits differ joins :attr:`whole`."""
+        st = self.store
+        h, i, dtype = st.hidden_size, st.intermediate_size, st.compute_dtype
+
+        def same(k: Kernel) -> bool:
+            gu_plan, down_plan = self.plans(k)
+            gen = torch.Generator().manual_seed(0)
+            with torch.inference_mode():
+                for n in rows:
+                    x = torch.randn(n, h, generator=gen).to(dtype)
+                    y = torch.randn(n, i, generator=gen).to(dtype)
+                    gu = torch.cat([k.gate_up_rows(0, x, a, b) for a, b in gu_plan], dim=1)
+                    down = torch.cat([k.down_rows(0, y, a, b) for a, b in down_plan], dim=1)
+                    if not (torch.equal(gu, k.gate_up(0, x)) and torch.equal(down, k.down(0, y))):
+                        return False
+            return True
+
+        for k in {k.name: k for k in kernels}.values():
+            if k.name in self.whole or sum(map(len, self.plans(k))) == 2:
+                continue
+            if not self.pool.submit(same, k).result():
+                self.whole.add(k.name)
+                self._plans.pop(k.name, None)
+
+    # ------------------------------------------------------------------ runs
     def host_bias(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """``t`` (a resident per-expert bias table) on the host, copied once."""
         if t is None or t.is_cpu:
@@ -70,27 +160,156 @@ class CPUExpertExecutor:
                 got = self._host_bias[id(t)] = t.to("cpu")
         return got
 
-    def run(
-        self, key: int, xs: torch.Tensor, ffn: ExpertFFN | None, expert: int
-    ) -> tuple[torch.Tensor, float]:
-        """Expert ``key``'s output ``[n, H]`` for ``xs [n, H]`` (host, compute dtype), and the
-        seconds it took on this thread. Called on a pool thread."""
-        t0 = time.perf_counter()
-        kernel = self.choice.for_rows(xs.shape[0])
-        gu_bias = down_bias = None
-        if ffn is not None:
-            gu_bias, down_bias = (
-                None if b is None else self.host_bias(b)[expert] for b in (ffn.gate_up_bias, ffn.down_bias)
-            )
-        with torch.inference_mode():
-            y = run_projections(kernel, key, xs, lambda gu: _hidden(gu, ffn, gu_bias))
-            y = _biased(y, down_bias)
-        seconds = time.perf_counter() - t0
-        self.samples.append((xs.shape[0], seconds))
-        return y, seconds
+    def expert(self, key: int, rows: np.ndarray, hidden: Any, down_bias: torch.Tensor | None) -> _Expert:
+        """One expert of a :class:`Batch`: flat ``key``, its token ``rows`` of the batch's host
+        tensor, ``hidden`` (``[n, 2I] -> [n, I]``: the device path's activation and gate/up bias),
+        its down bias; the kernel the choice names for its row count."""
+        kernel = self.choice.for_rows(len(rows))
+        return _Expert(key, kernel, self.plans(kernel), rows, hidden, down_bias)
+
+    def submit(self, experts: list[_Expert], host: torch.Tensor, ready: Any = None) -> Batch:
+        """Start ``experts`` over ``host`` (their token rows; ``ready``: a CUDA event the workers
+        wait on before reading it, None on the CPU) on the pool."""
+        return Batch(self, experts, host, ready)
+
+    def run_one(self, kernel: Kernel, key: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``key`` over ``x [n, H]`` with ``kernel`` on the whole pool (SwiGLU, no biases):
+        the load-time measurement of the kernels (``choose_kernels(run=...)``)."""
+        e = _Expert(key, kernel, self.plans(kernel), np.arange(x.shape[0]), _swiglu, None)
+        e.xs = x
+        return self.submit([e], x).wait()[0][0]
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+
+
+def _swiglu(gu: torch.Tensor) -> torch.Tensor:
+    return _hidden(gu, None, None)
+
+
+class _Expert:
+    """One expert's share of a :class:`Batch`: its ranges, their outputs and its two barriers."""
+
+    __slots__ = ("key", "kernel", "gu_plan", "down_plan", "rows", "hidden", "down_bias", "xs", "gu",
+                 "down", "gu_left", "down_left", "h", "released", "y")  # fmt: skip
+
+    def __init__(self, key, kernel, plans, rows, hidden, down_bias) -> None:
+        self.key, self.kernel, self.rows, self.hidden, self.down_bias = key, kernel, rows, hidden, down_bias
+        self.gu_plan, self.down_plan = plans
+        self.gu: list[Any] = [None] * len(self.gu_plan)
+        self.down: list[Any] = [None] * len(self.down_plan)
+        self.gu_left, self.down_left = len(self.gu_plan), len(self.down_plan)
+        self.xs: torch.Tensor | None = None
+        self.h: torch.Tensor | None = None
+        self.released = threading.Event()  # its activation is in: its down units may run
+        self.y: torch.Tensor | None = None
+
+
+class Batch:
+    """Experts computed together by the pool's workers (see the module note); :meth:`wait` gives
+    each output and its share of the batch's seconds."""
+
+    def __init__(
+        self, executor: CPUExpertExecutor, experts: list[_Expert], host: torch.Tensor, ready: Any
+    ) -> None:
+        self.executor, self.experts, self.host, self.ready = executor, experts, host, ready
+        self.pinned = ready is not None  # a CUDA run: outputs go back from pinned memory
+        gu = [(0, i, j) for i, e in enumerate(experts) for j in range(len(e.gu_plan))]
+        down = [(1, i, j) for i, e in enumerate(experts) for j in range(len(e.down_plan))]
+        self._units = iter(gu + down)  # one shared iterator: next() hands each unit out once
+        self.lock = threading.Lock()
+        self.spans: list[tuple[float, float]] = []  # per worker: first unit's start, last one's end
+        self.work = [0.0] * len(experts)  # thread-seconds per expert
+        self.error: BaseException | None = None
+        n = min(executor.threads, max(len(gu), len(down)))
+        self.futures: list[Future] = [executor.pool.submit(self._worker) for _ in range(n)]
+
+    def _rows(self, e: _Expert) -> torch.Tensor:
+        """The expert's token rows of the host tensor, gathered once (by the first worker)."""
+        with self.lock:
+            if e.xs is None:
+                rows, host = e.rows, self.host
+                r = int(rows[0])
+                e.xs = host[r : r + 1] if len(rows) == 1 else host.index_select(0, torch.from_numpy(rows))
+            return e.xs
+
+    def _worker(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()  # this thread waits for the rows' copy, not the compute thread
+        t0 = time.perf_counter()
+        spent = [0.0] * len(self.experts)
+        try:
+            with torch.inference_mode():
+                for phase, i, j in self._units:
+                    u0 = time.perf_counter()
+                    e = self.experts[i]
+                    if phase == 0:
+                        self._gate_up(e, j)
+                    elif not self._down(e, j):
+                        return
+                    spent[i] += time.perf_counter() - u0
+        except BaseException as exc:
+            self.error = exc
+            for e in self.experts:  # wake the workers waiting on a barrier: they stop
+                e.released.set()
+            raise
+        finally:
+            with self.lock:
+                self.spans.append((t0, time.perf_counter()))
+                self.work = [a + b for a, b in zip(self.work, spent)]
+
+    def _gate_up(self, e: _Expert, j: int) -> None:
+        xs = e.xs if e.xs is not None else self._rows(e)
+        k = e.kernel
+        if len(e.gu_plan) == 1:
+            e.gu[0] = k.gate_up(e.key, xs)
+        else:
+            a, b = e.gu_plan[j]
+            e.gu[j] = k.gate_up_rows(e.key, xs, a, b)
+        with self.lock:
+            e.gu_left -= 1
+            last = not e.gu_left
+        if last:  # the expert's barrier: the whole [n, 2I] is in
+            gu = e.gu[0] if len(e.gu) == 1 else torch.cat(e.gu, dim=1)
+            e.gu = []
+            e.h = e.hidden(gu)
+            e.released.set()
+
+    def _down(self, e: _Expert, j: int) -> bool:
+        if not e.released.is_set():
+            e.released.wait()
+        if self.error is not None:
+            return False
+        k = e.kernel
+        if len(e.down_plan) == 1:
+            e.down[0] = k.down(e.key, e.h)
+        else:
+            a, b = e.down_plan[j]
+            e.down[j] = k.down_rows(e.key, e.h, a, b)
+        with self.lock:
+            e.down_left -= 1
+            last = not e.down_left
+        if last:
+            y = e.down[0] if len(e.down) == 1 else torch.cat(e.down, dim=1)
+            e.down, e.h = [], None
+            y = _biased(y, e.down_bias)
+            if self.pinned:
+                pinned = torch.empty(y.shape, dtype=y.dtype, pin_memory=True)
+                pinned.copy_(y)
+                y = pinned
+            e.y = y
+        return True
+
+    def wait(self) -> list[tuple[torch.Tensor, float]]:
+        """Wait for every worker; per expert ``(output [n, H], seconds)``: the batch's time from
+        its first unit to its last, shared out by each expert's thread-seconds (so the experts'
+        seconds add up to the batch's)."""
+        for f in self.futures:
+            f.result()
+        wall = max(b for _, b in self.spans) - min(a for a, _ in self.spans)
+        total = sum(self.work)
+        n = len(self.experts)
+        return [(e.y, wall * (w / total if total > 0 else 1 / n)) for e, w in zip(self.experts, self.work)]
 
 
 def upload(host: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -134,11 +353,12 @@ class CPUExperts:
         self.executor, self.layer, self.experts = executor, layer, sorted(experts)
         self.key0 = layer * num_experts
         self.stats = stats
-        self.jobs: list[tuple[int, np.ndarray, np.ndarray, Future]] = []
+        self.places: list[tuple[int, np.ndarray, np.ndarray]] = []  # (expert, weight index, positions)
+        self.batch: Batch | None = None
         self.seconds: dict[int, float] = {}
 
     def start(self, x: torch.Tensor, ids_host: np.ndarray, ffn: ExpertFFN | None) -> None:
-        """Stage the CPU experts' token rows of ``x [T, H]`` on the host and submit their jobs."""
+        """Stage the CPU experts' token rows of ``x [T, H]`` on the host and start their batch."""
         rows = expert_rows(ids_host)
         mine = [(e, *rows[e]) for e in self.experts]
         ready = None
@@ -151,47 +371,46 @@ class CPUExperts:
             ready = torch.cuda.Event()
             ready.record()
             local = {e: np.searchsorted(tokens, tok) for e, tok, _, _ in mine}
-        submit, run = self.executor.pool.submit, self._job
+        ex, k = self.executor, ids_host.shape[1]
+        gu_table = down_table = None
+        if ffn is not None:
+            gu_table, down_table = ex.host_bias(ffn.gate_up_bias), ex.host_bias(ffn.down_bias)
+        jobs = []
         for e, tok, col, pos in mine:
-            self.jobs.append(
-                (e, tok * ids_host.shape[1] + col, pos, submit(run, e, host, local[e], ready, ffn))
+            self.places.append((e, tok * k + col, pos))
+            gu_bias = None if gu_table is None else gu_table[e]
+            jobs.append(
+                ex.expert(
+                    self.key0 + e,
+                    local[e],
+                    lambda gu, b=gu_bias: _hidden(gu, ffn, b),
+                    None if down_table is None else down_table[e],
+                )
             )
-
-    def _job(self, e: int, host: torch.Tensor, rows: np.ndarray, ready: Any, ffn: ExpertFFN | None):
-        if ready is not None:
-            ready.synchronize()  # this thread waits for the rows' copy, not the compute thread
-        r = int(rows[0])
-        xs = host[r : r + 1] if len(rows) == 1 else host.index_select(0, torch.from_numpy(rows))
-        y, seconds = self.executor.run(self.key0 + e, xs, ffn, e)
-        if ready is not None:  # a CUDA run: the output goes back from pinned memory
-            pinned = torch.empty(y.shape, dtype=y.dtype, pin_memory=True)
-            pinned.copy_(y)
-            y = pinned
-        return y, seconds
+        self.batch = ex.submit(jobs, host, ready)
 
     def finish(
         self, x: torch.Tensor, weights: torch.Tensor
     ) -> list[tuple[np.ndarray, torch.Tensor, torch.Tensor]]:
-        """Wait for every job; per CPU expert ``(positions [n], positions on x's device, y [n, H])``:
+        """Wait for the batch; per CPU expert ``(positions [n], positions on x's device, y [n, H])``:
         its output scaled by its router weights (``weights [T, k]``) and cast to ``x``'s dtype, as
         the device paths do, on ``x``'s device, and the ``(token, rank)`` positions it fills."""
+        t0 = time.perf_counter()
+        results = self.batch.wait()
+        self.stats.cpu_wait_s += time.perf_counter() - t0
         out = []
         w_flat = weights.reshape(-1)
-        waited = 0.0
-        for e, src, pos, fut in self.jobs:
-            t0 = time.perf_counter()
-            y, seconds = fut.result()
-            waited += time.perf_counter() - t0
+        samples = self.executor.samples
+        for (e, src, pos), (y, seconds) in zip(self.places, results):
             self.seconds[e] = seconds
+            samples.append((len(src), seconds))
             if y.device != x.device:
                 y = y.to(x.device, non_blocking=True)
             idx = upload(np.concatenate([src, pos]), x.device)  # one upload: weight and row index
             y = y * w_flat.index_select(0, idx[: len(src)]).unsqueeze(1)
             out.append((pos, idx[len(src) :], y if y.dtype == x.dtype else y.to(x.dtype)))
-        st = self.stats
-        st.cpu_wait_s += waited
-        st.cpu_expert_s += sum(self.seconds.values())
-        self.jobs = []
+        self.stats.cpu_expert_s += sum(self.seconds.values())
+        self.batch, self.places = None, []
         return out
 
     def mask(self, num_experts: int) -> tuple[np.ndarray, np.ndarray]:

@@ -11,8 +11,9 @@ this use). The rest is looked up as before (hits pinned, copies queued as demand
 
 The cost model's inputs are measured: the link's time per copy (each partition's running mean of
 its I/O thread's timings, ``Partition.copy_s_mean``, before any copy a probe at load), the CPU
-kernel's time (load-time fit, then every job's own time, :attr:`CPUExpertExecutor.samples`) and
-the device's (load-time probe; on a CPU device also each batch the compute thread runs).
+pool's time per expert (one lane: every pool thread works on each expert; the load-time fit of
+the whole pool on one expert, then each layer run's experts, :attr:`CPUExpertExecutor.samples`)
+and the device's (load-time probe; on a CPU device also each batch the compute thread runs).
 
 Each layer run's predicted time (the lanes' last finish, plus :attr:`HybridPlacer.host_s`, the
 running mean of the host time the lanes do not hold: routing's tail, planning, the batches' index
@@ -160,7 +161,7 @@ class HybridPlacer:
             [home[keys[i]] for i in miss],
             link_s,
             [p.loading * t for p, t in zip(parts, link_s)],
-            self.executor.threads,
+            1,  # the pool: every thread on one expert at a time, one lane
         )
         # the device's time as it runs beside CPU experts; with none placed, as it runs alone
         placed = place_layer(costs, self.cpu_cost, self.device_cost_shared, self.mode)
@@ -228,12 +229,15 @@ class HybridPlacer:
         return statistics.median(abs(r.predicted_s - r.measured_s) / r.measured_s for r in recs)
 
     def describe(self) -> str:
-        """The summary's words: mode, threads, kernel and its measured GB/s, link time."""
+        """The summary's words: mode, threads, kernel and its measured GB/s (the whole pool on one
+        expert), link time, and any kernel the pool runs whole (its ranges differed in bits)."""
         link = ", ".join(f"{1e3 * self.link_seconds(p):.2f}" for p in self.buffer.parts)
-        n = self.executor.threads
+        ex = self.executor
+        n = ex.threads
+        whole = f"; not split: {', '.join(sorted(ex.whole))}" if ex.whole else ""
         return (
             f"expert compute {self.mode}: {n} CPU expert thread{'s' if n > 1 else ''}, "
-            f"kernel {self.executor.choice.describe()}, copy {link} ms per expert"
+            f"kernel {ex.choice.describe()}, copy {link} ms per expert{whole}"
         )
 
     def close(self) -> None:

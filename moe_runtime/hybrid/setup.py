@@ -1,9 +1,11 @@
 """Turning hybrid expert execution on for an engine: threads, kernels, probes, the fixed set.
 
 :func:`attach` is what the engine calls after building its buffer: for ``--expert-compute cpu`` or
-``auto`` it measures the CPU kernels on the store's experts (:func:`choose_kernels`), probes one
-copy over each link and the device's time per expert, fills the buffer with its fixed set in
-``cpu`` mode, starts the CPU pool and attaches the placer to the buffer.
+``auto`` it starts the CPU pool, checks which kernels split over it bit for bit
+(:meth:`~moe_runtime.hybrid.executor.CPUExpertExecutor.check_split`), measures the kernels on the
+store's experts with the whole pool on each expert (:func:`choose_kernels`), probes one copy over
+each link and the device's time per expert, fills the buffer with its fixed set in ``cpu`` mode
+and attaches the placer to the buffer.
 
 ``cpu`` mode's fixed set (llama.cpp's ``--n-cpu-moe N`` keeps the first N layers' experts on the
 CPU): each device's slots hold the last experts homed on it in layer order (the last layers whole,
@@ -23,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_runtime.hybrid.cost_model import LinearCost
-from moe_runtime.hybrid.cpu_kernels import KernelChoice, choose_kernels
+from moe_runtime.hybrid.cpu_kernels import KernelChoice, choose_kernels, eligible_kernels
 from moe_runtime.hybrid.executor import CPUExpertExecutor
 from moe_runtime.hybrid.placement import HybridPlacer
 
@@ -113,13 +115,17 @@ def attach(buffer: Any, runtime: Any, mode: str) -> HybridPlacer | None:
         return None
     store = buffer.store
     threads = runtime.cpu_expert_threads or default_threads(runtime.cpu_threads, len(buffer.parts))
-    choice: KernelChoice = choose_kernels(store, (1, 4, FIT_ROWS))
+    executor = CPUExpertExecutor(store, None, threads)
+    kernels = eligible_kernels(store)
+    executor.check_split(kernels)
+    # every kernel timed on the whole pool working on one expert: the CPU lane's line
+    choice: KernelChoice = choose_kernels(store, (1, 4, FIT_ROWS), kernels=kernels, run=executor.run_one)
+    executor.set_choice(choice)
     cpu_cost = fit_from(choice.points, choice.seconds_chosen)
     link_s = probe_link(buffer)
     device_cost = probe_device(buffer, store.compute_dtype)
     if mode == "cpu":
         preload_fixed(buffer)
-    executor = CPUExpertExecutor(store, choice, threads)
     placer = HybridPlacer(
         buffer,
         mode,
