@@ -1,6 +1,7 @@
 """``moeserve bench cpu-experts`` and ``moeserve bench hybrid`` on small inputs: their JSON carries
 the settings beside the figures, a row per shape, format, kernel and token count (ms with its
-spread, GB/s against the same threads' read roof measured beside it), and a row per mode (TPOT
+spread, GB/s against the same threads' read roof measured beside it, each expert split over the
+pool's threads), and a row per mode (TPOT
 median and spread over >= 3 runs, the cost model's prediction error for the hybrid modes)."""
 
 from __future__ import annotations
@@ -31,7 +32,19 @@ def test_cpu_experts_rows_and_roof(capsys):
     for r in rows:
         assert r["ms_min"] <= r["ms"] <= r["ms_max"] and r["gbps"] > 0 and r["gflops"] > 0
         assert r["roof_pct"] == pytest.approx(100 * r["gbps"] / r["roof_gbps"])
-        assert r["exact"] == (r["kernel"] in ("linear", "dequant"))
+        assert r["exact"] == (r["kernel"] in ("linear", "dequant")) and r["ranges"] == [1, 1]
+
+
+def test_cpu_experts_split_over_the_pool(capsys):
+    """Two threads, ranges of at least 4 KiB: the bundled expert's projections split in two."""
+    data = _json(
+        capsys,
+        ["bench", "cpu-experts", "--shapes", "bundled", "--tokens", "1", "--formats", "fp32",
+         "--threads", "2", "--min-unit-kib", "4", "--pool-mib", "4", "--roof-mib", "8", "--json"],
+    )  # fmt: skip
+    (row,) = data["results"]
+    assert data["settings"]["threads"] == 2 and data["settings"]["min_unit_bytes"] == 4096
+    assert row["ranges"] == [2, 2] and row["gbps"] > 0
 
 
 def test_cpu_experts_refuses_bad_flags(capsys):

@@ -1,4 +1,4 @@
-"""``moeserve bench cpu-experts``: one expert computed on host threads, against the read roof.
+"""``moeserve bench cpu-experts``: one expert computed by the CPU pool, against the read roof.
 
 Hybrid expert execution (:mod:`moe_runtime.hybrid`) computes missed experts on the CPU from host
 memory; at decode an expert meets few tokens, so its time is reading its weights once. For each
@@ -8,16 +8,19 @@ in that dtype; ``int8``: one scale per output channel, activations fp32) and ker
 (:mod:`moe_runtime.hybrid.cpu_kernels`: ``linear`` for the float formats; ``dequant``,
 ``int8-gemv`` and ``int8pack`` for int8), a host store of random experts (seeded; enough of them
 that each call reads its weights from memory, not the cache, the pool at least
-``--pool-mib``) runs one expert's projections and SwiGLU on ``T`` token rows, ``--threads``
-experts at once (one per thread, each thread one OpenMP thread, as the executor's pool runs them).
-A row is a warm-up round and ``--repeats`` timed rounds of ``--calls`` calls per thread (more
-where that takes under :data:`MIN_ROUND_S`): per call, the median round's time and the spread
-(the fastest and slowest round's), the weights read per second (GB/s, 1e9 bytes, all threads) and
-GFLOP/s (``2 x 3 x I x H x T`` per expert).
+``--pool-mib``) runs one expert's projections and SwiGLU on ``T`` token rows through the
+runtime's executor (:class:`~moe_runtime.hybrid.executor.CPUExpertExecutor`): the expert split by
+ranges of output rows over ``--threads`` pool threads (each one OpenMP thread), its ranges at
+least ``--min-unit-kib`` of weights, as the runtime runs it. A row is a warm-up round and
+``--repeats`` timed rounds of ``--calls`` calls (more where that takes under
+:data:`MIN_ROUND_S`): per call, the median round's time and the spread (the fastest and slowest
+round's), the weights read per second (GB/s, 1e9 bytes), GFLOP/s (``2 x 3 x I x H x T``) and the
+ranges per projection (gate/up + down; 1 + 1: whole).
 
-The read roof is measured the same way, just before each timed round (so both see the same load
-on a shared host): each thread sums its own contiguous ``--roof-mib`` fp32 tensor (``torch.sum``);
-a row's roof is the median of its rounds' and its ``roof %`` its GB/s over that.
+The read roof is measured just before each timed round (so both see the same load on a shared
+host): each of the ``--threads`` threads sums its own contiguous ``--roof-mib`` fp32 tensor
+(``torch.sum``) at once; a row's roof is the median of its rounds' and its ``roof %`` its GB/s
+over that.
 """
 
 from __future__ import annotations
@@ -51,7 +54,13 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", default="1,2,4,8,32", help="comma list of token rows (default: 1,2,4,8,32)")
     p.add_argument("--formats", default=",".join(FORMATS), help="comma list of fp32, bf16, int8")
     p.add_argument(
-        "--threads", type=int, default=1, help="experts computed at once, one per thread (default: 1)"
+        "--threads", type=int, default=1, help="pool threads, each expert split over all (default: 1)"
+    )
+    p.add_argument(
+        "--min-unit-kib",
+        type=int,
+        default=None,
+        help="least KiB of weights in one range of a split projection (default: the runtime's)",
     )
     p.add_argument("--repeats", type=int, default=3, help="timed rounds, >= 3 (default: 3)")
     p.add_argument("--calls", type=int, default=3, help="calls per thread and round (default: 3)")
@@ -129,56 +138,54 @@ def make_store(hidden: int, inter: int, fmt: str, pool_mib: int, seed: int) -> A
 
 
 def bench_kernel(
-    store: Any, kernel: Any, tokens: int, threads: int, calls: int, repeats: int, seed: int, roof: ReadRoof
+    executor: Any, kernel: Any, tokens: int, calls: int, repeats: int, seed: int, roof: ReadRoof
 ) -> tuple[float, float, float, float]:
-    """Per-call seconds of ``kernel`` at ``tokens`` rows, ``threads`` experts at once: (median,
-    fastest repeat, slowest repeat) over ``repeats`` rounds after a warm-up round, and the median
-    read roof (GB/s) of a roof round run just before each timed round (the same host load)."""
-    from moe_runtime.hybrid.cpu_kernels import _silu_glu, run_projections
-
+    """Per-call seconds of ``kernel`` at ``tokens`` rows, one expert at a time on the executor's
+    pool: (median, fastest repeat, slowest repeat) over ``repeats`` rounds after a warm-up round,
+    and the median read roof (GB/s) of a roof round run just before each timed round."""
+    store = executor.store
     n = store.num_experts
     gen = torch.Generator().manual_seed(seed)
-    xs = [
-        torch.randn(tokens, store.hidden_size, generator=gen).to(store.compute_dtype) for _ in range(threads)
-    ]
-    cursor = [0]
-    n_calls = [calls]
-
-    def work_n(i: int) -> None:
-        for c in range(n_calls[0]):
-            key = (cursor[0] + i + c * threads) % n
-            run_projections(kernel, key, xs[i], _silu_glu)
-
+    x = torch.randn(tokens, store.hidden_size, generator=gen).to(store.compute_dtype)
+    cursor = 0
+    n_calls = calls
     timed, roofs = [], []
-    for r in range(repeats + 1):
-        gbps = roof.round()
-        seconds = _in_threads(threads, work_n) / n_calls[0]
-        cursor[0] += n_calls[0] * threads
-        if r:
-            timed.append(seconds)
-            roofs.append(gbps)
-        else:  # the warm-up round sizes the timed ones: at least MIN_ROUND_S each
-            n_calls[0] = max(calls, math.ceil(MIN_ROUND_S / max(seconds, 1e-9)))
+    with torch.inference_mode():
+        for r in range(repeats + 1):
+            gbps = roof.round()
+            t0 = time.perf_counter()
+            for c in range(n_calls):
+                executor.run_one(kernel, (cursor + c) % n, x)
+            seconds = (time.perf_counter() - t0) / n_calls
+            cursor += n_calls
+            if r:
+                timed.append(seconds)
+                roofs.append(gbps)
+            else:  # the warm-up round sizes the timed ones: at least MIN_ROUND_S each
+                n_calls = max(calls, math.ceil(MIN_ROUND_S / max(seconds, 1e-9)))
     return statistics.median(timed), min(timed), max(timed), statistics.median(roofs)
 
 
-def _row(name: str, fmt: str, kernel: Any, t: int, times, store: Any, threads: int) -> dict:
+def _row(name: str, fmt: str, kernel: Any, t: int, times, executor: Any) -> dict:
     """One result row: ``times`` (median, min, max seconds; roof GB/s) as ms, GB/s, roof share,
-    GFLOP/s."""
+    GFLOP/s, and the ranges per projection."""
     med, lo, hi, roof = times
+    store = executor.store
     h, i = store.hidden_size, store.intermediate_size
-    gbps = threads * store.expert_nbytes / med / 1e9
+    gbps = store.expert_nbytes / med / 1e9
+    gu, down = executor.plans(kernel)
     return {
         "shape": name, "hidden": h, "intermediate": i, "format": fmt, "kernel": kernel.name,
         "exact": kernel.exact, "tokens": t, "ms": 1e3 * med, "ms_min": 1e3 * lo, "ms_max": 1e3 * hi,
         "expert_mib": store.expert_nbytes / MiB, "gbps": gbps, "roof_gbps": roof,
-        "roof_pct": 100 * gbps / roof,
-        "gflops": threads * 6 * h * i * t / med / 1e9,
+        "roof_pct": 100 * gbps / roof, "gflops": 6 * h * i * t / med / 1e9,
+        "ranges": [len(gu), len(down)],
     }  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     from moe_runtime.hybrid.cpu_kernels import _has_numba, eligible_kernels
+    from moe_runtime.hybrid.executor import MIN_UNIT_BYTES, CPUExpertExecutor
     from moeserve.bench.experts import _cpu_name, _positive_ints, shape_of
 
     tokens = _positive_ints("--tokens", args.tokens)
@@ -193,28 +200,37 @@ def run(args: argparse.Namespace) -> int:
     for flag, v in (("--threads", args.threads), ("--calls", args.calls), ("--pool-mib", args.pool_mib)):
         if v < 1:
             raise ConfigError(f"{flag} must be >= 1, got {v}")
+    if args.min_unit_kib is not None and args.min_unit_kib < 1:
+        raise ConfigError(f"--min-unit-kib must be >= 1, got {args.min_unit_kib}")
+    unit = MIN_UNIT_BYTES if args.min_unit_kib is None else args.min_unit_kib * 1024
     torch.set_num_threads(1)
     roof = ReadRoof(args.threads, args.roof_mib)
     rows = []
     for name, (h, i) in shapes.items():
         for fmt in formats:
             store = make_store(h, i, fmt, args.pool_mib, args.seed)
-            for kernel in eligible_kernels(store):
-                for t in tokens:
-                    times = bench_kernel(
-                        store, kernel, t, args.threads, args.calls, args.repeats, args.seed, roof
-                    )
-                    rows.append(_row(name, fmt, kernel, t, times, store, args.threads))
-            del store
+            executor = CPUExpertExecutor(store, None, args.threads, unit)
+            kernels = eligible_kernels(store)
+            executor.check_split(kernels)
+            try:
+                for kernel in kernels:
+                    for t in tokens:
+                        times = bench_kernel(executor, kernel, t, args.calls, args.repeats, args.seed, roof)
+                        rows.append(_row(name, fmt, kernel, t, times, executor))
+            finally:
+                executor.close()
+            del store, executor
     settings = {
         "cpu": _cpu_name(),
         "threads": args.threads,
         "omp_threads_per_thread": 1,
+        "min_unit_bytes": unit,
         "repeats": args.repeats,
         "calls": args.calls,
         "warmup": "1 round",
         "pool_mib": args.pool_mib,
-        "roof": f"each thread sums its own {args.roof_mib} MiB fp32 tensor just before each timed round; "
+        "roof": f"each of the threads sums its own {args.roof_mib} MiB fp32 tensor at once just before each "
+        "timed round; "
         "a row's roof is the median of its rounds'",
         "roof_gbps_median": round(statistics.median(r["roof_gbps"] for r in rows), 2) if rows else None,
         "load_avg_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
@@ -238,13 +254,14 @@ def render(data: dict[str, Any]) -> None:
     console.print("\n".join(f"{k}: {v}" for k, v in s.items()))
     table = Table(
         "shape", "format", "kernel", "tokens", "ms (min-max)", "GB/s", "roof GB/s", "roof %", "GFLOP/s",
-        title=f"CPU expert time, {s['threads']} thread(s)",
+        "ranges", title=f"CPU expert time, one expert over {s['threads']} thread(s)",
     )  # fmt: skip
     for r in data["results"]:
         table.add_row(
             r["shape"], r["format"], r["kernel"] + ("" if r["exact"] else "*"), str(r["tokens"]),
             f"{r['ms']:.3f} ({r['ms_min']:.3f}-{r['ms_max']:.3f})", f"{r['gbps']:.1f}",
             f"{r['roof_gbps']:.1f}", f"{r['roof_pct']:.0f}", f"{r['gflops']:.1f}",
+            "+".join(map(str, r["ranges"])),
         )  # fmt: skip
     console.print(table)
     console.print("* not exact for the compute dtype (eligible where the experts are stored in its format)")
