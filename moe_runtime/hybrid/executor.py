@@ -56,6 +56,17 @@ MIN_UNIT_BYTES = 1 << 20
 CHECK_ROWS = (1, 3, 5, 32)
 
 
+def split_ranges(n_out: int, row_bytes: int, threads: int, min_unit_bytes: int) -> list[tuple[int, int]]:
+    """Ranges ``[(first, end), ...]`` of a projection's ``n_out`` output rows (``row_bytes`` of
+    weights each) over ``threads`` threads: about one per thread, each starting at a multiple of
+    ``ROW_ALIGN`` rows and holding at least ``min_unit_bytes`` of weights (one range: whole)."""
+    if threads <= 1:
+        return [(0, n_out)]
+    step = max(-(-n_out // threads), -(-min_unit_bytes // max(1, row_bytes)))
+    step = -(-step // ROW_ALIGN) * ROW_ALIGN
+    return [(r, min(r + step, n_out)) for r in range(0, n_out, step)]
+
+
 def _one_omp_thread() -> None:
     """Pool thread initializer: this thread's OpenMP team is one thread (the ICV is per thread,
     so the compute thread keeps its ``--cpu-threads``)."""
@@ -102,16 +113,13 @@ class CPUExpertExecutor:
 
     # ------------------------------------------------------------------ ranges
     def _plan(self, kernel: Kernel, n_out: int, row_bytes: int) -> list[tuple[int, int]]:
-        if not kernel.splits or kernel.name in self.whole or self.threads == 1:
+        if not kernel.splits or kernel.name in self.whole:
             return [(0, n_out)]
-        step = max(-(-n_out // self.threads), -(-self.min_unit_bytes // max(1, row_bytes)))
-        step = -(-step // ROW_ALIGN) * ROW_ALIGN
-        return [(r, min(r + step, n_out)) for r in range(0, n_out, step)]
+        return split_ranges(n_out, row_bytes, self.threads, self.min_unit_bytes)
 
     def plans(self, kernel: Kernel) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """``(gate/up ranges, down ranges)`` of ``kernel``'s experts: about one per thread, each
-        starting at a multiple of ``ROW_ALIGN`` rows and at least ``min_unit_bytes`` of weights;
-        one whole range where the kernel does not split."""
+        """``(gate/up ranges, down ranges)`` of ``kernel``'s experts (:func:`split_ranges`); one
+        whole range where the kernel does not split."""
         got = self._plans.get(kernel.name)
         if got is None:
             st = self.store
