@@ -31,8 +31,10 @@ throughput, ``C / T(C, S)`` tokens/s, over the concurrency ``C`` from 1 to ``--m
 
 A larger ``C`` spreads the batch over more experts and takes slots away, so past some ``C`` a
 sequence costs more in misses than it adds; with every expert resident ``T`` grows slowly and the
-batch wins. Memory left after the chosen split goes to KV blocks, up to ``--max-batch-size``
-sequences of ``--max-model-len`` (more would only keep cached prefixes).
+batch wins. The largest ``C`` within :data:`TOLERANCE` (10%) of the best is chosen: the model
+leaves out the per-step host costs a larger batch amortises. Memory left after the chosen split
+goes to KV blocks, up to ``--max-batch-size`` sequences of ``--max-model-len`` (more would only
+keep cached prefixes).
 
 **Overrides**: ``--buffer-slots``/``--buffer-fraction`` fix the slots (KV takes the rest, up to that
 cap); ``--num-kv-blocks``/``--kv-cache-memory`` fix the pool (slots take the rest); both: checked
