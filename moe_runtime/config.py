@@ -318,9 +318,10 @@ class RuntimeConfig:
         block_size / num_kv_blocks / enable_prefix_caching: the paged KV cache
             (``moe_runtime.layers.kv_cache``, ``moe_runtime.engine.kv_manager``; docs/kv-cache.md):
             token positions per block (1..128; CUDA decodes read blocks in place at multiples of
-            16), blocks in the pool (None: the memory of ``max_batch_size`` sequences of
-            ``max_model_len`` positions, ``memory_plan.kv_num_blocks``), and reuse of cached
-            prompt prefixes across requests (vLLM's block hashing; on by default).
+            16), blocks in the pool (None: the memory plan's, ``memory_split``, else the memory
+            of ``max_batch_size`` sequences of ``max_model_len``, ``memory_plan.kv_num_blocks``),
+            and reuse of cached prompt prefixes across requests (vLLM's block hashing; on by
+            default).
         gpu_memory_utilization: share (0, 1] of the device's memory the memory plan may take
             (dense weights, activations, KV cache and expert slots; vLLM's flag of that name).
         device_memory: bytes standing in for the compute device's memory (on the CPU, where the

@@ -1,7 +1,8 @@
 """The engine's paged KV cache: block layout, tensors, block manager and the decode attention path.
 
 Built once per engine from the model config and the runtime settings (``--block-size``,
-``--num-kv-blocks``, ``--enable-prefix-caching``); the sizes come from the memory plan's
+``--num-kv-blocks``, ``--enable-prefix-caching``; the engine's settings carry the memory plan's
+pool where it sized one, ``moe_runtime.memory_split``); the sizes come from the memory plan's
 arithmetic (``moe_runtime.memory_plan.kv_layout``, ``kv_num_blocks``) so the plan and the
 allocation agree to the byte.
 """
