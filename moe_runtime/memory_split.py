@@ -358,12 +358,15 @@ def _best_split(sizes: _Sizes, data: PlanData, hw: Hardware) -> tuple[int, int, 
     top = max(r[0] for r in rows)
     thr, c, blocks, slots, hit = max((r for r in rows if r[0] >= (1 - TOLERANCE) * top), key=lambda r: r[1])
     blocks = max(blocks, min(sizes.cap_blocks, sizes.max_blocks(slots)))
-    full = rows[-1]
+    full, one = rows[-1], rows[0]
     others = f"; {full[1]} would leave {full[3]} slots: {full[0]:,.1f}" if full[1] != c else ""
+    if c != 1:  # the latency side of the trade: TPOT is C / throughput
+        others += f"; 1 sequence: {one[0]:,.1f} tok/s, TPOT {1e3 / one[0]:,.0f} ms"
     why = (
         f"highest est. decode throughput (MoE-Lightning's HRM over 1..{runtime.max_batch_size} sequences; "
         f"{hw.source}): {c} sequences of {seq_len} tokens (p90, {data.lengths.source}) in the KV cache, "
-        f"the rest in slots at the hit-rate curve of {data.routing.source}: {thr:,.1f} tok/s{others}"
+        f"the rest in slots at the hit-rate curve of {data.routing.source}: {thr:,.1f} tok/s, TPOT "
+        f"{1e3 * c / thr:,.0f} ms{others}"
     )
     return blocks, min(slots, sizes.total), hit, why
 
