@@ -361,12 +361,12 @@ def _best_split(sizes: _Sizes, data: PlanData, hw: Hardware) -> tuple[int, int, 
     full, one = rows[-1], rows[0]
     others = f"; {full[1]} would leave {full[3]} slots: {full[0]:,.1f}" if full[1] != c else ""
     if c != 1:  # the latency side of the trade: TPOT is C / throughput
-        others += f"; 1 sequence: {one[0]:,.1f} tok/s, TPOT {1e3 / one[0]:,.0f} ms"
+        others += f"; 1 sequence: {one[0]:,.1f} tok/s, TPOT {_ms(1 / one[0])} ms"
     why = (
         f"highest est. decode throughput (MoE-Lightning's HRM over 1..{runtime.max_batch_size} sequences; "
         f"{hw.source}): {c} sequences of {seq_len} tokens (p90, {data.lengths.source}) in the KV cache, "
         f"the rest in slots at the hit-rate curve of {data.routing.source}: {thr:,.1f} tok/s, TPOT "
-        f"{1e3 * c / thr:,.0f} ms{others}"
+        f"{_ms(c / thr)} ms{others}"
     )
     return blocks, min(slots, sizes.total), hit, why
 
@@ -378,3 +378,9 @@ def split_for(loaded, runtime: RuntimeConfig) -> MemorySplit:
     if getattr(loaded, "memory_split", None) is not None and getattr(loaded, "runtime", None) == runtime:
         return loaded.memory_split
     return resolve_split(loaded.config, runtime, getattr(loaded, "device_memory", None), str(loaded.path))
+
+
+def _ms(seconds: float) -> str:
+    """Milliseconds, whole from 10 up, else two significant digits."""
+    ms = 1e3 * seconds
+    return f"{ms:,.0f}" if ms >= 10 else f"{ms:.2g}"

@@ -221,3 +221,24 @@ def test_azure_lengths_are_the_trace_quantiles(shared_data):
     for q, tokens in AZURE_CONVERSATION.points:
         assert round(float(np.quantile(lengths, q))) == tokens
     assert AZURE_CONVERSATION.mean() == pytest.approx(np.mean(lengths), rel=0.05)
+
+
+def test_plan_sizes_for_recorded_traffic(bundled, tmp_path):
+    """With --plan-data the KV side is sized at the recorded lengths' p90 and the slots along the
+    recorded requests' curve; the load summary says so."""
+    cfg = read_model_config(bundled)[1]
+    rng = np.random.default_rng(1)
+    records = []
+    for i in range(20):
+        n = 40 + 2 * i  # lengths 40..78: p90 74 tokens
+        ids = np.stack([rng.choice(64, (8, 4), replace=True) for _ in range(n)])
+        w = np.full(ids.shape, 0.25, dtype=np.float32)
+        records.append(TraceRecord(f"r{i}", None, 10, 8, 64, 4, 10, ids, w))
+    write_traces(tmp_path / "t.jsonl", records)
+    runtime = tiny_runtime(plan_data=(str(tmp_path / "t.jsonl"),))
+    split = resolve_split(cfg, runtime)
+    assert "4 sequences of 74 tokens (p90, 20 recorded requests)" in split.why
+    assert "hit-rate curve of 20 recorded requests (t.jsonl)" in split.why
+    assert device_need(cfg, split) <= split.budget
+    with pytest.raises(ConfigError, match="--plan-data .*missing.jsonl"):
+        resolve_split(cfg, tiny_runtime(plan_data=(str(tmp_path / "missing.jsonl"),)))
