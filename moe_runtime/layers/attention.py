@@ -68,22 +68,26 @@ SINK_PAD = 8
 
 def attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     layer: int,
     cache,
     step,
     sinks: torch.Tensor | None = None,
+    kv: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write the step's keys and values into ``cache``, then attend.
 
     Args:
         q: ``[T, Hq, D]`` rotated queries; k, v: ``[T, Hkv, D]`` rotated keys and values (the
-            same tensor for latent attention).
+            same tensor for latent attention), or None with ``kv``.
         layer: decoder layer index into the cache (``PagedKVCache`` or ``PagedMLACache``); a layer
             whose block group has a window attends over its sliding window.
         step: the step's :class:`~moe_runtime.engine.context.StepContext`.
         sinks: ``[Hq]`` attention-sink logits, or None (module docstring).
+        kv: ``[T, 2 * Hkv, D]`` the keys then the values in one tensor (a view into the fused
+            q/k/v projection): one ``index_copy_`` into a cache that keeps them side by side
+            (``cache.kv_flat``).
 
     Returns:
         ``[T, Hq * D]`` attention output, in token order.
@@ -91,13 +95,21 @@ def attention(
     group = cache.group_of[layer]
     window = cache.windows[group]
     kc, vc = cache.k_flat[layer], cache.v_flat[layer]  # [num_blocks * block_size, Hkv, D]
-    kc.index_copy_(0, step.slots[group], k)
-    if vc is not kc:
-        vc.index_copy_(0, step.slots[group], v)
+    both = getattr(cache, "kv_flat", None)
+    both = None if both is None else both[layer]  # [num_blocks * block_size, 2 * Hkv, D]
+    slots = step.slots[group]
+    if kv is not None and both is not None:
+        both.index_copy_(0, slots, kv)
+    else:
+        if kv is not None:
+            k, v = kv.chunk(2, dim=1)
+        kc.index_copy_(0, slots, k)
+        if vc is not kc:
+            vc.index_copy_(0, slots, v)
     t = q.shape[0]
     flex = getattr(cache, "flex", None)
     if step.all_decode and not q.is_cuda and window is None:  # the common CPU case: no backend context
-        return _decode(q, kc, vc, step, group, sinks).reshape(t, -1)
+        return _decode(q, kc, vc, step, group, sinks, both).view(t, -1)
     if step.all_decode and flex is not None and q.is_cuda:  # blocks read in place
         return flex.decode(q, kc, vc, step, group, window, sinks).reshape(t, -1)
     backends = sdpa_kernel(CUDA_BACKENDS) if q.is_cuda else contextlib.nullcontext()
@@ -105,14 +117,14 @@ def attention(
         if window is not None:
             return _window_attention(q, kc, vc, step, group, window, sinks).reshape(t, -1)
         if step.all_decode:
-            return _decode(q, kc, vc, step, group, sinks).reshape(t, -1)
-        out = torch.empty_like(q)  # [T, Hq, D]
+            return _decode(q, kc, vc, step, group, sinks, both).view(t, -1)
+        out = q.new_empty(q.shape)  # [T, Hq, D]
         if step.decode_tokens is not None:  # the decodes of a mixed step, in one call
             qd = q.index_select(0, step.decode_tokens)
             if flex is not None and q.is_cuda:
                 od = flex.decode(qd, kc, vc, step, group, None, sinks).squeeze(2)
             else:
-                od = _decode(qd, kc, vc, step, group, sinks).squeeze(2)
+                od = _decode(qd, kc, vc, step, group, sinks, both).squeeze(2)
             out.index_copy_(0, step.decode_tokens, od)
         if step.prefill_mask is not None:  # every prefill chunk in one padded call
             out.index_copy_(0, step.prefill_tokens, _prefill_padded(q, kc, vc, step, group, sinks))
@@ -250,12 +262,25 @@ def _prefill_padded(q: torch.Tensor, kc, vc, step, group: int, sinks=None) -> to
     return out.transpose(1, 2).reshape(p * max_new, q.shape[1], q.shape[2]).index_select(0, step.prefill_pad)
 
 
-def _decode(q: torch.Tensor, kc, vc, step, group: int, sinks=None) -> torch.Tensor:
-    """One batched SDPA for the decoding sequences' queries ``q [B_d, Hq, D]`` -> ``[B_d, Hq, 1, D]``."""
+def _decode(q: torch.Tensor, kc, vc, step, group: int, sinks=None, both=None) -> torch.Tensor:
+    """One batched SDPA for the decoding sequences' queries ``q [B_d, Hq, D]`` -> ``[B_d, Hq, 1, D]``.
+
+    ``both``: the layer's keys and values side by side (``cache.kv_flat[layer]``), gathered with
+    one ``index_select`` and split by one ``unbind``; else ``kc`` and ``vc`` one gather each. No
+    mask when every context is the longest (``step.decode_full``)."""
     slots = step.cached(("decode-slots", group), _decode_slots, step, group)
-    keys, vals = _gather_kv(kc, vc, slots, q.shape[0], step.decode_ctx)  # [B_d, Hkv, C, D]
+    b, ctx = q.shape[0], step.decode_ctx
+    if both is not None:
+        hkv = kc.shape[1]
+        rows = both.index_select(0, slots).view(b, ctx, 2, hkv, both.shape[-1])
+        keys, vals = rows.permute(2, 0, 3, 1, 4).unbind(0)  # [B_d, Hkv, C, D] each
+    else:
+        keys, vals = _gather_kv(kc, vc, slots, b, ctx)  # [B_d, Hkv, C, D]
+    mask = None if step.decode_full else step.decode_mask
     if q.is_cuda and sinks is None:
-        return decode_grouped(q, keys, vals, None if step.decode_full else step.decode_mask)
+        return decode_grouped(q, keys, vals, mask)
+    if sinks is None:
+        return F.scaled_dot_product_attention(q.unsqueeze(2), keys, vals, attn_mask=mask, enable_gqa=True)
     return _sdpa(q.unsqueeze(2), keys, vals, step.decode_mask, sinks, step, "decode")
 
 

@@ -6,8 +6,9 @@ one pool of ``num_blocks`` blocks (``moe_runtime.engine.kv_manager``), and a blo
 ``block_size`` token positions of ``slots`` layers, the largest group's layer count (a smaller
 group leaves slots unused). Layer ``i`` of group ``g`` is slot ``slot_of[i]``: its K and V are
 ``k[i]``, ``v[i]``, ``[num_blocks, block_size, kv_heads, head_dim]`` each (the NHD page layout of
-flash-attn and FlashInfer), position ``p`` of a sequence at ``[table[p // block_size], p %
-block_size]`` with ``table`` its block table in group ``g``. One block of a group is
+flash-attn and FlashInfer; strided views of one tensor whose rows hold a token's keys then its
+values), position ``p`` of a sequence at ``[table[p // block_size], p % block_size]`` with
+``table`` its block table in group ``g``. One block of a group is
 ``slots * block_size * kv_elements_per_token * itemsize`` bytes (:meth:`KVLayout.bytes_per_block`).
 
 The pool's size is a constructor argument; :meth:`KVLayout.default_num_blocks` gives the size the
@@ -115,9 +116,16 @@ class KVLayout:
 
 
 class PagedKVCache:
-    """K and V blocks of every layer (``k[layer]``, ``v[layer]``: ``[num_blocks, block_size,
-    kv_heads, head_dim]``; ``k_flat``/``v_flat`` the same as ``[num_blocks * block_size, kv_heads,
-    head_dim]``), two allocations in all.
+    """K and V blocks of every layer in one allocation, ``[slots, num_blocks, block_size, 2 * kv_heads,
+    head_dim]``: a token's keys (heads ``0 .. kv_heads - 1``) sit right before its values, so a
+    step's new keys and values, adjacent in the fused q/k/v projection's output, are written with
+    one ``index_copy_`` and a decode gathers both with one ``index_select``
+    (``moe_runtime.layers.attention``).
+
+    Views per decoder layer: ``kv_flat[layer]`` ``[num_blocks * block_size, 2 * kv_heads, head_dim]``
+    (both); ``k[layer]``, ``v[layer]`` ``[num_blocks, block_size, kv_heads, head_dim]`` and
+    ``k_flat``/``v_flat`` ``[num_blocks * block_size, kv_heads, head_dim]`` (strided: the other half
+    of each row is the other tensor).
 
     Args:
         layout: the :class:`KVLayout` (its ``elements_per_token`` is ``2 * kv_heads * head_dim``).
@@ -133,14 +141,16 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (layout.slots, num_blocks, layout.block_size, kv_heads, head_dim)
-        self._k = torch.zeros(shape, dtype=dtype, device=device)
-        self._v = torch.zeros(shape, dtype=dtype, device=device)
-        self.k = [self._k[s] for s in layout.slot_of]
-        self.v = [self._v[s] for s in layout.slot_of]
-        # the same as [num_blocks * block_size, kv_heads, head_dim]: slot-indexed writes and gathers
-        self.k_flat = [x.view(-1, kv_heads, head_dim) for x in self.k]
-        self.v_flat = [x.view(-1, kv_heads, head_dim) for x in self.v]
+        shape = (layout.slots, num_blocks, layout.block_size, 2 * kv_heads, head_dim)
+        self._kv = torch.zeros(shape, dtype=dtype, device=device)
+        per_layer = [self._kv[s] for s in layout.slot_of]
+        self.k = [x[:, :, :kv_heads] for x in per_layer]
+        self.v = [x[:, :, kv_heads:] for x in per_layer]
+        # [num_blocks * block_size, 2 * kv_heads, head_dim]: slot-indexed writes and gathers
+        self.kv_flat = [x.view(-1, 2 * kv_heads, head_dim) for x in per_layer]
+        self.k_flat = [x[:, :kv_heads] for x in self.kv_flat]
+        self.v_flat = [x[:, kv_heads:] for x in self.kv_flat]
+        self.kv_heads = kv_heads
         self.flex = None  # CUDA decodes in place (moe_runtime.layers.paged_decode), set by the engine
         self.layout = layout
         self.num_blocks = num_blocks
@@ -164,4 +174,4 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        return 2 * self._k.numel() * self._k.element_size()
+        return self._kv.numel() * self._kv.element_size()
