@@ -7,9 +7,17 @@ import torch.nn.functional as F
 
 #: device type -> whether ATen's one-kernel RMSNorm runs there (probed once per device type)
 _FUSED: dict[str, bool] = {}
+#: device type -> whether the normalisation uses ATen's ``_fused_rms_norm`` where it runs. CUDA: one
+#: kernel instead of five. CPU: that op is a composite of about nine ops there (casts, ``pow``,
+#: ``mean``, ``add_``, ``rsqrt``, ``mul``), costlier than the five-op form below (see
+#: ``docs/architecture.md``, host time per decode step), so the CPU runs the five ops unless a test
+#: asks for the GPU's op stream.
+PREFER_FUSED: dict[str, bool] = {"cpu": False}
 
 
 def _fused_runs(device: torch.device) -> bool:
+    if not PREFER_FUSED.get(device.type, True):
+        return False
     ok = _FUSED.get(device.type)
     if ok is None:
         try:
@@ -21,21 +29,28 @@ def _fused_runs(device: torch.device) -> bool:
     return ok
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps)`` over the last dim of ``x [..., D]``, in fp32, cast back to
+    ``x``'s dtype (transformers' RMSNorm before its weight). The fused kernel takes ``x`` in its
+    own dtype and computes in fp32 inside: one op instead of a cast, the kernel and a cast back."""
+    if _fused_runs(x.device):
+        return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], None, eps)[0]
+    h = x if x.dtype == torch.float32 else x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return h if h.dtype == x.dtype else h.to(x.dtype)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim; ``x`` is ``[..., D]``.
 
     The normalisation runs in fp32 and is cast back before the weight, as transformers' RMSNorm
-    does. Where ATen's fused kernel runs, the fp32 part is one kernel instead of five (pow, mean,
-    add, rsqrt, mul): on a GPU each kernel launch costs host time, and a Qwen3 decoder layer
-    normalises four times (its input, after attention, the queries' and the keys' heads).
+    does (:func:`normalise`). ``out``: written there (e.g. the query and key heads inside the
+    fused q/k/v projection's output), else a new tensor. Two ops where the fused kernel runs.
     """
-    dtype = x.dtype
-    h = x.float()
-    if _fused_runs(h.device):
-        h = torch.ops.aten._fused_rms_norm(h, [h.shape[-1]], None, eps)[0]
-    else:
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
+    h = normalise(x, eps)
+    return weight * h if out is None else torch.mul(weight, h, out=out)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
