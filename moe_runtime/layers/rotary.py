@@ -23,7 +23,7 @@ from moe_runtime.layers.yarn import yarn_inv_freq
 
 
 class Rotary:
-    """Precomputed ``cos``/``sin`` tables ``[max_len, rotary_dim]`` for positions ``0..max_len-1``.
+    """Precomputed cos/sin table (:attr:`table`) for positions ``0..max_len-1``.
 
     Values match the reference: inverse frequencies and angles in fp32, then cast to ``dtype``.
     ``rotary_dim`` (default ``head_dim``): the leading dims of each head that turn, the rest pass
@@ -63,23 +63,55 @@ class Rotary:
             cos, sin = cos * scale, sin * scale
         if yarn is not None:
             cos, sin = cos * factor, sin * factor
-        self.cos = cos.to(dtype=dtype, device=device)
-        self.sin = sin.to(dtype=dtype, device=device)
+        # One table ``[max_len, 2, 1, head_dim]`` for :meth:`rows`: cos, then sin with its first half
+        # negated (``rotate_half(x) * sin == turn(x) * signed`` exactly: ``-(a * b) == a * -b``),
+        # padded to the whole head with cos 1 and sin 0 where a partial rotary leaves dims as they
+        # are (``x * 1 + y * 0 == x``).
+        half = dim // 2
+        signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        if dim < head_dim:
+            pad = head_dim - dim
+            cos = torch.cat((cos, cos.new_ones(max_len, pad)), dim=-1)
+            signed = torch.cat((signed, signed.new_zeros(max_len, pad)), dim=-1)
+        self.head_dim = head_dim
+        self.table = torch.stack((cos, signed), dim=1)[:, :, None].to(dtype=dtype, device=device)
+        # the partial rotary's turn as an index over the head dim: its rotated dims' halves swapped
+        perm = torch.cat((torch.arange(half, dim), torch.arange(half), torch.arange(dim, head_dim)))
+        self._perm = None if dim == head_dim else perm.to(device)
+
+    @property
+    def cos(self) -> torch.Tensor:
+        """``[max_len, rotary_dim]`` cos table (from :attr:`table`)."""
+        return self.table[:, 0, 0, : self.dim]
+
+    @property
+    def sin(self) -> torch.Tensor:
+        """``[max_len, rotary_dim]`` sin table (from :attr:`table`, its first half's sign restored)."""
+        signed = self.table[:, 1, 0, : self.dim]
+        return torch.cat((-signed[:, : self.dim // 2], signed[:, self.dim // 2 :]), dim=-1)
+
+    def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, signed_sin)`` of ``positions [T]``, ``[T, 1, head_dim]`` each: gathered once per
+        step and shared by every layer (``StepContext.cached``); two ops."""
+        return self.table.index_select(0, positions).unbind(1)
+
+    def turn(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., head_dim]`` with each rotated pair's halves swapped (one op)."""
+        if self._perm is None:
+            return x.roll(self.dim // 2, -1)
+        return x.index_select(-1, self._perm)
+
+    def rotate_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x [T, heads, head_dim]`` (queries and keys in one tensor, or a view into the
+        fused projection's output) in place by the rows of :meth:`rows` (``[T, 1, head_dim]``):
+        ``x * cos + rotate_half(x) * sin``, the reference's arithmetic bit for bit, in four ops."""
+        turned = self.turn(x).mul_(sin)
+        return torch.add(x * cos, turned, out=x)
 
     def apply(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` by the angles of ``positions [T]``."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, rotary_dim]
-        sin = self.sin[positions].unsqueeze(1)
-        if self.dim == q.shape[-1]:
-            return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        d = self.dim
-        return tuple(
-            torch.cat((z[..., :d] * cos + _rotate_half(z[..., :d]) * sin, z[..., d:]), dim=-1) for z in (q, k)
-        )
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` by the angles of ``positions [T]`` (new
+        tensors; the model rotates its fused projection in place with :meth:`rotate_`)."""
+        cos, sin = self.rows(positions)
+        return tuple(self.rotate_(z.clone(), cos, sin) for z in (q, k))  # type: ignore[return-value]
