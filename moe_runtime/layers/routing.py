@@ -103,11 +103,22 @@ def route(
 def _softmax_topk(
     x: torch.Tensor, router: torch.Tensor, cfg: ModelConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    probs = F.softmax(F.linear(x, router).float(), dim=-1)  # [T, E]
-    weights, ids = torch.topk(probs, cfg.top_k, dim=-1)
+    """transformers' softmax top-k: ``softmax(logits)`` in fp32, top-k, renormalised when
+    ``norm_topk_prob``, cast to the model dtype when ``router_weights_in_model_dtype``.
+
+    Renormalised, the top-k of the softmax over every expert divided by their sum is the softmax
+    over the top-k logits alone (softmax is monotone, so the same experts win; the shared
+    ``exp(-max) / Z`` cancels): that form is three ops (top-k, softmax, cast) instead of five, and
+    differs from the five-op one by rounding only (a few fp32 ulps of the weights)."""
+    logits = F.linear(x, router)  # [T, E] in the model dtype
+    f32 = torch.float32
     if cfg.norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    if cfg.router_weights_in_model_dtype:
+        top, ids = torch.topk(logits, cfg.top_k, dim=-1)
+        weights = F.softmax(top, dim=-1) if top.dtype == f32 else F.softmax(top, dim=-1, dtype=f32)
+    else:
+        probs = F.softmax(logits, dim=-1) if logits.dtype == f32 else F.softmax(logits, dim=-1, dtype=f32)
+        weights, ids = torch.topk(probs, cfg.top_k, dim=-1)
+    if cfg.router_weights_in_model_dtype and weights.dtype != x.dtype:
         weights = weights.to(x.dtype)
     return weights, ids
 
