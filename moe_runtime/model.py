@@ -1,15 +1,28 @@
 """Our own forward pass of an MoE decoder over a packed step (no transformers modules).
 
 ``forward(input_ids [T], step) -> logits [N, V]`` for the N tokens that sample. Per decoder layer:
-RMSNorm (LayerNorm for Phi-3.5-MoE) -> q/k/v projections (+bias) -> q/k norm (per head or full) ->
+RMSNorm (LayerNorm for Phi-3.5-MoE) -> one q/k/v projection (+bias) -> q/k norm (per head or full) ->
 RoPE (partial, LongRoPE, YaRN) -> attention with the KV cache -> o projection (+bias) -> residual ->
 RMSNorm -> MoE block (or dense MLP) -> residual. DeepSeek families attend with multi-head latent
 attention instead (``moe_runtime.layers.mla``); gpt-oss adds attention sinks, sliding-window layers
 and biased experts with its own activation (``moe_runtime.models.gpt_oss``).
+
+Host work per layer is what a decode step costs on a GPU (every aten op is a kernel launch and a
+trip through the dispatcher), so the layer is laid out for few ops (docs/architecture.md):
+
+* q, k and v come from one matmul over weights concatenated at load (:class:`DenseLayer`; the
+  checkpoint's ``q``/``k``/``v`` names stay in the dense dict as views of it), and stay in that
+  output: the per-head q/k norm writes its result back into the query and key heads, RoPE turns
+  them there in one pass (:meth:`Rotary.rotate_`), and the keys and values, adjacent in it, go into
+  the KV cache with one ``index_copy_`` (``moe_runtime.layers.kv_cache``);
+* what every layer shares within a step is computed once per step: the cos/sin rows of the step's
+  positions, the decodes' gather slots and masks (``StepContext``);
+* the o projection and the residual are one ``addmm`` (the weight kept transposed at load).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,16 +37,107 @@ from moe_runtime.layers.kv_cache import PagedKVCache
 from moe_runtime.layers.mla import MLAttention
 from moe_runtime.layers.mla_cache import PagedMLACache
 from moe_runtime.layers.moe import moe_block
-from moe_runtime.layers.norm import decoder_norm, rms_norm
+from moe_runtime.layers.norm import layer_norm, rms_norm
 from moe_runtime.layers.rotary import Rotary
 from moe_runtime.layers.router_lookahead import RouterLookahead
+
+
+@dataclass(slots=True)
+class DenseLayer:
+    """One decoder layer's dense weights, resolved once at load (no name lookups per step).
+
+    Attributes:
+        prefix: ``layers.{i}.``, for the weights read per call (``sinks``: tests switch it off).
+        attn_norm, mlp_norm: ``[H]`` norm weights; ``*_bias`` LayerNorm biases or None.
+        qkv: ``[(Hq + 2 Hkv) * D, H]`` the q, k and v projections in one (None: latent attention);
+            qkv_bias: its bias or None.
+        qk_norm: ``[Hq + Hkv, D]`` the per-head q/k norm weights side by side (``qk_norm ==
+            "head"``), or None. q_norm, k_norm: ``[Hq * D]``/``[Hkv * D]`` (``"full"``) or None.
+        o_t: ``[Hq * D, H]`` the o projection transposed (for ``addmm``); o_bias: its bias or None.
+        mlp: a dense layer's ``(gate_up [2I, H], down [H, I])``, or None for an MoE layer.
+    """
+
+    prefix: str
+    attn_norm: torch.Tensor
+    attn_norm_bias: torch.Tensor | None
+    mlp_norm: torch.Tensor
+    mlp_norm_bias: torch.Tensor | None
+    qkv: torch.Tensor | None
+    qkv_bias: torch.Tensor | None
+    qk_norm: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o_t: torch.Tensor | None
+    o_bias: torch.Tensor | None
+    mlp: tuple[torch.Tensor, torch.Tensor] | None
+
+
+def _fuse_rows(dense: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor | None:
+    """The tensors ``names`` concatenated along dim 0, with each dict entry replaced by its view
+    into the result (same values and sizes, no second copy kept); None if any is missing."""
+    parts = [dense.get(n) for n in names]
+    if any(t is None for t in parts):
+        return None
+    fused = torch.cat(parts)  # type: ignore[arg-type]
+    for n, view in zip(names, fused.split([t.shape[0] for t in parts])):  # type: ignore[union-attr]
+        dense[n] = view
+    return fused
+
+
+def dense_layers(cfg: ModelConfig, dense: dict[str, torch.Tensor]) -> list[DenseLayer]:
+    """Every decoder layer's :class:`DenseLayer`, fusing q/k/v (and a dense MLP's gate/up) and
+    transposing o in ``dense`` in place: its entries keep their names, shapes and values (as views
+    of the fused tensors), so the memory plan's count and the checkpoint's names still hold."""
+    out = []
+    moe = set(cfg.moe_layers)
+    for layer in range(cfg.num_layers):
+        p = f"layers.{layer}."
+        qkv = qkv_bias = qk_norm = o_t = mlp = None
+        if cfg.attention_kind != "mla":
+            qkv = _fuse_rows(dense, [p + "q", p + "k", p + "v"])
+            qkv_bias = _fuse_rows(dense, [p + "q_bias", p + "k_bias", p + "v_bias"])
+            if cfg.qk_norm == "head":
+                qk_norm = torch.cat(
+                    (
+                        dense[p + "q_norm"].expand(cfg.num_heads, cfg.head_dim),
+                        dense[p + "k_norm"].expand(cfg.num_kv_heads, cfg.head_dim),
+                    )
+                )  # [Hq + Hkv, D]
+        o = dense.get(p + "o")
+        if o is not None:
+            o_t = o.t().contiguous()
+            dense[p + "o"] = o_t.t()  # the same [H, Hq * D] values, now a view of o_t
+        if layer not in moe:
+            gate_up = _fuse_rows(dense, [p + "mlp_gate", p + "mlp_up"])
+            mlp = (gate_up, dense[p + "mlp_down"])
+        full = cfg.qk_norm == "full"
+        out.append(
+            DenseLayer(
+                prefix=p,
+                attn_norm=dense[p + "attn_norm"],
+                attn_norm_bias=dense.get(p + "attn_norm_bias"),
+                mlp_norm=dense[p + "mlp_norm"],
+                mlp_norm_bias=dense.get(p + "mlp_norm_bias"),
+                qkv=qkv,
+                qkv_bias=qkv_bias,
+                qk_norm=qk_norm,
+                q_norm=dense[p + "q_norm"] if full else None,
+                k_norm=dense[p + "k_norm"] if full else None,
+                o_t=o_t,
+                o_bias=dense.get(p + "o_bias"),
+                mlp=mlp,  # type: ignore[arg-type]
+            )
+        )
+    return out
 
 
 class MoEModel:
     """Dense weights on the device, experts through ``buffer``.
 
     Args:
-        cfg: model shape. dense: canonical name -> device tensor (see ``moe_runtime.models.base``).
+        cfg: model shape. dense: canonical name -> device tensor (see ``moe_runtime.models.base``);
+            q/k/v (and a dense MLP's gate/up) become views of fused tensors, o a transposed view
+            (:func:`dense_layers`).
         buffer: the expert buffer. kv_cache: the paged KV cache (or the latent one for
             latent attention). max_len: positions RoPE covers.
     """
@@ -62,6 +166,7 @@ class MoEModel:
             cfg.yarn,
         )
         self.mla = MLAttention(cfg, max_len, emb.dtype, emb.device) if cfg.attention_kind == "mla" else None
+        self.layers = dense_layers(cfg, dense)
         self.lm_head = dense["embed"] if cfg.tie_word_embeddings else dense["lm_head"]
         self.moe_index = {layer: i for i, layer in enumerate(cfg.moe_layers)}
         # per MoE layer: the experts' biases and activation when not the plain SwiGLU (gpt-oss)
@@ -85,30 +190,32 @@ class MoEModel:
             else select_expert_path(emb.device, emb.dtype, cfg.hidden_size, cfg.moe_intermediate_size)
         )
 
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if bias is not None:  # LayerNorm (cfg.norm == "layer")
+            return layer_norm(x, weight, bias, self.cfg.rms_norm_eps)
+        return rms_norm(x, weight, self.cfg.rms_norm_eps)
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, step: StepContext) -> torch.Tensor:
         cfg, w = self.cfg, self.w
         x = F.embedding(input_ids, w["embed"])  # [T, H]
-        for layer in range(cfg.num_layers):
-            p = f"layers.{layer}."
+        rope = None if self.mla is not None else self.rotary.rows(step.positions)  # once per step
+        la = self.lookahead if step.observe else None
+        for layer, lw in enumerate(self.layers):
             ahead = None
-            h = decoder_norm(x, w, p + "attn_norm", cfg.norm, cfg.rms_norm_eps)
-            la = self.lookahead  # (skipped while the policy plans nothing: its scores would be None)
-            if (
-                la is not None
-                and step.observe
-                and layer in self.moe_index
-                and not getattr(la.policy, "idle", 0)
-            ):
-                ahead = la.scores(x, self.moe_index[layer], normed=h)  # from the layer's input
-            x = x + self._attention(h, layer, step)
-            h = decoder_norm(x, w, p + "mlp_norm", cfg.norm, cfg.rms_norm_eps)
-            if layer in self.moe_index:
+            h = self._norm(x, lw.attn_norm, lw.attn_norm_bias)
+            moe_layer = self.moe_index.get(layer)
+            # (skipped while the policy plans nothing: its scores would be None)
+            if la is not None and moe_layer is not None and not getattr(la.policy, "idle", 0):
+                ahead = la.scores(x, moe_layer, normed=h)  # from the layer's input
+            x = self._attention(h, x, lw, layer, step, rope)  # residual included
+            h = self._norm(x, lw.mlp_norm, lw.mlp_norm_bias)
+            if moe_layer is not None:
                 h = moe_block(
                     h,
                     w,
                     layer,
-                    self.moe_index[layer],
+                    moe_layer,
                     cfg,
                     self.buffer,
                     step,
@@ -119,32 +226,58 @@ class MoEModel:
                     self.ffn.get(layer),
                 )
             else:
-                h = F.linear(
-                    F.silu(F.linear(h, w[p + "mlp_gate"])) * F.linear(h, w[p + "mlp_up"]), w[p + "mlp_down"]
-                )
+                gate_up, down = lw.mlp  # type: ignore[misc]
+                gate, up = F.linear(h, gate_up).chunk(2, dim=-1)
+                h = F.linear(F.silu(gate) * up, down)
             x = x + h
-        x = decoder_norm(x[step.logits_index], w, "final_norm", cfg.norm, cfg.rms_norm_eps)
-        return F.linear(x, self.lm_head, w.get("lm_head_bias")).float()  # [N, V]
+        if not (step.logits_all and step.logits_index.shape[0] == x.shape[0]):  # else all, in order
+            x = x[step.logits_index]
+        x = self._norm(x, w["final_norm"], w.get("final_norm_bias"))
+        logits = F.linear(x, self.lm_head, w.get("lm_head_bias"))  # [N, V]
+        return logits if logits.dtype == torch.float32 else logits.float()
 
-    def _attention(self, x: torch.Tensor, layer: int, step: StepContext) -> torch.Tensor:
+    def _attention(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        lw: DenseLayer,
+        layer: int,
+        step: StepContext,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """``residual + o(attention(x))`` for the normed ``x [T, H]``."""
         if self.mla is not None:  # DeepSeek's multi-head latent attention
-            return self.mla(x, self.w, layer, self.kv, step)
-        cfg, w, p = self.cfg, self.w, f"layers.{layer}."
-        t = x.shape[0]
-        q = F.linear(x, w[p + "q"], w.get(p + "q_bias"))
-        k = F.linear(x, w[p + "k"], w.get(p + "k_bias"))
-        v = F.linear(x, w[p + "v"], w.get(p + "v_bias"))
-        if cfg.qk_norm == "full":
-            q = rms_norm(q, w[p + "q_norm"], cfg.rms_norm_eps)
-            k = rms_norm(k, w[p + "k_norm"], cfg.rms_norm_eps)
+            out = self.mla(x, self.w, layer, self.kv, step)
+        else:
+            out = self._gqa(x, lw, layer, step, rope)  # type: ignore[arg-type]
+        if lw.o_bias is not None:
+            return residual + F.linear(out, lw.o_t.t(), lw.o_bias)  # type: ignore[union-attr]
+        return torch.addmm(residual, out, lw.o_t)  # type: ignore[arg-type]
+
+    def _gqa(
+        self,
+        x: torch.Tensor,
+        lw: DenseLayer,
+        layer: int,
+        step: StepContext,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """Grouped-query attention of the normed ``x [T, H]`` -> ``[T, Hq * D]`` (before o)."""
+        cfg = self.cfg
+        t, hq, hkv, d = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = F.linear(x, lw.qkv, lw.qkv_bias)  # type: ignore[arg-type]  # [T, (Hq + 2 Hkv) * D]
+        if lw.q_norm is not None:  # OLMoE: over the whole projection, written back in place
+            q, k = qkv[:, : hq * d], qkv[:, hq * d : (hq + hkv) * d]
+            rms_norm(q, lw.q_norm, cfg.rms_norm_eps, out=q)
+            rms_norm(k, lw.k_norm, cfg.rms_norm_eps, out=k)  # type: ignore[arg-type]
         if cfg.clip_qkv is not None:
-            q, k, v = (z.clamp(-cfg.clip_qkv, cfg.clip_qkv) for z in (q, k, v))
-        q = q.view(t, cfg.num_heads, cfg.head_dim)
-        k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm == "head":
-            q = rms_norm(q, w[p + "q_norm"], cfg.rms_norm_eps)
-            k = rms_norm(k, w[p + "k_norm"], cfg.rms_norm_eps)
-        q, k = self.rotary.apply(q, k, step.positions)
-        out = attention(q, k, v, layer, self.kv, step, w.get(p + "sinks"))  # sliding windows per block group
-        return F.linear(out, w[p + "o"], w.get(p + "o_bias"))  # [T, H]
+            qkv.clamp_(-cfg.clip_qkv, cfg.clip_qkv)
+        heads = qkv.view(t, hq + 2 * hkv, d)
+        qk = heads[:, : hq + hkv]  # queries then keys, a view
+        if lw.qk_norm is not None:  # Qwen3: per head, both in one call
+            rms_norm(qk, lw.qk_norm, cfg.rms_norm_eps, out=qk)
+        self.rotary.rotate_(qk, *rope)
+        sinks = self.w.get(lw.prefix + "sinks")  # read per call: tests switch it off
+        # sliding windows per block group
+        out = attention(heads[:, :hq], None, None, layer, self.kv, step, sinks, kv=heads[:, hq:])
+        return out  # [T, Hq * D]

@@ -37,6 +37,9 @@ class StepContext:
     tables_host: list[np.ndarray] = field(default_factory=list)
     slots: list[torch.Tensor] = field(default_factory=list)
     observe: bool = True  # tracing and policies see this step's routing (False when scoring)
+    # ``logits_index`` as built was every token in order (a decode step): while it still has T
+    # entries (scoring appends rows) the model skips the row gather
+    logits_all: bool = False
     # sequences with one new token (decodes), attended in one batched call: their index among the
     # step's sequences (None when every sequence decodes), their tokens' indices in the packed step
     # (None when every sequence decodes: all tokens, in order), the length mask over their longest
@@ -189,6 +192,7 @@ class StepContext:
             tables=list(tab_t),
             tables_host=list(tab),
             slots=list(slots_t),
+            logits_all=len(logits_index) == acc,
         )
         ctx_obj.prefill_seqs = [i for i, n in enumerate(num_new) if n != 1]
         if dec:

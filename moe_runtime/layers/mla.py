@@ -85,7 +85,8 @@ class MLAttention:
     def __call__(
         self, x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, cache: PagedMLACache, step
     ) -> torch.Tensor:
-        """``x [T, H]`` (normed) -> attention output ``[T, H]``; writes the step's latents to
+        """``x [T, H]`` (normed) -> the heads' values ``[T, heads * v_head_dim]``, before the o
+        projection (the model applies it with the residual); writes the step's latents to
         ``cache`` at the step's slots (``step.slots``)."""
         s, heads, p = self.shape, self.cfg.num_heads, f"layers.{layer}."
         t, nope, rope, rank = x.shape[0], s.qk_nope_head_dim, s.qk_rope_head_dim, s.kv_lora_rank
@@ -107,4 +108,4 @@ class MLAttention:
         latent = torch.cat((c.unsqueeze(1), k_rope), dim=-1)  # [T, 1, rank + rope]
         out = attention(query, latent, latent, layer, cache, step).view(t, heads, rank + rope)
         values = torch.einsum("thc,hvc->thv", out[..., :rank], kv_b[:, nope:])  # [T, heads, v]
-        return F.linear(values.reshape(t, heads * s.v_head_dim), w[p + "o"], w.get(p + "o_bias"))
+        return values.reshape(t, heads * s.v_head_dim)  # the model applies o and the residual
