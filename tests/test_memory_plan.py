@@ -242,3 +242,15 @@ def test_plan_sizes_for_recorded_traffic(bundled, tmp_path):
     assert device_need(cfg, split) <= split.budget
     with pytest.raises(ConfigError, match="--plan-data .*missing.jsonl"):
         resolve_split(cfg, tiny_runtime(plan_data=(str(tmp_path / "missing.jsonl"),)))
+
+
+def test_capped_probabilities_sum_to_top_k_and_stay_at_most_1():
+    from moe_runtime.hit_curve import capped
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        e = int(rng.integers(2, 40))
+        k = int(rng.integers(1, e + 1))
+        w = rng.pareto(0.5, size=(3, e)) * (rng.random((3, e)) > 0.3)  # heavy tails, some zeros
+        p = capped(w, k)
+        assert np.allclose(p.sum(-1), np.minimum((w > 0).sum(-1), k)) and (p <= 1 + 1e-12).all()
