@@ -158,13 +158,19 @@ class Kernel:
 class Linear(Kernel):
     name = "linear"
 
+    def __init__(self, store: Any) -> None:
+        super().__init__(store)
+        # every expert's two matrices as strided views of the store, made once: a range is then
+        # one index and one slice (a unit's Python is on the GIL while the pool's threads wait)
+        at = 2 * self.i * self.h
+        self._gu = store.data[:, :at].view(-1, 2 * self.i, self.h)
+        self._down = store.data[:, at:].view(-1, self.h, self.i)
+
     def gate_up_rows(self, key, x, r0, r1):
-        h = self.h
-        return F.linear(x, self.store.expert(key)[r0 * h : r1 * h].view(r1 - r0, h))
+        return F.linear(x, self._gu[key][r0:r1])
 
     def down_rows(self, key, h, r0, r1):
-        at, i = 2 * self.i * self.h, self.i
-        return F.linear(h, self.store.expert(key)[at + r0 * i : at + r1 * i].view(r1 - r0, i))
+        return F.linear(h, self._down[key][r0:r1])
 
     def gate_up(self, key, x):
         return self.gate_up_rows(key, x, 0, 2 * self.i)

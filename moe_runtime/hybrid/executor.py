@@ -16,7 +16,8 @@ joins the ranges (bit for bit the whole product: :data:`~moe_runtime.hybrid.cpu_
 releases the expert's down units; a worker that takes a down unit of an expert not yet released
 waits for it, which a running worker is completing (no deadlock however many workers run). The
 worker that completes an expert's last down unit joins its output. Workers take units from one
-shared iterator, so a fast worker takes more (KTransformers' dynamic split of a layer's work).
+shared iterator, so a fast worker takes more (KTransformers' dynamic split of a layer's work). The
+caller submits one worker, which submits the others: the compute thread pays one submit a layer.
 
 Each pool thread keeps one OpenMP thread (``omp_set_num_threads(1)`` for itself), so the pool
 does not multiply the compute thread's intra-op threads. A range is at least
@@ -230,7 +231,14 @@ class Batch:
         self.work = [0.0] * len(experts)  # thread-seconds per expert
         self.error: BaseException | None = None
         n = min(executor.threads, max(len(gu), len(down)))
-        self.futures: list[Future] = [executor.pool.submit(self._worker) for _ in range(n)]
+        # one submit from the caller (the compute thread); the first worker starts the others
+        self.others: list[Future] = []
+        self.first: Future = executor.pool.submit(self._launch, n)
+
+    def _launch(self, n: int) -> None:
+        submit = self.executor.pool.submit
+        self.others = [submit(self._worker) for _ in range(n - 1)]
+        self._worker()
 
     def _rows(self, e: _Expert) -> torch.Tensor:
         """The expert's token rows of the host tensor, gathered once (by the first worker)."""
@@ -312,7 +320,8 @@ class Batch:
         """Wait for every worker; per expert ``(output [n, H], seconds)``: the batch's time from
         its first unit to its last, shared out by each expert's thread-seconds (so the experts'
         seconds add up to the batch's)."""
-        for f in self.futures:
+        self.first.result()  # the first worker: it has started the others
+        for f in self.others:
             f.result()
         wall = max(b for _, b in self.spans) - min(a for a, _ in self.spans)
         total = sum(self.work)
