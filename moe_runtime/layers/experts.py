@@ -24,8 +24,9 @@ bundled model's shape at batch 4 in one-expert batches, old and new interleaved,
 two runs; ``tests/test_experts.py`` pins the op count).
 
 Determinism: a token's expert contributions land in ``contrib [T*k, H]`` at (token, rank) with the
-ranks sorted by expert id; the final sum adds rank 0, 1, ... in that order, as the reference's
-ascending ``index_add_`` loop does, whatever batches the experts ran in. Each expert's rows are
+ranks sorted by expert id; one reduction over the ranks sums them (:func:`sum_ranks`: in fp32 on
+the CPU the reference's ascending ``index_add_`` order bit for bit), whatever batches the experts
+ran in. Each expert's rows are
 computed as ``F.linear`` would (checked at load by :func:`select_expert_path`), so outputs do not
 depend on the path, the buffer size or the policy.
 
@@ -37,13 +38,15 @@ Without an :class:`ExpertFFN` every path runs exactly the ops it ran before.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+# re-exported: the hybrid executor and tests import them from here
+from moe_runtime.layers.expert_ffn import ExpertFFN, RowBias, _biased, _hidden  # noqa: F401
 
 MAX_GROUPS = 1024  # CUDA grouped_mm: "Can't process more than 1024 groups"
 # Unused slots one grouped call may span between two used ones, per device type. CUDA: any (an
@@ -62,46 +65,6 @@ MAX_GAP = {"cuda": MAX_GROUPS, "cpu": 8}
 # rows. CUDA: 0, the grouped call's two launches beat two matmuls' launches per expert.
 FEW_TOKENS = {"cpu": 3, "cuda": 0}
 Segment = tuple[int, int, int]  # (first slot, slot count, first row) of one grouped call
-RowBias = tuple[torch.Tensor | None, torch.Tensor | None]  # per-row gate_up [n, 2I] / down [n, H] biases
-
-
-@dataclass(frozen=True, slots=True)
-class ExpertFFN:
-    """What one MoE layer's experts compute beyond ``down(silu(gate) * up)`` (gpt-oss).
-
-    Attributes:
-        gate_up_bias: ``[E, 2I]`` bias of the fused gate/up projection, ``[gate | up]`` order as the
-            slots' rows, or None. down_bias: ``[E, H]`` bias of the down projection, or None.
-        act: ``gate_up [n, 2I]`` (``[gate | up]``, a fresh tensor it may overwrite) -> ``[n, I]``;
-            None = ``silu(gate) * up``. It must give each row the same bits whatever rows are
-            beside it (the paths batch rows differently): see ``ClampedSwiGLU``.
-    """
-
-    gate_up_bias: torch.Tensor | None = None
-    down_bias: torch.Tensor | None = None
-    act: Callable[[torch.Tensor], torch.Tensor] | None = None
-
-    def rows(self, experts: torch.Tensor, device: torch.device) -> RowBias:
-        """Both biases of the rows whose experts are ``experts [n]`` (int64), on ``device``."""
-        return tuple(  # type: ignore[return-value]
-            None if b is None else b.index_select(0, experts).to(device)
-            for b in (self.gate_up_bias, self.down_bias)
-        )
-
-
-def _hidden(gate_up: torch.Tensor, ffn: ExpertFFN | None, bias: torch.Tensor | None) -> torch.Tensor:
-    """The activation of ``gate_up [n, 2I]`` (plus its bias rows) -> ``[n, I]``."""
-    if bias is not None:
-        gate_up = gate_up + bias
-    if ffn is not None and ffn.act is not None:
-        return ffn.act(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def _biased(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``y`` plus the down projection's bias rows, if any."""
-    return y if bias is None else y + bias
 
 
 def select_expert_path(
@@ -286,7 +249,10 @@ def run_experts(
         return _few_tokens(x, weights, ids_host, run, num_experts, ffn, launched)
     plan = LayerPlan(ids_host, num_experts, MAX_GAP.get(x.device.type, MAX_GROUPS))
     w_flat = weights.reshape(-1)
-    contrib = torch.empty((t * k, x.shape[1]), dtype=x.dtype, device=x.device)  # (token, rank) rows
+    # (token, rank) rows: allocated at the first write, unless that write is every row in order
+    # (one call whose rows sorted by slot are the (token, rank) order, e.g. one token, slots in
+    # expert order): its output is then ``contrib`` itself
+    contrib: torch.Tensor | None = None
     hit = np.zeros(num_experts, dtype=bool)
     blocked = np.zeros(num_experts, dtype=np.float64)
     biased = ffn is not None and (ffn.gate_up_bias is not None or ffn.down_bias is not None)
@@ -294,6 +260,7 @@ def run_experts(
         for h in batch:
             hit[h.expert], blocked[h.expert] = h.hit, h.blocked_s
         if len(batch) == 1:  # one expert landed (the usual miss): its rows, no per-batch index work
+            contrib = _rows(contrib, t * k, x)
             _one_expert(x, w_flat, batch[0], plan, contrib, ffn)
             continue
         for part, pos, segments, offs in plan.calls(batch):
@@ -316,13 +283,22 @@ def run_experts(
             if part.device != x.device:
                 y = y.to(x.device)
             # scaled by the router weight, then cast, as the reference does
-            y = _cast(y * w_flat.index_select(0, dev[n : 2 * n]).unsqueeze(1), contrib.dtype)
-            contrib.index_copy_(0, dev[2 * n : 3 * n], y)
+            y = _cast(y * w_flat.index_select(0, dev[n : 2 * n]).unsqueeze(1), x.dtype)
+            if contrib is None and n == t * k and bool((pos == np.arange(n)).all()):
+                contrib = y
+            else:
+                contrib = _rows(contrib, t * k, x)
+                contrib.index_copy_(0, dev[2 * n : 3 * n], y)
+    contrib = _rows(contrib, t * k, x)
     if cpu is not None:  # their outputs, scaled and cast as above, at their (token, rank) rows
         for _, pos, y in cpu.finish(x, weights):
             contrib.index_copy_(0, pos, y)
-    # contributions summed per token in ascending expert order (ranks were sorted by expert id)
-    return _sum_in_order(contrib.view(t, k, -1).unbind(1)), hit, blocked
+    return sum_ranks(contrib.view(t, k, -1)), hit, blocked
+
+
+def _rows(contrib: torch.Tensor | None, n: int, x: torch.Tensor) -> torch.Tensor:
+    """``contrib``, or a new ``[n, H]`` tensor of ``x``'s dtype for the (token, rank) rows."""
+    return contrib if contrib is not None else x.new_empty((n, x.shape[1]))
 
 
 def _expert_on_rows(
@@ -419,17 +395,17 @@ def _few_tokens(
         for pos, _, y in cpu.finish(x, weights):
             for i, p in enumerate(pos.tolist()):
                 pieces[p] = y if len(pos) == 1 else y[i : i + 1]
-    ranks = pieces if t == 1 else torch.cat(pieces).view(t, k, -1).unbind(1)
-    return _sum_in_order(ranks), hit, blocked
+    ranks = torch.stack(pieces, dim=1) if t == 1 else torch.cat(pieces).view(t, k, -1)
+    return sum_ranks(ranks), hit, blocked
 
 
-def _sum_in_order(ranks: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``ranks[0] + ranks[1] + ...`` left to right: each token's expert contributions in ascending
-    expert order, the reference's order, so every path gives the same bits."""
-    out = ranks[0]
-    for c in ranks[1:]:
-        out = out + c
-    return out
+def sum_ranks(ranks: torch.Tensor) -> torch.Tensor:
+    """Each token's expert contributions ``ranks [T, k, H]`` (ranks in ascending expert order)
+    summed: ``[T, H]``. One reduction for every path (grouped, loop, few, the CPU's hybrid
+    experts, the device-routed one), so they all give the same bits whichever experts were
+    resident. In fp32 on the CPU it equals the reference's left-to-right adds bit for bit; in
+    bf16 it accumulates in fp32 and rounds once (the reference rounds after each add)."""
+    return ranks.sum(dim=1)
 
 
 def _grouped(
@@ -454,9 +430,28 @@ def _grouped(
             hidden = _hidden(F.linear(xseg, part.gate_up[first]), ffn, gu_b)
             outs.append(_biased(F.linear(hidden, part.down[first]), down_b))
             continue
-        hidden = _hidden(F.grouped_mm(xseg, part.gate_up_t[first : first + count], offs=oseg), ffn, gu_b)
-        outs.append(_biased(F.grouped_mm(hidden, part.down_t[first : first + count], offs=oseg), down_b))
+        gate_up_t, down_t = span_views(part, first, count)
+        hidden = _hidden(F.grouped_mm(xseg, gate_up_t, offs=oseg), ffn, gu_b)
+        outs.append(_biased(F.grouped_mm(hidden, down_t, offs=oseg), down_b))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def span_views(part: Any, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``part.gate_up_t`` / ``part.down_t`` over slots ``first .. first + count - 1``: made once per
+    span and kept on the partition (a span's views never change; a resident layer's span recurs
+    every step), so a grouped call slices nothing. Dequantizing slots are sliced each time."""
+    if not isinstance(part.gate_up_t, torch.Tensor):
+        return part.gate_up_t[first : first + count], part.down_t[first : first + count]
+    cache = part.__dict__.setdefault("_span_views", {})
+    views = cache.get((first, count))
+    if views is None:
+        if len(cache) >= 4096:  # spans of a buffer below 100%: bounded
+            cache.clear()
+        views = cache[(first, count)] = (
+            part.gate_up_t[first : first + count],
+            part.down_t[first : first + count],
+        )
+    return views
 
 
 def _loop(
