@@ -51,7 +51,7 @@ class DenseLayer:
         attn_norm, mlp_norm: ``[H]`` norm weights; ``*_bias`` LayerNorm biases or None.
         qkv: ``[(Hq + 2 Hkv) * D, H]`` the q, k and v projections in one (None: latent attention);
             qkv_bias: its bias or None.
-        qk_norm: ``[Hq + Hkv, D]`` the per-head q/k norm weights side by side (``qk_norm ==
+        qk_norm: ``[Hq + Hkv, 1, D]`` the per-head q/k norm weights side by side (``qk_norm ==
             "head"``), or None. q_norm, k_norm: ``[Hq * D]``/``[Hkv * D]`` (``"full"``) or None.
         o_t: ``[Hq * D, H]`` the o projection transposed (for ``addmm``); o_bias: its bias or None.
         mlp: a dense layer's ``(gate_up [2I, H], down [H, I])``, or None for an MoE layer.
@@ -102,7 +102,7 @@ def dense_layers(cfg: ModelConfig, dense: dict[str, torch.Tensor]) -> list[Dense
                         dense[p + "q_norm"].expand(cfg.num_heads, cfg.head_dim),
                         dense[p + "k_norm"].expand(cfg.num_kv_heads, cfg.head_dim),
                     )
-                )  # [Hq + Hkv, D]
+                ).unsqueeze(1)  # [Hq + Hkv, 1, D]
         o = dense.get(p + "o")
         if o is not None:
             o_t = o.t().contiguous()
@@ -199,7 +199,9 @@ class MoEModel:
     def forward(self, input_ids: torch.Tensor, step: StepContext) -> torch.Tensor:
         cfg, w = self.cfg, self.w
         x = F.embedding(input_ids, w["embed"])  # [T, H]
-        rope = None if self.mla is not None else self.rotary.rows(step.positions)  # once per step
+        rope = None  # cos/sin rows [T, 1, 1, D], once per step
+        if self.mla is None:
+            rope = tuple(r.unsqueeze(1) for r in self.rotary.rows(step.positions))
         la = self.lookahead if step.observe else None
         for layer, lw in enumerate(self.layers):
             ahead = None
@@ -272,7 +274,8 @@ class MoEModel:
             rms_norm(k, lw.k_norm, cfg.rms_norm_eps, out=k)  # type: ignore[arg-type]
         if cfg.clip_qkv is not None:
             qkv.clamp_(-cfg.clip_qkv, cfg.clip_qkv)
-        heads = qkv.view(t, hq + 2 * hkv, d)
+        # per head, with a query length of 1 (the decode SDPA's layout, and the cache's for K/V)
+        heads = qkv.view(t, hq + 2 * hkv, 1, d)
         qk = heads[:, : hq + hkv]  # queries then keys, a view
         if lw.qk_norm is not None:  # Qwen3: per head, both in one call
             rms_norm(qk, lw.qk_norm, cfg.rms_norm_eps, out=qk)

@@ -79,14 +79,15 @@ def attention(
     """Write the step's keys and values into ``cache``, then attend.
 
     Args:
-        q: ``[T, Hq, D]`` rotated queries; k, v: ``[T, Hkv, D]`` rotated keys and values (the
+        q: ``[T, Hq, D]`` rotated queries (or ``[T, Hq, 1, D]``, the model's per-head view: a
+            decode's SDPA takes it as it is); k, v: ``[T, Hkv, D]`` rotated keys and values (the
             same tensor for latent attention), or None with ``kv``.
         layer: decoder layer index into the cache (``PagedKVCache`` or ``PagedMLACache``); a layer
             whose block group has a window attends over its sliding window.
         step: the step's :class:`~moe_runtime.engine.context.StepContext`.
         sinks: ``[Hq]`` attention-sink logits, or None (module docstring).
-        kv: ``[T, 2 * Hkv, D]`` the keys then the values in one tensor (a view into the fused
-            q/k/v projection): one ``index_copy_`` into a cache that keeps them side by side
+        kv: ``[T, 2 * Hkv, 1, D]`` the keys then the values in one tensor (a view into the
+            fused q/k/v projection): one ``index_copy_`` into a cache that keeps them side by side
             (``cache.kv_flat``).
 
     Returns:
@@ -102,7 +103,7 @@ def attention(
         both.index_copy_(0, slots, kv)
     else:
         if kv is not None:
-            k, v = kv.chunk(2, dim=1)
+            k, v = kv.squeeze(2).chunk(2, dim=1)
         kc.index_copy_(0, slots, k)
         if vc is not kc:
             vc.index_copy_(0, slots, v)
@@ -110,6 +111,8 @@ def attention(
     flex = getattr(cache, "flex", None)
     if step.all_decode and not q.is_cuda and window is None:  # the common CPU case: no backend context
         return _decode(q, kc, vc, step, group, sinks, both).view(t, -1)
+    if q.dim() == 4:
+        q = q.squeeze(2)  # [T, Hq, D]
     if step.all_decode and flex is not None and q.is_cuda:  # blocks read in place
         return flex.decode(q, kc, vc, step, group, window, sinks).reshape(t, -1)
     backends = sdpa_kernel(CUDA_BACKENDS) if q.is_cuda else contextlib.nullcontext()
@@ -263,7 +266,7 @@ def _prefill_padded(q: torch.Tensor, kc, vc, step, group: int, sinks=None) -> to
 
 
 def _decode(q: torch.Tensor, kc, vc, step, group: int, sinks=None, both=None) -> torch.Tensor:
-    """One batched SDPA for the decoding sequences' queries ``q [B_d, Hq, D]`` -> ``[B_d, Hq, 1, D]``.
+    """One batched SDPA for the decoding sequences' queries ``q [B_d, Hq, (1,) D]`` -> ``[B_d, Hq, 1, D]``.
 
     ``both``: the layer's keys and values side by side (``cache.kv_flat[layer]``), gathered with
     one ``index_select`` and split by one ``unbind``; else ``kc`` and ``vc`` one gather each. No
@@ -277,11 +280,12 @@ def _decode(q: torch.Tensor, kc, vc, step, group: int, sinks=None, both=None) ->
     else:
         keys, vals = _gather_kv(kc, vc, slots, b, ctx)  # [B_d, Hkv, C, D]
     mask = None if step.decode_full else step.decode_mask
+    q4 = q if q.dim() == 4 else q.unsqueeze(2)  # [B_d, Hq, 1, D]
     if q.is_cuda and sinks is None:
-        return decode_grouped(q, keys, vals, mask)
+        return decode_grouped(q4.squeeze(2), keys, vals, mask)
     if sinks is None:
-        return F.scaled_dot_product_attention(q.unsqueeze(2), keys, vals, attn_mask=mask, enable_gqa=True)
-    return _sdpa(q.unsqueeze(2), keys, vals, step.decode_mask, sinks, step, "decode")
+        return F.scaled_dot_product_attention(q4, keys, vals, attn_mask=mask, enable_gqa=True)
+    return _sdpa(q4, keys, vals, step.decode_mask, sinks, step, "decode")
 
 
 def decode_grouped(

@@ -122,10 +122,12 @@ class PagedKVCache:
     one ``index_copy_`` and a decode gathers both with one ``index_select``
     (``moe_runtime.layers.attention``).
 
-    Views per decoder layer: ``kv_flat[layer]`` ``[num_blocks * block_size, 2 * kv_heads, head_dim]``
-    (both); ``k[layer]``, ``v[layer]`` ``[num_blocks, block_size, kv_heads, head_dim]`` and
-    ``k_flat``/``v_flat`` ``[num_blocks * block_size, kv_heads, head_dim]`` (strided: the other half
-    of each row is the other tensor).
+    Views per decoder layer: ``kv_flat[layer]`` ``[num_blocks * block_size, 2 * kv_heads, 1,
+    head_dim]`` (both; the 1 is a decode query's length, the shape of the model's per-head view of
+    its projection, so the step's keys and values are written as they are); ``k[layer]``,
+    ``v[layer]`` ``[num_blocks, block_size, kv_heads, head_dim]`` and ``k_flat``/``v_flat``
+    ``[num_blocks * block_size, kv_heads, head_dim]`` (strided: the other half of each row is the
+    other tensor).
 
     Args:
         layout: the :class:`KVLayout` (its ``elements_per_token`` is ``2 * kv_heads * head_dim``).
@@ -146,10 +148,11 @@ class PagedKVCache:
         per_layer = [self._kv[s] for s in layout.slot_of]
         self.k = [x[:, :, :kv_heads] for x in per_layer]
         self.v = [x[:, :, kv_heads:] for x in per_layer]
-        # [num_blocks * block_size, 2 * kv_heads, head_dim]: slot-indexed writes and gathers
-        self.kv_flat = [x.view(-1, 2 * kv_heads, head_dim) for x in per_layer]
-        self.k_flat = [x[:, :kv_heads] for x in self.kv_flat]
-        self.v_flat = [x[:, kv_heads:] for x in self.kv_flat]
+        # [num_blocks * block_size, 2 * kv_heads, (1,) head_dim]: slot-indexed writes and gathers
+        flat = [x.view(-1, 2 * kv_heads, head_dim) for x in per_layer]
+        self.kv_flat = [x.unsqueeze(2) for x in flat]
+        self.k_flat = [x[:, :kv_heads] for x in flat]
+        self.v_flat = [x[:, kv_heads:] for x in flat]
         self.kv_heads = kv_heads
         self.flex = None  # CUDA decodes in place (moe_runtime.layers.paged_decode), set by the engine
         self.layout = layout

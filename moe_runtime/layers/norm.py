@@ -46,9 +46,14 @@ def rms_norm(
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim; ``x`` is ``[..., D]``.
 
     The normalisation runs in fp32 and is cast back before the weight, as transformers' RMSNorm
-    does (:func:`normalise`). ``out``: written there (e.g. the query and key heads inside the
-    fused q/k/v projection's output), else a new tensor. Two ops where the fused kernel runs.
+    does (:func:`normalise`); where the fused kernel runs, a ``[D]`` weight goes into the kernel
+    (one op). ``out``: written there (e.g. the query and key heads inside the fused q/k/v
+    projection's output), else a new tensor.
     """
+    if out is None and weight.dim() == 1 and _fused_runs(x.device):
+        # one kernel with the weight: the product is rounded once, where the reference rounds
+        # the normalised value to the model dtype first (the same in fp32 up to the kernel's order)
+        return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)[0]
     h = normalise(x, eps)
     return weight * h if out is None else torch.mul(weight, h, out=out)
 

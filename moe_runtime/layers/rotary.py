@@ -104,7 +104,9 @@ class Rotary:
     def rotate_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate ``x [T, heads, head_dim]`` (queries and keys in one tensor, or a view into the
         fused projection's output) in place by the rows of :meth:`rows` (``[T, 1, head_dim]``):
-        ``x * cos + rotate_half(x) * sin``, the reference's arithmetic bit for bit, in four ops."""
+        ``x * cos + rotate_half(x) * sin``, the reference's arithmetic bit for bit, in four ops
+        (an ``addcmul_`` would make it three, but may fuse its multiply and add: not the
+        reference's rounding)."""
         turned = self.turn(x).mul_(sin)
         return torch.add(x * cos, turned, out=x)
 

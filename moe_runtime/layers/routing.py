@@ -108,13 +108,17 @@ def _softmax_topk(
 
     Renormalised, the top-k of the softmax over every expert divided by their sum is the softmax
     over the top-k logits alone (softmax is monotone, so the same experts win; the shared
-    ``exp(-max) / Z`` cancels): that form is three ops (top-k, softmax, cast) instead of five, and
+    ``exp(-max) / Z`` cancels): that form is two ops (top-k, softmax; a bf16 or fp16 softmax
+    computes in fp32 and rounds once, which is the fp32 softmax's cast) instead of five, and
     differs from the five-op one by rounding only (a few fp32 ulps of the weights)."""
     logits = F.linear(x, router)  # [T, E] in the model dtype
     f32 = torch.float32
     if cfg.norm_topk_prob:
         top, ids = torch.topk(logits, cfg.top_k, dim=-1)
-        weights = F.softmax(top, dim=-1) if top.dtype == f32 else F.softmax(top, dim=-1, dtype=f32)
+        if top.dtype == f32 or cfg.router_weights_in_model_dtype:
+            # a low-precision softmax computes in fp32 and rounds once: the fp32 softmax cast
+            return F.softmax(top, dim=-1), ids
+        weights = F.softmax(top, dim=-1, dtype=f32)
     else:
         probs = F.softmax(logits, dim=-1) if logits.dtype == f32 else F.softmax(logits, dim=-1, dtype=f32)
         weights, ids = torch.topk(probs, cfg.top_k, dim=-1)
