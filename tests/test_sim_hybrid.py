@@ -11,6 +11,7 @@ import pytest
 
 import moeserve.sim.hybrid as sim_hybrid
 from moe_runtime.hybrid.cost_model import place_layer
+from moe_runtime.hybrid.executor import split_ranges
 from moeserve.sim.buffer import SimBuffer
 from moeserve.sim.cost import CostModel
 from moeserve.sim.engine import SimConfig, Simulator
@@ -22,14 +23,14 @@ from moeserve.sim.speed import synthetic_workload
 from moeserve.sim.workload import SimRequest, split_requests, split_warm_eval, with_prompts
 
 
-def mixtral_sim(hw: str = "a5000", slots: int = 57, batch: int = 1, mode: str = "device", lanes=None):
-    """A Mixtral-8x7B profile on ``hw`` with the host's roofline CPU cost and the hybrid bound."""
+def mixtral_sim(hw: str = "a5000", slots: int = 57, batch: int = 1, mode: str = "device", threads=None):
+    """A Mixtral-8x7B profile on ``hw`` with the host pool's roofline CPU cost and the hybrid bound."""
     m, h = get_model("mixtral-8x7b"), get_hardware(hw)
     cost = CostModel.roofline(m, h)
-    n = lanes or h.host.default_lanes()
+    n = threads or h.host.default_threads()
     hy = HybridConfig(
-        mode, n, CPUCost.roofline(m.expert_bytes, m.expert_flops_per_token, h.host, n),
-        m.expert_bytes / ((h.link.gbps + h.host.mem_gbps) * 1e9), cost.expert_bytes_s,
+        mode, n, CPUCost.pool(m, h.host, n),
+        m.expert_bytes / ((h.link.gbps + h.host.pool_gbps(n)) * 1e9), cost.expert_bytes_s,
     )  # fmt: skip
     return Simulator(32, 8, 2, m.expert_bytes, cost, SimConfig(slots=slots, batch=batch, hybrid=hy))
 
@@ -58,7 +59,7 @@ def test_device_mode_is_the_fetch_only_run(mixtral_like) -> None:
 
 def test_placement_is_deterministic(mixtral_like) -> None:
     warm, evals = mixtral_like
-    sim = mixtral_sim(batch=4, lanes=1)
+    sim = mixtral_sim(batch=4, threads=1)
     runs = [run_modes(sim, [("eam", "eam", "eam-reuse")], ["auto", "cpu"], warm, evals) for _ in range(2)]
     assert [(fingerprint(r), r.hybrid) for r in runs[0]] == [(fingerprint(r), r.hybrid) for r in runs[1]]
     auto, cpu = runs[0]
@@ -75,13 +76,42 @@ def test_placement_calls_the_runtime_cost_model(monkeypatch, mixtral_like) -> No
         return place_layer(costs, cpu, device, mode)
 
     monkeypatch.setattr(sim_hybrid, "place_layer", spy)
-    sim = mixtral_sim(mode="auto", lanes=3)
+    sim = mixtral_sim(mode="auto", threads=3)
     sim.run("eam", "eam-reuse", warm, evals)
-    assert seen and all(mode == "auto" and c.cpu_lanes == 3 for c, mode in seen)
+    assert seen and all(mode == "auto" and c.cpu_lanes == 1 for c, mode in seen)  # the pool: one lane
     t = sim.cost.transfer_s
     for c, _ in seen:  # the runtime's inputs: one copy's time, the copies in flight times it
         assert c.link_s == [t] and len(c.miss_rows) == len(c.miss_part) > 0
         assert len(c.link_backlog_s) == 1 and c.link_backlog_s[0] / t == round(c.link_backlog_s[0] / t)
+
+
+def test_pool_cost_is_the_sockets_bandwidth_capped_by_its_cores_and_sustained_flops() -> None:
+    """The runtime's pool on one Mixtral expert: at the default threads it reads at the socket's
+    sustained rate (the ranges' stagger hidden under it), a one-thread pool at one core's; 128
+    rows at the sustained FLOP/s of the pool's cores plus the stagger of the ranges."""
+    from moeserve.sim.hardware import CORE_READ_GBPS, GEMM_EFFICIENCY
+
+    m = get_model("mixtral-8x7b")
+    for hw in ("a5000", "h100"):
+        host = get_hardware(hw).host
+        n = host.default_threads()
+        assert host.pool_gbps(n) == host.mem_gbps and host.pool_gbps(1) == CORE_READ_GBPS
+        assert host.sustained_flops == pytest.approx(host.peak_flops * GEMM_EFFICIENCY[host.isa])
+        c = CPUCost.pool(m, host, n)
+        over = host.expert_overhead_us * 1e-6
+        # about one 16-row-aligned range per thread in each phase (>= 1 MiB of weights each)
+        shapes = ((2 * m.expert_intermediate, m.expert_intermediate), (m.hidden, m.hidden))
+        ranges = [len(split_ranges(r, m.expert_bytes // (3 * w), n, 1 << 20)) for r, w in shapes]
+        assert all(n - 2 <= r <= n for r in ranges)
+        stagger = sum(r - 1 for r in ranges) * host.unit_overhead_us * 1e-6
+        read = over + m.expert_bytes / (host.mem_gbps * 1e9)
+        assert read - 1e-12 <= c.seconds(1) <= read + stagger
+        flops = host.sustained_flops * n / host.cores
+        want = over + 128 * m.expert_flops_per_token / flops
+        assert want < c.seconds(128) <= over + (want - over) * n / min(ranges) + stagger + 1e-9
+        one = CPUCost.pool(m, host, 1)  # one range per phase at one core's read rate
+        assert one.seconds(1) == pytest.approx(over + m.expert_bytes / (CORE_READ_GBPS * 1e9))
+    assert get_hardware("h100").host.isa == "amx" and get_hardware("a5000").host.isa == "fma"
 
 
 def test_hand_timed_layer_splits_between_link_and_cpu() -> None:
@@ -127,17 +157,21 @@ def test_bound_is_below_every_row_and_adds_up() -> None:
     warm, evals = split_warm_eval(wl, 1)
     for mode in ("device", "cpu", "auto"):
         for run in run_modes(
-            mixtral_sim(batch=2, lanes=1), [("eam", "eam", "eam-reuse")], [mode], warm, evals
+            mixtral_sim(batch=2, threads=1), [("eam", "eam", "eam-reuse")], [mode], warm, evals
         ):
             assert 0 < run.hybrid["bound_s"] < run.tpot_s
 
 
-def test_prefill_chunks_go_mostly_to_the_device_on_a5000(mixtral_like) -> None:
+def test_prefill_chunks_meet_the_device_decode_steps_the_cpu_on_a5000(mixtral_like) -> None:
+    """A 512-token chunk's experts (~128 rows each) take about a copy's time on the pool at its
+    sustained FLOP/s, so the split sends most of them to the device (resident or copied) and about
+    half its misses over the link; a decode step's one-row misses go to the CPU."""
     warm, evals = mixtral_like
-    sim = mixtral_sim(mode="auto")  # the host's default lanes
+    sim = mixtral_sim(mode="auto")  # the host's default threads
     run = run_modes(sim, [("eam", "eam", "eam-reuse")], ["auto"], warm, evals[:2], 512, warm + evals)[0]
-    p = run.hybrid["prefill"]
-    assert p["steps"] >= 1 and p["cpu"] < 0.5 * (p["cpu"] + p["copied"])
+    p, d = run.hybrid["prefill"], run.hybrid["decode"]
+    assert p["steps"] >= 1 and p["cpu"] < p["copied"] + p["resident"]
+    assert p["cpu"] < 0.6 * (p["cpu"] + p["copied"]) and d["cpu"] > 0.8 * (d["cpu"] + d["copied"])
 
 
 def test_split_and_prompts() -> None:
@@ -175,6 +209,6 @@ def test_cli_rows_show_bound_and_placement(tmp_path, capsys) -> None:
     assert (
         rows["eam (auto)"]["prefill_placement"]["steps"] >= 1 and rows["oracle"]["prefill_placement"] is None
     )
-    assert doc["settings"]["cpu_lanes"] == 30 and doc["settings"]["measured_sequences"] == 4
+    assert doc["settings"]["cpu_threads"] == 30 and doc["settings"]["measured_sequences"] == 4
     assert main(["simulate", "--trace", str(path), "--expert-compute", "gpu"]) == 2
     assert "--expert-compute: 'gpu'" in capsys.readouterr().err

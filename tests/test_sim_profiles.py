@@ -57,7 +57,7 @@ def test_every_named_hardware_resolves() -> None:
 def test_every_hardware_profile_has_a_sourced_host() -> None:
     for name in hardware_names():
         h = get_hardware(name).host
-        assert h is not None and h.source and h.cores > 1 and 1 <= h.default_lanes() < h.cores
+        assert h is not None and h.source and h.cores > 1 and 1 <= h.default_threads() < h.cores
         assert 0 < h.mem_gbps < h.mem_gbps_nominal and h.peak_flops > 0
     # the paper's A5000 testbed class: one 8-channel DDR4-3200 socket; an H100 server's Sapphire Rapids
     assert get_hardware("a5000").host.mem_gbps_nominal == pytest.approx(8 * 3.2 * 8)

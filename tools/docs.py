@@ -182,14 +182,14 @@ BLOCKS: dict[str, Block] = {
         "docs/simulator.md",
         "moeserve trace import --num-experts 8 --out runs/traces/mixtral_8x7b.jsonl "
         f"{MIXTRAL_LOGS}/gsm8k_2_routing.jsonl {MIXTRAL_LOGS}/humaneval_2_routing.jsonl\n"
-        "for b in 1 16; do for lanes in 0 1; do\n"
+        "for b in 1 16; do\n"
         + "".join(
             "  moeserve simulate --trace runs/traces/mixtral_8x7b.jsonl --model-profile mixtral-8x7b "
             f"--hardware {hw} --batch $b --split-eval $b --policy eam,oracle --expert-compute device,cpu,auto "
-            "--prefill-tokens 512 --cpu-lanes $lanes --warm 1 --json\n"
+            "--prefill-tokens 512 --warm 1 --json\n"
             for hw in ("a5000 --buffer-slots 57", "h100 --buffer-slots 100")
         )
-        + "done; done",
+        + "done",
         "moeserve.sim.report:render_simulate_hybrid",
         1,
         "../shared (routing logs)",

@@ -65,10 +65,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "or a comma list of them, one set of rows each (default: device)",
     )
     p.add_argument(
-        "--cpu-lanes",
+        "--cpu-expert-threads",
         type=int,
         default=0,
-        help="host threads computing experts, one expert each (default 0: the host's, as the runtime)",
+        help="the CPU pool's threads, each CPU expert split over all (default 0: the host's, as the runtime)",
     )
     p.add_argument(
         "--split-eval",
@@ -132,7 +132,7 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError(f"--layer-jitter-us must be >= 0, got {args.layer_jitter_us}")
     if args.split_eval is not None and args.split_eval < 1:
         raise ConfigError(f"--split-eval must be >= 1, got {args.split_eval}")
-    for name in ("cpu_lanes", "prefill_tokens"):
+    for name in ("cpu_expert_threads", "prefill_tokens"):
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     from moeserve.sim.hybrid import MODES
@@ -192,12 +192,12 @@ def run(args: argparse.Namespace) -> int:
     slots = args.buffer_slots or args.num_devices * profile.buffer_slots(hw, kv_tokens)
     slots = min(slots, profile.total_experts)
     cost = CostModel.roofline(profile, hw, args.host_overhead_us)
-    lanes = args.cpu_lanes or hw.host.default_lanes(args.num_devices)
+    threads = args.cpu_expert_threads or hw.host.default_threads(args.num_devices)
     hybrid = HybridConfig(
         "device",
-        lanes,
-        CPUCost.roofline(profile.expert_bytes, profile.expert_flops_per_token, hw.host, lanes),
-        profile.expert_bytes / ((hw.link.gbps + hw.host.mem_gbps) * 1e9),
+        threads,
+        CPUCost.pool(profile, hw.host, threads),
+        profile.expert_bytes / ((hw.link.gbps + hw.host.pool_gbps(threads)) * 1e9),
         cost.expert_bytes_s,
     )
     config = SimConfig(
@@ -238,8 +238,9 @@ def run(args: argparse.Namespace) -> int:
         "layer_jitter_us": args.layer_jitter_us,
         "lookahead_precision": ",".join(f"{v:g}" for v in config.lookahead_precision) or "none",
         "expert_compute": args.expert_compute,
-        "cpu_lanes": lanes,
+        "cpu_threads": threads,
         "cpu_expert_us_1tok": round(hybrid.cpu.seconds(1) * 1e6, 2),
+        "cpu_expert_us_128tok": round(hybrid.cpu.seconds(128) * 1e6, 2),
         "measured_sequences": len(evals),
         "prefill_tokens": args.prefill_tokens,
         **cost.describe(),

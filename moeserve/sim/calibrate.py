@@ -252,7 +252,9 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
     rows_h = calibrate_hybrid.hybrid_rows(args.auto_policies) if args.hybrid else []
     reps_h = args.repeat if rows_h else 0
     hyb = [calibrate_hybrid.run_runtime(loaded, args, warm, evals, rows_h) for _ in range(reps_h)]
-    offline_cpu = calibrate_hybrid.offline_cpu_cost(loaded) if rows_h else None
+    offline_cpu = None
+    if rows_h:
+        offline_cpu = calibrate_hybrid.offline_cpu_cost(loaded, calibrate_hybrid.threads(args))
     settings = {**reps[0][0]["settings"], "traces": [str(t) for t in traces], "repeats": args.repeat}
     rows: list[dict[str, Any]] = []
     inrun_costs: list[dict[str, Any]] = []
@@ -290,7 +292,7 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
         "in_run_costs": inrun_costs,
         "comparison": rows,
         "hybrid": {
-            "lanes": calibrate_hybrid.lanes(args),
+            "cpu_threads": calibrate_hybrid.threads(args),
             "offline_cpu": None if offline_cpu is None else asdict(offline_cpu),
             "comparison": hybrid_rows,
             "runtime": [[r for _, _, r, _ in results] for results in hyb],

@@ -5,14 +5,14 @@ NOTE: what is compared. The runtime runs ``bench policies``'s warm-then-eval seq
 ``_Runs``, one fresh engine per row) with ``--expert-compute cpu`` (no prefetch, LRU over a fixed
 set: llama.cpp's ``--n-cpu-moe``) and ``auto`` for each of ``--auto-policies``, under the
 :class:`~moeserve.sim.probe.RuntimeProbe`, which also times the compute thread's waits for CPU
-experts and every CPU job. The simulator replays the recorded trace with the same mode, CPU lanes
-(the runtime's ``default_threads`` for ``--cpu-threads``: its pool threads) and
-:func:`~moe_runtime.hybrid.cost_model.place_layer`, from two cost sets as for the fetch-only rows:
-``offline`` (the resident engine's costs and the CPU kernels' load-time measurement,
-``choose_kernels`` as the runtime measures them at load) and ``in-run`` (the run's own records:
-the device's expert phases and the gaps between layers less the CPU waits, and the CPU jobs fitted
-as ``a + b * rows``). Target: TPOT within 25% (blocking alone misses the CPU's share); the hit
-rate is shown beside it.
+experts and every CPU expert. The simulator replays the recorded trace with the same mode, one
+CPU lane (the runtime's pool of ``default_threads`` for ``--cpu-threads``, every thread on each
+expert) and :func:`~moe_runtime.hybrid.cost_model.place_layer`, from two cost sets as for the
+fetch-only rows: ``offline`` (the resident engine's costs and the CPU kernels' load-time
+measurement, ``choose_kernels`` on that pool as the runtime measures them at load) and ``in-run``
+(the run's own records: the device's expert phases and the gaps between layers less the CPU
+waits, and the CPU experts fitted as ``a + b * rows``). Target: TPOT within 25% (blocking alone
+misses the CPU's share); the hit rate is shown beside it.
 """
 
 from __future__ import annotations
@@ -38,20 +38,28 @@ def hybrid_rows(auto_policies: str) -> list[tuple[str, str, str, dict]]:
     return rows
 
 
-def lanes(args: argparse.Namespace) -> int:
+def threads(args: argparse.Namespace) -> int:
     """The runtime's CPU expert threads at these settings (one device: one I/O thread)."""
     from moe_runtime.hybrid.setup import default_threads
 
     return default_threads(args.cpu_threads, 1)
 
 
-def offline_cpu_cost(loaded: Any) -> Any:
-    """The CPU kernels' load-time fit, measured as the runtime measures it (``setup.attach``)."""
-    from moe_runtime.hybrid.cpu_kernels import choose_kernels
+def offline_cpu_cost(loaded: Any, threads: int) -> Any:
+    """The CPU kernels' load-time fit, measured as the runtime measures it (``setup.attach``: the
+    whole pool of ``threads`` on each expert)."""
+    from moe_runtime.hybrid.cpu_kernels import choose_kernels, eligible_kernels
+    from moe_runtime.hybrid.executor import CPUExpertExecutor
     from moe_runtime.hybrid.setup import FIT_ROWS, fit_from
     from moeserve.sim.hybrid import CPUCost
 
-    choice = choose_kernels(loaded.store, (1, 4, FIT_ROWS))
+    executor = CPUExpertExecutor(loaded.store, None, threads)
+    try:
+        kernels = eligible_kernels(loaded.store)
+        executor.check_split(kernels)
+        choice = choose_kernels(loaded.store, (1, 4, FIT_ROWS), kernels=kernels, run=executor.run_one)
+    finally:
+        executor.close()
     fit = fit_from(choice.points, choice.seconds_chosen)
     return CPUCost.measured(fit.per_expert_s, fit.per_row_s, "choose_kernels at load")
 
@@ -110,7 +118,7 @@ def compare(
     from moeserve.sim.calibrate import simulate
     from moeserve.sim.hybrid import CPUCost, HybridConfig
 
-    cfg, nbytes, n_lanes = loaded.config, loaded.store.expert_nbytes, lanes(args)
+    cfg, nbytes, n_threads = loaded.config, loaded.store.expert_nbytes, threads(args)
     rows, costs = [], []
     for fraction, (label, prefetch, cache, over), r, rec in results:
         mode = over["expert_compute"]
@@ -124,7 +132,7 @@ def compare(
         costs.append({"repeat": rep, "buffer_fraction": fraction, "policy": label, **asdict(inrun)})
         wake = link["wake_s"]
         for name, c, cpu, scale in (("offline", offline, offline_cpu, 1.0), ("in-run", inrun, cpu_in, 0.0)):
-            hybrid = HybridConfig(mode, n_lanes, cpu)
+            hybrid = HybridConfig(mode, n_threads, cpu)
             s = simulate(c, traces, fraction, combo, args.batch, nbytes, scale, wake, hybrid)
             rows.append(_row(r, s, name, rep))
     return rows, costs

@@ -204,7 +204,7 @@ class Simulator:
             st = buf.stats
             hybrid = {
                 "mode": hy.mode,
-                "lanes": hy.lanes if hy.mode != "device" else 0,
+                "threads": hy.threads if hy.mode != "device" else 0,
                 **state.tally.summary(),
                 "cpu_expert_s": st.cpu_expert_s - st0.cpu_expert_s,
                 "cpu_wait_s": st.cpu_wait_s - st0.cpu_wait_s,
@@ -274,7 +274,8 @@ class Simulator:
                 raise ValueError("hybrid execution needs a CPU cost (HybridConfig.cpu)")
             if mode == "cpu":
                 preload_fixed(buf)
-            buf.placer = SimPlacer(buf, mode, hy.lanes, hy.cpu, self.cost.expert_s, self.expert_bytes)
+            # the runtime's pool: every thread on one expert at a time, one lane
+            buf.placer = SimPlacer(buf, mode, 1, hy.cpu, self.cost.expert_s, self.expert_bytes)
             state.gate = getattr(prefetcher, "gate", None)
         if "lookahead" in context:
             state.ahead = (np.asarray(precision[:depth]), np.random.default_rng(cfg.lookahead_seed))

@@ -15,10 +15,17 @@ control cost about 20% of the raw rate, so a pinned host->device copy reaches ab
 included; this factor is our assumption, stated, not a measurement.
 
 Host memory: a memory-bound kernel sustains about 80% of the DRAM channels' nominal rate (STREAM
-Triad class; the nominal rate is channels x MT/s x 8 bytes). We use the sustained figure for the
-CPU's expert time and the hybrid bound, the same 0.8 as the links'; an assumption, stated. A host is
-the CPU socket (NUMA node) whose memory holds the GPU's experts: MoE-Infinity partitions experts
-by NUMA node (§5.3), so a GPU's experts are read by that socket's cores and channels.
+Triad class; the nominal rate is channels x MT/s x 8 bytes; McCalpin: "75%-85% of the peak DRAM
+bandwidth in each generation" of many-core servers). We use the sustained figure for the CPU's
+expert time and the hybrid bound. One core reads far less (:data:`CORE_READ_GBPS`), so the
+runtime splits each CPU expert over its whole pool: the pool reads at ``min(sustained, threads x
+core rate)``. A host is the CPU socket (NUMA node) whose memory holds the GPU's experts:
+MoE-Infinity partitions experts by NUMA node (§5.3), so a GPU's experts are read by that socket's
+cores and channels.
+
+Host compute: the data-sheet peak (``peak_flops``) times the share the runtime's CPU kernel
+(torch's ``F.linear``: MKL or oneDNN) sustains on that instruction set (:data:`GEMM_EFFICIENCY`,
+each with its basis), as the bandwidth is the nominal rate times 0.8.
 
 Profiles are named ``gpu+link`` (``a5000+pcie4``); a few aliases name common servers.
 """
@@ -33,6 +40,22 @@ GB = 1e9  # data-sheet "GB" and "GB/s" are decimal
 GiB = 1 << 30
 LINK_EFFICIENCY = 0.8  # share of the raw link rate a large pinned copy achieves (assumption, see above)
 HOST_MEMORY_EFFICIENCY = 0.8  # share of the nominal DRAM rate a memory-bound kernel sustains (assumption)
+# One core's read rate from DRAM, GB/s: measured on the development host (AMD EPYC, Zen 4 under KVM:
+# one thread summing its own 256 MiB fp32 tensor, moeserve bench cpu-experts' roof at --threads 1,
+# 19-24 GB/s over the runs of docs/hybrid.md, median 22.5), assumed for every host. A single core's
+# bandwidth is bound by its outstanding misses over the memory latency (McCalpin, "Single-core memory
+# bandwidth: latency, bandwidth and concurrency", 2025), not by the channels, so it is of this order
+# on every recent server core; it matters only for a pool of few threads.
+CORE_READ_GBPS = 22.5
+# Share of the data-sheet peak the runtime's CPU kernel (torch's F.linear) sustains, by instruction set.
+# "amx": KTransformers (doc/en/AMX.md; SOSP'25): its AMX kernel sustains 21.3 TFLOP/s BF16 on one Xeon
+#   socket, 3.9x PyTorch's native AMX path (oneDNN, what F.linear runs) = 5.5 TFLOP/s; their benchmark
+#   socket is a Xeon Gold 6454S (doc/en/DeepseekR1_V3_tutorial.md: 32 cores, 2.2 GHz base: 1024 x 32 x
+#   2.2e9 = 72.1 TFLOP/s AMX peak), so 5.5 / 72.1 = 0.076 (our reading of their figures, stated).
+# "fma": measured on the development host (one AMD Zen 4 core, 2 FMA pipes of 256 bits = 32 FP32
+#   FLOP/cycle, the EPYC 7543's; 2.6 GHz as the VM reports it): torch fp32 F.linear (MKL sgemm) of
+#   128 x 4096 by 8192 x 4096 (a 512-token chunk's expert rows) reached 70 GFLOP/s, 0.84 of 83.2.
+GEMM_EFFICIENCY = {"amx": 0.076, "fma": 0.84}
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,18 +89,22 @@ class GPUProfile:
 @dataclass(frozen=True, slots=True)
 class HostProfile:
     """The CPU socket beside a GPU: ``cores`` (physical) and ``threads`` (hardware threads);
-    ``mem_gbps_nominal`` (DRAM channels x MT/s x 8 bytes, GB/s); ``peak_flops`` (FLOP/s of the
-    fastest instructions a BF16 expert's matrix products run on: AMX on Sapphire Rapids, FP32 FMA
-    where the cores have no BF16 arithmetic); ``expert_overhead_us`` (fixed host time per expert
-    computed on the CPU: dispatching the job, its ops' launches, its output's copy back;
-    microseconds, an assumption)."""
+    ``mem_gbps_nominal`` (DRAM channels x MT/s x 8 bytes, GB/s); ``peak_flops`` (data-sheet FLOP/s
+    of the fastest instructions a BF16 expert's matrix products run on: AMX on Sapphire Rapids,
+    FP32 FMA where the cores have no BF16 arithmetic); ``isa`` (``amx`` or ``fma``: which
+    :data:`GEMM_EFFICIENCY` applies); ``expert_overhead_us`` (fixed host time per expert computed on
+    the CPU: dispatching it, its ops' launches, its output's copy back; microseconds, an
+    assumption), ``unit_overhead_us`` (Python time on the GIL per range of a split projection, which
+    the pool's threads take in turn; microseconds, measured)."""
 
     name: str
     cores: int
     threads: int
     mem_gbps_nominal: float
     peak_flops: float
+    isa: str
     expert_overhead_us: float
+    unit_overhead_us: float
     source: str
 
     @property
@@ -85,19 +112,36 @@ class HostProfile:
         """Sustained memory bandwidth, GB/s (``mem_gbps_nominal * HOST_MEMORY_EFFICIENCY``)."""
         return self.mem_gbps_nominal * HOST_MEMORY_EFFICIENCY
 
-    def default_lanes(self, io_threads: int = 1) -> int:
+    @property
+    def sustained_flops(self) -> float:
+        """FLOP/s the runtime's CPU kernel sustains on every core (``peak_flops`` x the ISA's
+        :data:`GEMM_EFFICIENCY`)."""
+        return self.peak_flops * GEMM_EFFICIENCY[self.isa]
+
+    def pool_gbps(self, threads: int) -> float:
+        """GB/s a pool of ``threads`` threads reads, all on one expert: the sustained bandwidth,
+        at most ``threads x`` :data:`CORE_READ_GBPS`."""
+        return min(self.mem_gbps, threads * CORE_READ_GBPS)
+
+    def pool_flops(self, threads: int) -> float:
+        """FLOP/s of a pool of ``threads`` threads (at most one per physical core)."""
+        return self.sustained_flops * min(threads, self.cores) / self.cores
+
+    def default_threads(self, io_threads: int = 1) -> int:
         """Host threads computing experts: the runtime's rule (``moe_runtime.hybrid.setup.
         default_threads``) for a GPU run with ``--cpu-threads 1`` (the compute thread launches
-        kernels), counted in physical cores (an SMT sibling shares its core's memory bandwidth, so
-        it adds no lane): the cores less the compute thread and the I/O threads (one per device),
-        at least 1."""
+        kernels), counted in physical cores (an SMT sibling shares its core's memory bandwidth and
+        FMA units, so it adds no reading or FLOPs): the cores less the compute thread and the I/O
+        threads (one per device), at least 1."""
         return max(1, self.cores - 1 - io_threads)
 
     def describe(self) -> str:
         return (
             f"{self.name}: {self.cores} cores, DRAM {self.mem_gbps_nominal:.1f} GB/s nominal, "
             f"{self.mem_gbps:.1f} sustained (x {HOST_MEMORY_EFFICIENCY}), "
-            f"{self.peak_flops / 1e12:.1f} TFLOP/s, {self.expert_overhead_us:.0f} us per CPU expert"
+            f"{self.peak_flops / 1e12:.1f} TFLOP/s peak, {self.sustained_flops / 1e12:.2f} sustained "
+            f"({self.isa} x {GEMM_EFFICIENCY[self.isa]}), {self.expert_overhead_us:.0f} us per CPU expert "
+            f"+ {self.unit_overhead_us:.0f} us per range"
         )
 
 
@@ -147,9 +191,14 @@ GPUS: dict[str, GPUProfile] = {
     "gh200-96gb": GPUProfile("gh200-96gb", 96 * GiB, 989e12, 4000.0, "NVIDIA GH200 data sheet (96 GB HBM3)"),
 }
 
-# Per-expert host overhead of a CPU expert job (Python dispatch, two projections' launches, the
-# output's copy back): 50 us, an assumption; calibration (moeserve.sim.calibrate) measures it.
+# Per-expert host overhead of a CPU expert (Python dispatch, the activation, the output's copy back):
+# 50 us, an assumption; calibration (moeserve.sim.calibrate) measures it.
 CPU_EXPERT_OVERHEAD_US = 50.0
+# Time per range of a split projection that the pool's threads take in turn (its Python on the GIL:
+# the weight view, the op's dispatch, the barrier's bookkeeping; the GIL's handoff): measured on the
+# development host, one expert of negligible compute split into 16 ranges over 8 pool threads against
+# 2 ranges over 1: 11.7-11.9 us more per range (2 cores, load average 2.2-2.9).
+UNIT_OVERHEAD_US = 12.0
 
 HOSTS: dict[str, HostProfile] = {
     # MoE-Infinity's A5000 testbed (§7.1): an 8-GPU server with 1 TB of DRAM; the paper names no
@@ -163,7 +212,9 @@ HOSTS: dict[str, HostProfile] = {
         64,
         204.8,
         32 * 32 * 2.8e9,
+        "fma",
         CPU_EXPERT_OVERHEAD_US,
+        UNIT_OVERHEAD_US,
         "AMD EPYC 7543 product page (assumed CPU of MoE-Infinity's 1 TB A5000 server)",
     ),  # fmt: skip
     # NVIDIA DGX A100 user guide: 2 x AMD EPYC 7742. AMD EPYC 7742 product page: 64 cores / 128
@@ -174,33 +225,40 @@ HOSTS: dict[str, HostProfile] = {
         128,
         204.8,
         64 * 32 * 2.25e9,
+        "fma",
         CPU_EXPERT_OVERHEAD_US,
+        UNIT_OVERHEAD_US,
         "AMD EPYC 7742 product page; NVIDIA DGX A100 user guide",
     ),  # fmt: skip
     # A typical H100 server socket (NVIDIA DGX H100 user guide: 2 x Xeon Platinum 8480C). Intel
     # ARK, Xeon Platinum 8480+: 56 cores / 112 threads, 2.0 GHz base, 8 channels DDR5-4800 =
     # 307.2 GB/s nominal (~246 GB/s sustained at 0.8). AMX: 1024 BF16 FLOP/cycle/core (Intel
     # AMX overview), x 56 cores x 2.0 GHz = 114.7 TFLOP/s, the data-sheet peak torch's BF16 linear
-    # (oneDNN) runs on.
+    # (oneDNN) runs on; sustained at GEMM_EFFICIENCY["amx"].
     "xeon-8480": HostProfile(
         "xeon-8480",
         56,
         112,
         307.2,
         1024 * 56 * 2.0e9,
+        "amx",
         CPU_EXPERT_OVERHEAD_US,
+        UNIT_OVERHEAD_US,
         "Intel ARK Xeon Platinum 8480+; NVIDIA DGX H100 user guide",
     ),  # fmt: skip
     # NVIDIA GH200 Grace Hopper Superchip data sheet: 72 Arm Neoverse V2 cores, LPDDR5X up to
     # 512 GB/s. NVIDIA Grace CPU Superchip data sheet: 7.1 TFLOPS FP64 peak for 144 cores, so 3.55
-    # per 72-core Grace and twice that in FP32 (7.1 TFLOP/s; BF16 matrix peaks are not in it).
+    # per 72-core Grace and twice that in FP32 (7.1 TFLOP/s; BF16 matrix peaks are not in it);
+    # sustained at GEMM_EFFICIENCY["fma"] (measured on an x86 core: an assumption for Neoverse V2).
     "grace-72": HostProfile(
         "grace-72",
         72,
         72,
         512.0,
         7.1e12,
+        "fma",
         CPU_EXPERT_OVERHEAD_US,
+        UNIT_OVERHEAD_US,
         "NVIDIA GH200 and Grace CPU Superchip data sheets",
     ),  # fmt: skip
 }

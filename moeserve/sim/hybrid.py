@@ -1,25 +1,32 @@
 """Hybrid expert execution in the simulator: each missed expert runs where it finishes first.
 
 NOTE: the model. The runtime's placement (``moe_runtime.hybrid``, ``--expert-compute``) sends a
-missed expert either over the link (copied, then computed on the device) or to one of ``P`` host
-threads that compute it straight from host memory (Fiddler, KTransformers, llama.cpp's
+missed expert either over the link (copied, then computed on the device) or to the host's CPU
+pool, which computes it straight from host memory (Fiddler, KTransformers, llama.cpp's
 ``--n-cpu-moe``). Its split is HybriMoE's greedy intra-layer placement by expected finish time
 (:func:`moe_runtime.hybrid.cost_model.place_layer`); :class:`SimPlacer` calls that function with
 the inputs the runtime's :class:`~moe_runtime.hybrid.placement.HybridPlacer` builds under the
 buffer's lock: the token rows of the resident, in-flight and missed experts, one copy's link time,
-the link's backlog (copies in flight x link time) and the CPU lanes. Nothing of the split is
+the link's backlog (copies in flight x link time) and one CPU lane. Nothing of the split is
 re-implemented here.
 
-Times. A CPU job (one expert over its rows, one host thread) takes
-``overhead + max(bytes / (B / P), rows x flops_per_row / (F / P))`` (:class:`CPUCost`; MoE-Lightning's
-CPU roofs, Eqs. 1-3): each of the ``P`` lanes gets its share of the host's sustained memory
-bandwidth ``B`` and peak ``F``, the share it has when every lane is busy. The placement predicts
+Times. The runtime's pool splits each CPU expert over all its ``P`` threads by ranges of output
+rows (llama.cpp's and KTransformers' split of a matrix product over threads), so it is one lane
+that runs the layer's CPU experts one after another. An expert takes ``overhead`` plus, for each
+of its two phases (gate/up, then down), ``max(bytes / B_P, rows x flops / F_P, (R - 1) x unit +
+one range at one core's rates)`` (:class:`CPUCost`; MoE-Lightning's CPU roofs, Eqs. 1-3): ``B_P``
+the socket's sustained memory bandwidth, at most ``P`` times one core's read rate
+(:meth:`~moeserve.sim.hardware.HostProfile.pool_gbps`), ``F_P`` the sustained FLOP/s of ``P``
+cores (the data-sheet peak times the measured share the runtime's kernel reaches,
+:meth:`~moeserve.sim.hardware.HostProfile.pool_flops`); ``R`` the runtime's ranges in the phase
+(:func:`~moe_runtime.hybrid.executor.split_ranges`), whose Python (``unit``) the threads take in
+turn on the GIL, so the last range starts ``(R - 1) x unit`` late. The placement predicts
 with the runtime's two :class:`~moe_runtime.hybrid.cost_model.LinearCost` fits, built as the
-runtime builds them: through the job time at 1 and 32 rows (the runtime measures its kernels
-there at load), the CPU's refitted online from every finished job (the runtime's executor samples),
-the device's from the roofline's expert time at 1 and 32 rows (its load-time probe; on CUDA it is
-not refitted). Jobs queue on the lanes in ascending expert order, as the runtime's thread pool
-takes them; the compute thread waits for the last one after its device batches (``cpu_wait_s``).
+runtime builds them: through the expert time at 1 and 32 rows (the runtime measures its kernels
+there at load, on the whole pool), the CPU's refitted online from every CPU expert's time (the
+runtime's executor samples), the device's from the roofline's expert time at 1 and 32 rows (its
+load-time probe; on CUDA it is not refitted). The compute thread waits for the last CPU expert
+after its device batches (``cpu_wait_s``).
 
 ``cpu`` mode (llama.cpp's ``--n-cpu-moe``): each device's slots hold the last experts homed on it
 in layer order, loaded once; every other expert runs on the CPU and nothing is copied
@@ -27,7 +34,7 @@ in layer order, loaded once; every other expert runs on the CPU and nothing is c
 mode attaches nothing: the simulator runs exactly as without this module.
 
 The hybrid bound per step: the step's missed experts' bytes over the link and the host's memory
-together (``bytes / (link + B)``, a fluid split of the misses between the two), plus the resident
+together (``bytes / (link + B_P)``, a fluid split of the misses between the two), plus the resident
 experts' weight reads from HBM and the step's dense part (attention, routers, LM head): a lower
 bound on any placement's step time given the same misses.
 """
@@ -42,6 +49,7 @@ import numpy as np
 
 from moe_runtime.buffer.slots import READY
 from moe_runtime.hybrid.cost_model import LayerCosts, LinearCost, place_layer
+from moe_runtime.hybrid.executor import MIN_UNIT_BYTES, split_ranges
 from moe_runtime.hybrid.setup import FIT_ROWS, fit_from
 
 MODES = ("device", "cpu", "auto")
@@ -49,27 +57,57 @@ MODES = ("device", "cpu", "auto")
 
 @dataclass(frozen=True, slots=True)
 class CPUCost:
-    """Seconds of one CPU job: ``overhead_s + max(bytes_s, flop_s_per_row x rows)``.
+    """Seconds of one CPU expert on the pool.
+
+    Without ``phases``: ``overhead_s + max(bytes_s, flop_s_per_row x rows)``. With them (the
+    runtime's split: gate/up, then down), ``overhead_s`` plus, per phase ``(bytes_s, flop_s_per_row,
+    stagger_s, range_bytes_s, range_flop_s_per_row)``, the largest of: its weights at the pool's read
+    rate, its FLOPs at the pool's sustained rate, and its last range's start (``stagger_s``: the
+    ranges before it take the GIL in turn) plus that range at one core's rates.
 
     Attributes:
-        overhead_s: fixed host time per expert. bytes_s: reading the expert's weights at one
-            lane's share of the host's memory bandwidth. flop_s_per_row: one row's FLOPs at one
-            lane's share of the peak. label: how the numbers were obtained.
+        overhead_s: fixed host time per expert. bytes_s: reading the expert's weights at the
+            pool's read rate. flop_s_per_row: one row's FLOPs at the pool's sustained FLOP/s.
+        label: how the numbers were obtained. phases: see above (empty: one phase, no stagger).
     """
 
     overhead_s: float
     bytes_s: float
     flop_s_per_row: float
     label: str = ""
+    phases: tuple[tuple[float, float, float, float, float], ...] = ()
 
     @classmethod
-    def roofline(cls, expert_bytes: int, flops_per_row: float, host: Any, lanes: int) -> CPUCost:
-        """The host's roofline per lane: ``lanes`` share its sustained bandwidth and its peak."""
+    def pool(cls, profile: Any, host: Any, threads: int) -> CPUCost:
+        """The runtime's pool of ``threads`` threads on one of ``profile``'s experts, split as the
+        runtime splits it (:func:`~moe_runtime.hybrid.executor.split_ranges`): the host's pool
+        read rate and sustained FLOP/s (:meth:`~moeserve.sim.hardware.HostProfile.pool_gbps`,
+        ``pool_flops``), one core's (``CORE_READ_GBPS``, ``sustained_flops / cores``) per range,
+        ``unit_overhead_us`` per range before the last, ``expert_overhead_us`` per expert."""
+        from moeserve.sim.hardware import CORE_READ_GBPS
+
+        h, i, nbytes, mats = (
+            profile.hidden,
+            profile.expert_intermediate,
+            profile.expert_bytes,
+            profile.expert_mats,
+        )
+        bw, fl = host.pool_gbps(threads) * 1e9, host.pool_flops(threads)
+        core_bw, core_fl = CORE_READ_GBPS * 1e9, host.sustained_flops / host.cores
+        flops = profile.expert_flops_per_token
+        phases = []
+        for rows, width, share in (((mats - 1) * i, i, (mats - 1) / mats), (h, h, 1 / mats)):
+            n = len(split_ranges(rows, nbytes // (mats * width), threads, MIN_UNIT_BYTES))
+            b, f = nbytes * share, flops * share
+            phases.append(
+                (b / bw, f / fl, (n - 1) * host.unit_overhead_us * 1e-6, b / n / core_bw, f / n / core_fl)
+            )
         return cls(
             host.expert_overhead_us * 1e-6,
-            expert_bytes * lanes / (host.mem_gbps * 1e9),
-            flops_per_row * lanes / host.peak_flops,
-            f"roofline ({host.name}, {lanes} lanes)",
+            nbytes / bw,
+            flops / fl,
+            f"the pool ({host.name}, {threads} threads on each expert)",
+            tuple(phases),
         )
 
     @classmethod
@@ -78,7 +116,11 @@ class CPUCost:
         return cls(per_expert_s, 0.0, per_row_s, label)
 
     def seconds(self, rows: int) -> float:
-        return self.overhead_s + max(self.bytes_s, self.flop_s_per_row * rows)
+        if not self.phases:
+            return self.overhead_s + max(self.bytes_s, self.flop_s_per_row * rows)
+        return self.overhead_s + sum(
+            max(b, f * rows, st + max(rb, rf * rows)) for b, f, st, rb, rf in self.phases
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,14 +130,14 @@ class HybridConfig:
     Attributes:
         mode: ``device`` (every miss copied: the simulator as without hybrid execution), ``cpu``
             or ``auto`` (``--expert-compute``).
-        lanes: host threads computing experts (the runtime's ``cpu_lanes``).
-        cpu: one CPU job's time. bound_miss_s: a missed expert's seconds in the hybrid bound
+        threads: the CPU pool's threads (``--cpu-expert-threads``); the pool is one lane.
+        cpu: one CPU expert's time. bound_miss_s: a missed expert's seconds in the hybrid bound
             (``bytes / (link + host bandwidth)``); bound_hit_s: a resident one's (its weights
             read from HBM); either None: no bound.
     """
 
     mode: str = "device"
-    lanes: int = 1
+    threads: int = 1
     cpu: CPUCost | None = None
     bound_miss_s: float | None = None
     bound_hit_s: float | None = None
@@ -106,7 +148,8 @@ class SimPlacer:
 
     Args:
         buffer: the :class:`~moeserve.sim.buffer.SimBuffer` it serves (its ``placer``).
-        mode: ``cpu`` or ``auto``. lanes: CPU lanes (>= 1). cpu: a job's time.
+        mode: ``cpu`` or ``auto``. lanes: CPU lanes (>= 1; the runtime's pool is 1). cpu: one
+            CPU expert's time on a lane.
         device_s: seconds the device takes for one expert over ``rows`` rows.
         expert_bytes: bytes per expert (the copies a CPU job avoids).
     """
@@ -190,7 +233,7 @@ class SimPlacer:
 
     def run_jobs(self, start: float) -> float:
         """Run :attr:`jobs` on the lanes from ``start`` (each on the earliest free lane, in
-        ascending expert order, as the thread pool takes them); returns when the last ends."""
+        ascending expert order, as the runtime's batch takes them); returns when the last ends."""
         lanes = [start] * min(self.lanes, len(self.jobs))
         st = self.buffer.stats
         for _, rows in self.jobs:

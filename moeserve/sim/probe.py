@@ -5,9 +5,10 @@ simulator's cost model stands for, while the unchanged runtime (``bench policies
 start and end of its expert phase, i.e. of iterating the layer run, experts, blocking seconds),
 ``MoEModel.forward`` (one record per step: start, end, tokens), ``LinkModel.hold`` (seconds
 from a copy's start until the emulated link released it) and, with hybrid expert execution,
-``CPUExperts.finish`` (the compute thread's wait for a layer's CPU experts, and each CPU job's rows
-and seconds), keyed by buffer so each policy run of the benchmark can be analysed on its own.
-Nothing in the runtime changes; the wrappers are removed on exit.
+``CPUExperts.finish`` (the compute thread's wait for a layer's CPU experts, and each CPU expert's
+rows and seconds: its share of the pool's batch), keyed by buffer so each policy run of the
+benchmark can be analysed on its own. Nothing in the runtime changes; the wrappers are removed on
+exit.
 
 :func:`costs_from_records` turns one run's records into the simulator's cost parameters: the
 expert phase of a layer minus its blocking is fitted as ``c + a * experts + b * token-choices``;
@@ -96,7 +97,7 @@ class RuntimeProbe:
                 rec.holds.append((started, time.perf_counter()))
 
         def timed_finish(cpu: Any, x: Any, weights: Any) -> Any:
-            rows = [(e, len(pos)) for e, _, pos, _ in cpu.jobs]
+            rows = [(e, len(pos)) for e, _, pos in cpu.places]
             t0 = time.perf_counter()
             out = finish(cpu, x, weights)
             rec = probe._by_stats.get(id(cpu.stats))

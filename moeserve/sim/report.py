@@ -41,7 +41,7 @@ class Row:
     gap_closed: float | None = None  # share of the on-demand+LRU -> oracle TPOT gap closed
     bytes_vs_oracle: float | None = None  # bytes moved per token / the oracle's
     expert_compute: str = "device"  # where misses ran (--expert-compute)
-    cpu_lanes: int = 0  # host threads computing experts (0: none)
+    cpu_threads: int = 0  # the CPU pool's threads, all on each CPU expert (0: no CPU side)
     bound_ms: float | None = None  # the hybrid bound of a step, aggregated as TPOT (moeserve.sim.hybrid)
     placement: dict[str, float] | None = None  # per decode step: experts on the CPU, copied, resident
     prefill_placement: dict[str, float] | None = None  # the same per prefill step (and their count)
@@ -95,7 +95,7 @@ def row_of(run: PolicyRun) -> Row:
         sim_lookups=run.sim_lookups,
         wall_s=run.wall_s,
         expert_compute=hy.get("mode", "device"),
-        cpu_lanes=hy.get("lanes", 0),
+        cpu_threads=hy.get("threads", 0),
         bound_ms=None if bound is None else 1e3 * bound,
         placement=_counts(hy.get("decode")),
         prefill_placement=_counts(hy.get("prefill"), steps=True),
@@ -255,14 +255,14 @@ def print_profiles(kv_tokens: int) -> None:
                    lk.source)  # fmt: skip
     console.print(hw)
     hosts = Table(title=f"hosts (memory sustained at {HOST_MEMORY_EFFICIENCY:.0%} of the nominal rate)")
-    for col in ("name", "beside", "cores", "CPU lanes", "DRAM GB/s nominal", "sustained", "peak TFLOP/s",
-                "us per CPU expert", "source"):  # fmt: skip
+    for col in ("name", "beside", "cores", "CPU threads", "DRAM GB/s nominal", "sustained", "peak TFLOP/s",
+                "sustained TFLOP/s", "us per CPU expert", "us per range", "source"):  # fmt: skip
         hosts.add_column(col, justify="right")
     for h in HOSTS.values():
         gpus = ", ".join(g for g, name in GPU_HOSTS.items() if name == h.name)
-        hosts.add_row(h.name, gpus, str(h.cores), str(h.default_lanes()), f"{h.mem_gbps_nominal:.1f}",
-                      f"{h.mem_gbps:.1f}", f"{h.peak_flops / 1e12:.1f}", f"{h.expert_overhead_us:.0f}",
-                      h.source)  # fmt: skip
+        hosts.add_row(h.name, gpus, str(h.cores), str(h.default_threads()), f"{h.mem_gbps_nominal:.1f}",
+                      f"{h.mem_gbps:.1f}", f"{h.peak_flops / 1e12:.1f}", f"{h.sustained_flops / 1e12:.2f}",
+                      f"{h.expert_overhead_us:.0f}", f"{h.unit_overhead_us:.0f}", h.source)  # fmt: skip
     console.print(hosts)
 
 
@@ -349,11 +349,12 @@ def render_simulate_buffers(data: list[dict[str, Any]]) -> str:
 def render_simulate_hybrid(data: list[dict[str, Any]]) -> str:
     """Markdown of several ``moeserve simulate --expert-compute device,cpu,auto --json`` outputs
     (rows ``eam``, ``oracle``, ``cpu``, ``eam (auto)``): one table row per output, TPOT of each
-    mode, ``auto`` against fetch-only ``eam``, the hybrid bound and ``auto``'s placement per
-    decode step and per prefill step (CPU / copied / resident experts)."""
+    mode, ``auto`` against fetch-only ``eam`` and against the better of ``device`` (``eam``) and
+    ``cpu``, the hybrid bound and ``auto``'s placement per decode step and per prefill step (CPU /
+    copied / resident experts)."""
     order = {h: i for i, h in enumerate(dict.fromkeys(d["settings"]["hardware"] for d in data))}
     data = sorted(data, key=lambda d: (order[d["settings"]["hardware"]], d["settings"]["batch"],
-                                       -d["settings"]["cpu_lanes"]))  # fmt: skip
+                                       -d["settings"]["cpu_threads"]))  # fmt: skip
     rows = []
     for run in data:
         s = run["settings"]
@@ -364,28 +365,27 @@ def render_simulate_hybrid(data: list[dict[str, Any]]) -> str:
             [
                 f"{s['hardware'].split(':')[0]}, {s['slots']} slots",
                 str(s["batch"]),
-                str(s["cpu_lanes"]),
+                str(s["cpu_threads"]),
                 *(f"{x['tpot_ms']:.1f}" for x in (eam, oracle, cpu, auto)),
                 f"{auto['tpot_ms'] / eam['tpot_ms']:.2f}",
+                f"{auto['tpot_ms'] / min(eam['tpot_ms'], cpu['tpot_ms']):.2f}",
                 bounds,
                 placement_text(auto["placement"]),
                 placement_text(auto["prefill_placement"]),
             ]
         )
-    header = ["profile", "batch", "CPU lanes", "`eam` (device) ms", "`oracle` ms", "`cpu` ms", "`auto` ms",
-              "auto / eam", "bound ms (eam / auto)", "auto per step: CPU / copied / resident",
-              "per prefill step (512-token prompts)"]  # fmt: skip
-    copy: dict[str, float] = {}
-    jobs: dict[str, dict[int, float]] = {}
+    header = ["profile", "batch", "CPU threads", "`eam` (device) ms", "`oracle` ms", "`cpu` ms", "`auto` ms",
+              "auto / eam", "auto / best of device, cpu", "bound ms (eam / auto)",
+              "auto per step: CPU / copied / resident", "per prefill step (512-token prompts)"]  # fmt: skip
+    per_hw: dict[str, str] = {}
     for d in data:
         st = d["settings"]
         hw = st["hardware"].split(":")[0]
-        copy[hw] = st["transfer_us"] / 1e3
-        jobs.setdefault(hw, {})[st["cpu_lanes"]] = st["cpu_expert_us_1tok"] / 1e3
-    per_hw = "; ".join(
-        f"{hw}: a copy {copy[hw]:.1f} ms, a CPU job "
-        + " or ".join(f"{ms:.1f} ms ({n} lane{'s' if n > 1 else ''})" for n, ms in jobs[hw].items())
-        for hw in copy
-    )
-    head = f"**{data[0]['settings']['model_profile']}**, one expert for one token: {per_hw}.\n\n"
+        one, many = st["cpu_expert_us_1tok"] / 1e3, st["cpu_expert_us_128tok"] / 1e3
+        per_hw.setdefault(
+            hw,
+            f"{hw}: a copy {st['transfer_us'] / 1e3:.1f} ms, a CPU expert {one:.2f} ms for one token and "
+            f"{many:.1f} ms for 128 ({st['cpu_threads']} threads)",
+        )
+    head = f"**{data[0]['settings']['model_profile']}**, one expert: {'; '.join(per_hw.values())}.\n\n"
     return head + _md_table(header, rows)
