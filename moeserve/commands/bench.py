@@ -14,6 +14,7 @@ BENCH_MODULES: list[str] = [
     "moeserve.bench.lookahead",
     "moeserve.bench.experts",
     "moeserve.bench.overhead",
+    "moeserve.bench.memory_split",
     "moeserve.bench.render",
     "clients.sweep",
     "moeserve.bench.eamc",

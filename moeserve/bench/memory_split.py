@@ -12,7 +12,7 @@ buffer hit rate and the preemptions. One warm-up round, then ``--repeats`` round
 per round (round-robin, each round starting one row later, so drift and order hit every row alike);
 median and [min-max] over the rounds.
 
-    python tools/memory_split_bench.py --repeats 3
+    moeserve bench memory-split --repeats 3 [--json]
 """
 
 from __future__ import annotations
@@ -26,22 +26,24 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from moe_runtime.config import RuntimeConfig  # noqa: E402
-from moe_runtime.engine.engine import LLMEngine  # noqa: E402
-from moe_runtime.loader import load_checkpoint, read_model_config  # noqa: E402
-from moe_runtime.memory_plan import human_bytes, plan_memory  # noqa: E402
-from moeserve.bench.policies import _run_batches, load_workload  # noqa: E402
-from moeserve.commands.common import resolve_model  # noqa: E402
+from moe_runtime.config import RuntimeConfig
+from moe_runtime.engine.engine import LLMEngine
+from moe_runtime.loader import load_checkpoint, read_model_config
+from moe_runtime.memory_plan import human_bytes, plan_memory
+from moeserve.bench.policies import _run_batches, load_workload
+from moeserve.commands.common import add_model_arg, resolve_model
 
 
-def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    default_prompts = Path(__file__).resolve().parents[2] / "shared/data/prompts/prompts_combined.jsonl"
-    p.add_argument("--model", default=None)
+def register_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "memory-split", help="the memory plan's KV/slot split against fixed buffer fractions (same memory)"
+    )
+    default_prompts = (
+        Path(__file__).resolve().parents[2].parent / "shared/data/prompts/prompts_combined.jsonl"
+    )
+    add_model_arg(p)
     p.add_argument("--prompts", type=Path, default=default_prompts)
     p.add_argument("--tasks", type=int, default=6)
     p.add_argument("--warm", type=int, default=2)
@@ -55,12 +57,11 @@ def parse() -> argparse.Namespace:
     p.add_argument("--link-gbps", type=float, default=0.5)
     p.add_argument("--link-latency-us", type=float, default=10.0)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--json", type=Path, default=None, help="write the rows here too")
-    return p.parse_args()
+    p.add_argument("--json", action="store_true", help="print the settings and rows as JSON")
+    p.set_defaults(func=run)
 
 
-def main() -> int:
-    args = parse()
+def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     model_dir = resolve_model(args)
     base = RuntimeConfig(
@@ -95,12 +96,25 @@ def main() -> int:
             if rnd:
                 results[label].append(r)
             print(f"round {rnd} {label}: {r}", file=sys.stderr)
-    table = summarise(results)
-    print(f"load after {os.getloadavg()}", file=sys.stderr)
-    for line in table:
-        print(line)
+    settings = {
+        "model": str(model_dir),
+        "device_memory": device_memory,
+        "share": args.share,
+        "batch": args.batch,
+        "new_tokens": args.new_tokens,
+        "max_prompt_tokens": args.max_prompt_tokens,
+        "link_gbps": args.link_gbps,
+        "link_latency_us": args.link_latency_us,
+        "repeats": args.repeats,
+        "warmup": "1 round of every row",
+        "load_avg_1min": round(os.getloadavg()[0], 2),
+    }
     if args.json:
-        args.json.write_text(json.dumps({"device_memory": device_memory, "rows": results}, indent=1))
+        print(json.dumps({"settings": settings, "rows": results}, indent=1))
+        return 0
+    for line in summarise(results):
+        print(line)
+    print("\nSettings: " + ", ".join(f"`{k}={v}`" for k, v in settings.items()))
     return 0
 
 
@@ -139,7 +153,3 @@ def summarise(results: dict[str, list[dict]]) -> list[str]:
             f"{spread(rs, 'tok_s')} | {spread(rs, 'hit_rate')} | {max(r['preemptions'] for r in rs)} |"
         )
     return lines
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
