@@ -38,6 +38,7 @@ from moe_runtime.layers.mla import MLAttention
 from moe_runtime.layers.mla_cache import PagedMLACache
 from moe_runtime.layers.moe import moe_block
 from moe_runtime.layers.norm import layer_norm, rms_norm
+from moe_runtime.layers.resident_experts import ResidentSpans, finish_step, resident_spans
 from moe_runtime.layers.rotary import Rotary
 from moe_runtime.layers.router_lookahead import RouterLookahead
 
@@ -184,11 +185,25 @@ class MoEModel:
         # quantized slots: each used expert is dequantized (to the compute dtype) where it runs;
         # the loop path dequantizes exactly the used slots, a grouped call would also dequantize
         # the unused slots its span covers (moe_runtime.quant.layout.DequantSlots)
+        self.device = emb.device
+        self._spans: ResidentSpans | None | bool = False  # False: not built yet
         self.expert_path = (
             "loop"
             if buffer.store.layout is not None
             else select_expert_path(emb.device, emb.dtype, cfg.hidden_size, cfg.moe_intermediate_size)
         )
+
+    def _resident(self) -> ResidentSpans | None:
+        """The fully resident layers' slot views where they run device-routed, while the prefetch
+        policy plans nothing (built at the first call: the engine sets the policy after load)."""
+        if self._spans is False:
+            self._spans = resident_spans(
+                self.buffer, self.cfg.num_moe_layers, self.cfg.num_experts, self.device, self.expert_path
+            )
+        pf = self.prefetcher
+        if pf is not None and getattr(pf, "name", "") != "on-demand":
+            return None
+        return self._spans  # type: ignore[return-value]
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if bias is not None:  # LayerNorm (cfg.norm == "layer")
@@ -226,12 +241,14 @@ class MoEModel:
                     ahead,
                     self.expert_path,
                     self.ffn.get(layer),
+                    self._resident(),
                 )
             else:
                 gate_up, down = lw.mlp  # type: ignore[misc]
                 gate, up = F.linear(h, gate_up).chunk(2, dim=-1)
                 h = F.linear(F.silu(gate) * up, down)
             x = x + h
+        finish_step(step.device_routed, self.buffer, step, self.recorder, cfg.num_experts)
         if not (step.logits_all and step.logits_index.shape[0] == x.shape[0]):  # else all, in order
             x = x[step.logits_index]
         x = self._norm(x, w["final_norm"], w.get("final_norm_bias"))
@@ -281,6 +298,7 @@ class MoEModel:
             rms_norm(qk, lw.qk_norm, cfg.rms_norm_eps, out=qk)
         self.rotary.rotate_(qk, *rope)
         sinks = self.w.get(lw.prefix + "sinks")  # read per call: tests switch it off
+        q, kv = heads.split([hq, 2 * hkv], dim=1)  # one op: the queries, the keys and values
         # sliding windows per block group
-        out = attention(heads[:, :hq], None, None, layer, self.kv, step, sinks, kv=heads[:, hq:])
+        out = attention(q, None, None, layer, self.kv, step, sinks, kv=kv)
         return out  # [T, Hq * D]

@@ -61,6 +61,9 @@ class StepContext:
     # per MoE layer run in this step: (router ids [T, k], hit [E] bool, blocked seconds [E]), kept
     # by reference and reduced once per step into per-sequence figures (expert_attribution)
     moe_layers: list = field(default_factory=list)
+    # per device-routed MoE layer (moe_runtime.layers.resident_experts): (MoE layer, ids [T, k],
+    # weights [T, k]) on the device; the host's per-layer work runs at the forward's end
+    device_routed: list = field(default_factory=list)
     # what the layers share within the step, built by the first layer that needs it: gathered
     # block tables, masks per sliding window, float masks per dtype (``moe_runtime.layers.attention``)
     memo: dict = field(default_factory=dict)

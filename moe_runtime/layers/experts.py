@@ -293,7 +293,7 @@ def run_experts(
     if cpu is not None:  # their outputs, scaled and cast as above, at their (token, rank) rows
         for _, pos, y in cpu.finish(x, weights):
             contrib.index_copy_(0, pos, y)
-    return sum_ranks(contrib.view(t, k, -1)), hit, blocked
+    return sum_ranks(contrib, t), hit, blocked
 
 
 def _rows(contrib: torch.Tensor | None, n: int, x: torch.Tensor) -> torch.Tensor:
@@ -395,17 +395,19 @@ def _few_tokens(
         for pos, _, y in cpu.finish(x, weights):
             for i, p in enumerate(pos.tolist()):
                 pieces[p] = y if len(pos) == 1 else y[i : i + 1]
-    ranks = torch.stack(pieces, dim=1) if t == 1 else torch.cat(pieces).view(t, k, -1)
-    return sum_ranks(ranks), hit, blocked
+    return sum_ranks(torch.cat(pieces), t), hit, blocked
 
 
-def sum_ranks(ranks: torch.Tensor) -> torch.Tensor:
-    """Each token's expert contributions ``ranks [T, k, H]`` (ranks in ascending expert order)
-    summed: ``[T, H]``. One reduction for every path (grouped, loop, few, the CPU's hybrid
-    experts, the device-routed one), so they all give the same bits whichever experts were
-    resident. In fp32 on the CPU it equals the reference's left-to-right adds bit for bit; in
-    bf16 it accumulates in fp32 and rounds once (the reference rounds after each add)."""
-    return ranks.sum(dim=1)
+def sum_ranks(contrib: torch.Tensor, t: int) -> torch.Tensor:
+    """Each token's expert contributions summed: ``contrib [T*k, H]`` in (token, rank) order,
+    ranks in ascending expert order -> ``[T, H]``. One reduction for every path (grouped, loop,
+    few, the CPU's hybrid experts, the device-routed one), so they all give the same bits whichever
+    experts were resident (one token: over dim 0 of ``[k, H]``, the same reduction without a view).
+    In fp32 on the CPU it equals the reference's left-to-right adds bit for bit; in bf16 it
+    accumulates in fp32 and rounds once (the reference rounds after each add)."""
+    if t == 1:
+        return contrib.sum(dim=0, keepdim=True)
+    return contrib.view(t, contrib.shape[0] // t, -1).sum(dim=1)
 
 
 def _grouped(

@@ -1,15 +1,15 @@
 """The MoE block: router, top-k, tracing/prefetch hooks, experts from the buffer, shared expert.
 
-NOTE: one device->host sync per MoE layer. The router's top-k ids (``[T, k]``) are copied to the
-host once: the buffer must know which experts to fetch, and the tracer and prefetch policy read
-them there (the tracer's router weights and the router lookahead's scores, copied without
-blocking just before, arrive with it). Experts then run from their slots, resident ones first
-as one batch while missing ones load (Klotski §5), then each batch of landed ones
-(``moe_runtime.layers.experts``: one grouped GEMM per projection and batch, or a per-expert loop
-where grouped GEMMs cannot run); each
-expert's output, scaled by its gate weight, is summed per token in ascending expert order,
-exactly as the reference's ``index_add_`` loop does, so outputs do not depend on which experts
-were resident (policy- and buffer-invariant).
+NOTE: one device->host sync per MoE layer, except a fully resident layer that runs device-routed
+(CUDA; ``moe_runtime.layers.resident_experts``), whose ids reach the host at the step's end. The
+router's top-k ids (``[T, k]``) are copied to the host once: the buffer must know which experts to
+fetch, and the tracer and prefetch policy read them there (the tracer's router weights and the
+router lookahead's scores, copied without blocking just before, arrive with it). Experts then run
+from their slots, resident ones first as one batch while missing ones load (Klotski §5), then each
+batch of landed ones (``moe_runtime.layers.experts``: one grouped GEMM per projection and batch, or
+a per-expert loop where grouped GEMMs cannot run); each expert's output, scaled by its gate weight,
+is summed per token in ascending expert order (one reduction, ``experts.sum_ranks``), so outputs
+do not depend on which experts were resident (policy- and buffer-invariant).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from moe_runtime.buffer import ExpertBuffer
 from moe_runtime.config import ModelConfig
 from moe_runtime.engine.context import StepContext
 from moe_runtime.layers.experts import ExpertFFN, run_experts, step_path
+from moe_runtime.layers.resident_experts import ResidentSpans, run_resident
 from moe_runtime.layers.routing import route
 
 
@@ -40,6 +41,7 @@ def moe_block(
     ahead: torch.Tensor | None = None,
     expert_path: str = "grouped",
     ffn: ExpertFFN | None = None,
+    resident: ResidentSpans | None = None,
 ) -> torch.Tensor:
     """Apply MoE layer ``moe_layer`` (decoder layer ``layer``) to ``x [T, H]``; returns ``[T, H]``.
 
@@ -48,9 +50,17 @@ def moe_block(
     ``expert_path``: ``grouped`` or ``loop`` (``moe_runtime.layers.experts.select_expert_path``);
     steps of few tokens run the ``few`` path instead (``moe_runtime.layers.experts.step_path``).
     ``ffn``: the experts' biases and activation when they are not the plain SwiGLU (gpt-oss).
+    ``resident``: the fully resident layers' slot views where they run device-routed
+    (``moe_runtime.layers.resident_experts``: no host sync; the host's per-layer work waits for the
+    step's end, ``StepContext.device_routed``), or None.
     """
     p = f"layers.{layer}."
     weights, ids = route(x, w[p + "router"], cfg, w.get(p + "router_bias"), w.get(p + "router_logit_bias"))
+    views = None if resident is None or ahead is not None else resident.views[moe_layer]
+    if views is not None:
+        out = run_resident(x, weights, ids, views, resident.experts, ffn)  # type: ignore[union-attr]
+        step.device_routed.append((moe_layer, ids, weights))
+        return _shared(out, x, w, p, cfg)
     num_experts = cfg.num_experts
     if prefetcher is None:
         ahead = None
@@ -91,6 +101,11 @@ def moe_block(
     step.moe_layers.append(
         (ids_host, hit, blocked) if cpu is None else (ids_host, hit, blocked, *cpu.mask(num_experts))
     )
+    return _shared(out, x, w, p, cfg)
+
+
+def _shared(out: torch.Tensor, x: torch.Tensor, w: dict, p: str, cfg: ModelConfig) -> torch.Tensor:
+    """``out`` plus the layer's shared expert of ``x``, if the model has one."""
     if cfg.shared_expert_intermediate_size:
         shared = F.linear(
             F.silu(F.linear(x, w[p + "shared_gate_proj"])) * F.linear(x, w[p + "shared_up"]),
