@@ -41,3 +41,53 @@ def test_unknown_base_is_one_line_exit_2(tool, tmp_path, capsys):
     assert err.value.code == 2
     msg = capsys.readouterr().err.strip()
     assert msg == "bench_regression: --base: unknown commit 'no-such-commit'"
+
+
+class _FakeEngine:
+    """Stands in for ``LLMEngine``: records prompts, finishes the requests in two steps."""
+
+    prompts: list[tuple[int, ...]] = []
+
+    def __init__(self) -> None:
+        self.config = argparse.Namespace(vocab_size=50)
+        self.buffer = argparse.Namespace(stats=argparse.Namespace(demand_bytes=0, prefetch_bytes=0))
+        self._open = 0
+
+    @classmethod
+    def from_pretrained(cls, model, runtime):
+        return cls()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def add_request(self, rid, prompt, params):
+        _FakeEngine.prompts.append(tuple(prompt))
+        self._open = 2
+
+    def step(self):
+        self._open -= 1
+
+    def has_unfinished(self):
+        return self._open > 0
+
+
+def test_every_run_prefills_a_prompt_no_earlier_run_used(tool, monkeypatch):
+    """A tree with prefix caching must not time a cache hit: the warm-up and each timed run of
+    every row draw their own prompts (the same seeded draws in both trees)."""
+    import moe_runtime.engine.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "LLMEngine", _FakeEngine)
+    monkeypatch.setattr(tool, "DECODE_ROWS", [(1.0, 2)])
+    _FakeEngine.prompts = []
+    out = tool.worker("unused", new_tokens=2, prompt_len=6, prefill_len=9)
+    assert set(out) == {"decode 100% batch 2", "prefill 100% 9 tokens"}
+    runs = 1 + tool.RUNS
+    assert len(_FakeEngine.prompts) == 2 * runs + runs
+    assert len(set(_FakeEngine.prompts)) == len(_FakeEngine.prompts)
+    first = list(_FakeEngine.prompts)
+    _FakeEngine.prompts = []
+    tool.worker("unused", new_tokens=2, prompt_len=6, prefill_len=9)
+    assert _FakeEngine.prompts == first

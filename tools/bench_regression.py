@@ -15,8 +15,9 @@ the ratio new/old is taken per repeat (the two workers of a repeat ran back to b
 table gives the median ratio with the lowest and highest. Rows: every expert resident at batch 1,
 3 (the CPU's ``few`` path) and 8, a 25% buffer (default ``eam`` policies) at batch 1 and 8,
 ``--new-tokens`` greedy tokens after a warm-up run; prefill: one ``--prefill-len``-token prompt,
-all resident, admission to first token. The worker only uses APIs both trees have
-(``LLMEngine.from_pretrained``, ``add_request``, ``step``).
+all resident, admission to first token. Every run draws prompts no earlier run used (the same
+seeded draws in both trees), so a tree with prefix caching prefills them as one without does. The
+worker only uses APIs both trees have (``LLMEngine.from_pretrained``, ``add_request``, ``step``).
 """
 
 from __future__ import annotations
@@ -69,14 +70,22 @@ def worker(model: str, new_tokens: int, prompt_len: int, prefill_len: int) -> di
             steps += 1
         return cpu, wall, steps
 
+    def fresh(vocab: int, rows: int, length: int) -> list[list[int]]:
+        """Prompts no earlier run used: a tree with prefix caching would otherwise serve a repeated
+        prompt from its cache (the prefill row would time a cache hit, not a prefill)."""
+        return rng.integers(0, vocab, size=(rows, length)).tolist()
+
     for fraction, batch in DECODE_ROWS:
         rt = RuntimeConfig(max_model_len=256, max_batch_size=batch, buffer_fraction=fraction, cpu_threads=1)
         with LLMEngine.from_pretrained(model, rt) as engine:
             vocab = engine.config.vocab_size
-            prompts = rng.integers(0, vocab, size=(batch, prompt_len)).tolist()
-            timed_steps(engine, prompts, new_tokens + 1, True)  # warm-up: as long as the timed run
+            # warm-up: as long as the timed run
+            timed_steps(engine, fresh(vocab, batch, prompt_len), new_tokens + 1, True)
             before = moved(engine)
-            timed = [timed_steps(engine, prompts, new_tokens + 1, True) for _ in range(RUNS)]
+            timed = [
+                timed_steps(engine, fresh(vocab, batch, prompt_len), new_tokens + 1, True)
+                for _ in range(RUNS)
+            ]
             steps = sum(r[2] for r in timed)
             kib = (moved(engine) - before) / 1024 / steps
         out[f"decode {fraction:.0%} batch {batch}"] = {
@@ -86,9 +95,9 @@ def worker(model: str, new_tokens: int, prompt_len: int, prefill_len: int) -> di
         }
     rt = RuntimeConfig(max_model_len=prefill_len + 8, max_batch_size=1, cpu_threads=1)
     with LLMEngine.from_pretrained(model, rt) as engine:
-        prompt = rng.integers(0, engine.config.vocab_size, size=prefill_len).tolist()
-        timed_steps(engine, [prompt], 1, False)  # warm-up
-        timed = [timed_steps(engine, [prompt], 1, False) for _ in range(RUNS)]
+        vocab = engine.config.vocab_size
+        timed_steps(engine, fresh(vocab, 1, prefill_len), 1, False)  # warm-up
+        timed = [timed_steps(engine, fresh(vocab, 1, prefill_len), 1, False) for _ in range(RUNS)]
     out[f"prefill 100% {prefill_len} tokens"] = {
         "cpu_ms": 1e3 * min(r[0] for r in timed),
         "wall_ms": 1e3 * min(r[1] for r in timed),
