@@ -91,3 +91,13 @@ def test_every_run_prefills_a_prompt_no_earlier_run_used(tool, monkeypatch):
     _FakeEngine.prompts = []
     tool.worker("unused", new_tokens=2, prompt_len=6, prefill_len=9)
     assert _FakeEngine.prompts == first
+
+
+def test_json_result_renders_as_the_docs_block(tool):
+    """``--json`` prints ``{"settings", "runs"}``; ``render`` (tools/docs.py's block) gives the same
+    table as the report, with the settings."""
+    runs = {"old": [_run(10.0)], "new": [_run(5.0)]}
+    result = {"settings": {"old": "abc", "load_avg_1min": "1.00"}, "runs": runs}
+    text = tool.render(result)
+    assert "| decode 25% batch 8 | 10.00 | 5.00 | 0.50 |" in text
+    assert "Settings: `old=abc`, `load_avg_1min=1.00`" in text

@@ -95,6 +95,12 @@ BLOCKS: dict[str, Block] = {
         6,
         "a CUDA device, 12 GB of disk",
     ),
+    "regression-cpu": Block(
+        "docs/benchmarks.md",
+        "python tools/bench_regression.py --base 303d5a9 --json",
+        "tools.bench_regression:render",
+        25,
+    ),
     "experts-cpu": Block(
         "docs/benchmarks.md",
         "moeserve bench experts --device cpu --dtype fp32 --shapes bundled,qwen3-30b-a3b "
