@@ -1,6 +1,7 @@
-"""The decoder layer's fused pieces: q/k/v (and a dense MLP's gate/up) fused at load without
-changing the dense dict's names, values or bytes; RoPE turned in place over queries and keys with
-the reference's bits; the KV cache's keys and values side by side, written with one op."""
+"""The decoder layer's fused pieces: q/k/v (and a dense MLP's gate/up) fused at load, and the
+CPU's matmul weights laid out column-major, without changing the dense dict's names, values or
+bytes; RoPE turned in place over queries and keys with the reference's bits; the KV cache's keys
+and values side by side, written with one op."""
 
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ def test_fusion_keeps_the_dense_names_values_and_bytes(tiny_checkpoints):
             # q, k and v are views of the one projection the layer runs
             assert dense["layers.0.q"].data_ptr() == layer.qkv.data_ptr()
             assert dense["layers.0.o"].data_ptr() == layer.o_t.data_ptr()
+            # on the CPU the matmul weights are laid out column-major (model.COLUMN_MAJOR)
+            assert layer.qkv.t().is_contiguous() and engine.model.lm_head.t().is_contiguous()
+            assert dense["layers.1.router"].t().is_contiguous()
 
 
 def test_rotate_in_place_is_the_reference_bit_for_bit():
