@@ -356,18 +356,23 @@ def _few_tokens(
     """:func:`run_experts` for a step of few tokens (``x [T, H]``, T at most
     :data:`FEW_TOKENS`): each expert as two ``F.linear`` on its slot views over its own rows, in
     the order the run hands them out. A row of one token is a slice of ``x``; only an expert that
-    several tokens chose gathers its rows (one small index tensor). Same arithmetic as the grouped
-    and loop paths (an expert's rows in one ``F.linear``, router weights ``[n, 1]`` so the product
-    promotes as theirs), same sum per token in ascending expert order."""
+    several tokens chose gathers its rows (one small index tensor). The rows are scaled by their
+    router weights in one multiply at the end (row for row the other paths' products; hybrid CPU
+    experts come back scaled, so then each row is scaled as it lands), then summed per token in
+    ascending expert order as the other paths do."""
     t, k = ids_host.shape
-    # expert -> its (token, column in weights, (token, rank) position) rows, ranks sorted by expert
-    rows: dict[int, list[tuple[int, int, int]]] = {}
-    for tok, (ids_row, cols) in enumerate(zip(ids_host.tolist(), np.argsort(ids_host, axis=1).tolist())):
-        for rank, col in enumerate(cols):
-            rows.setdefault(ids_row[col], []).append((tok, col, tok * k + rank))
-    pieces: list[Any] = [None] * (t * k)  # scaled output row [1, H] per (token, rank)
+    cols = np.argsort(ids_host, axis=1, kind="stable")  # [T, k] weight column of each rank
+    # expert -> its (token, (token, rank) position) rows, ranks sorted by expert
+    rows: dict[int, list[tuple[int, int]]] = {}
+    for tok, (ids_row, order) in enumerate(zip(ids_host.tolist(), cols.tolist())):
+        for rank, col in enumerate(order):
+            rows.setdefault(ids_row[col], []).append((tok, tok * k + rank))
+    src = (cols + np.arange(t)[:, None] * k).reshape(-1)  # flat weight index of each position
+    cpu = getattr(run, "cpu", None)
+    late = cpu is None
+    pieces: list[Any] = [None] * (t * k)  # output row [1, H] per (token, rank)
     x_rows = (x,) if t == 1 else x.split(1)  # [1, H] views, one op
-    w_cells = weights.reshape(-1, 1).split(1)  # [1, 1] view of each router weight, two ops
+    w_col = weights.reshape(-1, 1)  # [T*k, 1]
     hit = np.zeros(num_experts, dtype=bool)
     blocked = np.zeros(num_experts, dtype=np.float64)
     for batch in launch_then(run, launched):
@@ -375,27 +380,26 @@ def _few_tokens(
             e = h.expert
             hit[e], blocked[e] = h.hit, h.blocked_s
             mine = rows[e]
+            pos = [p for _, p in mine]
             if len(mine) == 1:
-                tok, col, pos = mine[0]
-                xs, w = x_rows[tok], w_cells[tok * k + col]
+                xs = x_rows[mine[0][0]]
             else:
-                idx = torch.tensor([[tok, tok * k + col] for tok, col, _ in mine], device=x.device).T
-                xs = x.index_select(0, idx[0])
-                w = weights.reshape(-1).index_select(0, idx[1]).unsqueeze(1)
-            y = _expert_on_rows(xs, h, ffn, x.device) * w
-            if y.dtype != x.dtype:  # router weights in fp32: cast back, as the other paths do
-                y = y.to(x.dtype)
-            if len(mine) == 1:
-                pieces[mine[0][2]] = y
-            else:
-                for i, (_, _, pos) in enumerate(mine):
-                    pieces[pos] = y[i : i + 1]
-    cpu = getattr(run, "cpu", None)
-    if cpu is not None:  # hybrid: the CPU-placed experts' outputs, scaled and cast as above
-        for pos, _, y in cpu.finish(x, weights):
-            for i, p in enumerate(pos.tolist()):
+                xs = x.index_select(0, torch.tensor([tok for tok, _ in mine], device=x.device))
+            y = _expert_on_rows(xs, h, ffn, x.device)
+            if not late:  # scaled and cast now, as the hybrid rows are
+                y = _cast(y * w_col.index_select(0, torch.tensor(src[pos], device=x.device)), x.dtype)
+            for i, p in enumerate(pos):
                 pieces[p] = y if len(pos) == 1 else y[i : i + 1]
-    return sum_ranks(torch.cat(pieces), t), hit, blocked
+    if cpu is not None:  # hybrid: the CPU-placed experts' outputs, scaled and cast as above
+        for pos_t, _, y in cpu.finish(x, weights):
+            for i, p in enumerate(pos_t.tolist()):
+                pieces[p] = y if len(pos_t) == 1 else y[i : i + 1]
+    contrib = torch.cat(pieces)  # [T*k, H] in (token, rank) order
+    if late:  # scaled by the router weights, then cast, as the reference does
+        idx = torch.from_numpy(src)
+        w = w_col.index_select(0, idx if x.device.type == "cpu" else idx.to(x.device))
+        contrib = _cast(contrib * w, x.dtype)
+    return sum_ranks(contrib, t), hit, blocked
 
 
 def sum_ranks(contrib: torch.Tensor, t: int) -> torch.Tensor:
