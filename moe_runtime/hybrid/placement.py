@@ -96,7 +96,7 @@ class HybridPlacer:
         # index work, gathering the CPU outputs): a running mean of measured - lanes, added to
         # each prediction (the record keeps the prediction made before the run)
         self.host_s = 0.0
-        self._cpu_rows = 1.0  # running mean rows per CPU job (the gate's CPU time per miss)
+        self._cpu_rows = 1.0  # running mean rows per CPU expert (the gate's CPU time per miss)
 
     # ------------------------------------------------------------------ inputs
     def link_seconds(self, part: Any) -> float:
@@ -105,7 +105,7 @@ class HybridPlacer:
         return self.link_probe_s[part.index] if m is None else m
 
     def _drain(self) -> None:
-        """Fold the executor's finished jobs into the CPU cost fit."""
+        """Fold the executor's finished CPU experts into the CPU cost fit."""
         samples = self.executor.samples
         while samples:
             rows, seconds = samples.popleft()

@@ -151,7 +151,7 @@ class SimPlacer:
         mode: ``cpu`` or ``auto``. lanes: CPU lanes (>= 1; the runtime's pool is 1). cpu: one
             CPU expert's time on a lane.
         device_s: seconds the device takes for one expert over ``rows`` rows.
-        expert_bytes: bytes per expert (the copies a CPU job avoids).
+        expert_bytes: bytes per expert (the copies a CPU expert avoids).
     """
 
     def __init__(self, buffer: Any, mode: str, lanes: int, cpu: CPUCost, device_s: Any, expert_bytes: int):
