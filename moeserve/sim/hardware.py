@@ -48,10 +48,12 @@ HOST_MEMORY_EFFICIENCY = 0.8  # share of the nominal DRAM rate a memory-bound ke
 # on every recent server core; it matters only for a pool of few threads.
 CORE_READ_GBPS = 22.5
 # Share of the data-sheet peak the runtime's CPU kernel (torch's F.linear) sustains, by instruction set.
-# "amx": KTransformers (doc/en/AMX.md; SOSP'25): its AMX kernel sustains 21.3 TFLOP/s BF16 on one Xeon
-#   socket, 3.9x PyTorch's native AMX path (oneDNN, what F.linear runs) = 5.5 TFLOP/s; their benchmark
-#   socket is a Xeon Gold 6454S (doc/en/DeepseekR1_V3_tutorial.md: 32 cores, 2.2 GHz base: 1024 x 32 x
-#   2.2e9 = 72.1 TFLOP/s AMX peak), so 5.5 / 72.1 = 0.076 (our reading of their figures, stated).
+# "amx": KTransformers' AMX kernel sustains 21 TFLOP/s BF16 on a 4th-gen Xeon, "about 4x faster than
+#   PyTorch's general AMX kernel" (kvcache-ai/ktransformers doc/en/AMX.md; their SGLang integration
+#   note: 21.3 TFLOP/s on one socket, 3.9x PyTorch's native path), so PyTorch's (oneDNN, what F.linear
+#   runs) sustains 21.3 / 3.9 = 5.5 TFLOP/s; their benchmark socket is a Xeon Gold 6454S
+#   (doc/en/DeepseekR1_V3_tutorial.md: 32 cores, 2.2 GHz base: 1024 x 32 x 2.2e9 = 72.1 TFLOP/s AMX
+#   peak), so 5.5 / 72.1 = 0.076 (our reading of their figures: the SKU of the 21.3 is inferred).
 # "fma": measured on the development host (one AMD Zen 4 core, 2 FMA pipes of 256 bits = 32 FP32
 #   FLOP/cycle, as the EPYC 7543's Zen 3; 2.6 GHz as the VM reports it: 83.2 GFLOP/s): torch fp32
 #   F.linear (MKL sgemm) of 128 x 4096 by 8192 x 4096 (about a 512-token chunk's rows per Mixtral
