@@ -196,14 +196,14 @@ def settings_of(base: str, args, started_load: float) -> dict:
 
 #: what the figures mean, for the report and the docs block
 LEGEND = [
-    "CPU ms: process CPU time (all threads) per decode step, or per prompt for the prefill row; wall",
-    "ms: elapsed time, same unit. Each repeat keeps its fastest of",
-    f"{RUNS} runs; old and new figures are medians over repeats. Ratios are taken per repeat",
-    "(the two trees ran back to back) and summarised by their median and range; best/best",
-    "divides the two trees' fastest repeats, the figure",
-    "other work on the machine disturbs least. Below 1.00 the new tree is cheaper. KiB moved:",
-    "expert bytes copied host->device per step (demand and prefetch; buffers below 100%),",
-    "median over repeats: prefetch policies move different amounts, which costs CPU time.",
+    "CPU ms: process CPU time (all threads) per decode step, or per prompt for the prefill row;",
+    f"wall ms: elapsed time, same unit. Each repeat keeps its fastest of {RUNS} runs; old and new",
+    "figures are medians over repeats. Ratios are taken per repeat (the two trees ran back to",
+    "back) and summarised by their median and range; best/best divides the two trees' fastest",
+    "repeats, the figure other work on the machine disturbs least. Below 1.00 the new tree is",
+    "cheaper. KiB moved: expert bytes copied host->device per step (demand and prefetch; buffers",
+    "below 100%), median over repeats: prefetch policies move different amounts, which costs CPU",
+    "time.",
 ]
 
 
