@@ -282,7 +282,9 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
             rows += [_row(r, offline_sim[key], "offline", rep, spread), _row(r, s_in, "in-run", rep, spread)]
     hybrid_rows: list[dict[str, Any]] = []
     for rep, results in enumerate(hyb):
-        got, costs = calibrate_hybrid.compare(results, offline, offline_cpu, link, traces, args, loaded, rep)
+        got, costs = calibrate_hybrid.compare(
+            results, offline, offline_cpu, link, traces, args, loaded, rep, simulate
+        )
         hybrid_rows += got
         inrun_costs += costs
     return {

@@ -18,6 +18,7 @@ misses the CPU's share); the hit rate is shown beside it.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -112,10 +113,11 @@ def compare(
     args: argparse.Namespace,
     loaded: Any,
     rep: int,
+    simulate: Callable[..., dict[str, float]],
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The simulator's figures for each runtime row with both cost sets; returns the comparison
-    rows and the in-run costs."""
-    from moeserve.sim.calibrate import simulate
+    """The simulator's figures for each runtime row with both cost sets (``simulate``: the
+    calibration's one-combination run, :func:`moeserve.sim.calibrate.simulate`); returns the
+    comparison rows and the in-run costs."""
     from moeserve.sim.hybrid import CPUCost, HybridConfig
 
     cfg, nbytes, n_threads = loaded.config, loaded.store.expert_nbytes, threads(args)
