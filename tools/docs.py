@@ -200,6 +200,28 @@ BLOCKS: dict[str, Block] = {
         1,
         "../shared (routing logs)",
     ),
+    "cpu-experts": Block(
+        "docs/hybrid.md",
+        "moeserve bench cpu-experts --shapes qwen3-30b-a3b,mixtral-8x7b --tokens 1,4,32 "
+        "--formats fp32,bf16,int8 --json",
+        "moeserve.bench.cpu_experts:markdown",
+        5,
+    ),
+    "hybrid-bundled": Block(
+        "docs/hybrid.md",
+        "moeserve bench hybrid --modes device,cpu,auto --repeats 5 --json",
+        "moeserve.bench.hybrid:markdown",
+        2,
+    ),
+    "hybrid-olmoe": Block(
+        "docs/hybrid.md",
+        "[ -d runs/ckpt/olmoe-4l ] || moeserve make-checkpoint --shape olmoe-1b-7b --layers 4 "
+        "--out runs/ckpt/olmoe-4l > /dev/null\n"
+        "moeserve bench hybrid --model runs/ckpt/olmoe-4l --modes device,cpu,auto --repeats 3 --json",
+        "moeserve.bench.hybrid:markdown",
+        10,
+        "7 GB of disk",
+    ),
     "overhead": Block(
         "docs/simulator.md",
         "moeserve bench overhead --sections --repeats 5 --json",

@@ -202,3 +202,25 @@ def _print(data: dict) -> None:
             "" if err is None else f"{100 * err:.1f}% ({r['prediction_layer_runs']})",
         )  # fmt: skip
     console.print(table)
+
+
+def markdown(data: dict[str, Any]) -> str:
+    """The modes as a Markdown table with the settings line (for a generated docs block)."""
+    s = data["settings"]
+    first = data["results"][0]["tpot_ms"]
+    lines = [
+        "| mode | TPOT ms [min-max] | vs first | hit rate | CPU experts/step | MiB moved/token "
+        "| cost model error (layer runs) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in data["results"]:
+        err = r["prediction_error_median"]
+        lines.append(
+            f"| {r['mode']} | {r['tpot_ms']:.2f} [{r['tpot_ms_min']:.2f}-{r['tpot_ms_max']:.2f}] | "
+            f"{r['tpot_ms'] / first:.2f} | {r['hit_rate']:.3f} | {r['cpu_experts_per_step']:.2f} | "
+            f"{r['moved_mib_per_token']:.2f} | "
+            + ("" if err is None else f"{100 * err:.1f}% ({r['prediction_layer_runs']})")
+            + " |"
+        )
+    settings = ", ".join(f"`{k}={v}`" for k, v in s.items() if k != "summaries")
+    return "\n".join(lines) + f"\n\nSettings: {settings}\n"
