@@ -51,7 +51,7 @@ from moe_runtime.layers.experts import ExpertFFN, _biased, _hidden
 
 #: least weight bytes in one range of a split projection. A unit costs about 10 us of Python on
 #: the GIL (its weight view, the op's dispatch, the barrier's bookkeeping; bench cpu-experts on the
-#: development host), which one core reading 1 MiB at 10-20 GB/s takes 50-100 us to amortise
+#: 2-core EPYC host), which one core reading 1 MiB at 10-20 GB/s takes 50-100 us to amortise
 MIN_UNIT_BYTES = 1 << 20
 #: token rows at which :meth:`CPUExpertExecutor.check_split` compares ranges with whole products
 CHECK_ROWS = (1, 3, 5, 32)

@@ -1,6 +1,6 @@
 """Routed experts of one MoE layer computed from the slot buffer: grouped GEMMs or a per-expert loop.
 
-NOTE: the grouped path (issue 14). A batch of experts (the resident set, or experts that landed
+NOTE: the grouped path. A batch of experts (the resident set, or experts that landed
 together) runs as ONE ``torch.nn.functional.grouped_mm`` per projection over the partition's slot
 views ``gate_up_t [S, H, 2I]`` and ``down_t [S, I, H]``, with the batch's token rows sorted by slot
 and ``offs`` ending each slot's group (slots the batch does not use get empty groups). All index
@@ -60,9 +60,9 @@ MAX_GAP = {"cuda": MAX_GROUPS, "cpu": 8}
 # (:func:`_few_tokens`: no sort, no offsets, index tensors only for experts several tokens chose),
 # per device type. CPU: 3, chosen on whole decode steps of the bundled model (thread CPU time of
 # the MoE blocks at batch 1, 2, 3, 4 and 8 with each threshold: few wins up to 3, ties at 4, loses
-# at 8); one isolated layer with random routing (``few µs`` against ``grouped µs`` in
-# docs/bench-experts.md) puts the crossover at 2-3 tokens; docs/bench-regression.md has the decode
-# rows. CUDA: 0, the grouped call's two launches beat two matmuls' launches per expert.
+# at 8); one isolated layer with random routing (``moeserve bench experts``: ``few µs`` against
+# ``grouped µs``) puts the crossover at 2-3 tokens. CUDA: 0, the grouped call's two launches beat
+# two matmuls' launches per expert.
 FEW_TOKENS = {"cpu": 3, "cuda": 0}
 Segment = tuple[int, int, int]  # (first slot, slot count, first row) of one grouped call
 

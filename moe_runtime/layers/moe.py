@@ -119,7 +119,7 @@ def _shared(out: torch.Tensor, x: torch.Tensor, w: dict, p: str, cfg: ModelConfi
 
 def plan_after_launch(device: torch.device) -> bool:
     """Whether the prefetch policy plans after the layer's resident experts were issued (an
-    accelerator computes them while the host plans: issue #15, planning off the critical path)
+    accelerator computes them while the host plans: planning off the critical path)
     rather than before computing them (the CPU, which computes as it issues: planning first puts
     the plan's copies on the link sooner). Either way the plan comes before the first wait for a
     missing expert, and the outputs are the same."""

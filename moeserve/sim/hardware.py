@@ -40,7 +40,7 @@ GB = 1e9  # data-sheet "GB" and "GB/s" are decimal
 GiB = 1 << 30
 LINK_EFFICIENCY = 0.8  # share of the raw link rate a large pinned copy achieves (assumption, see above)
 HOST_MEMORY_EFFICIENCY = 0.8  # share of the nominal DRAM rate a memory-bound kernel sustains (assumption)
-# One core's read rate from DRAM, GB/s: measured on the development host (AMD EPYC, Zen 4 under KVM:
+# One core's read rate from DRAM, GB/s: measured on a 2-core EPYC host (AMD EPYC, Zen 4 under KVM:
 # one thread summing its own 256 MiB fp32 tensor, moeserve bench cpu-experts' roof at --threads 1,
 # 19-24 GB/s over the runs of docs/hybrid.md, median 22.5), assumed for every host. A single core's
 # bandwidth is bound by its outstanding misses over the memory latency (McCalpin, "Single-core memory
@@ -54,7 +54,7 @@ CORE_READ_GBPS = 22.5
 #   runs) sustains 21.3 / 3.9 = 5.5 TFLOP/s; their benchmark socket is a Xeon Gold 6454S
 #   (doc/en/DeepseekR1_V3_tutorial.md: 32 cores, 2.2 GHz base: 1024 x 32 x 2.2e9 = 72.1 TFLOP/s AMX
 #   peak), so 5.5 / 72.1 = 0.076 (our reading of their figures: the SKU of the 21.3 is inferred).
-# "fma": measured on the development host (one AMD Zen 4 core, 2 FMA pipes of 256 bits = 32 FP32
+# "fma": measured on a 2-core EPYC host (one AMD Zen 4 core, 2 FMA pipes of 256 bits = 32 FP32
 #   FLOP/cycle, as the EPYC 7543's Zen 3; 2.6 GHz as the VM reports it: 83.2 GFLOP/s): torch fp32
 #   F.linear (MKL sgemm) of 128 x 4096 by 8192 x 4096 (about a 512-token chunk's rows per Mixtral
 #   expert), 40 calls in each of three runs: medians 72.2, 73.9, 76.2 GFLOP/s, so 73.9 / 83.2 = 0.89
@@ -201,7 +201,7 @@ GPUS: dict[str, GPUProfile] = {
 CPU_EXPERT_OVERHEAD_US = 50.0
 # Time per range of a split projection that the pool's threads take in turn (its Python on the GIL:
 # the weight view, the op's dispatch, the barrier's bookkeeping; the GIL's handoff): measured on the
-# development host, one expert of negligible compute split into 16 ranges over 8 pool threads against
+# 2-core EPYC host, one expert of negligible compute split into 16 ranges over 8 pool threads against
 # 2 ranges over 1: 11.7-11.9 us more per range (2 cores, load average 2.2-2.9).
 UNIT_OVERHEAD_US = 12.0
 
