@@ -329,11 +329,12 @@ def host() -> str:
 
 
 def commit() -> str:
-    """The short commit of the working tree, ``+dirty`` when tracked files differ from it."""
+    """The short commit of the working tree, ``+dirty`` when tracked files outside ``docs/`` differ
+    from it (the docs, which ``--run`` rewrites as it goes, do not change what is measured)."""
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     if head.returncode:
         return "unknown"
-    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=ROOT).returncode != 0
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", ".", ":!docs"], cwd=ROOT).returncode != 0
     return head.stdout.strip() + ("+dirty" if dirty else "")
 
 
