@@ -260,23 +260,8 @@ def render(
         ],
         "",
         *_routing_section(a, imgs, img_rel),
-        "## Greedy completions (held-out prompts, trained model)",
-        "",
+        *_completions_section(a["completions"]),
     ]
-    for c in a["completions"]:
-        prompt = c["prompt"] if len(c["prompt"]) <= 400 else "..." + c["prompt"][-400:]
-        lines += [
-            f"**{c['domain']}** (`{c['source']}`), prompt then completion:",
-            "",
-            "~~~text",
-            prompt,
-            "~~~",
-            "",
-            "~~~text",
-            c["completion"],
-            "~~~",
-            "",
-        ]
     lines += [
         "## Limitations",
         "",
@@ -288,6 +273,20 @@ def render(
         "",
     ]
     return "\n".join(lines)
+
+
+def _completions_section(completions: list[dict]) -> list[str]:
+    """The greedy completions as one text block: per held-out prompt its domain and source, the
+    prompt's last 400 characters and the completion, each a JSON string (newlines as ``\\n``)."""
+    lines = ["## Greedy completions (held-out prompts, trained model)", "", "~~~text"]
+    for c in completions:
+        prompt = c["prompt"] if len(c["prompt"]) <= 400 else "..." + c["prompt"][-400:]
+        lines += [
+            f"{c['domain']} ({c['source']})",
+            f"  prompt:     {json.dumps(prompt, ensure_ascii=False)}",
+            f"  completion: {json.dumps(c['completion'], ensure_ascii=False)}",
+        ]
+    return [*lines, "~~~", ""]
 
 
 MODELS = ("trained", "random", "random_forced")
