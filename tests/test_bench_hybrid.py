@@ -57,7 +57,7 @@ def test_cpu_experts_refuses_bad_flags(capsys):
 def test_hybrid_rows_per_mode(capsys):
     data = _json(
         capsys,
-        ["bench", "hybrid", "--modes", "device,cpu,auto", "--buffer-fraction", "0.25", "--link-gbps", "1",
+        ["bench", "hybrid", "--modes", "device,cpu,auto", "--buffer-fraction", "0.25", "--link-gbps", "0.1",
          "--new-tokens", "3", "--prompt-len", "4", "--json"],
     )  # fmt: skip
     s, rows = data["settings"], data["results"]

@@ -74,6 +74,23 @@ def test_backlog_and_resident_work_push_misses_to_the_cpu():
     assert place_layer(busy, CPU, DEV).on_cpu == (True,)
 
 
+def test_the_cpu_lanes_start_delay_counts_only_where_an_expert_runs_there():
+    """One miss, a 1 ms link: the CPU's 2.5 ms loses already; with a 1 ms link backlog of 5 ms the
+    CPU wins (2.5 < 6.11), but not once its lanes start 4 ms late (the pool's wake-up and the
+    interpreter lock): 6.5 > 6.11. With nothing placed there the delay is not in the layer's time."""
+
+    def late(start_ms: float) -> LayerCosts:
+        c = costs([1], link_ms=1.0, backlog_ms=5.0)
+        return LayerCosts(c.resident_rows, c.inflight_rows, c.miss_rows, c.miss_part, c.link_s,
+                          c.link_backlog_s, c.cpu_lanes, cpu_start_s=start_ms * MS)  # fmt: skip
+
+    assert place_layer(late(0.0), CPU, DEV).on_cpu == (True,)
+    assert place_layer(late(3.0), CPU, DEV).on_cpu == (True,)  # 5.5 < 6.11
+    p = place_layer(late(4.0), CPU, DEV)
+    assert p.on_cpu == (False,) and p.cpu_s == 0.0 and p.predicted_s == pytest.approx(6.11 * MS)
+    assert place_layer(late(4.0), CPU, DEV, "cpu").cpu_s == pytest.approx(6.5 * MS)
+
+
 def test_cpu_mode_places_every_miss_on_the_cpu_and_device_mode_none():
     assert place_layer(costs([256, 1, 1]), CPU, DEV, "cpu").on_cpu == (True, True, True)
     assert place_layer(costs([1, 1]), CPU, DEV, "device").on_cpu == (False, False)

@@ -180,6 +180,8 @@ def test_cpu_miss_seconds_reach_the_prefetch_gate():
         engine.generate(PROMPTS, PARAMS)
         assert engine.buffer.cpu_miss_seconds is not None and engine.buffer.cpu_miss_seconds > 0
         assert engine.prefetcher.gate.cpu_miss_s is not None and engine.prefetcher.gate.cpu_miss_s > 0
+        # the CPU lane's start delay (submit to first unit) is measured and reaches the placement
+        assert engine.buffer.placer.cpu_start_s > 0
 
 
 def test_metrics_and_usage_carry_the_cpu_figures():

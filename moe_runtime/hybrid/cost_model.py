@@ -125,6 +125,9 @@ class LayerCosts:
         cpu_lanes: independent CPU executors, each running one expert at a time (the runtime's
             pool, every thread on each expert, is 1); 0 = no CPU side.
         cpu_busy_s: per CPU lane, work still queued on it (usually 0 at a layer's start).
+        cpu_start_s: seconds from the layer's start until a CPU lane can begin its first expert
+            (the pool's wake-up and, on a host where the compute thread holds the interpreter
+            lock, its wait for it); charged only where an expert is placed on the CPU.
     """
 
     resident_rows: Sequence[Sequence[int]]
@@ -135,6 +138,7 @@ class LayerCosts:
     link_backlog_s: Sequence[float]
     cpu_lanes: int
     cpu_busy_s: Sequence[float] = ()
+    cpu_start_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -185,7 +189,7 @@ def place_layer(costs: LayerCosts, cpu: LinearCost, device: LinearCost, mode: st
         dev_end = max(dev_free[p], land) + device.predict(rows)
         if lanes and mode != "device":
             lane = min(range(len(lanes)), key=lanes.__getitem__)
-            cpu_end = lanes[lane] + cpu.predict(rows)
+            cpu_end = max(lanes[lane], costs.cpu_start_s) + cpu.predict(rows)
             if mode == "cpu" or cpu_end < dev_end:
                 lanes[lane] = cpu_end
                 on_cpu[i] = True

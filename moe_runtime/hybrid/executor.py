@@ -89,6 +89,8 @@ class CPUExpertExecutor:
         samples: ``(rows, seconds)`` of each CPU expert of each finished layer run (its share of
             the batch's time), appended by :meth:`CPUExperts.finish` and drained by the placement
             (its CPU cost fit), a thread-safe deque.
+        start_samples: per finished layer run, seconds from its submit to its first unit's start
+            (:attr:`Batch.start_s`), drained by the placement likewise.
         whole: names of kernels whose ranges did not give the whole product's bits: run whole.
     """
 
@@ -99,6 +101,7 @@ class CPUExpertExecutor:
         self.min_unit_bytes = MIN_UNIT_BYTES if min_unit_bytes is None else min_unit_bytes
         self.pool = ThreadPoolExecutor(self.threads, "moeserve-cpu-expert", initializer=_one_omp_thread)
         self.samples: collections.deque[tuple[int, float]] = collections.deque(maxlen=4096)
+        self.start_samples: collections.deque[float] = collections.deque(maxlen=4096)
         self.whole: set[str] = set()
         self._plans: dict[str, tuple[list[tuple[int, int]], list[tuple[int, int]]]] = {}
         self._host_bias: dict[int, torch.Tensor] = {}
@@ -233,6 +236,8 @@ class Batch:
         n = min(executor.threads, max(len(gu), len(down)))
         # one submit from the caller (the compute thread); the first worker starts the others
         self.others: list[Future] = []
+        self.t_submit = time.perf_counter()
+        self.start_s = 0.0  # submit to the first unit's start, set by wait()
         self.first: Future = executor.pool.submit(self._launch, n)
 
     def _launch(self, n: int) -> None:
@@ -323,7 +328,9 @@ class Batch:
         self.first.result()  # the first worker: it has started the others
         for f in self.others:
             f.result()
-        wall = max(b for _, b in self.spans) - min(a for a, _ in self.spans)
+        first = min(a for a, _ in self.spans)
+        wall = max(b for _, b in self.spans) - first
+        self.start_s = max(0.0, first - self.t_submit)
         total = sum(self.work)
         n = len(self.experts)
         return [(e.y, wall * (w / total if total > 0 else 1 / n)) for e, w in zip(self.experts, self.work)]
@@ -427,6 +434,7 @@ class CPUExperts:
             y = y * w_flat.index_select(0, idx[: len(src)]).unsqueeze(1)
             out.append((pos, idx[len(src) :], y if y.dtype == x.dtype else y.to(x.dtype)))
         self.stats.cpu_expert_s += sum(self.seconds.values())
+        self.executor.start_samples.append(self.batch.start_s)
         self.batch, self.places = None, []
         return out
 

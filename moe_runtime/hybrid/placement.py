@@ -97,6 +97,8 @@ class HybridPlacer:
         # each prediction (the record keeps the prediction made before the run)
         self.host_s = 0.0
         self._cpu_rows = 1.0  # running mean rows per CPU expert (the gate's CPU time per miss)
+        self.cpu_start_s = 0.0  # running mean of a CPU batch's submit to its first unit's start
+        self._starts_seen = 0
 
     # ------------------------------------------------------------------ inputs
     def link_seconds(self, part: Any) -> float:
@@ -111,6 +113,11 @@ class HybridPlacer:
             rows, seconds = samples.popleft()
             self.cpu_cost.observe(1, rows, seconds)
             self._cpu_rows += 0.05 * (rows - self._cpu_rows)
+        starts = self.executor.start_samples
+        while starts:
+            w = 1.0 if self._starts_seen == 0 else HOST_DECAY
+            self.cpu_start_s += w * (starts.popleft() - self.cpu_start_s)
+            self._starts_seen += 1
 
     @property
     def cpu_miss_seconds(self) -> float | None:
@@ -162,6 +169,7 @@ class HybridPlacer:
             link_s,
             [p.loading * t for p, t in zip(parts, link_s)],
             1,  # the pool: every thread on one expert at a time, one lane
+            cpu_start_s=self.cpu_start_s,
         )
         # the device's time as it runs beside CPU experts; with none placed, as it runs alone
         placed = place_layer(costs, self.cpu_cost, self.device_cost_shared, self.mode)

@@ -163,6 +163,8 @@ def _fits(placer: Any) -> dict | None:
         "cpu_ms_per_expert": 1e3 * c.per_expert_s, "cpu_ms_per_row": 1e3 * c.per_row_s,
         "device_ms_per_expert": 1e3 * d.per_expert_s, "device_ms_per_row": 1e3 * d.per_row_s,
         "link_ms": [1e3 * placer.link_seconds(p) for p in placer.buffer.parts],
+        "cpu_start_ms": 1e3 * placer.cpu_start_s,
+        "device_shared_ms_per_expert": 1e3 * placer.device_cost_shared.per_expert_s,
     }  # fmt: skip
 
 
