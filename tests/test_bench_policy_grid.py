@@ -111,7 +111,10 @@ def test_points_of_different_workloads_are_flagged():
     scaled = _point(ok, batch=16)
     scaled["settings"]["warm_prompts"] = scaled["settings"]["eval_prompts"] = 64
     shown = render_grid(_grid(_point(ok), scaled))
-    assert "differ" not in shown and "| 4 | 16 | 2 | 64 | 64 |" in shown
+    assert (
+        "differ" not in shown
+        and "batch 4: 2 tasks, 2 warm and 16 eval prompts; batch 16: 2 tasks, 64 warm and 64 eval" in shown
+    )
 
 
 def test_no_point_at_all_is_an_error():

@@ -172,18 +172,6 @@ BLOCKS: dict[str, Block] = {
         1,
         "../shared (routing logs)",
     ),
-    "sim-mixtral-buffers": Block(
-        "docs/simulator.md",
-        "moeserve trace import --num-experts 8 --out runs/traces/mixtral_8x7b.jsonl "
-        f"{MIXTRAL_LOGS}/gsm8k_2_routing.jsonl {MIXTRAL_LOGS}/humaneval_2_routing.jsonl\n"
-        "for slots in 51 102 154; do\n"
-        "  moeserve simulate --trace runs/traces/mixtral_8x7b.jsonl --model-profile mixtral-8x7b "
-        "--hardware a5000 --all-policies --warm 1 --buffer-slots $slots --json\n"
-        "done",
-        "moeserve.sim.report:render_simulate_buffers",
-        1,
-        "../shared (routing logs)",
-    ),
     "sim-hybrid": Block(
         "docs/simulator.md",
         "moeserve trace import --num-experts 8 --out runs/traces/mixtral_8x7b.jsonl "
@@ -221,6 +209,13 @@ BLOCKS: dict[str, Block] = {
         "moeserve.bench.hybrid:markdown",
         10,
         "7 GB of disk",
+    ),
+    "kv": Block(
+        "docs/kv-cache.md",
+        "moeserve bench kv --rate 20 --json\nmoeserve bench kv --rate 4 --json\nmoeserve bench kv --prefix-chat --json",
+        "moeserve.bench.kv:markdown",
+        3,
+        "../shared (trace)",
     ),
     "overhead": Block(
         "docs/simulator.md",

@@ -295,3 +295,65 @@ def _prefix_chat(args: argparse.Namespace) -> int:
     result = _prefix_result(args)
     print(json.dumps(result, indent=2) if args.json else render_chat(result))
     return 0
+
+
+def markdown(data: dict | list[dict]) -> str:
+    """Markdown of one or more ``bench kv --json`` documents (a generated docs block): the replays
+    as one table, each layout's figures median (min-max) over the seeds, with the paged/static
+    concurrency ratio per arrival rate; a ``--prefix-chat`` document as a paragraph.
+
+    Raises:
+        ValueError: no document holds a replay or a prefix chat.
+    """
+    docs = data if isinstance(data, list) else [data]
+    replays = [d for d in docs if "paged" in d]
+    chats = [d for d in docs if "first_ttft_ms" in d] + [
+        d["prefix_chat"] for d in replays if "prefix_chat" in d
+    ]
+    if not replays and not chats:
+        raise ValueError("no bench kv result in the data")
+    out = []
+    if replays:
+        out += [
+            "| arrivals | requests | layout | running requests | max | preemptions | TTFT p50 s "
+            "| TTFT p90 s |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        ratios = []
+        for d in replays:
+            s = d["settings"]
+            for layout, size in (
+                ("static", f"{d['static']['rows']} rows of {s['max_model_len']:,}"),
+                ("paged", f"{d['paged']['blocks']:,} blocks of {s['block_size']}"),
+            ):
+                r = d[layout]
+                out.append(
+                    f"| {s['rate']:g}/s | {s['requests']:,} sampled | {layout} ({size}) "
+                    f"| {_fmt(r['concurrency'])} "
+                    f"| {r['max_concurrency']['median']:.0f} | {_fmt(r['preemptions'], '.0f')} "
+                    f"| {_fmt(r['ttft_p50_s'], '.2f')} | {_fmt(r['ttft_p90_s'], '.2f')} |"
+                )
+            c = d["concurrency_ratio"]
+            ratios.append(f"{c['median']:.1f}x ({c['min']:.1f}-{c['max']:.1f}) at {s['rate']:g}/s")
+        s = replays[0]["settings"]
+        out += [
+            "",
+            f"Paged / static running requests: {', '.join(ratios)}. Modelled step: {s['step_ms']:g} ms + "
+            f"{s['token_us']:g} us per computed token; {len(s['seeds'])} seeds; up to "
+            f"{s['max_num_batched_tokens']:,} tokens and {s['max_batch_size']:,} sequences a step (paged); "
+            f"the first {s['warmup']:,} requests of each seed left out.",
+        ]
+    for c in chats:
+        s, f, later, r = c["settings"], c["first_ttft_ms"], c["later_ttft_ms"], c["ratio"]
+        n = s["requests"]
+        out += [
+            "",
+            f"Prefix caching: {n} chat requests sharing a {s['system_tokens']:,}-token system prompt "
+            f"({c['prompt_tokens']:,} prompt tokens each), one after another, on {s['repeats']} fresh "
+            f"servers ({s['device']}, {s['dtype']}, block {s['block_size']}): requests 2-{n} report at least "
+            f"{c['min_cached_later']:,} cached tokens; their median TTFT is {later['median']:.1f} ms against "
+            f"{f['median']:.1f} ms for the first, a ratio of {r['median']:.3f} "
+            f"({r['min']:.3f}-{r['max']:.3f}). "
+            f"Outputs equal a server's without prefix caching: {'yes' if c['outputs_equal'] else 'NO'}.",
+        ]
+    return "\n".join(out).lstrip("\n") + "\n"

@@ -26,9 +26,10 @@ from dataclasses import asdict
 from moeserve.bench.policy_summary import BASELINE, DEFAULT, TPOT_RATIO_TARGET
 
 VERDICTS = ("met", "within noise", "not met", "missing")
-#: Settings that differ from point to point by design (the prompts scale with the batch).
+#: Settings that differ from point to point by design (the tasks and prompts scale with the batch).
 PER_POINT = (
     "batch", "link_gbps", "load_avg_before", "load_avg_after", "wall_s", "warm_prompts", "eval_prompts",
+    "tasks",
 )  # fmt: skip
 
 
@@ -136,33 +137,33 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
-def _load(x: list[float] | None) -> str:
-    return ", ".join(str(v) for v in x) if x else "n/a"
-
-
 def _settings(points: list[dict]) -> tuple[str, str]:
-    """Per point: workload, repeats, load averages and wall time; and the settings every point
-    shares (or the keys in which they differ)."""
-    rows = []
+    """Per point, in one sentence: the tasks and prompts per batch size (a larger batch takes tasks
+    with more prompts, and more of them), the 1-minute load averages and the wall time; and the
+    settings every point shares (or the keys in which they differ)."""
+    groups: dict[tuple[int, int, int], list[str]] = {}
     for d in points:
         s = d["settings"]
-        workload = [str(s[k]) for k in ("warm_prompts", "eval_prompts", "new_tokens", "repeats")]
-        loads = [_load(s.get("load_avg_before")), _load(s.get("load_avg_after"))]
-        rows.append(
-            [link_text(s["link_gbps"]), str(s["batch"]), str(len(s["tasks"])), *workload, *loads,
-             f"{s['wall_s']:.0f}"]
-        )  # fmt: skip
-    header = ["link GB/s", "batch", "tasks", "warm prompts", "eval prompts", "new tokens", "repeats",
-              "load avg before (1, 5, 15 min)", "load avg after", "wall s"]  # fmt: skip
-    shown = {"tasks", "warm_prompts", "eval_prompts", "new_tokens", "repeats"}  # in the table
+        got = groups.setdefault((len(s["tasks"]), s["warm_prompts"], s["eval_prompts"]), [])
+        if str(s["batch"]) not in got:
+            got.append(str(s["batch"]))
+    per_batch = "; ".join(
+        f"batch {', '.join(b)}: {t} tasks, {w} warm and {e} eval prompts" for (t, w, e), b in groups.items()
+    )
+    loads = [
+        x[0] for d in points for k in ("load_avg_before", "load_avg_after") if (x := d["settings"].get(k))
+    ]
+    load = f"{min(loads)}-{max(loads)}" if loads else "n/a"
+    walls = [d["settings"]["wall_s"] for d in points]
+    sentence = f"{per_batch}; 1-minute load average {load}; {min(walls):.0f}-{max(walls):.0f} s a point"
     first = points[0]["settings"]
     keys = [k for k in first if k not in PER_POINT]
     same = [k for k in keys if all(d["settings"].get(k) == first[k] for d in points)]
-    shared = ", ".join(f"`{k}={first[k]}`" for k in same if k not in shown)
+    shared = ", ".join(f"`{k}={v}`" for k in same if (v := first[k]) is not None)
     differ = [k for k in keys if k not in same]
     if differ:
         shared += "; **the points differ in** " + ", ".join(f"`{k}`" for k in differ)
-    return _table(header, rows), shared
+    return sentence, shared
 
 
 def render_grid(data: dict) -> str:
@@ -193,8 +194,8 @@ def render_grid(data: dict) -> str:
         f"**{count}** ({len(rows)} rows). Verdict on the paired ratio eam / on-demand+LRU: met when the "
         f"slowest round is at most {TPOT_RATIO_TARGET}, within noise when only the median is, not met "
         f"when the median is above it.\n\n{_table(header, rows)}\n\n"
-        f"Settings per point ({wall / 60:.1f} minutes, {wall:.0f} s, of measurement in all{fill}):\n\n"
-        f"{settings}\n\nShared by every point: {shared}.\n"
+        f"Per point ({wall / 60:.1f} minutes of measurement in all{fill}): {settings}. "
+        f"Shared by every point: {shared}.\n"
     )
 
 

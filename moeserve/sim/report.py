@@ -314,38 +314,6 @@ def render_simulate(data: dict[str, Any] | list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-#: The rows :func:`render_simulate_buffers` shows: the baseline, the paper's pair, the default, the bound.
-BUFFER_ROWS = ("on-demand+lru", "eam-paper", "eam", "oracle")
-
-
-def render_simulate_buffers(data: list[dict[str, Any]]) -> str:
-    """Markdown of several ``moeserve simulate --json`` outputs that differ in ``--buffer-slots``:
-    one table, a row per (slots, policy) of :data:`BUFFER_ROWS`, TPOT against on-demand+LRU's at the
-    same slots."""
-    rows = []
-    for run in data:
-        s = run["settings"]
-        base = _base(run["results"])
-        for r in (r for r in run["results"] if r["policy"] in BUFFER_ROWS):
-            vs = f"{r['tpot_ms'] / base['tpot_ms']:.3f}" if base else "-"
-            rows.append(
-                [
-                    f"{s['slots']} ({s['slots_share']})",
-                    f"`{r['policy']}`",
-                    f"{r['hit_rate']:.3f}",
-                    f"{r['tpot_ms']:.1f}",
-                    vs,
-                    _share(r.get("gap_closed")),
-                    f"{r['bytes_vs_oracle']:.2f}x" if r.get("bytes_vs_oracle") is not None else "-",
-                ]
-            )
-    s = data[0]["settings"]
-    head = f"**{s['model_profile']} on {s['hardware'].split(':')[0]}**, batch {s['batch']}.\n\n"
-    header = ["slots", "policy", "hit rate", "TPOT ms", "TPOT / on-demand+lru", "gap closed",
-              "bytes vs oracle"]  # fmt: skip
-    return head + _md_table(header, rows)
-
-
 def render_simulate_hybrid(data: list[dict[str, Any]]) -> str:
     """Markdown of several ``moeserve simulate --expert-compute device,cpu,auto --json`` outputs
     (rows ``eam``, ``oracle``, ``cpu``, ``eam (auto)``): one table row per output, TPOT of each
