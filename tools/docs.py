@@ -110,7 +110,7 @@ BLOCKS: dict[str, Block] = {
     ),
     "quant-decode": Block(
         "docs/quantization.md",
-        "moeserve bench decode --fractions 0.25 --batches 1,4 --prefill-len 0 --link-gbps 0.5 "
+        "moeserve bench decode --fractions 0.25 --batches 1 --prefill-len 0 --link-gbps 0.5 "
         "--no-transformers --expert-dtypes bf16,fp8,int8,mxfp4 --json",
         "moeserve.bench.render:render_quant_decode",
         4,
@@ -190,7 +190,7 @@ BLOCKS: dict[str, Block] = {
     ),
     "cpu-experts": Block(
         "docs/hybrid.md",
-        "moeserve bench cpu-experts --shapes qwen3-30b-a3b,mixtral-8x7b --tokens 1,4,32 "
+        "moeserve bench cpu-experts --shapes qwen3-30b-a3b,mixtral-8x7b --tokens 1,4 "
         "--formats fp32,bf16,int8 --json",
         "moeserve.bench.cpu_experts:markdown",
         5,
