@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from moeserve.bench.memory_split import markdown
 from moeserve.cli import main
 
 PROMPTS = Path(__file__).resolve().parents[2] / "shared/data/prompts/prompts_combined.jsonl"
@@ -25,3 +26,6 @@ def test_plan_and_fractions_share_one_device_memory(capsys):
     assert 0 < plan["slots"] < 512, "the plan must offload at 30% of the experts' memory"
     assert plan["kv_blocks"] > 0 and plan["tpot_ms"] > 0
     assert rows["fraction 0.1"][0]["slots"] < rows["fraction 0.3"][0]["slots"]
+    md = markdown(data)  # the docs block: a row per split with its own figures
+    assert f"| plan | {plan['slots']} | {plan['kv_blocks']} | " in md and "| fraction 0.3 |" in md
+    assert "`share=0.3`" in md

@@ -217,6 +217,13 @@ BLOCKS: dict[str, Block] = {
         3,
         "../shared (trace)",
     ),
+    "memory-split": Block(
+        "docs/operations.md",
+        "moeserve bench memory-split --json",
+        "moeserve.bench.memory_split:markdown",
+        6,
+        "../shared (prompts)",
+    ),
     "overhead": Block(
         "docs/simulator.md",
         "moeserve bench overhead --sections --repeats 5 --json",

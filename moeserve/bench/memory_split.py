@@ -153,3 +153,10 @@ def summarise(results: dict[str, list[dict]]) -> list[str]:
             f"{spread(rs, 'tok_s')} | {spread(rs, 'hit_rate')} | {max(r['preemptions'] for r in rs)} |"
         )
     return lines
+
+
+def markdown(data: dict) -> str:
+    """Markdown of ``bench memory-split --json`` (a generated docs block): a row per split, TPOT,
+    decode tokens/s and hit rate as median [min-max] over the rounds, and the settings line."""
+    settings = ", ".join(f"`{k}={v}`" for k, v in data["settings"].items())
+    return "\n".join(summarise(data["rows"])) + f"\n\nSettings: {settings}\n"
