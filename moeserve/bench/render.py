@@ -214,7 +214,8 @@ def render_quant_decode(data: dict) -> str:
             if r.get("expert_dtype") == fmt and r["bytes_per_token"] and tuple(r[k] for k in key) in bf16
         ]
         if ratios:
-            parts.append(f"{fmt} moves {min(ratios):.2f}-{max(ratios):.2f}x fewer bytes per token than bf16")
+            lo, hi = f"{min(ratios):.2f}", f"{max(ratios):.2f}"
+            parts.append(f"{fmt} moves {lo if lo == hi else f'{lo}-{hi}'}x fewer bytes per token than bf16")
     head = "; ".join(parts) + " (same buffer, link and batch).\n\n" if parts else ""
     return head + render_decode(data)
 
