@@ -115,7 +115,26 @@ class KVLayout:
         return max(steady, self.min_num_blocks(max_len, max_step_tokens))
 
 
-class PagedKVCache:
+class PagedCache:
+    """What every paged cache shows of its :class:`KVLayout` (``self.layout``): block size, each
+    layer's block group and each group's sliding window."""
+
+    layout: KVLayout
+
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
+
+    @property
+    def group_of(self) -> tuple[int, ...]:
+        return self.layout.group_of
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        return self.layout.windows
+
+
+class PagedKVCache(PagedCache):
     """K and V blocks of every layer in one allocation, ``[slots, num_blocks, block_size, 2 * kv_heads,
     head_dim]``: a token's keys (heads ``0 .. kv_heads - 1``) sit right before its values, so a
     step's new keys and values, adjacent in the fused q/k/v projection's output, are written with
@@ -157,18 +176,6 @@ class PagedKVCache:
         self.flex = None  # CUDA decodes in place (moe_runtime.layers.paged_decode), set by the engine
         self.layout = layout
         self.num_blocks = num_blocks
-
-    @property
-    def block_size(self) -> int:
-        return self.layout.block_size
-
-    @property
-    def group_of(self) -> tuple[int, ...]:
-        return self.layout.group_of
-
-    @property
-    def windows(self) -> tuple[int | None, ...]:
-        return self.layout.windows
 
     @property
     def sliding(self) -> dict[int, int]:

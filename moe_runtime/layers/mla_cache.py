@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from moe_runtime.layers.kv_cache import KVLayout
+from moe_runtime.layers.kv_cache import KVLayout, PagedCache
 
 
-class PagedMLACache:
+class PagedMLACache(PagedCache):
     """Args: layout (one group, ``elements_per_token`` the latent width), num_blocks, dtype, device."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -29,18 +29,6 @@ class PagedMLACache:
         self.flex = None  # latent attention gathers (moe_runtime.layers.paged_decode)
         self.layout = layout
         self.num_blocks = num_blocks
-
-    @property
-    def block_size(self) -> int:
-        return self.layout.block_size
-
-    @property
-    def group_of(self) -> tuple[int, ...]:
-        return self.layout.group_of
-
-    @property
-    def windows(self) -> tuple[int | None, ...]:
-        return self.layout.windows
 
     @property
     def sliding(self) -> dict[int, int]:

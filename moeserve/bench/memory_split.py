@@ -53,7 +53,9 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=96)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--share", type=float, default=0.3, help="experts the device memory holds beside the rest")
-    p.add_argument("--fractions", default="0.1,0.2,0.25,0.3,0.35")
+    p.add_argument(
+        "--fractions", default="0.05,0.1,0.2,0.3,0.32", help="fixed --buffer-fraction splits (each must fit)"
+    )
     p.add_argument("--link-gbps", type=float, default=0.5)
     p.add_argument("--link-latency-us", type=float, default=10.0)
     p.add_argument("--repeats", type=int, default=3)
