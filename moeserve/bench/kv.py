@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import platform
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,7 +171,7 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 def run(lengths: np.ndarray, s: Settings, seeds: list[int]) -> dict:
     """Both layouts on every seed: per layout, each figure's median and range over the seeds."""
-    out: dict = {"settings": {**s.__dict__, "seeds": seeds, "host": platform.node()}}
+    out: dict = {"settings": {**s.__dict__, "seeds": seeds}}
     runs = {layout: [replay(lengths, layout, s, seed) for seed in seeds] for layout in ("static", "paged")}
     for layout, rs in runs.items():
         out[layout] = {k: _spread([r[k] for r in rs]) for k in rs[0]}

@@ -15,13 +15,14 @@ equals the uncached server's.
 
 from __future__ import annotations
 
-import platform
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from moe_runtime.paths import shown_path
 
 #: the vocabulary of the shared system prompt (one string: a word list, split when used)
 TEXT = (
@@ -124,7 +125,7 @@ def run_prefix_chat(
     ratios = [b / a for a, b in zip(firsts, later)]
     return {
         "settings": {
-            "model": str(model_dir),
+            "model": shown_path(model_dir),
             "system_tokens": system_tokens,
             "requests": requests,
             "max_tokens": max_tokens,
@@ -134,7 +135,6 @@ def run_prefix_chat(
             "cpu_threads": runtime.cpu_threads,
             "device": runtime.device,
             "dtype": runtime.dtype,
-            "host": platform.node(),
         },
         "prompt_tokens": runs[0][0]["prompt_tokens"],
         "first_ttft_ms": _spread([1000 * x for x in firsts]),

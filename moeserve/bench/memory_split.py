@@ -32,6 +32,7 @@ from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine.engine import LLMEngine
 from moe_runtime.loader import load_checkpoint, read_model_config
 from moe_runtime.memory_plan import human_bytes, plan_memory
+from moe_runtime.paths import shown_path
 from moeserve.bench.policies import _run_batches, load_workload
 from moeserve.commands.common import add_model_arg, resolve_model
 
@@ -99,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
                 results[label].append(r)
             print(f"round {rnd} {label}: {r}", file=sys.stderr)
     settings = {
-        "model": str(model_dir),
+        "model": shown_path(model_dir),
         "device_memory": device_memory,
         "share": args.share,
         "batch": args.batch,
