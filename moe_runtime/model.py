@@ -245,6 +245,7 @@ class MoEModel:
         if self.mla is None:
             rope = tuple(r.unsqueeze(1) for r in self.rotary.rows(step.positions))
         la = self.lookahead if step.observe else None
+        resident = self._resident()  # the same for every layer of the step
         for layer, lw in enumerate(self.layers):
             ahead = None
             h = self._norm(x, lw.attn_norm, lw.attn_norm_bias)
@@ -268,7 +269,7 @@ class MoEModel:
                     ahead,
                     self.expert_path,
                     self.ffn.get(layer),
-                    self._resident(),
+                    resident,
                 )
             else:
                 gate_up, down = lw.mlp  # type: ignore[misc]

@@ -103,6 +103,7 @@ class CPUExpertExecutor:
         self.samples: collections.deque[tuple[int, float]] = collections.deque(maxlen=4096)
         self.start_samples: collections.deque[float] = collections.deque(maxlen=4096)
         self.whole: set[str] = set()
+        self._checked: set[str] = set()  # kernels whose ranges were compared already (check_split)
         self._plans: dict[str, tuple[list[tuple[int, int]], list[tuple[int, int]]]] = {}
         self._host_bias: dict[int, torch.Tensor] = {}
         self._bias_lock = threading.Lock()
@@ -155,8 +156,9 @@ class CPUExpertExecutor:
             return True
 
         for k in {k.name: k for k in kernels}.values():
-            if k.name in self.whole or sum(map(len, self.plans(k))) == 2:
+            if k.name in self.whole or k.name in self._checked or sum(map(len, self.plans(k))) == 2:
                 continue
+            self._checked.add(k.name)
             if not self.pool.submit(same, k).result():
                 self.whole.add(k.name)
                 self._plans.pop(k.name, None)

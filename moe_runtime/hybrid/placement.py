@@ -85,7 +85,8 @@ class HybridPlacer:
             raise ValueError(f"a placer runs auto or cpu, not {mode!r}")
         self.buffer, self.mode, self.executor = buffer, mode, executor
         self.cpu_cost, self.device_cost = cpu_cost, device_cost
-        self.device_cost_shared = copy.deepcopy(device_cost)  # the device while CPU experts run
+        # the device while CPU experts run: its own fit where the device's batches are timed
+        self.device_cost_shared = copy.deepcopy(device_cost) if device_timed else device_cost
         self._shared = False  # the running layer has CPU experts
         self.device_timed = device_timed
         self.link_probe_s = link_probe_s
@@ -112,7 +113,7 @@ class HybridPlacer:
         while samples:
             rows, seconds = samples.popleft()
             self.cpu_cost.observe(1, rows, seconds)
-            self._cpu_rows += 0.05 * (rows - self._cpu_rows)
+            self._cpu_rows += HOST_DECAY * (rows - self._cpu_rows)
         starts = self.executor.start_samples
         while starts:
             w = 1.0 if self._starts_seen == 0 else HOST_DECAY
@@ -171,11 +172,15 @@ class HybridPlacer:
             1,  # the pool: every thread on one expert at a time, one lane
             cpu_start_s=self.cpu_start_s,
         )
-        # the device's time as it runs beside CPU experts; with none placed, as it runs alone
-        placed = place_layer(costs, self.cpu_cost, self.device_cost_shared, self.mode)
-        if not any(placed.on_cpu):
-            alone = place_layer(costs, self.cpu_cost, self.device_cost, self.mode)
-            placed = alone if not any(alone.on_cpu) else placed
+        # the device's time as it runs beside CPU experts; with none placed, as it runs alone (one
+        # call where they cannot differ: no miss to place, or one fit for both)
+        if not miss or self.device_cost_shared is self.device_cost:
+            placed = place_layer(costs, self.cpu_cost, self.device_cost, self.mode)
+        else:
+            placed = place_layer(costs, self.cpu_cost, self.device_cost_shared, self.mode)
+            if not any(placed.on_cpu):
+                alone = place_layer(costs, self.cpu_cost, self.device_cost, self.mode)
+                placed = alone if not any(alone.on_cpu) else placed
         self._shared = any(placed.on_cpu)
         on_cpu = {miss[j] for j, c in enumerate(placed.on_cpu) if c}
         cpu = None

@@ -94,13 +94,19 @@ def probe_device(buffer: Any, dtype: torch.dtype, repeats: int = 3) -> LinearCos
     return fit_from((1, FIT_ROWS), secs)
 
 
+def fixed_keys(buffer: Any, part: Any) -> list[int]:
+    """``cpu`` mode's fixed set on ``part``: the last experts homed on it, in layer order, as many
+    as its slots hold (the runtime and the simulator both preload these)."""
+    homed = np.flatnonzero(buffer.home == part.index).tolist()
+    return homed[-part.num_slots :]
+
+
 def preload_fixed(buffer: Any) -> None:
     """``cpu`` mode: fill each partition's slots with the last experts homed on it in layer order
     (see the module note), once."""
     store = buffer.store
     for part in buffer.parts:
-        homed = np.flatnonzero(buffer.home == part.index).tolist()
-        keys = homed[-part.num_slots :]
+        keys = fixed_keys(buffer, part)
         for s, key in enumerate(keys):
             part.slots[s].copy_(store.expert(key))
         part.preload(keys)
@@ -108,22 +114,27 @@ def preload_fixed(buffer: Any) -> None:
         torch.cuda.synchronize()
 
 
+def measure_pool(store: Any, threads: int) -> tuple[CPUExpertExecutor, LinearCost]:
+    """A pool of ``threads`` over ``store`` with its kernels chosen and the CPU lane's line: every
+    eligible kernel timed on the whole pool working on one expert at 1, 4 and :data:`FIT_ROWS`
+    rows. Returns the executor (``close()`` it) and the fit."""
+    executor = CPUExpertExecutor(store, None, threads)
+    kernels = eligible_kernels(store)
+    executor.check_split(kernels)
+    choice: KernelChoice = choose_kernels(store, (1, 4, FIT_ROWS), kernels=kernels, run=executor.run_one)
+    executor.set_choice(choice)
+    return executor, fit_from(choice.points, choice.seconds_chosen)
+
+
 def attach(buffer: Any, runtime: Any, mode: str) -> HybridPlacer | None:
     """Turn hybrid execution on for ``buffer`` in ``mode`` (``cpu`` or ``auto``; ``device``, or a
     buffer holding every expert: nothing to do, None). Returns the placer (``close()`` it)."""
     if mode == "device" or buffer.all_resident:
         return None
-    store = buffer.store
     threads = runtime.cpu_expert_threads or default_threads(runtime.cpu_threads, len(buffer.parts))
-    executor = CPUExpertExecutor(store, None, threads)
-    kernels = eligible_kernels(store)
-    executor.check_split(kernels)
-    # every kernel timed on the whole pool working on one expert: the CPU lane's line
-    choice: KernelChoice = choose_kernels(store, (1, 4, FIT_ROWS), kernels=kernels, run=executor.run_one)
-    executor.set_choice(choice)
-    cpu_cost = fit_from(choice.points, choice.seconds_chosen)
+    executor, cpu_cost = measure_pool(buffer.store, threads)
     link_s = probe_link(buffer)
-    device_cost = probe_device(buffer, store.compute_dtype)
+    device_cost = probe_device(buffer, buffer.store.compute_dtype)
     if mode == "cpu":
         preload_fixed(buffer)
     placer = HybridPlacer(

@@ -49,19 +49,11 @@ def threads(args: argparse.Namespace) -> int:
 def offline_cpu_cost(loaded: Any, threads: int) -> Any:
     """The CPU kernels' load-time fit, measured as the runtime measures it (``setup.attach``: the
     whole pool of ``threads`` on each expert)."""
-    from moe_runtime.hybrid.cpu_kernels import choose_kernels, eligible_kernels
-    from moe_runtime.hybrid.executor import CPUExpertExecutor
-    from moe_runtime.hybrid.setup import FIT_ROWS, fit_from
+    from moe_runtime.hybrid.setup import measure_pool
     from moeserve.sim.hybrid import CPUCost
 
-    executor = CPUExpertExecutor(loaded.store, None, threads)
-    try:
-        kernels = eligible_kernels(loaded.store)
-        executor.check_split(kernels)
-        choice = choose_kernels(loaded.store, (1, 4, FIT_ROWS), kernels=kernels, run=executor.run_one)
-    finally:
-        executor.close()
-    fit = fit_from(choice.points, choice.seconds_chosen)
+    executor, fit = measure_pool(loaded.store, threads)
+    executor.close()
     return CPUCost.measured(fit.per_expert_s, fit.per_row_s, "choose_kernels at load")
 
 

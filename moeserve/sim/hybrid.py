@@ -50,7 +50,7 @@ import numpy as np
 from moe_runtime.buffer.slots import READY
 from moe_runtime.hybrid.cost_model import LayerCosts, LinearCost, place_layer
 from moe_runtime.hybrid.executor import MIN_UNIT_BYTES, split_ranges
-from moe_runtime.hybrid.setup import FIT_ROWS, fit_from
+from moe_runtime.hybrid.setup import FIT_ROWS, fit_from, fixed_keys
 
 MODES = ("device", "cpu", "auto")
 
@@ -248,12 +248,11 @@ class SimPlacer:
 
 def preload_fixed(buffer: Any) -> None:
     """``cpu`` mode's fixed set: each partition's slots hold the last experts homed on it in layer
-    order (``moe_runtime.hybrid.setup.preload_fixed``), once."""
+    order (``moe_runtime.hybrid.setup.fixed_keys``), once."""
     for part in buffer.parts:
         if part.key_slot:  # every expert homed here fitted: resident already
             continue
-        homed = np.flatnonzero(buffer.home == part.index).tolist()
-        part.preload(homed[-part.num_slots :])
+        part.preload(fixed_keys(buffer, part))
 
 
 @dataclass
