@@ -79,11 +79,6 @@ class RoutingModel:
     repeat: int
     source: str
 
-    @property
-    def num_slots_max(self) -> int:
-        """Every (layer, expert) pair: the buffer size with nothing to miss."""
-        return self.profiles.shape[1] * self.profiles.shape[2] * self.repeat
-
     def demand(self, concurrency: int, seed: int = 0) -> StepDemand:
         """The expected needs of one decode step of ``concurrency`` sequences."""
         r = self.profiles.shape[0]

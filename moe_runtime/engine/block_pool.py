@@ -122,8 +122,3 @@ class BlockPool:
     def lookup(self, group: int, block_hash: bytes) -> int | None:
         """The block holding ``block_hash`` in ``group``, or None."""
         return self._cached.get((group, block_hash))
-
-    def reset_cache(self) -> None:
-        """Forget every cached prefix (free blocks stay free, held ones held)."""
-        self._cached.clear()
-        self._key_of.clear()

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from moe_runtime.jit import njit
+from moe_runtime.layers.kv_cache import cdiv
 
 
 @dataclass(slots=True)
@@ -49,7 +50,9 @@ class StepContext:
     decode_mask: torch.Tensor | None = None  # [B_d, 1, 1, decode_ctx] bool
     decode_ctx: int = 0
     decode_full: bool = False  # every decoding sequence's context is decode_ctx long: no mask needed
+    decode_seqs: list[int] = field(default_factory=list)  # their indices, on the host
     prefill_seqs: list[int] = field(default_factory=list)
+    positions_host: np.ndarray | None = None  # ``positions`` on the host [T] int64
     # two or more prefill chunks attended in one padded call (when padding costs at most
     # PAD_WASTE x the useful work): their index among the step's sequences, their tokens' indices
     # in the packed step, each token's index in the padded [P * max_new] queries, and the causal
@@ -162,7 +165,7 @@ class StepContext:
         all_decode = all(n == 1 for n in num_new)
         max_ctx = max(ctx)
         # block tables [G, S, W] and each new token's slot [G, T]: one host array, one copy
-        groups, seqs, width = len(tables[0]), len(request_ids), -(-max_ctx // block_size)
+        groups, seqs, width = len(tables[0]), len(request_ids), cdiv(max_ctx, block_size)
         tab = np.zeros((groups, seqs, width), dtype=np.int64)
         for i, per_group in enumerate(tables):
             for g, row in enumerate(per_group):
@@ -198,6 +201,8 @@ class StepContext:
             logits_all=len(logits_index) == acc,
         )
         ctx_obj.prefill_seqs = [i for i, n in enumerate(num_new) if n != 1]
+        ctx_obj.decode_seqs = dec
+        ctx_obj.positions_host = positions
         if dec:
             ctx_obj.decode_ctx = int(dec_ctx.max())
             ctx_obj.decode_full = bool(dec_ctx.min() == ctx_obj.decode_ctx)

@@ -233,8 +233,7 @@ class LLMEngine(RequestAdmission, StepOutputs, PromptScoring):
         recorded = np.asarray([s.seq.num_recorded for s in scheduled], dtype=np.int64)
         keep = None
         if (recorded > np.asarray([s.seq.num_computed for s in scheduled])).any():
-            positions = step.positions.cpu().numpy() if step.positions.is_cuda else step.positions.numpy()
-            keep = positions >= recorded[step.token_seq]
+            keep = step.positions_host >= recorded[step.token_seq]
         self.step_recorder.begin(step.token_seq, step.token_prefill, keep)
 
     def _end_recording(self, step: StepContext) -> None:
@@ -246,7 +245,7 @@ class LLMEngine(RequestAdmission, StepOutputs, PromptScoring):
             self.step_recorder.end(None, None)
             return
         bs = step.block_size
-        positions = np.concatenate([np.arange(p - n, p) for p, n in zip(step.ctx_lens, step.num_new)])
+        positions = step.positions_host
         blocks = step.tables_host[group][step.token_seq, positions // bs]
         self.step_recorder.end(blocks, positions % bs == 0)
 

@@ -28,10 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moe_runtime.engine.block_pool import NULL_BLOCK, ROOT_HASH, BlockPool, hash_block
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from moe_runtime.layers.kv_cache import cdiv
 
 
 @dataclass(frozen=True, slots=True)

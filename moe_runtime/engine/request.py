@@ -191,9 +191,6 @@ class Sequence:
     def is_prefill(self) -> bool:
         return self.num_computed < len(self.prompt_token_ids)
 
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
 
 @dataclass(slots=True)
 class RequestOutput:

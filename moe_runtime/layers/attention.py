@@ -59,6 +59,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from moe_runtime.layers.kv_cache import cdiv
+
 # SDPA backends allowed on CUDA: none of them re-plans when the KV length changes
 CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # head dims added for attention sinks where SDPA's log-sum-exp is not available (CUDA): one
@@ -164,31 +166,25 @@ def _gather_kv(kc, vc, slots, rows, length) -> tuple[torch.Tensor, torch.Tensor]
     return keys, keys if vc is kc else gather(vc, slots, rows, length)
 
 
-def _blocks(positions: int, block_size: int) -> int:
-    return -(-positions // block_size)
-
-
 def _decode_slots(step, group: int) -> torch.Tensor:
     """The decoding sequences' slots over their longest context ``[B_d * decode_ctx]``."""
     table = step.tables[group]
     if step.decode_seq_t is not None:
         table = table.index_select(0, step.decode_seq_t)
-    return token_slots(
-        table[:, : _blocks(step.decode_ctx, step.block_size)], step.block_size, step.decode_ctx
-    )
+    return token_slots(table[:, : cdiv(step.decode_ctx, step.block_size)], step.block_size, step.decode_ctx)
 
 
 def _prefill_slots(step, group: int) -> torch.Tensor:
     """The padded prefill chunks' slots over their longest context ``[P * prefill_ctx]``."""
     ctx = step.prefill_mask.shape[-1]
     table = step.tables[group].index_select(0, step.prefill_seq_t)
-    return token_slots(table[:, : _blocks(ctx, step.block_size)], step.block_size, ctx)
+    return token_slots(table[:, : cdiv(ctx, step.block_size)], step.block_size, ctx)
 
 
 def _chunk_slots(step, group: int, i: int) -> torch.Tensor:
     """Sequence ``i``'s slots over its context ``[ctx_i]``."""
     ctx = step.ctx_lens[i]
-    return token_slots(step.tables[group][i : i + 1, : _blocks(ctx, step.block_size)], step.block_size, ctx)
+    return token_slots(step.tables[group][i : i + 1, : cdiv(ctx, step.block_size)], step.block_size, ctx)
 
 
 def _causal(n: int, ctx: int, device: torch.device) -> torch.Tensor:
@@ -342,7 +338,7 @@ class WindowGroup:
 def _window_plan(step, group: int, window: int, device: torch.device) -> list[WindowGroup]:
     """The step's groups over one sliding block group: decodes in one group, prefill chunks in
     one padded group where the step pads them (``step.prefill_mask``), else one group each."""
-    dec = [i for i in range(step.num_seqs) if i not in step.prefill_seqs]
+    dec = step.decode_seqs
     sets = [dec] if dec else []
     sets += [step.prefill_seqs] if step.prefill_mask is not None else [[i] for i in step.prefill_seqs]
     return [_window_group(step, group, seqs, window, device) for seqs in sets]

@@ -172,7 +172,6 @@ class PagedKVCache(PagedCache):
         self.kv_flat = [x.unsqueeze(2) for x in flat]
         self.k_flat = [x[:, :kv_heads] for x in flat]
         self.v_flat = [x[:, kv_heads:] for x in flat]
-        self.kv_heads = kv_heads
         self.flex = None  # CUDA decodes in place (moe_runtime.layers.paged_decode), set by the engine
         self.layout = layout
         self.num_blocks = num_blocks

@@ -143,7 +143,7 @@ class FlexPagedDecode:
         """Refresh ``group``'s buffers for the step's decoding sequences (one copy); returns how
         many there are. Called once per step and group (``step.cached``)."""
         bs, n = self.block_size, self.num_blocks
-        seqs = [i for i in range(step.num_seqs) if step.num_new[i] == 1]
+        seqs = step.decode_seqs
         b = len(seqs)
         ctx = np.asarray([step.ctx_lens[i] for i in seqs], dtype=np.int64)
         lo = np.maximum(ctx - window, 0) if window is not None else np.zeros(b, dtype=np.int64)
