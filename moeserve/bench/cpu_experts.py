@@ -269,18 +269,18 @@ def render(data: dict[str, Any]) -> None:
 
 def markdown(data: dict[str, Any]) -> str:
     """The results as a Markdown table with the settings line (for a generated docs block)."""
+    from moeserve.bench.render import md_table
+
     s = data["settings"]
-    lines = [
-        f"One expert at a time over {s['threads']} pool thread(s); the roof is the same threads' "
-        "read rate measured just before each round.\n",
-        "| shape | format | kernel | tokens | ms [min-max] | GB/s | roof GB/s | roof % | GFLOP/s |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in data["results"]:
-        lines.append(
-            f"| {r['shape']} | {r['format']} | {r['kernel']} | {r['tokens']} | "
-            f"{r['ms']:.3f} [{r['ms_min']:.3f}-{r['ms_max']:.3f}] | {r['gbps']:.1f} | {r['roof_gbps']:.1f} | "
-            f"{r['roof_pct']:.0f} | {r['gflops']:.1f} |"
-        )
+    header = ["shape", "format", "kernel", "tokens", "ms [min-max]", "GB/s", "roof GB/s", "roof %", "GFLOP/s"]
+    rows = [
+        [r["shape"], r["format"], r["kernel"], str(r["tokens"]),
+         f"{r['ms']:.3f} [{r['ms_min']:.3f}-{r['ms_max']:.3f}]", f"{r['gbps']:.1f}",
+         f"{r['roof_gbps']:.1f}", f"{r['roof_pct']:.0f}", f"{r['gflops']:.1f}"]
+        for r in data["results"]
+    ]  # fmt: skip
     settings = ", ".join(f"`{k}={v}`" for k, v in s.items() if k != "roof")
-    return "\n".join(lines) + f"\n\nSettings: {settings}\n"
+    return (
+        f"One expert at a time over {s['threads']} pool thread(s); the roof is the same threads' read rate "
+        f"measured just before each round.\n\n{md_table(header, rows)}\nSettings: {settings}\n"
+    )

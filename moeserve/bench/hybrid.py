@@ -208,21 +208,19 @@ def _print(data: dict) -> None:
 
 def markdown(data: dict[str, Any]) -> str:
     """The modes as a Markdown table with the settings line (for a generated docs block)."""
-    s = data["settings"]
+    from moeserve.bench.render import md_table
+
     first = data["results"][0]["tpot_ms"]
-    lines = [
-        "| mode | TPOT ms [min-max] | vs first | hit rate | CPU experts/step | MiB moved/token "
-        "| cost model error (layer runs) |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    rows = []
     for r in data["results"]:
         err = r["prediction_error_median"]
-        lines.append(
-            f"| {r['mode']} | {r['tpot_ms']:.2f} [{r['tpot_ms_min']:.2f}-{r['tpot_ms_max']:.2f}] | "
-            f"{r['tpot_ms'] / first:.2f} | {r['hit_rate']:.3f} | {r['cpu_experts_per_step']:.2f} | "
-            f"{r['moved_mib_per_token']:.2f} | "
-            + ("" if err is None else f"{100 * err:.1f}% ({r['prediction_layer_runs']})")
-            + " |"
-        )
-    settings = ", ".join(f"`{k}={v}`" for k, v in s.items() if k != "summaries")
-    return "\n".join(lines) + f"\n\nSettings: {settings}\n"
+        rows.append([
+            r["mode"], f"{r['tpot_ms']:.2f} [{r['tpot_ms_min']:.2f}-{r['tpot_ms_max']:.2f}]",
+            f"{r['tpot_ms'] / first:.2f}", f"{r['hit_rate']:.3f}", f"{r['cpu_experts_per_step']:.2f}",
+            f"{r['moved_mib_per_token']:.2f}",
+            "" if err is None else f"{100 * err:.1f}% ({r['prediction_layer_runs']})",
+        ])  # fmt: skip
+    header = ["mode", "TPOT ms [min-max]", "vs first", "hit rate", "CPU experts/step", "MiB moved/token",
+              "cost model error (layer runs)"]  # fmt: skip
+    settings = ", ".join(f"`{k}={v}`" for k, v in data["settings"].items() if k != "summaries")
+    return md_table(header, rows) + f"\nSettings: {settings}\n"

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +37,7 @@ from moe_runtime.engine.kv_manager import KVCacheManager
 from moe_runtime.engine.request import SamplingParams, Sequence
 from moe_runtime.engine.scheduler import Scheduler
 from moe_runtime.layers.kv_cache import cdiv
+from moeserve.bench.kv_prefix import _spread
 
 DEFAULT_TRACE = Path("../shared/data/arrival_traces/azure_llm_2023/AzureLLMInferenceTrace_conv.csv")
 
@@ -163,10 +163,6 @@ def replay(lengths: np.ndarray, layout: str, s: Settings, seed: int) -> dict:
         "ttft_p90_s": float(np.percentile(ttft, 90)),
         "makespan_s": t,
     }
-
-
-def _spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def run(lengths: np.ndarray, s: Settings, seeds: list[int]) -> dict:
@@ -304,6 +300,8 @@ def markdown(data: dict | list[dict]) -> str:
     Raises:
         ValueError: no document holds a replay or a prefix chat.
     """
+    from moeserve.bench.render import md_table
+
     docs = data if isinstance(data, list) else [data]
     replays = [d for d in docs if "paged" in d]
     chats = [d for d in docs if "first_ttft_ms" in d] + [
@@ -313,12 +311,9 @@ def markdown(data: dict | list[dict]) -> str:
         raise ValueError("no bench kv result in the data")
     out = []
     if replays:
-        out += [
-            "| arrivals | requests | layout | running requests | max | preemptions | TTFT p50 s "
-            "| TTFT p90 s |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        ratios = []
+        header = ["arrivals", "requests", "layout", "running requests", "max", "preemptions",
+                  "TTFT p50 s", "TTFT p90 s"]  # fmt: skip
+        rows, ratios = [], []
         for d in replays:
             s = d["settings"]
             for layout, size in (
@@ -326,16 +321,16 @@ def markdown(data: dict | list[dict]) -> str:
                 ("paged", f"{d['paged']['blocks']:,} blocks of {s['block_size']}"),
             ):
                 r = d[layout]
-                out.append(
-                    f"| {s['rate']:g}/s | {s['requests']:,} sampled | {layout} ({size}) "
-                    f"| {_fmt(r['concurrency'])} "
-                    f"| {r['max_concurrency']['median']:.0f} | {_fmt(r['preemptions'], '.0f')} "
-                    f"| {_fmt(r['ttft_p50_s'], '.2f')} | {_fmt(r['ttft_p90_s'], '.2f')} |"
-                )
+                rows.append([
+                    f"{s['rate']:g}/s", f"{s['requests']:,} sampled", f"{layout} ({size})",
+                    _fmt(r["concurrency"]), f"{r['max_concurrency']['median']:.0f}",
+                    _fmt(r["preemptions"], ".0f"), _fmt(r["ttft_p50_s"], ".2f"), _fmt(r["ttft_p90_s"], ".2f"),
+                ])  # fmt: skip
             c = d["concurrency_ratio"]
             ratios.append(f"{c['median']:.1f}x ({c['min']:.1f}-{c['max']:.1f}) at {s['rate']:g}/s")
         s = replays[0]["settings"]
         out += [
+            md_table(header, rows).rstrip("\n"),
             "",
             f"Paged / static running requests: {', '.join(ratios)}. Modelled step: {s['step_ms']:g} ms + "
             f"{s['token_us']:g} us per computed token; {len(s['seeds'])} seeds; up to "

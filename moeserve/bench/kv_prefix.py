@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from moe_runtime.paths import shown_path
+from moeserve.bench.policy_summary import spread
 
 #: the vocabulary of the shared system prompt (one string: a word list, split when used)
 TEXT = (
@@ -149,7 +150,8 @@ def run_prefix_chat(
 
 
 def _spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    """``{median, min, max}`` of ``values`` (:func:`moeserve.bench.policy_summary.spread`)."""
+    return dict(zip(("median", "min", "max"), spread(values)))
 
 
 def render(result: dict) -> str:

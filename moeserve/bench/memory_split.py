@@ -112,12 +112,8 @@ def run(args: argparse.Namespace) -> int:
         "warmup": "1 round of every row",
         "load_avg_1min": round(os.getloadavg()[0], 2),
     }
-    if args.json:
-        print(json.dumps({"settings": settings, "rows": results}, indent=1))
-        return 0
-    for line in summarise(results):
-        print(line)
-    print("\nSettings: " + ", ".join(f"`{k}={v}`" for k, v in settings.items()))
+    data = {"settings": settings, "rows": results}
+    print(json.dumps(data, indent=1) if args.json else markdown(data))
     return 0
 
 
@@ -141,25 +137,27 @@ def run_one(loaded, rt: RuntimeConfig, warm, evals, args) -> dict:
         }
 
 
-def summarise(results: dict[str, list[dict]]) -> list[str]:
+def summarise(results: dict[str, list[dict]]) -> str:
+    """A Markdown row per split: slots, KV blocks, and TPOT, decode tokens/s and hit rate as median
+    [min-max] over the rounds."""
+
     def spread(rs: list[dict], key: str) -> str:
         v = [r[key] for r in rs]
         return f"{statistics.median(v):.2f} [{min(v):.2f}-{max(v):.2f}]"
 
-    lines = [
-        "| split | slots | KV blocks | TPOT ms | decode tok/s | hit rate | preemptions |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for label, rs in results.items():
-        lines.append(
-            f"| {label} | {rs[0]['slots']} | {rs[0]['kv_blocks']} | {spread(rs, 'tpot_ms')} | "
-            f"{spread(rs, 'tok_s')} | {spread(rs, 'hit_rate')} | {max(r['preemptions'] for r in rs)} |"
-        )
-    return lines
+    from moeserve.bench.render import md_table
+
+    header = ["split", "slots", "KV blocks", "TPOT ms", "decode tok/s", "hit rate", "preemptions"]
+    rows = [
+        [label, str(rs[0]["slots"]), str(rs[0]["kv_blocks"]), spread(rs, "tpot_ms"), spread(rs, "tok_s"),
+         spread(rs, "hit_rate"), str(max(r["preemptions"] for r in rs))]
+        for label, rs in results.items()
+    ]  # fmt: skip
+    return md_table(header, rows)
 
 
 def markdown(data: dict) -> str:
     """Markdown of ``bench memory-split --json`` (a generated docs block): a row per split, TPOT,
     decode tokens/s and hit rate as median [min-max] over the rounds, and the settings line."""
     settings = ", ".join(f"`{k}={v}`" for k, v in data["settings"].items())
-    return "\n".join(summarise(data["rows"])) + f"\n\nSettings: {settings}\n"
+    return summarise(data["rows"]) + f"\nSettings: {settings}\n"

@@ -132,11 +132,6 @@ def _row(link: float | None, batch: int, fraction: float, data: dict) -> tuple[l
     ], v
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-
-
 def _settings(points: list[dict]) -> tuple[str, str]:
     """Per point, in one sentence: the tasks and prompts per batch size (a larger batch takes tasks
     with more prompts, and more of them), the 1-minute load averages and the wall time; and the
@@ -171,6 +166,8 @@ def render_grid(data: dict) -> str:
     (eam and on-demand+LRU TPOT and their paired ratio, median [min, max] over rounds; the share of
     decode steps the eam trial prefetched, per arm where recorded; the verdict), the settings per
     point and those every point shares. Raises ValueError for a grid without points."""
+    from moeserve.bench.render import md_table
+
     points = data.get("points") or []
     if not points:
         raise ValueError("no point in the grid")
@@ -193,7 +190,7 @@ def render_grid(data: dict) -> str:
     return (
         f"**{count}** ({len(rows)} rows). Verdict on the paired ratio eam / on-demand+LRU: met when the "
         f"slowest round is at most {TPOT_RATIO_TARGET}, within noise when only the median is, not met "
-        f"when the median is above it.\n\n{_table(header, rows)}\n\n"
+        f"when the median is above it.\n\n{md_table(header, rows).rstrip()}\n\n"
         f"Per point ({wall / 60:.1f} minutes of measurement in all{fill}): {settings}. "
         f"Shared by every point: {shared}.\n"
     )

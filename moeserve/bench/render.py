@@ -32,7 +32,8 @@ def _spread(lo: float | None, hi: float | None) -> str:
     return f"{lo:.2f}-{hi:.2f}" if lo is not None and hi is not None else ""
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
+def md_table(header: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table of ``header`` and ``rows`` (cells as text), ending with a newline."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
 
@@ -69,7 +70,7 @@ def render_decode(data: dict) -> str:
             [r.get("expert_dtype", "auto"), f"{r.get('expert_bytes', 0) / 1024:.1f}", *row]
             for r, row in zip(data["results"], rows)
         ]
-    out = _table(decode_header, rows)
+    out = md_table(decode_header, rows)
     if data.get("prefill"):
         prefill_header = ["buffer", "slots", "prompt tokens", "prefill ms", "spread ms",
                           "prompt tokens/s", "HBM bound ms", "link bound ms", "transformers prefill ms",
@@ -89,7 +90,8 @@ def render_decode(data: dict) -> str:
             ]
             for r in data["prefill"]
         ]
-        out += "\nPrefill (one prompt, batch 1, admission to first token):\n\n" + _table(prefill_header, rows)
+        prefill = md_table(prefill_header, rows)
+        out += "\nPrefill (one prompt, batch 1, admission to first token):\n\n" + prefill
     return out + "\n" + _settings(data["settings"]) + "\n"
 
 
@@ -182,7 +184,7 @@ def render_policies(data: dict) -> str:
     if data.get("verdicts"):
         header, vrows = verdict_rows(data["verdicts"])
         out.append("**`eam` against `on-demand+lru`** (a verdict only where the spreads do not overlap)\n")
-        out.append(_table(header, vrows))
+        out.append(md_table(header, vrows))
     return "\n".join(out) + "\n" + _settings(data["settings"]) + "\n"
 
 
@@ -239,7 +241,7 @@ def render_replay(summary: dict) -> str:
         + [_f(summary[key][q]) for q in ("mean_ms", "p50_ms", "p90_ms", "p99_ms")]
         for name, key in (("TTFT", "ttft"), ("TPOT", "tpot"), ("ITL", "itl"), ("e2e", "e2e"))
     ]
-    out = _table(["latency", "n", "mean ms", "p50 ms", "p90 ms", "p99 ms"], rows)
+    out = md_table(["latency", "n", "mean ms", "p50 ms", "p90 ms", "p99 ms"], rows)
     server = summary.get("server") or {}
     moved = server.get("transfer_bytes") or {}
     slo = summary.get("slo_tpot_ms")
@@ -256,7 +258,7 @@ def render_replay(summary: dict) -> str:
     header = ["requests ok / failed", "offered req/s", "done req/s", "output tokens/s",
               f"goodput req/s (TPOT <= {slo:g} ms)" if slo else "goodput req/s", "buffer hit rate",
               "blocking s", "MB moved (demand / prefetch)"]  # fmt: skip
-    out += "\n" + _table(header, [run])
+    out += "\n" + md_table(header, [run])
     return out + "\n" + _settings_of(summary["settings"], CLIENT_SETTINGS) + "\n"
 
 
@@ -280,7 +282,7 @@ def render_sweep(data: dict) -> str:
         ]
         for r in data["rows"]
     ]
-    return _table(header, rows) + "\n" + _settings_of(data["settings"], CLIENT_SETTINGS) + "\n"
+    return md_table(header, rows) + "\n" + _settings_of(data["settings"], CLIENT_SETTINGS) + "\n"
 
 
 def render_overhead(data: dict) -> str:
@@ -307,7 +309,7 @@ def render_overhead(data: dict) -> str:
         )
     keys = ("model_profile", "hardware", "policies", "router_lookahead", "eamc_term", "buffer", "tokens",
             "warm_requests", "repeats", "seed")  # fmt: skip
-    return _table(header, rows) + "\n" + _settings_of(data["settings"], keys) + "\n"
+    return md_table(header, rows) + "\n" + _settings_of(data["settings"], keys) + "\n"
 
 
 def render_eamc(data: dict | list[dict]) -> str:
@@ -331,4 +333,4 @@ def render_eamc(data: dict | list[dict]) -> str:
                 _f(r.get("paper_us_per_query"), "{:g}"),
             ]
         )
-    return _table(header, rows)
+    return md_table(header, rows)
