@@ -178,7 +178,7 @@ class LLMEngine(RequestAdmission, StepOutputs, PromptScoring):
             past.append(c)
             tables.append(self.kv_manager.tables(seq))
             prompt_lens.append(len(seq.prompt_token_ids))
-            ids.extend(_tokens(seq, c, s.num_new))
+            ids.extend(seq.tokens(c, s.num_new))
         step = StepContext.build(
             [s.seq.request_id for s in scheduled],
             tables,
@@ -337,14 +337,3 @@ def _default_recorder(cfg, runtime: RuntimeConfig, eamc: Any | None) -> Any:
     if eamc is None:
         eamc = EAMC(cfg.num_moe_layers, cfg.num_experts, capacity=runtime.eamc_capacity)
     return RequestRecorder(cfg.num_moe_layers, cfg.num_experts, cfg.top_k, eamc=eamc)
-
-
-def _tokens(seq: Sequence, start: int, n: int) -> list[int]:
-    """Tokens ``start .. start + n - 1`` of ``seq`` (prompt then output), without joining the lists."""
-    prompt = seq.prompt_token_ids
-    if start + n <= len(prompt):
-        return prompt[start : start + n]
-    if start >= len(prompt):
-        out = seq.output_token_ids
-        return out[start - len(prompt) : start - len(prompt) + n]
-    return prompt[start:] + seq.output_token_ids[: start + n - len(prompt)]

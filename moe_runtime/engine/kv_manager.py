@@ -98,12 +98,9 @@ class KVCacheManager:
         bs = self.block_size
         n_full = seq.num_tokens // bs
         if len(hashes) < n_full:
-            tokens = seq.prompt_token_ids
-            if n_full * bs > len(tokens):
-                tokens = tokens + seq.output_token_ids
             parent = hashes[-1] if hashes else ROOT_HASH
             for j in range(len(hashes), n_full):
-                parent = hash_block(parent, tokens[j * bs : (j + 1) * bs])
+                parent = hash_block(parent, seq.tokens(j * bs, bs))
                 hashes.append(parent)
         return hashes
 

@@ -191,6 +191,16 @@ class Sequence:
     def is_prefill(self) -> bool:
         return self.num_computed < len(self.prompt_token_ids)
 
+    def tokens(self, start: int, n: int) -> list[int]:
+        """Tokens ``start .. start + n - 1`` (prompt then output), without joining the two lists."""
+        prompt = self.prompt_token_ids
+        if start + n <= len(prompt):
+            return prompt[start : start + n]
+        if start >= len(prompt):
+            out = self.output_token_ids
+            return out[start - len(prompt) : start - len(prompt) + n]
+        return prompt[start:] + self.output_token_ids[: start + n - len(prompt)]
+
 
 @dataclass(slots=True)
 class RequestOutput:
