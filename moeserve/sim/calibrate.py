@@ -209,12 +209,7 @@ def _row(r: dict[str, Any], s: dict[str, float], mode: str, rep: int, spread: st
     block = r["blocking_ms_per_token"]
     err = s["blocking_ms_per_token"] / block - 1 if block else None
     return {
-        "repeat": rep,
-        "buffer_fraction": r["buffer_fraction"],
-        "policy": r["policy"],
-        "costs": mode,
-        "hit_runtime": round(r["hit_rate"], 4),
-        "hit_sim": round(s["hit_rate"], 4),
+        **calibrate_hybrid.base_row(r, s, mode, rep),
         "hit_diff_points": round(100 * (s["hit_rate"] - r["hit_rate"]), 2),
         "block_ms_tok_runtime": round(block, 3),
         "block_ms_tok_runtime_spread": spread,

@@ -79,8 +79,9 @@ def run_runtime(
     return out
 
 
-def _row(r: dict[str, Any], s: dict[str, float], mode: str, rep: int) -> dict[str, Any]:
-    err = s["tpot_ms"] / r["tpot_ms"] - 1 if r["tpot_ms"] else None
+def base_row(r: dict[str, Any], s: dict[str, float], mode: str, rep: int) -> dict[str, Any]:
+    """The fields every calibration row starts with: which run (``r`` the runtime's row, ``s`` the
+    simulator's figures, ``mode`` the cost set, ``rep`` the repeat) and both hit rates."""
     return {
         "repeat": rep,
         "buffer_fraction": r["buffer_fraction"],
@@ -88,6 +89,13 @@ def _row(r: dict[str, Any], s: dict[str, float], mode: str, rep: int) -> dict[st
         "costs": mode,
         "hit_runtime": round(r["hit_rate"], 4),
         "hit_sim": round(s["hit_rate"], 4),
+    }
+
+
+def _row(r: dict[str, Any], s: dict[str, float], mode: str, rep: int) -> dict[str, Any]:
+    err = s["tpot_ms"] / r["tpot_ms"] - 1 if r["tpot_ms"] else None
+    return {
+        **base_row(r, s, mode, rep),
         "tpot_ms_runtime": round(r["tpot_ms"], 3),
         "tpot_ms_sim": round(s["tpot_ms"], 3),
         "tpot_rel_err": None if err is None else round(err, 3),
