@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 
 from moe_runtime.hybrid.cpu_kernels import (
-    LONG_ROWS,
     CastLinear,
     Dequant,
     Int8Gemv,
@@ -100,17 +99,34 @@ def test_int8_kernels_are_close_to_the_dequantized_expert(rows):
         torch.testing.assert_close(pack, want, rtol=0.05, atol=0.02)
 
 
-@pytest.mark.parametrize("k_in", [33, LONG_ROWS + 3], ids=["short-rows", "long-rows"])
-def test_int8_rows_handles_row_and_token_remainders(k_in):
+@pytest.mark.parametrize(
+    ("n_out", "k_in"), [(7, 33), (3, 4099), (19, 64)], ids=["tail", "tail-only", "streams"]
+)
+def test_int8_rows_handles_row_and_token_remainders(n_out, k_in):
     gen = np.random.default_rng(0)
-    q = gen.integers(-127, 128, size=(7, k_in)).astype(np.int8)
-    s = gen.random((7, 1)).astype(np.float32)
+    q = gen.integers(-127, 128, size=(n_out, k_in)).astype(np.int8)
+    s = gen.random((n_out, 1)).astype(np.float32)
     x = gen.standard_normal((3, k_in)).astype(np.float32)
-    out = np.zeros((3, 10), dtype=np.float32)
+    out = np.zeros((3, n_out + 3), dtype=np.float32)
     int8_rows(q, s, x, out, 2)
     want = (x.astype(np.float64) @ q.astype(np.float64).T) * s[:, 0]
-    np.testing.assert_allclose(out[:, 2:9], want, rtol=1e-4, atol=1e-3)
-    assert not out[:, :2].any() and not out[:, 9:].any()
+    np.testing.assert_allclose(out[:, 2 : 2 + n_out], want, rtol=1e-4, atol=1e-3)
+    assert not out[:, :2].any() and not out[:, 2 + n_out :].any()
+
+
+def test_int8_rows_gives_a_row_the_same_bits_in_any_stream_and_range():
+    """A row's sum is the same loop wherever it sits (one of four streams, or the tail), so a
+    range of rows gives the whole product's bits: the pool can split an int8 expert."""
+    gen = np.random.default_rng(1)
+    q = gen.integers(-127, 128, size=(70, 300)).astype(np.int8)
+    s = gen.random((70, 1)).astype(np.float32)
+    x = gen.standard_normal((2, 300)).astype(np.float32)
+    whole = np.zeros((2, 70), dtype=np.float32)
+    int8_rows(q, s, x, whole, 0)
+    for a, b in [(0, 16), (16, 48), (48, 70), (5, 9), (3, 70), (60, 67)]:
+        part = np.zeros((2, b - a), dtype=np.float32)
+        int8_rows(q[a:b], s[a:b], x, part, 0)
+        assert np.array_equal(part, whole[:, a:b]), (a, b)
 
 
 def test_eligible_kernels_by_format():

@@ -194,3 +194,27 @@ def test_engine_with_split_experts_keeps_device_bits(monkeypatch):
         gu, down = engine.hybrid.executor.plans(engine.hybrid.executor.choice.kernels[0])
         assert len(gu) > 1 and len(down) > 1
     assert seen and set(seen) == {1}
+
+
+def test_an_unsplit_int8_expert_runs_as_one_fused_call():
+    """With one pool thread an int8 expert is one unit: ``Int8Gemv.swiglu`` (gate, up, SiLU and
+    down in one compiled call), within fp32 rounding of the kernel's three pieces; an expert with
+    its own activation or biases (gpt-oss) keeps the pieces and the device path's activation."""
+    store = make_store(torch.float32, Int8ChannelCodec())
+    k = next(k for k in eligible_kernels(store) if k.name == "int8-gemv")
+    ex = CPUExpertExecutor(store, None, 1)
+    calls = []
+    swiglu = k.swiglu
+    k.swiglu = lambda key, x: calls.append(key) or swiglu(key, x)
+    try:
+        for rows in (1, 3):
+            x = torch.randn(rows, H)
+            got = ex.run_one(k, 2, x)
+            want = k.down(2, _swiglu(k.gate_up(2, x)))
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert calls == [2, 2]
+        plans = ex.plans(k)
+        assert executor_mod._Expert(2, k, plans, np.arange(1), _swiglu, None, True).fused
+        assert not executor_mod._Expert(2, k, plans, np.arange(1), _swiglu, None, False).fused
+    finally:
+        ex.close()

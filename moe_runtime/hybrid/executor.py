@@ -174,12 +174,15 @@ class CPUExpertExecutor:
                 got = self._host_bias[id(t)] = t.to("cpu")
         return got
 
-    def expert(self, key: int, rows: np.ndarray, hidden: Any, down_bias: torch.Tensor | None) -> _Expert:
+    def expert(
+        self, key: int, rows: np.ndarray, hidden: Any, down_bias: torch.Tensor | None, plain: bool = False
+    ) -> _Expert:
         """One expert of a :class:`Batch`: flat ``key``, its token ``rows`` of the batch's host
         tensor, ``hidden`` (``[n, 2I] -> [n, I]``: the device path's activation and gate/up bias),
-        its down bias; the kernel the choice names for its row count."""
+        its down bias; ``plain``: ``hidden`` is the plain SwiGLU with no biases (a fused kernel may
+        run the whole expert in one call); the kernel the choice names for its row count."""
         kernel = self.choice.for_rows(len(rows))
-        return _Expert(key, kernel, self.plans(kernel), rows, hidden, down_bias)
+        return _Expert(key, kernel, self.plans(kernel), rows, hidden, down_bias, plain)
 
     def submit(self, experts: list[_Expert], host: torch.Tensor, ready: Any = None) -> Batch:
         """Start ``experts`` over ``host`` (their token rows; ``ready``: a CUDA event the workers
@@ -189,7 +192,7 @@ class CPUExpertExecutor:
     def run_one(self, kernel: Kernel, key: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``key`` over ``x [n, H]`` with ``kernel`` on the whole pool (SwiGLU, no biases):
         the load-time measurement of the kernels (``choose_kernels(run=...)``)."""
-        e = _Expert(key, kernel, self.plans(kernel), np.arange(x.shape[0]), _swiglu, None)
+        e = _Expert(key, kernel, self.plans(kernel), np.arange(x.shape[0]), _swiglu, None, True)
         e.xs = x
         return self.submit([e], x).wait()[0][0]
 
@@ -205,11 +208,13 @@ class _Expert:
     """One expert's share of a :class:`Batch`: its ranges, their outputs and its two barriers."""
 
     __slots__ = ("key", "kernel", "gu_plan", "down_plan", "rows", "hidden", "down_bias", "xs", "gu",
-                 "down", "gu_left", "down_left", "h", "released", "y")  # fmt: skip
+                 "down", "gu_left", "down_left", "h", "released", "y", "fused")  # fmt: skip
 
-    def __init__(self, key, kernel, plans, rows, hidden, down_bias) -> None:
+    def __init__(self, key, kernel, plans, rows, hidden, down_bias, plain=False) -> None:
         self.key, self.kernel, self.rows, self.hidden, self.down_bias = key, kernel, rows, hidden, down_bias
         self.gu_plan, self.down_plan = plans
+        # one unit: the kernel's whole expert (unsplit, the plain SwiGLU, a fused kernel)
+        self.fused = plain and kernel.fused and len(self.gu_plan) == 1 and len(self.down_plan) == 1
         self.gu: list[Any] = [None] * len(self.gu_plan)
         self.down: list[Any] = [None] * len(self.down_plan)
         self.gu_left, self.down_left = len(self.gu_plan), len(self.down_plan)
@@ -228,8 +233,10 @@ class Batch:
     ) -> None:
         self.executor, self.experts, self.host, self.ready = executor, experts, host, ready
         self.pinned = ready is not None  # a CUDA run: outputs go back from pinned memory
-        gu = [(0, i, j) for i, e in enumerate(experts) for j in range(len(e.gu_plan))]
-        down = [(1, i, j) for i, e in enumerate(experts) for j in range(len(e.down_plan))]
+        fused = [(2, i, 0) for i, e in enumerate(experts) if e.fused]
+        gu = [(0, i, j) for i, e in enumerate(experts) if not e.fused for j in range(len(e.gu_plan))]
+        down = [(1, i, j) for i, e in enumerate(experts) if not e.fused for j in range(len(e.down_plan))]
+        gu = fused + gu
         self._units = iter(gu + down)  # one shared iterator: next() hands each unit out once
         self.lock = threading.Lock()
         self.spans: list[tuple[float, float]] = []  # per worker: first unit's start, last one's end
@@ -268,6 +275,8 @@ class Batch:
                     e = self.experts[i]
                     if phase == 0:
                         self._gate_up(e, j)
+                    elif phase == 2:
+                        self._finish(e, e.kernel.swiglu(e.key, e.xs if e.xs is not None else self._rows(e)))
                     elif not self._down(e, j):
                         return
                     spent[i] += time.perf_counter() - u0
@@ -315,13 +324,16 @@ class Batch:
         if last:
             y = e.down[0] if len(e.down) == 1 else torch.cat(e.down, dim=1)
             e.down, e.h = [], None
-            y = _biased(y, e.down_bias)
-            if self.pinned:
-                pinned = torch.empty(y.shape, dtype=y.dtype, pin_memory=True)
-                pinned.copy_(y)
-                y = pinned
-            e.y = y
+            self._finish(e, _biased(y, e.down_bias))
         return True
+
+    def _finish(self, e: _Expert, y: torch.Tensor) -> None:
+        """The expert's output ``[n, H]``: kept, in pinned memory for a CUDA run."""
+        if self.pinned:
+            pinned = torch.empty(y.shape, dtype=y.dtype, pin_memory=True)
+            pinned.copy_(y)
+            y = pinned
+        e.y = y
 
     def wait(self) -> list[tuple[torch.Tensor, float]]:
         """Wait for every worker; per expert ``(output [n, H], seconds)``: the batch's time from
@@ -401,6 +413,7 @@ class CPUExperts:
         gu_table = down_table = None
         if ffn is not None:
             gu_table, down_table = ex.host_bias(ffn.gate_up_bias), ex.host_bias(ffn.down_bias)
+        plain = ffn is None or (ffn.act is None and gu_table is None and down_table is None)
         jobs = []
         for e, tok, col, pos in mine:
             self.places.append((e, tok * k + col, pos))
@@ -411,6 +424,7 @@ class CPUExperts:
                     local[e],
                     lambda gu, b=gu_bias: _hidden(gu, ffn, b),
                     None if down_table is None else down_table[e],
+                    plain,
                 )
             )
         self.batch = ex.submit(jobs, host, ready)
