@@ -7,6 +7,8 @@ experts split over three threads; the pool is one lane of the placement."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -217,4 +219,35 @@ def test_an_unsplit_int8_expert_runs_as_one_fused_call():
         assert executor_mod._Expert(2, k, plans, np.arange(1), _swiglu, None, True).fused
         assert not executor_mod._Expert(2, k, plans, np.arange(1), _swiglu, None, False).fused
     finally:
+        ex.close()
+
+
+def test_the_waiting_thread_takes_the_units_no_worker_took():
+    """While every pool thread is busy elsewhere, ``wait`` computes the batch on the calling thread
+    (the same bits as the pool's) instead of waiting for a worker; a unit's error is raised in
+    ``wait``; without help the batch waits for the pool."""
+    store = make_store()
+    ex = CPUExpertExecutor(store, choose_kernels(store, (1,), repeats=1), 2, min_unit_bytes=1)
+    gate = threading.Event()
+    try:
+        x = torch.randn(3, H)
+        want = [ex.run_one(ex.choice.kernels[0], e, x) for e in (1, 4)]
+        busy = [ex.pool.submit(gate.wait) for _ in range(2)]  # both pool threads held
+        jobs = [ex.expert(e, np.arange(3), _swiglu, None) for e in (1, 4)]
+        batch = ex.submit(jobs, x)
+        got = batch.wait(help=True)
+        assert not any(f.done() for f in busy)  # the pool did none of it
+        assert all(torch.equal(y, w) for (y, _), w in zip(got, want)) and all(s > 0 for _, s in got)
+
+        bad = ex.expert(2, np.arange(3), lambda gu: 1 / 0, None)
+        with pytest.raises(ZeroDivisionError):
+            ex.submit([bad], x).wait(help=True)
+
+        late = ex.submit([ex.expert(1, np.arange(3), _swiglu, None)], x)
+        assert not late.done.wait(0.05)  # nobody works on it while the pool is held
+        gate.set()
+        ((y, _),) = late.wait(help=False)
+        assert torch.equal(y, want[0])
+    finally:
+        gate.set()
         ex.close()

@@ -18,6 +18,11 @@ waits for it, which a running worker is completing (no deadlock however many wor
 worker that completes an expert's last down unit joins its output. Workers take units from one
 shared iterator, so a fast worker takes more (KTransformers' dynamic split of a layer's work). The
 caller submits one worker, which submits the others: the compute thread pays one submit a layer.
+When the compute thread reaches the layer's CPU outputs it takes the units no worker has taken
+yet, as an OpenMP master thread joins its team (:meth:`Batch.wait`): it neither idles while CPU
+work is left nor waits for a sleeping worker's wake-up (50-100 us on the 2-core host) when the
+device's share ended first. It does so only with one OpenMP thread of its own, so a unit gives
+the same bits whichever thread runs it.
 
 Each pool thread keeps one OpenMP thread (``omp_set_num_threads(1)`` for itself), so the pool
 does not multiply the compute thread's intra-op threads. A range is at least
@@ -38,6 +43,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -84,6 +90,8 @@ class CPUExpertExecutor:
             None: set later with :meth:`set_choice` (the runtime measures the kernels on this pool).
         threads: pool threads (>= 1).
         min_unit_bytes: least weight bytes of one range (None: :data:`MIN_UNIT_BYTES`).
+        helps: the thread that waits for a batch takes its untaken units (:meth:`Batch.wait`);
+            only where that thread runs one OpenMP thread, as the pool's do (the same bits).
 
     Attributes:
         samples: ``(rows, seconds)`` of each CPU expert of each finished layer run (its share of
@@ -95,9 +103,14 @@ class CPUExpertExecutor:
     """
 
     def __init__(
-        self, store: Any, choice: KernelChoice | None, threads: int, min_unit_bytes: int | None = None
+        self,
+        store: Any,
+        choice: KernelChoice | None,
+        threads: int,
+        min_unit_bytes: int | None = None,
+        helps: bool = True,
     ) -> None:
-        self.store, self.threads = store, max(1, threads)
+        self.store, self.threads, self.helps = store, max(1, threads), helps
         self.min_unit_bytes = MIN_UNIT_BYTES if min_unit_bytes is None else min_unit_bytes
         self.pool = ThreadPoolExecutor(self.threads, "moeserve-cpu-expert", initializer=_one_omp_thread)
         self.samples: collections.deque[tuple[int, float]] = collections.deque(maxlen=4096)
@@ -194,7 +207,7 @@ class CPUExpertExecutor:
         the load-time measurement of the kernels (``choose_kernels(run=...)``)."""
         e = _Expert(key, kernel, self.plans(kernel), np.arange(x.shape[0]), _swiglu, None, True)
         e.xs = x
-        return self.submit([e], x).wait()[0][0]
+        return self.submit([e], x).wait(self.helps)[0][0]
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -239,7 +252,9 @@ class Batch:
         gu = fused + gu
         self._units = iter(gu + down)  # one shared iterator: next() hands each unit out once
         self.lock = threading.Lock()
-        self.spans: list[tuple[float, float]] = []  # per worker: first unit's start, last one's end
+        self.left = len(gu) + len(down)  # units not yet completed
+        self.done = threading.Event()  # every unit completed, or one failed
+        self.first_start, self.last_end = math.inf, 0.0  # first unit's start, last one's end
         self.work = [0.0] * len(experts)  # thread-seconds per expert
         self.error: BaseException | None = None
         n = min(executor.threads, max(len(gu), len(down)))
@@ -247,7 +262,17 @@ class Batch:
         self.others: list[Future] = []
         self.t_submit = time.perf_counter()
         self.start_s = 0.0  # submit to the first unit's start, set by wait()
+        if not self.left:
+            self.done.set()
         self.first: Future = executor.pool.submit(self._launch, n)
+        self.first.add_done_callback(self._launched)
+
+    def _launched(self, f: Future) -> None:
+        """A failure to start the workers (the pool shut down) ends the batch instead of a hang."""
+        exc = f.exception()
+        if exc is not None:
+            self.error = self.error or exc
+            self.done.set()
 
     def _launch(self, n: int) -> None:
         submit = self.executor.pool.submit
@@ -264,10 +289,9 @@ class Batch:
             return e.xs
 
     def _worker(self) -> None:
+        """Take units until none is left (a pool thread, or the caller helping in :meth:`wait`)."""
         if self.ready is not None:
             self.ready.synchronize()  # this thread waits for the rows' copy, not the compute thread
-        t0 = time.perf_counter()
-        spent = [0.0] * len(self.experts)
         try:
             with torch.inference_mode():
                 for phase, i, j in self._units:
@@ -279,16 +303,20 @@ class Batch:
                         self._finish(e, e.kernel.swiglu(e.key, e.xs if e.xs is not None else self._rows(e)))
                     elif not self._down(e, j):
                         return
-                    spent[i] += time.perf_counter() - u0
+                    u1 = time.perf_counter()
+                    with self.lock:
+                        self.work[i] += u1 - u0
+                        self.first_start = min(self.first_start, u0)
+                        self.last_end = max(self.last_end, u1)
+                        self.left -= 1
+                        if not self.left:
+                            self.done.set()
         except BaseException as exc:
             self.error = exc
             for e in self.experts:  # wake the workers waiting on a barrier: they stop
                 e.released.set()
+            self.done.set()
             raise
-        finally:
-            with self.lock:
-                self.spans.append((t0, time.perf_counter()))
-                self.work = [a + b for a, b in zip(self.work, spent)]
 
     def _gate_up(self, e: _Expert, j: int) -> None:
         xs = e.xs if e.xs is not None else self._rows(e)
@@ -335,15 +363,22 @@ class Batch:
             y = pinned
         e.y = y
 
-    def wait(self) -> list[tuple[torch.Tensor, float]]:
-        """Wait for every worker; per expert ``(output [n, H], seconds)``: the batch's time from
-        its first unit to its last, shared out by each expert's thread-seconds (so the experts'
-        seconds add up to the batch's)."""
-        self.first.result()  # the first worker: it has started the others
-        for f in self.others:
-            f.result()
-        first = min(a for a, _ in self.spans)
-        wall = max(b for _, b in self.spans) - first
+    def wait(self, help: bool = True) -> list[tuple[torch.Tensor, float]]:
+        """Wait for every unit; per expert ``(output [n, H], seconds)``: the batch's time from its
+        first unit to its last, shared out by each expert's thread-seconds (so the experts'
+        seconds add up to the batch's). ``help``: the caller first takes units no worker has
+        taken yet, as an OpenMP master thread does (a unit gives the same bits on any thread
+        with one OpenMP thread), so it neither idles nor waits for a worker's wake-up; the
+        caller passes False where its own thread runs more OpenMP threads.
+
+        Raises: what a unit raised, in any thread."""
+        if help and not self.done.is_set():
+            self._worker()
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        first = self.first_start
+        wall = self.last_end - first
         self.start_s = max(0.0, first - self.t_submit)
         total = sum(self.work)
         n = len(self.experts)
@@ -436,7 +471,7 @@ class CPUExperts:
         its output scaled by its router weights (``weights [T, k]``) and cast to ``x``'s dtype, as
         the device paths do, on ``x``'s device, and the ``(token, rank)`` positions it fills."""
         t0 = time.perf_counter()
-        results = self.batch.wait()
+        results = self.batch.wait(self.executor.helps)
         self.stats.cpu_wait_s += time.perf_counter() - t0
         out = []
         w_flat = weights.reshape(-1)

@@ -249,7 +249,9 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
     hyb = [calibrate_hybrid.run_runtime(loaded, args, warm, evals, rows_h) for _ in range(reps_h)]
     offline_cpu = None
     if rows_h:
-        offline_cpu = calibrate_hybrid.offline_cpu_cost(loaded, calibrate_hybrid.threads(args))
+        offline_cpu = calibrate_hybrid.offline_cpu_cost(
+            loaded, calibrate_hybrid.threads(args), args.cpu_threads
+        )
     settings = {**reps[0][0]["settings"], "traces": [str(t) for t in traces], "repeats": args.repeat}
     rows: list[dict[str, Any]] = []
     inrun_costs: list[dict[str, Any]] = []

@@ -46,13 +46,13 @@ def threads(args: argparse.Namespace) -> int:
     return default_threads(args.cpu_threads, 1)
 
 
-def offline_cpu_cost(loaded: Any, threads: int) -> Any:
+def offline_cpu_cost(loaded: Any, threads: int, cpu_threads: int) -> Any:
     """The CPU kernels' load-time fit, measured as the runtime measures it (``setup.attach``: the
-    whole pool of ``threads`` on each expert)."""
+    whole pool of ``threads`` on each expert, helped by the caller at one compute thread)."""
     from moe_runtime.hybrid.setup import measure_pool
     from moeserve.sim.hybrid import CPUCost
 
-    executor, fit = measure_pool(loaded.store, threads)
+    executor, fit = measure_pool(loaded.store, threads, helps=cpu_threads == 1)
     executor.close()
     return CPUCost.measured(fit.per_expert_s, fit.per_row_s, "choose_kernels at load")
 
