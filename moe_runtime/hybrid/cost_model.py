@@ -158,6 +158,42 @@ class Placement:
     cpu_s: float
 
 
+def device_lanes(
+    resident_rows: Sequence[Sequence[int]],
+    inflight_rows: Sequence[Sequence[int]],
+    link_backlog_s: Sequence[float],
+    device: LinearCost,
+) -> list[float]:
+    """Per device partition, when its lane ends with no miss placed: its resident experts, then
+    the in-flight ones as they land within the link's backlog (seconds from the layer's start)."""
+    out = []
+    for res, fly, backlog in zip(resident_rows, inflight_rows, link_backlog_s):
+        t = device.predict(sum(res), len(res)) if res else 0.0  # a linear cost: the batch at once
+        for r in fly:  # landing within the backlog, then the device runs them
+            t = max(t, backlog) + device.predict(r)
+        out.append(t)
+    return out
+
+
+def cpu_cannot_win(
+    miss_rows: Sequence[int],
+    device_end_s: float,
+    link_end_s: float,
+    link_s: float,
+    cpu_start_s: float,
+    cpu: LinearCost,
+    device: LinearCost,
+) -> bool:
+    """True where :func:`place_layer` in ``auto`` would copy every miss, shown in O(1): even the
+    cheapest miss on an idle CPU lane (``cpu_start_s`` plus its time at the fewest rows) ends no
+    earlier than the latest any miss could end copied (after every other miss's copy, ``link_s``
+    each from ``link_end_s``, the latest backlog, and the device's time for all of them after
+    ``device_end_s``, its latest lane). A cheap skip of the greedy, not a different rule."""
+    n, lo, hi = len(miss_rows), min(miss_rows), max(miss_rows)
+    latest = max(device_end_s, link_end_s + n * link_s) + n * device.predict(hi)
+    return cpu_start_s + cpu.predict(lo) >= latest
+
+
 def place_layer(costs: LayerCosts, cpu: LinearCost, device: LinearCost, mode: str = "auto") -> Placement:
     """Place a layer's misses (``mode`` ``auto``: greedy by expected finish time, HybriMoE's
     intra-layer split; ``cpu``: every miss on the CPU, llama.cpp's ``--n-cpu-moe``; ``device``:
@@ -172,13 +208,8 @@ def place_layer(costs: LayerCosts, cpu: LinearCost, device: LinearCost, mode: st
         raise ValueError(f"unknown placement mode {mode!r}")
     if mode == "cpu" and costs.cpu_lanes < 1:
         raise ValueError("placement mode cpu needs at least one CPU lane")
-    parts = len(costs.link_s)
-    dev_free = [0.0] * parts
+    dev_free = device_lanes(costs.resident_rows, costs.inflight_rows, costs.link_backlog_s, device)
     link_free = list(costs.link_backlog_s)
-    for p in range(parts):
-        dev_free[p] = sum(device.predict(r) for r in costs.resident_rows[p])
-        for r in costs.inflight_rows[p]:  # landing within the backlog, then the device runs them
-            dev_free[p] = max(dev_free[p], link_free[p]) + device.predict(r)
     lanes = list(costs.cpu_busy_s) or [0.0] * costs.cpu_lanes
     lanes = (lanes + [0.0] * costs.cpu_lanes)[: costs.cpu_lanes]
     on_cpu = [False] * len(costs.miss_rows)

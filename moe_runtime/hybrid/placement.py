@@ -34,7 +34,14 @@ from typing import Any
 import numpy as np
 
 from moe_runtime.buffer.slots import READY
-from moe_runtime.hybrid.cost_model import CLIP, LayerCosts, LinearCost, place_layer
+from moe_runtime.hybrid.cost_model import (
+    CLIP,
+    LayerCosts,
+    LinearCost,
+    cpu_cannot_win,
+    device_lanes,
+    place_layer,
+)
 from moe_runtime.hybrid.executor import CPUExpertExecutor, CPUExperts
 
 #: layer runs whose prediction and measurement are kept
@@ -140,41 +147,53 @@ class HybridPlacer:
     ) -> tuple[list[int], list[int], CPUExperts | None, float]:
         """Place the layer's ``experts`` (flat ``keys``; ``counts [E]`` token rows per expert);
         returns the experts and keys left for the lookup (resident, in flight, copy now), the CPU
-        share (or None) and the placement's predicted seconds. Caller holds the buffer's lock."""
+        share (or None) and the placement's predicted seconds. Caller holds the buffer's lock.
+        A layer with no miss skips the greedy (nothing to place): its lanes are the device's."""
         now = time.perf_counter()
-        self._record()
-        self._drain()
+        if self._pending is not None:
+            self._record()
+        ex = self.executor
+        if ex.samples or ex.start_samples:
+            self._drain()
         buf = self.buffer
         parts, home = buf.parts, buf._home
         n_parts = len(parts)
         resident: list[list[int]] = [[] for _ in range(n_parts)]
         inflight: list[list[int]] = [[] for _ in range(n_parts)]
         miss: list[int] = []
+        rows = counts[experts].tolist()  # one numpy op, not one per expert
         for i, key in enumerate(keys):
             d = home[key]
             part = parts[d]
             s = part.key_slot.get(key)
-            rows = int(counts[experts[i]])
             if s is None:
                 miss.append(i)
             elif part.state[s] == READY:
-                resident[d].append(rows)
+                resident[d].append(rows[i])
             else:
-                inflight[d].append(rows)
+                inflight[d].append(rows[i])
+        self._counts = counts
+        n_res = sum(map(len, resident))
+        n_fly = sum(map(len, inflight))
         link_s = [self.link_seconds(p) for p in parts]
+        backlog = [p.loading * t for p, t in zip(parts, link_s)]
+        if not miss or (
+            self.mode == "auto" and self._hopeless(miss, rows, resident, inflight, backlog, link_s)
+        ):
+            return self._all_device(now, layer, experts, keys, miss, resident, inflight, backlog, link_s)
         costs = LayerCosts(
             resident,
             inflight,
-            [int(counts[experts[i]]) for i in miss],
+            [rows[i] for i in miss],
             [home[keys[i]] for i in miss],
             link_s,
-            [p.loading * t for p, t in zip(parts, link_s)],
+            backlog,
             1,  # the pool: every thread on one expert at a time, one lane
             cpu_start_s=self.cpu_start_s,
         )
         # the device's time as it runs beside CPU experts; with none placed, as it runs alone (one
-        # call where they cannot differ: no miss to place, or one fit for both)
-        if not miss or self.device_cost_shared is self.device_cost:
+        # call where they cannot differ: one fit for both)
+        if self.device_cost_shared is self.device_cost:
             placed = place_layer(costs, self.cpu_cost, self.device_cost, self.mode)
         else:
             placed = place_layer(costs, self.cpu_cost, self.device_cost_shared, self.mode)
@@ -199,14 +218,40 @@ class HybridPlacer:
             st.cpu_avoided_bytes += n * buf.store.expert_nbytes
             experts = [e for i, e in enumerate(experts) if i not in on_cpu]
             keys = [k for i, k in enumerate(keys) if i not in on_cpu]
-            cpu = CPUExperts(self.executor, layer, cpu_experts, buf.num_experts, st)
-        self._counts = counts
-        n_res = sum(len(r) for r in resident)
-        n_fly = sum(len(r) for r in inflight)
+            cpu = CPUExperts(ex, layer, cpu_experts, buf.num_experts, st)
         placement = (n_res, n_fly, len(on_cpu), len(miss) - len(on_cpu))
         predicted = placed.predicted_s + self.host_s
         self._pending = (None, now, layer, predicted, placement)
         return experts, keys, cpu, predicted
+
+    def _hopeless(self, miss, rows, resident, inflight, backlog, link_s) -> bool:
+        """No miss can go to the CPU at either device fit (:func:`cpu_cannot_win`, with the slower
+        fit and the slowest link: the latest a copied miss could end)."""
+        miss_rows = [rows[i] for i in miss]
+        hi = max(miss_rows)
+        slow = max(self.device_cost, self.device_cost_shared, key=lambda f: f.predict(hi))
+        lanes = device_lanes(resident, inflight, backlog, slow)
+        return cpu_cannot_win(
+            miss_rows, max(lanes), max(backlog), max(link_s), self.cpu_start_s, self.cpu_cost, slow
+        )
+
+    def _all_device(self, now, layer, experts, keys, miss, resident, inflight, backlog, link_s):
+        """:meth:`split` where every miss is copied: no greedy, only the lanes' prediction (the
+        misses copied in :func:`place_layer`'s order, most rows first, each then run by the device)."""
+        self._shared = False
+        dev = self.device_cost
+        lanes = device_lanes(resident, inflight, backlog, dev)
+        if miss:
+            home, counts = self.buffer._home, self._counts
+            link_free = list(backlog)
+            for r, i in sorted((-int(counts[experts[i]]), i) for i in miss):
+                p = home[keys[i]]
+                link_free[p] += link_s[p]
+                lanes[p] = max(lanes[p], link_free[p]) + dev.predict(-r)
+        predicted = max(lanes) + self.host_s
+        placement = (sum(map(len, resident)), sum(map(len, inflight)), 0, len(miss))
+        self._pending = (None, now, layer, predicted, placement)
+        return experts, keys, None, predicted
 
     def bind(self, run: Any) -> None:
         """The layer run the last :meth:`split` made: its end is measured (``run.ended``)."""
