@@ -100,6 +100,8 @@ class HybridPlacer:
         self.records: deque[LayerRecord] = deque(maxlen=RECORDS)
         self._pending: tuple[Any, float, int, float, tuple[int, int, int, int]] | None = None
         self._counts: np.ndarray | None = None  # the running layer's rows per expert
+        self._rows_of: dict[int, int] = {}  # the same, for the running layer's needed experts
+        self._batches = [0, 0, 0.0]  # the running layer run's device batches: experts, rows, seconds
         # the layer run's host time the lanes do not hold (routing's tail, planning, the batches'
         # index work, gathering the CPU outputs): a running mean of measured - lanes, added to
         # each prediction (the record keeps the prediction made before the run)
@@ -136,10 +138,20 @@ class HybridPlacer:
 
     def time_batch(self, experts: list[int], seconds: float) -> None:
         """The compute thread ran ``experts`` of the running layer as one batch in ``seconds``
-        (a CPU device): refit the device cost."""
+        (a CPU device): summed over the layer run, then one sample of the device fit (a linear
+        cost: the run's batches add up to one), folded in at the next :meth:`split`."""
         if self._counts is not None and experts:
+            acc = self._batches
+            acc[0] += len(experts)
+            acc[1] += sum(self._rows_of[e] for e in experts)
+            acc[2] += seconds
+
+    def _fold_batches(self) -> None:
+        acc = self._batches
+        if acc[0]:
             fit = self.device_cost_shared if self._shared else self.device_cost
-            fit.observe(len(experts), float(self._counts[experts].sum()), seconds)
+            fit.observe(acc[0], acc[1], acc[2])
+            acc[0] = acc[1] = acc[2] = 0
 
     # ------------------------------------------------------------------ the split
     def split(
@@ -152,6 +164,8 @@ class HybridPlacer:
         now = time.perf_counter()
         if self._pending is not None:
             self._record()
+        if self._batches[0]:
+            self._fold_batches()
         ex = self.executor
         if ex.samples or ex.start_samples:
             self._drain()
@@ -173,6 +187,8 @@ class HybridPlacer:
             else:
                 inflight[d].append(rows[i])
         self._counts = counts
+        if self.device_timed:
+            self._rows_of = dict(zip(experts, rows))
         n_res = sum(map(len, resident))
         n_fly = sum(map(len, inflight))
         link_s = [self.link_seconds(p) for p in parts]
