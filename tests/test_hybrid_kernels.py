@@ -120,11 +120,11 @@ def test_int8_rows_gives_a_row_the_same_bits_in_any_stream_and_range():
     gen = np.random.default_rng(1)
     q = gen.integers(-127, 128, size=(70, 300)).astype(np.int8)
     s = gen.random((70, 1)).astype(np.float32)
-    x = gen.standard_normal((2, 300)).astype(np.float32)
-    whole = np.zeros((2, 70), dtype=np.float32)
+    x = gen.standard_normal((3, 300)).astype(np.float32)  # a pair of tokens and one alone
+    whole = np.zeros((3, 70), dtype=np.float32)
     int8_rows(q, s, x, whole, 0)
     for a, b in [(0, 16), (16, 48), (48, 70), (5, 9), (3, 70), (60, 67)]:
-        part = np.zeros((2, b - a), dtype=np.float32)
+        part = np.zeros((3, b - a), dtype=np.float32)
         int8_rows(q[a:b], s[a:b], x, part, 0)
         assert np.array_equal(part, whole[:, a:b]), (a, b)
 

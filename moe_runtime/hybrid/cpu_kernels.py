@@ -68,26 +68,68 @@ STREAMS = 4
 
 
 @njit(nogil=True, fastmath=True, cache=True, inline="always")
-def _four_rows(q, scale, x, out, col0: int, n0: int, n1: int, n2: int, n3: int) -> None:
-    """Rows ``n0..n3`` of :func:`int8_rows` against every token, each row in its own accumulator
+def _four_rows(q, scale, x, out, col0: int, n0: int, n1: int, n2: int, n3: int, m: int) -> None:
+    """Rows ``n0..n3`` of :func:`int8_rows` against token ``m``, each row in its own accumulator
     (the same loop for every row, so a row's sum does not depend on which of the four it is)."""
     r0, r1, r2, r3 = q[n0], q[n1], q[n2], q[n3]
-    for m in range(x.shape[0]):
-        xm = x[m]
-        a0 = np.float32(0.0)
-        a1 = np.float32(0.0)
-        a2 = np.float32(0.0)
-        a3 = np.float32(0.0)
-        for k in range(q.shape[1]):
-            xv = xm[k]
-            a0 += np.float32(r0[k]) * xv
-            a1 += np.float32(r1[k]) * xv
-            a2 += np.float32(r2[k]) * xv
-            a3 += np.float32(r3[k]) * xv
-        out[m, col0 + n0] = a0 * scale[n0, 0]
-        out[m, col0 + n1] = a1 * scale[n1, 0]
-        out[m, col0 + n2] = a2 * scale[n2, 0]
-        out[m, col0 + n3] = a3 * scale[n3, 0]
+    xm = x[m]
+    a0 = np.float32(0.0)
+    a1 = np.float32(0.0)
+    a2 = np.float32(0.0)
+    a3 = np.float32(0.0)
+    for k in range(q.shape[1]):
+        xv = xm[k]
+        a0 += np.float32(r0[k]) * xv
+        a1 += np.float32(r1[k]) * xv
+        a2 += np.float32(r2[k]) * xv
+        a3 += np.float32(r3[k]) * xv
+    out[m, col0 + n0] = a0 * scale[n0, 0]
+    out[m, col0 + n1] = a1 * scale[n1, 0]
+    out[m, col0 + n2] = a2 * scale[n2, 0]
+    out[m, col0 + n3] = a3 * scale[n3, 0]
+
+
+@njit(nogil=True, fastmath=True, cache=True, inline="always")
+def _four_rows_two_tokens(q, scale, x, out, col0: int, n0: int, n1: int, n2: int, n3: int, m: int) -> None:
+    """:func:`_four_rows` for tokens ``m`` and ``m + 1`` at once: each weight is widened to fp32
+    once for both (at 2+ tokens the widening, not memory, bounds the loop)."""
+    r0, r1, r2, r3 = q[n0], q[n1], q[n2], q[n3]
+    xa, xb = x[m], x[m + 1]
+    a0 = np.float32(0.0)
+    a1 = np.float32(0.0)
+    a2 = np.float32(0.0)
+    a3 = np.float32(0.0)
+    b0 = np.float32(0.0)
+    b1 = np.float32(0.0)
+    b2 = np.float32(0.0)
+    b3 = np.float32(0.0)
+    for k in range(q.shape[1]):
+        w0, w1, w2, w3 = np.float32(r0[k]), np.float32(r1[k]), np.float32(r2[k]), np.float32(r3[k])
+        u, v = xa[k], xb[k]
+        a0 += w0 * u
+        a1 += w1 * u
+        a2 += w2 * u
+        a3 += w3 * u
+        b0 += w0 * v
+        b1 += w1 * v
+        b2 += w2 * v
+        b3 += w3 * v
+    for mm, c0, c1, c2, c3 in ((m, a0, a1, a2, a3), (m + 1, b0, b1, b2, b3)):
+        out[mm, col0 + n0] = c0 * scale[n0, 0]
+        out[mm, col0 + n1] = c1 * scale[n1, 0]
+        out[mm, col0 + n2] = c2 * scale[n2, 0]
+        out[mm, col0 + n3] = c3 * scale[n3, 0]
+
+
+@njit(nogil=True, fastmath=True, cache=True, inline="always")
+def _row_group(q, scale, x, out, col0: int, n0: int, n1: int, n2: int, n3: int) -> None:
+    """Rows ``n0..n3`` against every token: tokens in pairs, an odd last one alone."""
+    m = 0
+    while m + 2 <= x.shape[0]:
+        _four_rows_two_tokens(q, scale, x, out, col0, n0, n1, n2, n3, m)
+        m += 2
+    if m < x.shape[0]:
+        _four_rows(q, scale, x, out, col0, n0, n1, n2, n3, m)
 
 
 @njit(nogil=True, fastmath=True, cache=True)
@@ -102,16 +144,17 @@ def int8_rows(q: np.ndarray, scale: np.ndarray, x: np.ndarray, out: np.ndarray, 
     depend on where a range of rows starts or ends (identical rows would let the compiler merge
     the four sums into another loop: ``N < 4`` is exact to rounding only). On a
     2-core EPYC host, from memory at one token and one thread: 22-24 GB/s at the Qwen3-30B-A3B
-    expert's matrices (2048 and 768 long rows) against 11-16 GB/s for one row at a time."""
+    expert's matrices (2048 and 768 long rows) against 11-16 GB/s for one row at a time. Tokens
+    go in pairs (each weight widened once for two): 1.4x faster at 2-8 tokens than one by one."""
     n_out = q.shape[0]
     step = n_out // STREAMS
     for n in range(step):
-        _four_rows(q, scale, x, out, col0, n, n + step, n + 2 * step, n + 3 * step)
+        _row_group(q, scale, x, out, col0, n, n + step, n + 2 * step, n + 3 * step)
     for n in range(STREAMS * step, n_out):  # the tail: the same loop beside three earlier rows
         if n_out >= STREAMS:
-            _four_rows(q, scale, x, out, col0, n, n - 1, n - 2, n - 3)
+            _row_group(q, scale, x, out, col0, n, n - 1, n - 2, n - 3)
         else:
-            _four_rows(q, scale, x, out, col0, n, n, n, n)
+            _row_group(q, scale, x, out, col0, n, n, n, n)
 
 
 @njit(nogil=True, fastmath=True, cache=True)
