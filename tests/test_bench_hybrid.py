@@ -58,14 +58,20 @@ def test_hybrid_rows_per_mode(capsys):
     data = _json(
         capsys,
         ["bench", "hybrid", "--modes", "device,cpu,auto", "--buffer-fraction", "0.25", "--link-gbps", "0.1",
-         "--new-tokens", "3", "--prompt-len", "4", "--json"],
+         "--new-tokens", "3", "--prompt-len", "4", "--prefill-len", "40", "--json"],
     )  # fmt: skip
     s, rows = data["settings"], data["results"]
     assert [r["mode"] for r in rows] == ["device", "cpu", "auto"] and s["repeats"] == 3
     assert "expert compute auto" in s["summaries"]["auto"]
+    assert s["link_gbps_measured"] == 0.1 and s["host_gbps_measured"] > 0
     for r in rows:
         assert r["tpot_ms_min"] <= r["tpot_ms"] <= r["tpot_ms_max"] and len(r["tpot_ms_runs"]) == 3
         hybrid = r["mode"] != "device"
         assert (r["prediction_error_median"] is not None) == hybrid and (r["fits"] is not None) == hybrid
         assert (r["cpu_experts_per_step"] > 0) == hybrid
+        assert 0 < r["prefill_ms_min"] <= r["prefill_ms"] <= r["prefill_ms_max"]
+        # the misses' bytes over link plus host memory
+        want = r["misses_per_token"] * 98304 / ((0.1 + s["host_gbps_measured"]) * 1e9) * 1e3
+        assert r["hybrid_bound_ms"] == pytest.approx(want) and r["misses_per_token"] > 0
     assert rows[1]["moved_mib_per_token"] == 0  # cpu mode copies nothing
+    assert rows[1]["misses_per_token"] > rows[0]["misses_per_token"]  # a fixed set: more misses

@@ -11,6 +11,12 @@ CPU and the bytes copied per token, and, for the hybrid modes, the placement's p
 time against the measured one over the timed runs' layer runs
 (:meth:`~moe_runtime.hybrid.placement.HybridPlacer.prediction_error`: median of
 ``|predicted - measured| / measured``) with the cost model's fits.
+
+Beside TPOT each row gives the hybrid bound of its misses (the issue's limit for the missed
+experts alone): their bytes per token over the link and host memory at once, ``misses x expert
+bytes / (link GB/s + host GB/s)``, the link's rate emulated or timed by the I/O threads, the host's
+the CPU pool's kernel at one row as measured at load (the resident experts' compute comes on top).
+``--prefill-len N`` also times one N-token prompt per round and mode, admission to first token.
 """
 
 from __future__ import annotations
@@ -45,6 +51,10 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument(
+        "--prefill-len", type=int, default=0,
+        help="also time one prompt of this many tokens per round, admission to first token (0: off)",
+    )  # fmt: skip
     p.add_argument("--repeats", type=int, default=3, help="timed runs per mode, >= 3 (default: 3)")
     p.add_argument("--dtype", default="fp32", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--expert-dtype", default="auto")
@@ -89,6 +99,22 @@ def _run(engine, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
     }  # fmt: skip
 
 
+def _prefill(engine, prompt: list[int]) -> float:
+    """Seconds from admitting one ``prompt`` to its first token (its prefill, chunked as the engine
+    chunks it), run to its end."""
+    from moe_runtime.engine.request import SamplingParams
+
+    rid = f"hy-prefill-{time.monotonic_ns()}"
+    engine.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    t0 = time.perf_counter()
+    seconds = None
+    while engine.has_unfinished():
+        outs = engine.step()
+        if seconds is None and any(o.request_id == rid for o in outs):
+            seconds = time.perf_counter() - t0
+    return seconds if seconds is not None else time.perf_counter() - t0
+
+
 def run(args: argparse.Namespace) -> int:
     from moe_runtime.config import EXPERT_COMPUTE_MODES, RuntimeConfig
     from moe_runtime.engine.engine import LLMEngine
@@ -103,13 +129,16 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--modes: {m!r} is not one of {', '.join(EXPERT_COMPUTE_MODES)}")
     if args.repeats < 3:
         raise ConfigError(f"--repeats {args.repeats}: must be >= 3 (median and spread of runs)")
+    if args.prefill_len < 0:
+        raise ConfigError(f"--prefill-len {args.prefill_len}: must be >= 0")
     torch.set_num_threads(args.cpu_threads)
     model_dir = resolve_model(args)
     base = RuntimeConfig(
         device=args.device, dtype=args.dtype, expert_dtype=args.expert_dtype,
         buffer_fraction=args.buffer_fraction, link_gbps=args.link_gbps or None,
         link_latency_us=args.link_latency_us, max_batch_size=args.batch,
-        max_model_len=args.prompt_len + args.new_tokens + 8, cpu_threads=args.cpu_threads,
+        max_model_len=max(args.prompt_len + args.new_tokens, args.prefill_len + 1) + 8,
+        cpu_threads=args.cpu_threads,
         cpu_expert_threads=args.cpu_expert_threads,
     )  # fmt: skip
     loaded = load_checkpoint(model_dir, base)
@@ -124,19 +153,34 @@ def run(args: argparse.Namespace) -> int:
         return rng.integers(0, vocab, size=(args.batch, args.prompt_len)).tolist()
 
     runs: dict[str, list[dict]] = {m: [] for m in modes}
+    prefills: dict[str, list[float]] = {m: [] for m in modes}
     try:
         for m in modes:  # warm-up
             _run(engines[m], prompts(), args.new_tokens)
         for _ in range(args.repeats):
             ps = prompts()  # the same prompts for every mode in this round
+            long = rng.integers(0, vocab, size=args.prefill_len).tolist() if args.prefill_len else None
             for m in modes:
                 runs[m].append(_run(engines[m], ps, args.new_tokens))
+                if long is not None:
+                    prefills[m].append(_prefill(engines[m], long))
         summaries = {m: engines[m].summary() for m in modes}
         fits = {m: _fits(engines[m].hybrid) for m in modes}
     finally:
         for e in engines.values():
             e.close()
     rows = [_row(m, runs[m], fits[m], args.batch) for m in modes]
+    link_gbps, host_gbps = _rates(args.link_gbps, fits, loaded.store.expert_nbytes)
+    for r in rows:
+        if prefills[r["mode"]]:
+            ms = [1e3 * t for t in prefills[r["mode"]]]
+            r.update(prefill_ms=statistics.median(ms), prefill_ms_min=min(ms), prefill_ms_max=max(ms))
+        # the misses' bytes over both paths at once (link and host memory): the hybrid bound of
+        # the missed experts alone (the resident ones' compute comes on top)
+        r["hybrid_bound_ms"] = (
+            None if link_gbps is None or host_gbps is None
+            else r["misses_per_token"] * loaded.store.expert_nbytes / ((link_gbps + host_gbps) * 1e9) * 1e3
+        )  # fmt: skip
     settings = {
         "model": shown_path(model_dir), "architecture": loaded.config.architecture, "device": args.device,
         "cpu": _cpu_name(), "dtype": args.dtype, "expert_dtype": args.expert_dtype,
@@ -144,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
         "link_latency_us": args.link_latency_us, "batch": args.batch, "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens, "repeats": args.repeats, "warmup": "1 run per mode",
         "cpu_threads": args.cpu_threads, "prompts": "fresh per round, the same for every mode",
+        "prefill_len": args.prefill_len, "link_gbps_measured": link_gbps, "host_gbps_measured": host_gbps,
         "load_avg_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         "summaries": summaries, "torch": torch.__version__,
     }  # fmt: skip
@@ -155,11 +200,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rates(link_arg: float, fits: dict, expert_nbytes: int) -> tuple[float | None, float | None]:
+    """(link GB/s, host GB/s) for the hybrid bound: the emulated link's, or the I/O thread's timed
+    copies; the CPU pool's kernel at one row as measured at load. None where no hybrid mode ran."""
+    measured = [f for f in fits.values() if f is not None]
+    if not measured:
+        return (link_arg or None), None
+    link = link_arg or expert_nbytes / (1e-3 * min(measured[0]["link_ms"])) / 1e9
+    return link, measured[0]["host_gbps"]
+
+
 def _fits(placer: Any) -> dict | None:
     if placer is None:
         return None
     c, d = placer.cpu_cost, placer.device_cost
     return {
+        "host_gbps": placer.executor.choice.gbps(),
         "cpu_ms_per_expert": 1e3 * c.per_expert_s, "cpu_ms_per_row": 1e3 * c.per_row_s,
         "device_ms_per_expert": 1e3 * d.per_expert_s, "device_ms_per_row": 1e3 * d.per_row_s,
         "link_ms": [1e3 * placer.link_seconds(p) for p in placer.buffer.parts],
@@ -177,6 +233,7 @@ def _row(mode: str, runs: list[dict], fits: dict | None, batch: int) -> dict:
         "mode": mode, "tpot_ms": statistics.median(tpots), "tpot_ms_min": min(tpots),
         "tpot_ms_max": max(tpots), "tpot_ms_runs": tpots,
         "hit_rate": sum(r["hits"] for r in runs) / lookups if lookups else 0.0,
+        "misses_per_token": (lookups - sum(r["hits"] for r in runs)) / (steps * batch),
         "cpu_experts_per_step": sum(r["cpu_experts"] for r in runs) / steps,
         "moved_mib_per_token": sum(r["moved"] for r in runs) / (steps * batch) / (1 << 20),
         "prediction_error_median": statistics.median(errors) if errors else None,
@@ -192,17 +249,9 @@ def _print(data: dict) -> None:
     console.print("\n".join(f"{k}: {v}" for k, v in s.items() if k != "summaries"))
     for m, line in s["summaries"].items():
         console.print(f"{m}: {line}")
-    table = Table("mode", "TPOT ms (min-max)", "vs first", "hit rate", "CPU experts/step", "MiB moved/tok",
-                  "pred. error (layer runs)")  # fmt: skip
-    first = data["results"][0]["tpot_ms"]
-    for r in data["results"]:
-        err = r["prediction_error_median"]
-        table.add_row(
-            r["mode"], f"{r['tpot_ms']:.1f} ({r['tpot_ms_min']:.1f}-{r['tpot_ms_max']:.1f})",
-            f"{r['tpot_ms'] / first:.2f}", f"{r['hit_rate']:.3f}", f"{r['cpu_experts_per_step']:.2f}",
-            f"{r['moved_mib_per_token']:.1f}",
-            "" if err is None else f"{100 * err:.1f}% ({r['prediction_layer_runs']})",
-        )  # fmt: skip
+    table = Table(*HEADER)
+    for row in _cells(data["results"], 1):
+        table.add_row(*row)
     console.print(table)
 
 
@@ -210,17 +259,30 @@ def markdown(data: dict[str, Any]) -> str:
     """The modes as a Markdown table with the settings line (for a generated docs block)."""
     from moeserve.bench.render import md_table
 
-    first = data["results"][0]["tpot_ms"]
-    rows = []
-    for r in data["results"]:
-        err = r["prediction_error_median"]
-        rows.append([
-            r["mode"], f"{r['tpot_ms']:.2f} [{r['tpot_ms_min']:.2f}-{r['tpot_ms_max']:.2f}]",
-            f"{r['tpot_ms'] / first:.2f}", f"{r['hit_rate']:.3f}", f"{r['cpu_experts_per_step']:.2f}",
-            f"{r['moved_mib_per_token']:.2f}",
+    settings = ", ".join(f"`{k}={v}`" for k, v in data["settings"].items() if k != "summaries")
+    return md_table(HEADER, _cells(data["results"], 2)) + f"\nSettings: {settings}\n"
+
+
+HEADER = ["mode", "TPOT ms [min-max]", "vs first", "hybrid bound ms", "prefill ms [min-max]", "hit rate",
+          "CPU experts/step", "MiB moved/token", "cost model error (layer runs)"]  # fmt: skip
+
+
+def _cells(results: list[dict], digits: int) -> list[list[str]]:
+    """The table's cells per mode (:data:`HEADER`); ``digits`` after the point for milliseconds."""
+    first = results[0]["tpot_ms"]
+
+    def spread(r: dict, key: str) -> str:
+        if r.get(key) is None:
+            return ""
+        return f"{r[key]:.{digits}f} [{r[key + '_min']:.{digits}f}-{r[key + '_max']:.{digits}f}]"
+
+    out = []
+    for r in results:
+        err, bound = r["prediction_error_median"], r.get("hybrid_bound_ms")
+        out.append([
+            r["mode"], spread(r, "tpot_ms"), f"{r['tpot_ms'] / first:.2f}",
+            "" if bound is None else f"{bound:.{digits}f}", spread(r, "prefill_ms"), f"{r['hit_rate']:.3f}",
+            f"{r['cpu_experts_per_step']:.2f}", f"{r['moved_mib_per_token']:.2f}",
             "" if err is None else f"{100 * err:.1f}% ({r['prediction_layer_runs']})",
         ])  # fmt: skip
-    header = ["mode", "TPOT ms [min-max]", "vs first", "hit rate", "CPU experts/step", "MiB moved/token",
-              "cost model error (layer runs)"]  # fmt: skip
-    settings = ", ".join(f"`{k}={v}`" for k, v in data["settings"].items() if k != "summaries")
-    return md_table(header, rows) + f"\nSettings: {settings}\n"
+    return out
