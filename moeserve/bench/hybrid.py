@@ -12,9 +12,9 @@ time against the measured one over the timed runs' layer runs
 (:meth:`~moe_runtime.hybrid.placement.HybridPlacer.prediction_error`: median of
 ``|predicted - measured| / measured``) with the cost model's fits.
 
-Beside TPOT each row gives the hybrid bound of its misses (the issue's limit for the missed
-experts alone): their bytes per token over the link and host memory at once, ``misses x expert
-bytes / (link GB/s + host GB/s)``, the link's rate emulated or timed by the I/O threads, the host's
+Beside TPOT each row gives the hybrid bound of its misses, the limit for the missed experts
+alone: their bytes per token over the link and host memory at once, ``misses x expert bytes /
+(link GB/s + host GB/s)``, the link's rate emulated or timed by the I/O threads, the host's
 the CPU pool's kernel at one row as measured at load (the resident experts' compute comes on top).
 ``--prefill-len N`` also times one N-token prompt per round and mode, admission to first token.
 """
