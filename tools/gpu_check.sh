@@ -10,6 +10,8 @@
 #   replay-cuda-qwen3-30b-a3b-8l.txt    moeserve serve on that checkpoint + moeserve replay of the Azure
 #                                       conversation trace (summary; the replay's files in replay-cuda-*/)
 #   decode-cuda-mixtral-8x7b-4l.json    ... on the mixtral-8x7b shape, 4 layers (12.1 GB)
+#   hybrid-cuda-qwen3-30b-a3b-8l-*.json moeserve bench hybrid on the qwen3 checkpoint: --expert-compute
+#                                       modes at batch 1 and 8, and a 2,048-token prefill
 #   bench-cpu-experts.json              experts computed on this machine's CPU (hybrid execution),
 #   bench-kv-cuda.json                  the paged KV cache; each where `moeserve bench --help` lists it
 # The two checkpoints are written in the background while the first steps run. Into OUTDIR go each
@@ -153,6 +155,17 @@ if await ckpt-mixtral-8x7b-4l; then
   step decode-cuda-mixtral-8x7b-4l.json 120 "${DECODE[@]}" --model "$CKPT/mixtral-4l"
 else
   note "decode-cuda-mixtral-8x7b-4l.json: skipped, no checkpoint"
+fi
+
+# Hybrid expert execution on the qwen3-30b-a3b shape over the real link, 25% buffer: decode TPOT by
+# mode beside the hybrid bound at batch 1 and 8, then a 2,048-token prefill with auto and device.
+if [ -d "$CKPT/qwen3-8l" ] && grep -qE '^ +hybrid\b' <<< "$(python3 -m moeserve bench --help 2>/dev/null)"; then
+  HYBRID=(python3 -m moeserve bench hybrid --model "$CKPT/qwen3-8l" --device cuda --dtype bf16 --link-gbps 0
+    --buffer-fraction 0.25 --repeats 3 --json)
+  step hybrid-cuda-qwen3-30b-a3b-8l-b1.json 90 "${HYBRID[@]}" --modes device,cpu,auto --batch 1
+  step hybrid-cuda-qwen3-30b-a3b-8l-prefill.json 90 "${HYBRID[@]}" --modes device,auto --new-tokens 4 \
+    --prefill-len 2048
+  step hybrid-cuda-qwen3-30b-a3b-8l-b8.json 90 "${HYBRID[@]}" --modes device,cpu,auto --batch 8
 fi
 
 # Hybrid CPU experts and the paged KV cache: their rows run where this tree has the benches.
