@@ -197,7 +197,7 @@ BLOCKS: dict[str, Block] = {
     ),
     "hybrid-bundled": Block(
         "docs/hybrid.md",
-        "moeserve bench hybrid --modes device,cpu,auto --repeats 5 --json",
+        "moeserve bench hybrid --modes device,cpu,auto --repeats 5 --prefill-len 256 --json",
         "moeserve.bench.hybrid:markdown",
         2,
     ),
@@ -205,7 +205,8 @@ BLOCKS: dict[str, Block] = {
         "docs/hybrid.md",
         "[ -d runs/ckpt/olmoe-4l ] || moeserve make-checkpoint --shape olmoe-1b-7b --layers 4 "
         "--out runs/ckpt/olmoe-4l > /dev/null\n"
-        "moeserve bench hybrid --model runs/ckpt/olmoe-4l --modes device,cpu,auto --repeats 3 --json",
+        "moeserve bench hybrid --model runs/ckpt/olmoe-4l --modes device,cpu,auto --repeats 3 "
+        "--prefill-len 256 --json",
         "moeserve.bench.hybrid:markdown",
         10,
         "7 GB of disk",
