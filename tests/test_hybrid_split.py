@@ -216,8 +216,10 @@ def test_an_unsplit_int8_expert_runs_as_one_fused_call():
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         assert calls == [2, 2]
         plans = ex.plans(k)
-        assert executor_mod._Expert(2, k, plans, np.arange(1), _swiglu, None, True).fused
-        assert not executor_mod._Expert(2, k, plans, np.arange(1), _swiglu, None, False).fused
+        assert executor_mod._Expert(2, k, plans, np.arange(1), _swiglu, None, True).whole
+        biased = executor_mod._Expert(2, k, plans, np.arange(len(x)), lambda gu: _swiglu(gu) + 1, None, False)
+        ((y, _),) = ex.submit([biased], x).wait()
+        assert calls == [2, 2] and torch.equal(y, k.down(2, _swiglu(k.gate_up(2, x)) + 1))
     finally:
         ex.close()
 

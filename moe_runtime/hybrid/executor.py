@@ -8,8 +8,8 @@ CPU expert over all its pool threads by ranges of output rows, as llama.cpp and 
 split a matrix product's rows over their threads: the pool is one lane that works on the layer's
 experts together and reads at the socket's rate.
 
-A run (:class:`Batch`) is a list of units: every expert's gate/up ranges, then every expert's
-down ranges, expert by expert. The down projection needs the whole activated ``[n, I]`` of its
+A run (:class:`Batch`) is a list of units: every unsplit expert whole (one unit, start to end on
+one thread), every split expert's gate/up ranges, then their down ranges, expert by expert. The down projection needs the whole activated ``[n, I]`` of its
 expert, so each expert has a barrier of its own: the worker that completes its last gate/up unit
 joins the ranges (bit for bit the whole product: :data:`~moe_runtime.hybrid.cpu_kernels.ROW_ALIGN`,
 :meth:`CPUExpertExecutor.check_split`), applies the device path's activation and biases, and
@@ -221,13 +221,14 @@ class _Expert:
     """One expert's share of a :class:`Batch`: its ranges, their outputs and its two barriers."""
 
     __slots__ = ("key", "kernel", "gu_plan", "down_plan", "rows", "hidden", "down_bias", "xs", "gu",
-                 "down", "gu_left", "down_left", "h", "released", "y", "fused")  # fmt: skip
+                 "down", "gu_left", "down_left", "h", "released", "y", "plain", "whole")  # fmt: skip
 
     def __init__(self, key, kernel, plans, rows, hidden, down_bias, plain=False) -> None:
         self.key, self.kernel, self.rows, self.hidden, self.down_bias = key, kernel, rows, hidden, down_bias
         self.gu_plan, self.down_plan = plans
-        # one unit: the kernel's whole expert (unsplit, the plain SwiGLU, a fused kernel)
-        self.fused = plain and kernel.fused and len(self.gu_plan) == 1 and len(self.down_plan) == 1
+        self.plain = plain
+        # unsplit: one unit, the whole expert on one thread (its down needs all of its gate/up)
+        self.whole = len(self.gu_plan) == 1 and len(self.down_plan) == 1
         self.gu: list[Any] = [None] * len(self.gu_plan)
         self.down: list[Any] = [None] * len(self.down_plan)
         self.gu_left, self.down_left = len(self.gu_plan), len(self.down_plan)
@@ -246,10 +247,10 @@ class Batch:
     ) -> None:
         self.executor, self.experts, self.host, self.ready = executor, experts, host, ready
         self.pinned = ready is not None  # a CUDA run: outputs go back from pinned memory
-        fused = [(2, i, 0) for i, e in enumerate(experts) if e.fused]
-        gu = [(0, i, j) for i, e in enumerate(experts) if not e.fused for j in range(len(e.gu_plan))]
-        down = [(1, i, j) for i, e in enumerate(experts) if not e.fused for j in range(len(e.down_plan))]
-        gu = fused + gu
+        whole = [(2, i, 0) for i, e in enumerate(experts) if e.whole]
+        gu = [(0, i, j) for i, e in enumerate(experts) if not e.whole for j in range(len(e.gu_plan))]
+        down = [(1, i, j) for i, e in enumerate(experts) if not e.whole for j in range(len(e.down_plan))]
+        gu = whole + gu
         self._units = iter(gu + down)  # one shared iterator: next() hands each unit out once
         self.lock = threading.Lock()
         self.left = len(gu) + len(down)  # units not yet completed
@@ -300,7 +301,7 @@ class Batch:
                     if phase == 0:
                         self._gate_up(e, j)
                     elif phase == 2:
-                        self._finish(e, e.kernel.swiglu(e.key, e.xs if e.xs is not None else self._rows(e)))
+                        self._whole(e)
                     elif not self._down(e, j):
                         return
                     u1 = time.perf_counter()
@@ -317,6 +318,16 @@ class Batch:
                 e.released.set()
             self.done.set()
             raise
+
+    def _whole(self, e: _Expert) -> None:
+        """An unsplit expert, start to end on this thread: a fused kernel's one call where the
+        activation is the plain SwiGLU, else its two projections around the device path's."""
+        xs = e.xs if e.xs is not None else self._rows(e)
+        k = e.kernel
+        if e.plain and k.fused:
+            self._finish(e, k.swiglu(e.key, xs))
+        else:
+            self._finish(e, _biased(k.down(e.key, e.hidden(k.gate_up(e.key, xs))), e.down_bias))
 
     def _gate_up(self, e: _Expert, j: int) -> None:
         xs = e.xs if e.xs is not None else self._rows(e)
