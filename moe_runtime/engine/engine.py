@@ -35,6 +35,7 @@ from moe_runtime.engine.scheduler import ScheduledSeq, Scheduler
 from moe_runtime.engine.scoring import PromptScoring
 from moe_runtime.engine.structured import GrammarMatcher
 from moe_runtime.errors import ConfigError
+from moe_runtime.host_alloc import keep_freed_memory
 from moe_runtime.hybrid import setup as hybrid_setup
 from moe_runtime.layers.router_lookahead import RouterLookahead
 from moe_runtime.loader import LoadedModel, load_checkpoint
@@ -92,6 +93,7 @@ class LLMEngine(RequestAdmission, StepOutputs, PromptScoring):
         self.loaded, self.runtime, self.recorder = loaded, runtime, recorder
         if runtime.cpu_threads is not None:
             torch.set_num_threads(runtime.cpu_threads)
+        keep_freed_memory()  # large temporaries reuse freed heap instead of faulting fresh pages
         self.config = cfg
         self.tokenizer = loaded.tokenizer
         self.max_model_len = kv_cache_len(cfg, runtime)

@@ -9,9 +9,10 @@ split a matrix product's rows over their threads: the pool is one lane that work
 experts together and reads at the socket's rate.
 
 A run (:class:`Batch`) is a list of units: every unsplit expert whole (one unit, start to end on
-one thread), every split expert's gate/up ranges, then their down ranges, expert by expert. The down projection needs the whole activated ``[n, I]`` of its
-expert, so each expert has a barrier of its own: the worker that completes its last gate/up unit
-joins the ranges (bit for bit the whole product: :data:`~moe_runtime.hybrid.cpu_kernels.ROW_ALIGN`,
+one thread), every split expert's gate/up ranges, then their down ranges, expert by expert. The
+down projection needs the whole activated ``[n, I]`` of its expert, so each expert has a barrier
+of its own: the worker that completes its last gate/up unit joins the ranges (bit for bit the
+whole product: :data:`~moe_runtime.hybrid.cpu_kernels.ROW_ALIGN`,
 :meth:`CPUExpertExecutor.check_split`), applies the device path's activation and biases, and
 releases the expert's down units; a worker that takes a down unit of an expert not yet released
 waits for it, which a running worker is completing (no deadlock however many workers run). The
