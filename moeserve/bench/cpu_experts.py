@@ -184,6 +184,7 @@ def _row(name: str, fmt: str, kernel: Any, t: int, times, executor: Any) -> dict
 
 
 def run(args: argparse.Namespace) -> int:
+    from moe_runtime.host_alloc import keep_freed_memory
     from moe_runtime.hybrid.cpu_kernels import _has_numba, eligible_kernels
     from moe_runtime.hybrid.executor import MIN_UNIT_BYTES, CPUExpertExecutor
     from moeserve.bench.experts import _cpu_name, _positive_ints, shape_of
@@ -204,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--min-unit-kib must be >= 1, got {args.min_unit_kib}")
     unit = MIN_UNIT_BYTES if args.min_unit_kib is None else args.min_unit_kib * 1024
     torch.set_num_threads(1)
+    keep_freed_memory()  # as the engine does: temporaries reuse freed heap (moe_runtime.host_alloc)
     roof = ReadRoof(args.threads, args.roof_mib)
     rows = []
     for name, (h, i) in shapes.items():
