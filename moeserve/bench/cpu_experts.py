@@ -154,15 +154,19 @@ def bench_kernel(
         for r in range(repeats + 1):
             gbps = roof.round()
             t0 = time.perf_counter()
+            each = []
             for c in range(n_calls):
                 executor.run_one(kernel, (cursor + c) % n, x)
-            seconds = (time.perf_counter() - t0) / n_calls
+                each.append(time.perf_counter())
+            seconds = (each[-1] - t0) / n_calls
             cursor += n_calls
             if r:
                 timed.append(seconds)
                 roofs.append(gbps)
-            else:  # the warm-up round sizes the timed ones: at least MIN_ROUND_S each
-                n_calls = max(calls, math.ceil(MIN_ROUND_S / max(seconds, 1e-9)))
+            else:  # the warm-up round sizes the timed ones, at least MIN_ROUND_S each, by its
+                # fastest call (its first one may load a compiled kernel)
+                fastest = min(b - a for a, b in zip([t0, *each], each))
+                n_calls = max(calls, math.ceil(MIN_ROUND_S / max(fastest, 1e-9)))
     return statistics.median(timed), min(timed), max(timed), statistics.median(roofs)
 
 
