@@ -72,6 +72,6 @@ def test_hybrid_rows_per_mode(capsys):
         assert 0 < r["prefill_ms_min"] <= r["prefill_ms"] <= r["prefill_ms_max"]
         # the misses' bytes over link plus host memory
         want = r["misses_per_token"] * 98304 / ((0.1 + s["host_gbps_measured"]) * 1e9) * 1e3
-        assert r["hybrid_bound_ms"] == pytest.approx(want) and r["misses_per_token"] > 0
+        assert r["hybrid_bound_ms"] == pytest.approx(want, rel=0.02) and r["misses_per_token"] > 0
     assert rows[1]["moved_mib_per_token"] == 0  # cpu mode copies nothing
     assert rows[1]["misses_per_token"] > rows[0]["misses_per_token"]  # a fixed set: more misses

@@ -188,7 +188,9 @@ def run(args: argparse.Namespace) -> int:
         "link_latency_us": args.link_latency_us, "batch": args.batch, "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens, "repeats": args.repeats, "warmup": "1 run per mode",
         "cpu_threads": args.cpu_threads, "prompts": "fresh per round, the same for every mode",
-        "prefill_len": args.prefill_len, "link_gbps_measured": link_gbps, "host_gbps_measured": host_gbps,
+        "prefill_len": args.prefill_len,
+        "link_gbps_measured": None if link_gbps is None else round(link_gbps, 2),
+        "host_gbps_measured": None if host_gbps is None else round(host_gbps, 2),
         "load_avg_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         "summaries": summaries, "torch": torch.__version__,
     }  # fmt: skip
