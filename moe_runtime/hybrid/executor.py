@@ -205,9 +205,13 @@ class CPUExpertExecutor:
 
     def run_one(self, kernel: Kernel, key: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``key`` over ``x [n, H]`` with ``kernel`` on the whole pool (SwiGLU, no biases):
-        the load-time measurement of the kernels (``choose_kernels(run=...)``)."""
+        the load-time measurement of the kernels (``choose_kernels(run=...)``). An unsplit expert
+        runs on the calling thread where it :attr:`helps`, as the compute thread would take it:
+        the pool's hand-off is the placement's measured start delay, not a kernel's cost."""
         e = _Expert(key, kernel, self.plans(kernel), np.arange(x.shape[0]), _swiglu, None, True)
         e.xs = x
+        if self.helps and e.whole:  # one unit the waiting caller would take itself: no hand-off
+            return Batch(self, [e], x, None, start=False).wait(True)[0][0]
         return self.submit([e], x).wait(self.helps)[0][0]
 
     def close(self) -> None:
@@ -244,8 +248,15 @@ class Batch:
     each output and its share of the batch's seconds."""
 
     def __init__(
-        self, executor: CPUExpertExecutor, experts: list[_Expert], host: torch.Tensor, ready: Any
+        self,
+        executor: CPUExpertExecutor,
+        experts: list[_Expert],
+        host: torch.Tensor,
+        ready: Any,
+        start: bool = True,
     ) -> None:
+        """``start``: hand the units to the pool now (False: only the caller's :meth:`wait` runs
+        them, with ``help``)."""
         self.executor, self.experts, self.host, self.ready = executor, experts, host, ready
         self.pinned = ready is not None  # a CUDA run: outputs go back from pinned memory
         whole = [(2, i, 0) for i, e in enumerate(experts) if e.whole]
@@ -266,8 +277,9 @@ class Batch:
         self.start_s = 0.0  # submit to the first unit's start, set by wait()
         if not self.left:
             self.done.set()
-        self.first: Future = executor.pool.submit(self._launch, n)
-        self.first.add_done_callback(self._launched)
+        if start:
+            self.first: Future = executor.pool.submit(self._launch, n)
+            self.first.add_done_callback(self._launched)
 
     def _launched(self, f: Future) -> None:
         """A failure to start the workers (the pool shut down) ends the batch instead of a hang."""
