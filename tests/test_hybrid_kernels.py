@@ -23,7 +23,8 @@ from moe_runtime.hybrid.cpu_kernels import (
     int8_rows,
     run_projections,
 )
-from moe_runtime.hybrid.executor import CPUExpertExecutor, CPUExperts, expert_rows
+from moe_runtime.hybrid.executor import CPUExpertExecutor
+from moe_runtime.hybrid.layer_share import CPUExperts, expert_rows
 from moe_runtime.layers.experts import _hidden
 from moe_runtime.quant.cast import CastCodec
 from moe_runtime.quant.fp8 import Fp8BlockCodec

@@ -28,7 +28,8 @@ from moe_runtime.hybrid.cpu_kernels import (
     gate_up_pieces,
     run_projections,
 )
-from moe_runtime.hybrid.executor import CPUExpertExecutor, CPUExperts, _swiglu, expert_rows
+from moe_runtime.hybrid.executor import CPUExpertExecutor, _swiglu
+from moe_runtime.hybrid.layer_share import CPUExperts, expert_rows
 from moe_runtime.layers.experts import _hidden
 from moe_runtime.quant.cast import CastCodec
 from moe_runtime.quant.int8 import Int8ChannelCodec

@@ -42,7 +42,8 @@ from moe_runtime.hybrid.cost_model import (
     device_lanes,
     place_layer,
 )
-from moe_runtime.hybrid.executor import CPUExpertExecutor, CPUExperts
+from moe_runtime.hybrid.executor import CPUExpertExecutor
+from moe_runtime.hybrid.layer_share import CPUExperts
 
 #: layer runs whose prediction and measurement are kept
 RECORDS = 20000

@@ -63,7 +63,7 @@ class RuntimeProbe:
 
     def __enter__(self) -> RuntimeProbe:
         from moe_runtime.buffer.expert_buffer import ExpertBuffer
-        from moe_runtime.hybrid.executor import CPUExperts
+        from moe_runtime.hybrid.layer_share import CPUExperts
         from moe_runtime.io.link import LinkModel
         from moe_runtime.model import MoEModel
 
