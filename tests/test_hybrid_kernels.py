@@ -20,10 +20,10 @@ from moe_runtime.hybrid.cpu_kernels import (
     Linear,
     choose_kernels,
     eligible_kernels,
-    int8_rows,
     run_projections,
 )
 from moe_runtime.hybrid.executor import CPUExpertExecutor
+from moe_runtime.hybrid.int8_gemv import int8_rows
 from moe_runtime.hybrid.layer_share import CPUExperts, expert_rows
 from moe_runtime.layers.experts import _hidden
 from moe_runtime.quant.cast import CastCodec
