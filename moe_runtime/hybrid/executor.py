@@ -23,7 +23,7 @@ When the compute thread reaches the layer's CPU outputs it takes the units no wo
 yet, as an OpenMP master thread joins its team (:meth:`Batch.wait`): it neither idles while CPU
 work is left nor waits for a sleeping worker's wake-up (50-100 us on the 2-core host) when the
 device's share ended first. It does so only with one OpenMP thread of its own, so a unit gives
-the same bits whichever thread runs it.
+the same bits whichever thread runs it, and only for experts of at least :data:`MIN_UNIT_BYTES`.
 
 Each pool thread keeps one OpenMP thread (``omp_set_num_threads(1)`` for itself), so the pool
 does not multiply the compute thread's intra-op threads. A range is at least
@@ -87,7 +87,8 @@ class CPUExpertExecutor:
         threads: pool threads (>= 1).
         min_unit_bytes: least weight bytes of one range (None: :data:`MIN_UNIT_BYTES`).
         helps: the thread that waits for a batch takes its untaken units (:meth:`Batch.wait`);
-            only where that thread runs one OpenMP thread, as the pool's do (the same bits).
+            only where that thread runs one OpenMP thread, as the pool's do (the same bits), and
+            for experts of at least ``min_unit_bytes``.
 
     Attributes:
         samples: ``(rows, seconds)`` of each CPU expert of each finished layer run (its share of
@@ -106,8 +107,11 @@ class CPUExpertExecutor:
         min_unit_bytes: int | None = None,
         helps: bool = True,
     ) -> None:
-        self.store, self.threads, self.helps = store, max(1, threads), helps
+        self.store, self.threads = store, max(1, threads)
         self.min_unit_bytes = MIN_UNIT_BYTES if min_unit_bytes is None else min_unit_bytes
+        # only experts of at least a unit's bytes: a small one's Python would contend for the GIL
+        # with the pool's (the bundled model's 96 KiB experts at batch 4: cpu mode 1.2-1.3x slower)
+        self.helps = helps and store.expert_nbytes >= self.min_unit_bytes
         self.pool = ThreadPoolExecutor(self.threads, "moeserve-cpu-expert", initializer=_one_omp_thread)
         self.samples: collections.deque[tuple[int, float]] = collections.deque(maxlen=4096)
         self.start_samples: collections.deque[float] = collections.deque(maxlen=4096)
