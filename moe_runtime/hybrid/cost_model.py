@@ -175,25 +175,6 @@ def device_lanes(
     return out
 
 
-def cpu_cannot_win(
-    miss_rows: Sequence[int],
-    device_end_s: float,
-    link_end_s: float,
-    link_s: float,
-    cpu_start_s: float,
-    cpu: LinearCost,
-    device: LinearCost,
-) -> bool:
-    """True where :func:`place_layer` in ``auto`` would copy every miss, shown in O(1): even the
-    cheapest miss on an idle CPU lane (``cpu_start_s`` plus its time at the fewest rows) ends no
-    earlier than the latest any miss could end copied (after every other miss's copy, ``link_s``
-    each from ``link_end_s``, the latest backlog, and the device's time for all of them after
-    ``device_end_s``, its latest lane). A cheap skip of the greedy, not a different rule."""
-    n, lo, hi = len(miss_rows), min(miss_rows), max(miss_rows)
-    latest = max(device_end_s, link_end_s + n * link_s) + n * device.predict(hi)
-    return cpu_start_s + cpu.predict(lo) >= latest
-
-
 def place_layer(costs: LayerCosts, cpu: LinearCost, device: LinearCost, mode: str = "auto") -> Placement:
     """Place a layer's misses (``mode`` ``auto``: greedy by expected finish time, HybriMoE's
     intra-layer split; ``cpu``: every miss on the CPU, llama.cpp's ``--n-cpu-moe``; ``device``:

@@ -201,16 +201,25 @@ class Int8Gemv(Kernel):
         self._q = {p: lay.view(data, p, "weight").numpy() for p in ("gate", "up", "down")}
         self._s = {p: lay.view(data, p, "weight_scale").numpy() for p in ("gate", "up", "down")}
 
-    def _run(self, key: int, x: torch.Tensor, pieces, width: int) -> torch.Tensor:
-        """``pieces``: ``(part, first, end)`` weight rows, their outputs side by side (``width``)."""
+    def _call(self, x: torch.Tensor, width: int, fill) -> torch.Tensor:
+        """``fill(xs, out)`` on ``x [n, K]`` as fp32 numpy and a fresh fp32 ``out [n, width]``;
+        ``out`` in the compute dtype."""
         xs = x.to(torch.float32).contiguous().numpy()
         out = np.empty((xs.shape[0], width), dtype=np.float32)
-        col = 0
-        for part, a, b in pieces:
-            int8_rows(self._q[part][key][a:b], self._s[part][key][a:b], xs, out, col)
-            col += b - a
+        fill(xs, out)
         y = torch.from_numpy(out)
         return y if self.dtype == torch.float32 else y.to(self.dtype)
+
+    def _run(self, key: int, x: torch.Tensor, pieces, width: int) -> torch.Tensor:
+        """``pieces``: ``(part, first, end)`` weight rows, their outputs side by side (``width``)."""
+
+        def fill(xs, out):
+            col = 0
+            for part, a, b in pieces:
+                int8_rows(self._q[part][key][a:b], self._s[part][key][a:b], xs, out, col)
+                col += b - a
+
+        return self._call(x, width, fill)
 
     def gate_up(self, key, x):
         return self._run(key, x, (("gate", 0, self.i), ("up", 0, self.i)), 2 * self.i)
@@ -225,13 +234,8 @@ class Int8Gemv(Kernel):
         return self._run(key, h, (("down", r0, r1),), r1 - r0)
 
     def swiglu(self, key, x):
-        q, s = self._q, self._s
-        out = np.empty((x.shape[0], self.h), dtype=np.float32)
-        xs = x.to(torch.float32).contiguous().numpy()
-        parts = [a[p][key] for p in ("gate", "up", "down") for a in (q, s)]
-        int8_swiglu(*parts, xs, out)
-        y = torch.from_numpy(out)
-        return y if self.dtype == torch.float32 else y.to(self.dtype)
+        parts = [a[p][key] for p in ("gate", "up", "down") for a in (self._q, self._s)]
+        return self._call(x, self.h, lambda xs, out: int8_swiglu(*parts, xs, out))
 
 
 class Int8Pack(Kernel):

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from moe_runtime.hybrid.cpu_kernels import ROW_ALIGN, Kernel, KernelChoice
+from moe_runtime.hybrid.cpu_kernels import ROW_ALIGN, Kernel, KernelChoice, run_projections
 from moe_runtime.layers.experts import _biased, _hidden
 
 #: least weight bytes in one range of a split projection. A unit costs about 10 us of Python on
@@ -271,7 +271,6 @@ class Batch:
         self.error: BaseException | None = None
         n = min(executor.threads, max(len(gu), len(down)))
         # one submit from the caller (the compute thread); the first worker starts the others
-        self.others: list[Future] = []
         self.t_submit = time.perf_counter()
         self.start_s = 0.0  # submit to the first unit's start, set by wait()
         if not self.left:
@@ -289,7 +288,8 @@ class Batch:
 
     def _launch(self, n: int) -> None:
         submit = self.executor.pool.submit
-        self.others = [submit(self._worker) for _ in range(n - 1)]
+        for _ in range(n - 1):
+            submit(self._worker)  # their end is the units' count, not their futures
         self._worker()
 
     def _rows(self, e: _Expert) -> torch.Tensor:
@@ -339,7 +339,7 @@ class Batch:
         if e.plain and k.fused:
             self._finish(e, k.swiglu(e.key, xs))
         else:
-            self._finish(e, _biased(k.down(e.key, e.hidden(k.gate_up(e.key, xs))), e.down_bias))
+            self._finish(e, _biased(run_projections(k, e.key, xs, e.hidden), e.down_bias))
 
     def _gate_up(self, e: _Expert, j: int) -> None:
         xs = e.xs if e.xs is not None else self._rows(e)

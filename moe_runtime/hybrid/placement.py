@@ -34,14 +34,7 @@ from typing import Any
 import numpy as np
 
 from moe_runtime.buffer.slots import READY
-from moe_runtime.hybrid.cost_model import (
-    CLIP,
-    LayerCosts,
-    LinearCost,
-    cpu_cannot_win,
-    device_lanes,
-    place_layer,
-)
+from moe_runtime.hybrid.cost_model import CLIP, LayerCosts, LinearCost, device_lanes, place_layer
 from moe_runtime.hybrid.executor import CPUExpertExecutor
 from moe_runtime.hybrid.layer_share import CPUExperts
 
@@ -100,8 +93,7 @@ class HybridPlacer:
         self.link_probe_s = link_probe_s
         self.records: deque[LayerRecord] = deque(maxlen=RECORDS)
         self._pending: tuple[Any, float, int, float, tuple[int, int, int, int]] | None = None
-        self._counts: np.ndarray | None = None  # the running layer's rows per expert
-        self._rows_of: dict[int, int] = {}  # the same, for the running layer's needed experts
+        self._rows_of: dict[int, int] = {}  # the running layer's rows per needed expert (CPU device)
         self._batches = [0, 0, 0.0]  # the running layer run's device batches: experts, rows, seconds
         # the layer run's host time the lanes do not hold (routing's tail, planning, the batches'
         # index work, gathering the CPU outputs): a running mean of measured - lanes, added to
@@ -141,7 +133,7 @@ class HybridPlacer:
         """The compute thread ran ``experts`` of the running layer as one batch in ``seconds``
         (a CPU device): summed over the layer run, then one sample of the device fit (a linear
         cost: the run's batches add up to one), folded in at the next :meth:`split`."""
-        if self._counts is not None and experts:
+        if experts:
             acc = self._batches
             acc[0] += len(experts)
             acc[1] += sum(self._rows_of[e] for e in experts)
@@ -187,17 +179,17 @@ class HybridPlacer:
                 resident[d].append(rows[i])
             else:
                 inflight[d].append(rows[i])
-        self._counts = counts
         if self.device_timed:
             self._rows_of = dict(zip(experts, rows))
         n_res = sum(map(len, resident))
         n_fly = sum(map(len, inflight))
         link_s = [self.link_seconds(p) for p in parts]
         backlog = [p.loading * t for p, t in zip(parts, link_s)]
-        if not miss or (
-            self.mode == "auto" and self._hopeless(miss, rows, resident, inflight, backlog, link_s)
-        ):
-            return self._all_device(now, layer, experts, keys, miss, resident, inflight, backlog, link_s)
+        if not miss:  # nothing to place: the lanes are the device's
+            self._shared = False
+            predicted = max(device_lanes(resident, inflight, backlog, self.device_cost)) + self.host_s
+            self._pending = (None, now, layer, predicted, (n_res, n_fly, 0, 0))
+            return experts, keys, None, predicted
         costs = LayerCosts(
             resident,
             inflight,
@@ -240,35 +232,6 @@ class HybridPlacer:
         predicted = placed.predicted_s + self.host_s
         self._pending = (None, now, layer, predicted, placement)
         return experts, keys, cpu, predicted
-
-    def _hopeless(self, miss, rows, resident, inflight, backlog, link_s) -> bool:
-        """No miss can go to the CPU at either device fit (:func:`cpu_cannot_win`, with the slower
-        fit and the slowest link: the latest a copied miss could end)."""
-        miss_rows = [rows[i] for i in miss]
-        hi = max(miss_rows)
-        slow = max(self.device_cost, self.device_cost_shared, key=lambda f: f.predict(hi))
-        lanes = device_lanes(resident, inflight, backlog, slow)
-        return cpu_cannot_win(
-            miss_rows, max(lanes), max(backlog), max(link_s), self.cpu_start_s, self.cpu_cost, slow
-        )
-
-    def _all_device(self, now, layer, experts, keys, miss, resident, inflight, backlog, link_s):
-        """:meth:`split` where every miss is copied: no greedy, only the lanes' prediction (the
-        misses copied in :func:`place_layer`'s order, most rows first, each then run by the device)."""
-        self._shared = False
-        dev = self.device_cost
-        lanes = device_lanes(resident, inflight, backlog, dev)
-        if miss:
-            home, counts = self.buffer._home, self._counts
-            link_free = list(backlog)
-            for r, i in sorted((-int(counts[experts[i]]), i) for i in miss):
-                p = home[keys[i]]
-                link_free[p] += link_s[p]
-                lanes[p] = max(lanes[p], link_free[p]) + dev.predict(-r)
-        predicted = max(lanes) + self.host_s
-        placement = (sum(map(len, resident)), sum(map(len, inflight)), 0, len(miss))
-        self._pending = (None, now, layer, predicted, placement)
-        return experts, keys, None, predicted
 
     def bind(self, run: Any) -> None:
         """The layer run the last :meth:`split` made: its end is measured (``run.ended``)."""

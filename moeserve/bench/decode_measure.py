@@ -126,7 +126,7 @@ def _engine_decode(engine, prompts: list[list[int]], new_tokens: int) -> _Run:
     return _Run(sum(times) / len(times), cpu / len(times), len(times), *_delta(engine, before))
 
 
-def _engine_prefill(engine, prompt: list[int]) -> tuple[float, int, int, int]:
+def engine_prefill(engine, prompt: list[int]) -> tuple[float, int, int, int]:
     """Seconds from admitting ``prompt`` to its first token; prefill steps, lookups, bytes moved."""
     from moe_runtime.engine.request import SamplingParams
 
@@ -258,8 +258,8 @@ def run_rows(args, base, loaded, b: Bounds, hf_model, device, fractions, batches
 def prefill_row(args, engine, hf_model, device, b: Bounds) -> PrefillResult:
     """Time ``--prefill-len`` prompt tokens to the first token (warm-up + ``--repeats`` runs)."""
     prompt = _prompts(engine.loaded.config.vocab_size, 1, args.prefill_len, args.seed + 1000)[0]
-    _engine_prefill(engine, prompt)  # warm-up
-    runs = [_engine_prefill(engine, prompt) for _ in range(args.repeats)]
+    engine_prefill(engine, prompt)  # warm-up
+    runs = [engine_prefill(engine, prompt) for _ in range(args.repeats)]
     secs = [r[0] for r in runs]
     steps, lookups, moved = (statistics.median(r[i] for r in runs) for i in (1, 2, 3))
     weight = steps * b.dense_read_bytes + lookups * expert_read_bytes(engine.loaded)

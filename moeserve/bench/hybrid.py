@@ -99,28 +99,14 @@ def _run(engine, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
     }  # fmt: skip
 
 
-def _prefill(engine, prompt: list[int]) -> float:
-    """Seconds from admitting one ``prompt`` to its first token (its prefill, chunked as the engine
-    chunks it), run to its end."""
-    from moe_runtime.engine.request import SamplingParams
-
-    rid = f"hy-prefill-{time.monotonic_ns()}"
-    engine.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
-    t0 = time.perf_counter()
-    seconds = None
-    while engine.has_unfinished():
-        outs = engine.step()
-        if seconds is None and any(o.request_id == rid for o in outs):
-            seconds = time.perf_counter() - t0
-    return seconds if seconds is not None else time.perf_counter() - t0
-
-
 def run(args: argparse.Namespace) -> int:
     from moe_runtime.config import EXPERT_COMPUTE_MODES, RuntimeConfig
     from moe_runtime.engine.engine import LLMEngine
     from moe_runtime.loader import load_checkpoint
     from moe_runtime.paths import shown_path
+    from moeserve.bench.decode_measure import engine_prefill
     from moeserve.bench.experts import _cpu_name
+    from moeserve.bench.policy_summary import spread
     from moeserve.commands.common import resolve_model
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -163,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
             for m in modes:
                 runs[m].append(_run(engines[m], ps, args.new_tokens))
                 if long is not None:
-                    prefills[m].append(_prefill(engines[m], long))
+                    prefills[m].append(engine_prefill(engines[m], long)[0])
         summaries = {m: engines[m].summary() for m in modes}
         fits = {m: _fits(engines[m].hybrid) for m in modes}
     finally:
@@ -173,8 +159,8 @@ def run(args: argparse.Namespace) -> int:
     link_gbps, host_gbps = _rates(args.link_gbps, fits, loaded.store.expert_nbytes)
     for r in rows:
         if prefills[r["mode"]]:
-            ms = [1e3 * t for t in prefills[r["mode"]]]
-            r.update(prefill_ms=statistics.median(ms), prefill_ms_min=min(ms), prefill_ms_max=max(ms))
+            ms = spread([1e3 * t for t in prefills[r["mode"]]])
+            r.update(zip(("prefill_ms", "prefill_ms_min", "prefill_ms_max"), ms))
         # the misses' bytes over both paths at once (link and host memory): the hybrid bound of
         # the missed experts alone (the resident ones' compute comes on top)
         r["hybrid_bound_ms"] = (
