@@ -1,9 +1,9 @@
 """CPU expert kernels (``moe_runtime.hybrid.cpu_kernels``) and the executor's layer share
 (``moe_runtime.hybrid.executor``): the exact kernels give the device path's bits (a plain row's
 ``F.linear``, a quantized row's dequantizing slot view) whatever memory the weights sit in and
-however many rows; the int8 kernels are close to the dequantized ones; the kernel choice keeps
-the exact kernel on a tie and names its GB/s; the executor's outputs land at the ``(token, rank)``
-positions the device paths use."""
+however many rows; the int8 and bf16 kernels are close to the exact ones (bf16 widened exactly);
+the kernel choice keeps the exact kernel on a tie and names its GB/s; the executor's outputs land
+at the ``(token, rank)`` positions the device paths use."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_runtime.hybrid.cpu_kernels import (
+    Bf16Gemv,
     CastLinear,
     Dequant,
     Int8Gemv,
@@ -23,7 +24,7 @@ from moe_runtime.hybrid.cpu_kernels import (
     run_projections,
 )
 from moe_runtime.hybrid.executor import CPUExpertExecutor
-from moe_runtime.hybrid.int8_gemv import int8_rows
+from moe_runtime.hybrid.gemv import gemv_rows
 from moe_runtime.hybrid.layer_share import CPUExperts, expert_rows
 from moe_runtime.layers.experts import _hidden
 from moe_runtime.quant.cast import CastCodec
@@ -100,41 +101,90 @@ def test_int8_kernels_are_close_to_the_dequantized_expert(rows):
         torch.testing.assert_close(pack, want, rtol=0.05, atol=0.02)
 
 
+def _weights(fmt: str, n_out: int, k_in: int, seed: int = 0):
+    """``(q, scale, float64 weights)`` in ``fmt``: int8 with per-row scales, or bf16 bits
+    (``int16``) unscaled."""
+    gen = np.random.default_rng(seed)
+    if fmt == "int8":
+        q = gen.integers(-127, 128, size=(n_out, k_in)).astype(np.int8)
+        s = gen.random((n_out, 1)).astype(np.float32)
+        return q, s, q.astype(np.float64) * s
+    w = torch.from_numpy(gen.standard_normal((n_out, k_in)).astype(np.float32)).to(torch.bfloat16)
+    return w.view(torch.int16).numpy(), None, w.double().numpy()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "bf16"])
 @pytest.mark.parametrize(
     ("n_out", "k_in"), [(7, 33), (3, 4099), (19, 64)], ids=["tail", "tail-only", "streams"]
 )
-def test_int8_rows_handles_row_and_token_remainders(n_out, k_in):
-    gen = np.random.default_rng(0)
-    q = gen.integers(-127, 128, size=(n_out, k_in)).astype(np.int8)
-    s = gen.random((n_out, 1)).astype(np.float32)
-    x = gen.standard_normal((3, k_in)).astype(np.float32)
+def test_gemv_rows_handles_row_and_token_remainders(fmt, n_out, k_in):
+    q, s, w = _weights(fmt, n_out, k_in)
+    x = np.random.default_rng(1).standard_normal((3, k_in)).astype(np.float32)
     out = np.zeros((3, n_out + 3), dtype=np.float32)
-    int8_rows(q, s, x, out, 2)
-    want = (x.astype(np.float64) @ q.astype(np.float64).T) * s[:, 0]
+    gemv_rows(q, s, x, out, 2)
+    want = x.astype(np.float64) @ w.T
     np.testing.assert_allclose(out[:, 2 : 2 + n_out], want, rtol=1e-4, atol=1e-3)
     assert not out[:, :2].any() and not out[:, 2 + n_out :].any()
 
 
-def test_int8_rows_gives_a_row_the_same_bits_in_any_stream_and_range():
-    """A row's sum is the same loop wherever it sits (one of four streams, or the tail), so a
-    range of rows gives the whole product's bits: the pool can split an int8 expert."""
-    gen = np.random.default_rng(1)
-    q = gen.integers(-127, 128, size=(70, 300)).astype(np.int8)
-    s = gen.random((70, 1)).astype(np.float32)
-    x = gen.standard_normal((3, 300)).astype(np.float32)  # a pair of tokens and one alone
+@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+def test_gemv_rows_gives_a_row_the_same_bits_in_any_stream_and_range(fmt):
+    """A row's sum runs the same loop whichever of the four streams it is in, so any aligned
+    range of rows gives the whole product's bits: the pool can split a gemv expert."""
+    q, s, _ = _weights(fmt, 70, 300, seed=1)
+    x = np.random.default_rng(2).standard_normal((3, 300)).astype(np.float32)  # a pair and one alone
     whole = np.zeros((3, 70), dtype=np.float32)
-    int8_rows(q, s, x, whole, 0)
+    gemv_rows(q, s, x, whole, 0)
     for a, b in [(0, 16), (16, 48), (48, 70), (5, 9), (3, 70), (60, 67)]:
         part = np.zeros((3, b - a), dtype=np.float32)
-        int8_rows(q[a:b], s[a:b], x, part, 0)
+        gemv_rows(q[a:b], None if s is None else s[a:b], x, part, 0)
         assert np.array_equal(part, whole[:, a:b]), (a, b)
+
+
+def test_bf16_widening_is_exact():
+    """Every bf16 value (each of the 65,536 bit patterns but NaNs) widens to the fp32 torch gives."""
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    vals = bits.view(torch.bfloat16)
+    keep = ~torch.isnan(vals)
+    x = np.ones((1, 1), dtype=np.float32)
+    q = bits[keep].numpy().reshape(-1, 1)
+    out = np.zeros((1, q.shape[0]), dtype=np.float32)
+    gemv_rows(q, None, x, out, 0)
+    assert np.array_equal(out[0], vals[keep].float().numpy())
+
+
+@pytest.mark.parametrize("plain", [True, False], ids=["bf16-model", "expert-dtype-bf16"])
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_bf16_gemv_is_close_to_the_exact_kernel(plain, rows):
+    """bf16-gemv on a bf16 model's plain rows (bf16 in and out) and on ``--expert-dtype bf16``
+    rows under fp32 compute, against the exact kernel: fp32 rounding apart (bf16 output: one
+    bf16 rounding). The whole-expert call (its own SiLU, the hidden activation kept in fp32 where
+    the pieces round it to the compute dtype) is as close to the pieces."""
+    store = (
+        make_store(torch.bfloat16) if plain else make_store(torch.float32, CastCodec(torch.bfloat16, "bf16"))
+    )
+    exact = Linear(store) if plain else Dequant(store)
+    x = torch.randn(rows, H).to(store.compute_dtype)
+    act = lambda gu: _hidden(gu, None, None)  # noqa: E731
+    tol = {"rtol": 0.02, "atol": 0.01} if plain else {"rtol": 1e-4, "atol": 1e-5}
+    for e in range(E):
+        got = run_projections(Bf16Gemv(store), e, x, act)
+        assert got.dtype == store.compute_dtype
+        torch.testing.assert_close(got, run_projections(exact, e, x, act), **tol)
+        torch.testing.assert_close(Bf16Gemv(store).swiglu(e, x), got, **tol)
 
 
 def test_eligible_kernels_by_format():
     names = lambda store: [k.name for k in eligible_kernels(store)]  # noqa: E731
     assert names(make_store()) == ["linear"]
+    assert names(make_store(torch.bfloat16)) == ["linear", "bf16-gemv"]
     assert names(make_store(torch.float32, Int8ChannelCodec())) == ["dequant", "int8-gemv", "int8pack"]
-    assert names(make_store(torch.float32, CastCodec(torch.bfloat16, "bf16"))) == ["dequant", "cast-linear"]
+    assert names(make_store(torch.float32, CastCodec(torch.bfloat16, "bf16"))) == [
+        "dequant",
+        "cast-linear",
+        "bf16-gemv",
+    ]
+    assert names(make_store(torch.float32, CastCodec(torch.float16, "fp16"))) == ["dequant", "cast-linear"]
     assert names(make_store(torch.float32, Fp8BlockCodec((16, 16)))) == ["dequant"]
     assert all(k.exact for k in eligible_kernels(make_store())) and not CastLinear.exact
 

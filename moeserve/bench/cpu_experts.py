@@ -5,10 +5,10 @@ memory; at decode an expert meets few tokens, so its time is reading its weights
 expert shape (hidden H, width I: ``bundled`` from the bundled checkpoint, the others from
 :data:`moeserve.checkpoints.shapes.SHAPES`), format (``fp32``, ``bf16``: experts and activations
 in that dtype; ``int8``: one scale per output channel, activations fp32) and kernel
-(:mod:`moe_runtime.hybrid.cpu_kernels`: ``linear`` for the float formats; ``dequant``,
-``int8-gemv`` and ``int8pack`` for int8), a host store of random experts (seeded; enough of them
-that each call reads its weights from memory, not the cache, the pool at least
-``--pool-mib``) runs one expert's projections and SwiGLU on ``T`` token rows through the
+(:mod:`moe_runtime.hybrid.cpu_kernels`: ``linear`` for the float formats and ``bf16-gemv`` for
+bf16; ``dequant``, ``int8-gemv`` and ``int8pack`` for int8), a host store of random experts
+(seeded; enough of them that each call reads its weights from memory, not the cache, the pool at
+least ``--pool-mib``) runs one expert's projections and SwiGLU on ``T`` token rows through the
 runtime's executor (:class:`~moe_runtime.hybrid.executor.CPUExpertExecutor`): the expert split by
 ranges of output rows over ``--threads`` pool threads (each one OpenMP thread), its ranges at
 least ``--min-unit-kib`` of weights, as the runtime runs it. A row is a warm-up round and
