@@ -21,13 +21,16 @@ def _json(capsys, argv: list[str]) -> dict:
 def test_cpu_experts_rows_and_roof(capsys):
     data = _json(
         capsys,
-        ["bench", "cpu-experts", "--shapes", "bundled", "--tokens", "1,4", "--formats", "fp32,int8",
+        ["bench", "cpu-experts", "--shapes", "bundled", "--tokens", "1,4", "--formats", "fp32,int8,fp8",
          "--pool-mib", "4", "--roof-mib", "8", "--json"],
     )  # fmt: skip
     s, rows = data["settings"], data["results"]
     assert s["threads"] == 1 and s["repeats"] == 3 and s["roof_gbps_median"] > 0 and "warmup" in s
     kernels = {(r["format"], r["kernel"]) for r in rows}
-    assert kernels == {("fp32", "linear"), ("int8", "dequant"), ("int8", "int8-gemv"), ("int8", "int8pack")}
+    assert kernels == {
+        ("fp32", "linear"), ("int8", "dequant"), ("int8", "int8-gemv"), ("int8", "int8pack"),
+        ("fp8", "dequant"), ("fp8", "fp8-gemv"),
+    }  # fmt: skip
     assert len(rows) == 2 * len(kernels)
     for r in rows:
         assert r["ms_min"] <= r["ms"] <= r["ms_max"] and r["gbps"] > 0 and r["gflops"] > 0
@@ -49,7 +52,7 @@ def test_cpu_experts_split_over_the_pool(capsys):
 
 def test_cpu_experts_refuses_bad_flags(capsys):
     assert main(["bench", "cpu-experts", "--formats", "fp64"]) != 0
-    assert "--formats: 'fp64' is not one of fp32, bf16, int8" in capsys.readouterr().err
+    assert "--formats: 'fp64' is not one of fp32, bf16, int8, fp8" in capsys.readouterr().err
     assert main(["bench", "cpu-experts", "--repeats", "2"]) != 0
     assert "--repeats must be >= 3" in capsys.readouterr().err
 

@@ -12,19 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_runtime.hybrid.cpu_kernels import (
-    Bf16Gemv,
-    CastLinear,
-    Dequant,
-    Int8Gemv,
-    Int8Pack,
-    Linear,
-    choose_kernels,
-    eligible_kernels,
-    run_projections,
-)
+from moe_runtime.hybrid.cpu_kernels import CastLinear, Dequant, Int8Pack, Linear, run_projections
 from moe_runtime.hybrid.executor import CPUExpertExecutor
-from moe_runtime.hybrid.gemv import gemv_rows
+from moe_runtime.hybrid.gemv import Bf16Gemv, Fp8Gemv, Int8Gemv, e4m3_exact, gemv_rows
+from moe_runtime.hybrid.kernel_choice import choose_kernels, eligible_kernels
 from moe_runtime.hybrid.layer_share import CPUExperts, expert_rows
 from moe_runtime.layers.experts import _hidden
 from moe_runtime.quant.cast import CastCodec
@@ -102,42 +93,57 @@ def test_int8_kernels_are_close_to_the_dequantized_expert(rows):
 
 
 def _weights(fmt: str, n_out: int, k_in: int, seed: int = 0):
-    """``(q, scale, float64 weights)`` in ``fmt``: int8 with per-row scales, or bf16 bits
-    (``int16``) unscaled."""
+    """``(q, scale, block, float64 weights)`` in ``fmt``: int8 with per-row scales, bf16 bits
+    (``int16``) unscaled, or fp8 bits (``uint8``) with 16 x 16 block scales."""
     gen = np.random.default_rng(seed)
     if fmt == "int8":
         q = gen.integers(-127, 128, size=(n_out, k_in)).astype(np.int8)
         s = gen.random((n_out, 1)).astype(np.float32)
-        return q, s, q.astype(np.float64) * s
-    w = torch.from_numpy(gen.standard_normal((n_out, k_in)).astype(np.float32)).to(torch.bfloat16)
-    return w.view(torch.int16).numpy(), None, w.double().numpy()
+        return q, s, (1, 0), q.astype(np.float64) * s
+    w = torch.from_numpy(gen.standard_normal((n_out, k_in)).astype(np.float32))
+    if fmt == "fp8":
+        codec = Fp8BlockCodec((16, 16))
+        parts = codec.quantize(w)
+        want = codec.dequantize(parts, n_out, k_in, torch.float64).numpy()
+        return parts["weight"].view(torch.uint8).numpy(), parts["weight_scale_inv"].numpy(), (16, 16), want
+    w = w.to(torch.bfloat16)
+    return w.view(torch.int16).numpy(), None, (1, 0), w.double().numpy()
 
 
-@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+FORMATS = ["int8", "bf16", "fp8"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize(
-    ("n_out", "k_in"), [(7, 33), (3, 4099), (19, 64)], ids=["tail", "tail-only", "streams"]
+    ("n_out", "k_in"),
+    [(7, 33), (3, 4099), (19, 64), (40, 50)],
+    ids=["tail", "tail-only", "streams", "blocks"],
 )
 def test_gemv_rows_handles_row_and_token_remainders(fmt, n_out, k_in):
-    q, s, w = _weights(fmt, n_out, k_in)
+    q, s, block, w = _weights(fmt, n_out, k_in)
     x = np.random.default_rng(1).standard_normal((3, k_in)).astype(np.float32)
     out = np.zeros((3, n_out + 3), dtype=np.float32)
-    gemv_rows(q, s, x, out, 2)
+    gemv_rows(q, s, *block, 0, x, out, 2)
     want = x.astype(np.float64) @ w.T
     np.testing.assert_allclose(out[:, 2 : 2 + n_out], want, rtol=1e-4, atol=1e-3)
     assert not out[:, :2].any() and not out[:, 2 + n_out :].any()
 
 
-@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_gemv_rows_gives_a_row_the_same_bits_in_any_stream_and_range(fmt):
-    """A row's sum runs the same loop whichever of the four streams it is in, so any aligned
-    range of rows gives the whole product's bits: the pool can split a gemv expert."""
-    q, s, _ = _weights(fmt, 70, 300, seed=1)
+    """A row's sum runs the same loop whichever of the four streams it is in (and an fp8 row block's
+    scaled token rows are the same whichever range asks), so any range of rows of at least four
+    per row block gives the whole product's bits: the pool can split a gemv expert."""
+    q, s, block, _ = _weights(fmt, 70, 300, seed=1)
     x = np.random.default_rng(2).standard_normal((3, 300)).astype(np.float32)  # a pair and one alone
     whole = np.zeros((3, 70), dtype=np.float32)
-    gemv_rows(q, s, x, whole, 0)
-    for a, b in [(0, 16), (16, 48), (48, 70), (5, 9), (3, 70), (60, 67)]:
+    gemv_rows(q, s, *block, 0, x, whole, 0)
+    ranges = [(0, 16), (16, 48), (48, 70), (5, 9), (3, 70), (60, 67)]
+    if fmt == "fp8":  # each range's piece of a 16-row block at least four rows
+        ranges = [(0, 16), (16, 48), (48, 70), (4, 12), (20, 40), (32, 70)]
+    for a, b in ranges:
         part = np.zeros((3, b - a), dtype=np.float32)
-        gemv_rows(q[a:b], None if s is None else s[a:b], x, part, 0)
+        gemv_rows(q[a:b], s, *block, a, x, part, 0)
         assert np.array_equal(part, whole[:, a:b]), (a, b)
 
 
@@ -149,8 +155,31 @@ def test_bf16_widening_is_exact():
     x = np.ones((1, 1), dtype=np.float32)
     q = bits[keep].numpy().reshape(-1, 1)
     out = np.zeros((1, q.shape[0]), dtype=np.float32)
-    gemv_rows(q, None, x, out, 0)
+    gemv_rows(q, None, 1, 0, 0, x, out, 0)
     assert np.array_equal(out[0], vals[keep].float().numpy())
+
+
+def test_fp8_widening_is_exact():
+    """Every e4m3fn code but the NaNs, subnormals included, widens to the fp32 torch gives; the
+    load-time check (``e4m3_exact``) agrees on this thread."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    vals = codes.view(torch.float8_e4m3fn).float()
+    keep = ~torch.isnan(vals)
+    q = codes[keep].numpy().reshape(-1, 1)
+    out = np.zeros((1, q.shape[0]), dtype=np.float32)
+    gemv_rows(q, None, 1, 0, 0, np.ones((1, 1), dtype=np.float32), out, 0)
+    assert np.array_equal(out[0], vals[keep].numpy()) and (vals[keep][:8] < 0.02).all()
+    assert e4m3_exact()
+
+
+def test_fp8_gemv_is_close_to_the_dequantizing_kernel():
+    store = make_store(torch.float32, Fp8BlockCodec((16, 16)))
+    x = torch.randn(3, H)
+    act = lambda gu: _hidden(gu, None, None)  # noqa: E731
+    for e in range(E):
+        want = run_projections(Dequant(store), e, x, act)
+        torch.testing.assert_close(run_projections(Fp8Gemv(store), e, x, act), want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(Fp8Gemv(store).swiglu(e, x), want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("plain", [True, False], ids=["bf16-model", "expert-dtype-bf16"])
@@ -185,7 +214,7 @@ def test_eligible_kernels_by_format():
         "bf16-gemv",
     ]
     assert names(make_store(torch.float32, CastCodec(torch.float16, "fp16"))) == ["dequant", "cast-linear"]
-    assert names(make_store(torch.float32, Fp8BlockCodec((16, 16)))) == ["dequant"]
+    assert names(make_store(torch.float32, Fp8BlockCodec((16, 16)))) == ["dequant", "fp8-gemv"]
     assert all(k.exact for k in eligible_kernels(make_store())) and not CastLinear.exact
 
 

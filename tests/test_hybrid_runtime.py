@@ -27,8 +27,8 @@ from moe_runtime.engine.engine import LLMEngine
 from moe_runtime.engine.request import ExpertRequestStats, RequestOutput, SamplingParams
 from moe_runtime.errors import ConfigError
 from moe_runtime.hybrid.cost_model import LinearCost
-from moe_runtime.hybrid.cpu_kernels import choose_kernels
 from moe_runtime.hybrid.executor import CPUExpertExecutor
+from moe_runtime.hybrid.kernel_choice import choose_kernels
 from moe_runtime.hybrid.placement import HybridPlacer
 from moe_runtime.hybrid.setup import default_threads
 from moe_runtime.io.transfer_queue import Transfer

@@ -20,18 +20,13 @@ from moe_runtime.assets import default_model_dir
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine.engine import LLMEngine
 from moe_runtime.engine.request import SamplingParams
-from moe_runtime.hybrid.cpu_kernels import (
-    ROW_ALIGN,
-    Linear,
-    choose_kernels,
-    eligible_kernels,
-    gate_up_pieces,
-    run_projections,
-)
+from moe_runtime.hybrid.cpu_kernels import ROW_ALIGN, Linear, gate_up_pieces, run_projections
 from moe_runtime.hybrid.executor import CPUExpertExecutor, _swiglu
+from moe_runtime.hybrid.kernel_choice import choose_kernels, eligible_kernels
 from moe_runtime.hybrid.layer_share import CPUExperts, expert_rows
 from moe_runtime.layers.experts import _hidden
 from moe_runtime.quant.cast import CastCodec
+from moe_runtime.quant.fp8 import Fp8BlockCodec
 from moe_runtime.quant.int8 import Int8ChannelCodec
 from moe_runtime.quant.mxfp4 import Mxfp4Codec
 from moe_runtime.stats import ExpertStats
@@ -75,6 +70,24 @@ def test_split_expert_gives_the_whole_products_bits(dtype, codec, rows):
                 if k.exact:  # the device path's bits
                     assert torch.equal(got, device_path(store.expert(e).clone(), x, store))
         assert {k.name for k in kernels if k.exact} & ex.whole == set()
+    finally:
+        ex.close()
+
+
+def test_fp8_gemv_splits_where_fp8_dequant_runs_whole():
+    """fp8's block scales span rows: its ``dequant`` runs whole, while ``fp8-gemv`` (the scales by
+    absolute row block) splits by ranges and gives the whole product's bits."""
+    store = make_store(torch.float32, Fp8BlockCodec((16, 16)))
+    ex = CPUExpertExecutor(store, None, 3, min_unit_bytes=1)
+    try:
+        kernels = eligible_kernels(store)
+        ex.check_split(kernels)
+        dequant, gemv = kernels
+        assert (dequant.name, gemv.name) == ("dequant", "fp8-gemv") and gemv.name not in ex.whole
+        assert sum(map(len, ex.plans(dequant))) == 2 and sum(map(len, ex.plans(gemv))) > 2
+        x = torch.randn(3, H)
+        for e in range(E):
+            assert torch.equal(ex.run_one(gemv, e, x), run_projections(gemv, e, x, _swiglu))
     finally:
         ex.close()
 

@@ -48,7 +48,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from moe_runtime.hybrid.cpu_kernels import ROW_ALIGN, Kernel, KernelChoice, run_projections
+from moe_runtime.hybrid.cpu_kernels import ROW_ALIGN, Kernel, run_projections
+from moe_runtime.hybrid.kernel_choice import KernelChoice
 from moe_runtime.layers.experts import _biased, _hidden
 
 #: least weight bytes in one range of a split projection. A unit costs about 10 us of Python on
@@ -82,7 +83,7 @@ class CPUExpertExecutor:
 
     Args:
         store: the :class:`~moe_runtime.store.HostExpertStore`.
-        choice: the kernels by row count (:func:`~moe_runtime.hybrid.cpu_kernels.choose_kernels`);
+        choice: the kernels by row count (:func:`~moe_runtime.hybrid.kernel_choice.choose_kernels`);
             None: set later with :meth:`set_choice` (the runtime measures the kernels on this pool).
         threads: pool threads (>= 1).
         min_unit_bytes: least weight bytes of one range (None: :data:`MIN_UNIT_BYTES`).

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from moe_runtime.hybrid.cost_model import LinearCost
-from moe_runtime.hybrid.cpu_kernels import KernelChoice, choose_kernels, eligible_kernels
 from moe_runtime.hybrid.executor import CPUExpertExecutor
+from moe_runtime.hybrid.kernel_choice import KernelChoice, choose_kernels, eligible_kernels
 from moe_runtime.hybrid.placement import HybridPlacer
 
 #: the larger row count of the load-time fits (the CPU kernels' and the device's)

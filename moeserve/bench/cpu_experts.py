@@ -4,11 +4,12 @@ Hybrid expert execution (:mod:`moe_runtime.hybrid`) computes missed experts on t
 memory; at decode an expert meets few tokens, so its time is reading its weights once. For each
 expert shape (hidden H, width I: ``bundled`` from the bundled checkpoint, the others from
 :data:`moeserve.checkpoints.shapes.SHAPES`), format (``fp32``, ``bf16``: experts and activations
-in that dtype; ``int8``: one scale per output channel, activations fp32) and kernel
-(:mod:`moe_runtime.hybrid.cpu_kernels`: ``linear`` for the float formats and ``bf16-gemv`` for
-bf16; ``dequant``, ``int8-gemv`` and ``int8pack`` for int8), a host store of random experts
-(seeded; enough of them that each call reads its weights from memory, not the cache, the pool at
-least ``--pool-mib``) runs one expert's projections and SwiGLU on ``T`` token rows through the
+in that dtype; ``int8``: one scale per output channel; ``fp8``: e4m3 with 128 x 128 block scales;
+activations fp32 for both) and kernel (:mod:`moe_runtime.hybrid.kernel_choice`: ``linear`` for
+the float formats and ``bf16-gemv`` for bf16; ``dequant``, ``int8-gemv`` and ``int8pack`` for
+int8; ``dequant`` and ``fp8-gemv`` for fp8), a host store of random experts (seeded; enough of
+them that each call reads its weights from memory, not the cache, the pool at least
+``--pool-mib``) runs one expert's projections and SwiGLU on ``T`` token rows through the
 runtime's executor (:class:`~moe_runtime.hybrid.executor.CPUExpertExecutor`): the expert split by
 ranges of output rows over ``--threads`` pool threads (each one OpenMP thread), its ranges at
 least ``--min-unit-kib`` of weights, as the runtime runs it. A row is a warm-up round and
@@ -38,7 +39,7 @@ import torch
 
 from moe_runtime.errors import ConfigError
 
-FORMATS = ("fp32", "bf16", "int8")
+FORMATS = ("fp32", "bf16", "int8", "fp8")
 DEFAULT_SHAPES = "bundled,olmoe-1b-7b,qwen3-30b-a3b,mixtral-8x7b"
 MiB = 1 << 20
 #: a timed round makes at least ``--calls`` calls per thread and lasts at least this long (so a
@@ -52,7 +53,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"comma list (default: {DEFAULT_SHAPES})")
     p.add_argument("--tokens", default="1,2,4,8,32", help="comma list of token rows (default: 1,2,4,8,32)")
-    p.add_argument("--formats", default=",".join(FORMATS), help="comma list of fp32, bf16, int8")
+    p.add_argument("--formats", default=",".join(FORMATS), help="comma list of fp32, bf16, int8, fp8")
     p.add_argument(
         "--threads", type=int, default=1, help="pool threads, each expert split over all (default: 1)"
     )
@@ -116,11 +117,13 @@ class ReadRoof:
 
 def make_store(hidden: int, inter: int, fmt: str, pool_mib: int, seed: int) -> Any:
     """A host store of random experts in ``fmt``, as many as fill ``pool_mib`` MiB (at least 2)."""
+    from moe_runtime.quant.fp8 import E4M3, Fp8BlockCodec, block_for
     from moe_runtime.quant.int8 import Int8ChannelCodec
     from moe_runtime.quant.layout import ExpertLayout
     from moe_runtime.store import HostExpertStore
 
-    layout = ExpertLayout(Int8ChannelCodec(), hidden, inter) if fmt == "int8" else None
+    codec = {"int8": Int8ChannelCodec, "fp8": lambda: Fp8BlockCodec(block_for(hidden, inter))}.get(fmt)
+    layout = ExpertLayout(codec(), hidden, inter) if codec else None
     dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
     nbytes = layout.nbytes if layout else 3 * hidden * inter * dtype.itemsize
     n = max(2, -(-pool_mib * MiB // nbytes))
@@ -132,6 +135,10 @@ def make_store(hidden: int, inter: int, fmt: str, pool_mib: int, seed: int) -> A
         return store
     for part in ("gate", "up", "down"):
         q = layout.view(store.data, part, "weight")
+        if fmt == "fp8":  # normal random codes and one scale per block
+            q.copy_(torch.randn(q.shape, generator=gen).mul_(100).to(E4M3))
+            layout.view(store.data, part, "weight_scale_inv").fill_(0.02 / 100)
+            continue
         q.copy_(torch.randint(-127, 128, q.shape, generator=gen, dtype=torch.int8))
         layout.view(store.data, part, "weight_scale").fill_(0.02 / 127)
     return store
@@ -189,8 +196,8 @@ def _row(name: str, fmt: str, kernel: Any, t: int, times, executor: Any) -> dict
 
 def run(args: argparse.Namespace) -> int:
     from moe_runtime.host_alloc import keep_freed_memory
-    from moe_runtime.hybrid.cpu_kernels import _has_numba, eligible_kernels
     from moe_runtime.hybrid.executor import MIN_UNIT_BYTES, CPUExpertExecutor
+    from moe_runtime.hybrid.kernel_choice import _has_numba, eligible_kernels
     from moeserve.bench.experts import _cpu_name, _positive_ints, shape_of
 
     tokens = _positive_ints("--tokens", args.tokens)
