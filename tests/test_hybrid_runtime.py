@@ -94,6 +94,27 @@ def test_auto_over_a_slow_link_places_misses_on_the_cpu_with_the_same_bits(devic
     assert rec.resident + rec.inflight + rec.cpu + rec.copied > 0
 
 
+@pytest.mark.parametrize(("dtype", "expert_dtype"), [("fp32", "int8"), ("fp32", "fp8"), ("bf16", "auto")])
+def test_cpu_mode_with_a_gemv_kernel_is_close_to_device(monkeypatch, dtype, expert_dtype):
+    """The compiled kernels in the engine (forced: the tiny experts may measure faster with torch's):
+    int8 and fp8 experts under fp32, and a bf16 model's experts (by pieces, rounded as the device
+    path rounds), give device's tokens with logits within rounding."""
+    import moe_runtime.hybrid.setup as setup
+
+    eligible = setup.eligible_kernels
+    monkeypatch.setattr(
+        setup, "eligible_kernels", lambda store: [k for k in eligible(store) if "gemv" in k.name]
+    )
+    want, _ = _logits(_rt(expert_compute="device", dtype=dtype, expert_dtype=expert_dtype))
+    got, engine = _logits(_rt(expert_compute="cpu", dtype=dtype, expert_dtype=expert_dtype))
+    assert "gemv" in engine.summary() and sum(engine.buffer.stats.cpu_experts) > 0
+    tol = {"rtol": 0.02, "atol": 0.05} if dtype == "bf16" else {"rtol": 1e-4, "atol": 1e-4}
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **tol)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
 def test_auto_is_the_default_over_a_link_and_device_without():
     assert RuntimeConfig().expert_compute_mode == "device"
     assert RuntimeConfig(link_gbps=1.0).expert_compute_mode == "auto"

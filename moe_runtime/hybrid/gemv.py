@@ -238,6 +238,10 @@ class Gemv(Kernel):
         super().__init__(store)
         # numpy views of every expert's components, made once: a call only indexes them by key
         self._q, self._s = self._weights(store)
+        # the whole-expert call keeps the hidden activation in fp32; under a 16-bit compute dtype
+        # the pieces round it as the device path does (a bf16 model's tokens stayed the device's
+        # with the pieces, not with the whole call)
+        self.fused = self.dtype == torch.float32
 
     def _weights(
         self, store: Any
