@@ -21,7 +21,7 @@ def _json(capsys, argv: list[str]) -> dict:
 def test_cpu_experts_rows_and_roof(capsys):
     data = _json(
         capsys,
-        ["bench", "cpu-experts", "--shapes", "bundled", "--tokens", "1,4", "--formats", "fp32,int8,fp8",
+        ["bench", "cpu-experts", "--shapes", "bundled", "--tokens", "1,4", "--formats", "fp32,int8,fp8,mxfp4",
          "--pool-mib", "4", "--roof-mib", "8", "--json"],
     )  # fmt: skip
     s, rows = data["settings"], data["results"]
@@ -29,7 +29,7 @@ def test_cpu_experts_rows_and_roof(capsys):
     kernels = {(r["format"], r["kernel"]) for r in rows}
     assert kernels == {
         ("fp32", "linear"), ("int8", "dequant"), ("int8", "int8-gemv"), ("int8", "int8pack"),
-        ("fp8", "dequant"), ("fp8", "fp8-gemv"),
+        ("fp8", "dequant"), ("fp8", "fp8-gemv"), ("mxfp4", "dequant"), ("mxfp4", "mxfp4-gemv"),
     }  # fmt: skip
     assert len(rows) == 2 * len(kernels)
     for r in rows:
@@ -52,7 +52,7 @@ def test_cpu_experts_split_over_the_pool(capsys):
 
 def test_cpu_experts_refuses_bad_flags(capsys):
     assert main(["bench", "cpu-experts", "--formats", "fp64"]) != 0
-    assert "--formats: 'fp64' is not one of fp32, bf16, int8, fp8" in capsys.readouterr().err
+    assert "--formats: 'fp64' is not one of fp32, bf16, int8, fp8, mxfp4" in capsys.readouterr().err
     assert main(["bench", "cpu-experts", "--repeats", "2"]) != 0
     assert "--repeats must be >= 3" in capsys.readouterr().err
 

@@ -17,6 +17,7 @@ from moe_runtime.hybrid.executor import CPUExpertExecutor
 from moe_runtime.hybrid.gemv import Bf16Gemv, Fp8Gemv, Int8Gemv, e4m3_exact, gemv_rows
 from moe_runtime.hybrid.kernel_choice import choose_kernels, eligible_kernels
 from moe_runtime.hybrid.layer_share import CPUExperts, expert_rows
+from moe_runtime.hybrid.mxfp4_gemv import Mxfp4Gemv, mxfp4_exact, mxfp4_rows
 from moe_runtime.layers.experts import _hidden
 from moe_runtime.quant.cast import CastCodec
 from moe_runtime.quant.fp8 import Fp8BlockCodec
@@ -172,6 +173,37 @@ def test_fp8_widening_is_exact():
     assert e4m3_exact()
 
 
+@pytest.mark.parametrize(
+    ("n_out", "k_in"), [(70, 300), (3, 64), (19, 40)], ids=["streams", "tail-only", "pad"]
+)
+def test_mxfp4_rows_match_the_dequantized_rows_and_split(n_out, k_in):
+    """MXFP4 rows (``K`` padded to whole groups) against the codec's dequantized matrix; every
+    code at scale 2^0 is exact on this thread; a range of rows gives the whole product's bits."""
+    codec = Mxfp4Codec()
+    parts = codec.quantize(torch.randn(n_out, k_in) * 0.05)
+    want = codec.dequantize(parts, n_out, k_in, torch.float64).numpy()
+    blocks, scales = parts["blocks"].numpy(), parts["scales"].numpy()
+    x = np.random.default_rng(3).standard_normal((3, k_in)).astype(np.float32)
+    out = np.zeros((3, n_out + 1), dtype=np.float32)
+    mxfp4_rows(blocks, scales, x, out, 1)
+    np.testing.assert_allclose(out[:, 1:], x.astype(np.float64) @ want.T, rtol=1e-5, atol=1e-5)
+    assert mxfp4_exact() and not out[:, 0].any()
+    for a, b in [(0, 16), (16, 48), (5, 9), (48, 70)]:
+        if b <= n_out and b - a >= 4:
+            part = np.zeros((3, b - a), dtype=np.float32)
+            mxfp4_rows(blocks[a:b], scales[a:b], x, part, 0)
+            assert np.array_equal(part, out[:, 1 + a : 1 + b]), (a, b)
+
+
+def test_mxfp4_gemv_is_close_to_the_dequantizing_kernel():
+    store = make_store(torch.float32, Mxfp4Codec())
+    x = torch.randn(3, H)
+    act = lambda gu: _hidden(gu, None, None)  # noqa: E731
+    for e in range(E):
+        want = run_projections(Dequant(store), e, x, act)
+        torch.testing.assert_close(run_projections(Mxfp4Gemv(store), e, x, act), want, rtol=1e-4, atol=1e-5)
+
+
 def test_fp8_gemv_is_close_to_the_dequantizing_kernel():
     store = make_store(torch.float32, Fp8BlockCodec((16, 16)))
     x = torch.randn(3, H)
@@ -214,6 +246,7 @@ def test_eligible_kernels_by_format():
         "bf16-gemv",
     ]
     assert names(make_store(torch.float32, CastCodec(torch.float16, "fp16"))) == ["dequant", "cast-linear"]
+    assert names(make_store(torch.float32, Mxfp4Codec())) == ["dequant", "mxfp4-gemv"]
     assert names(make_store(torch.float32, Fp8BlockCodec((16, 16)))) == ["dequant", "fp8-gemv"]
     assert all(k.exact for k in eligible_kernels(make_store())) and not CastLinear.exact
 

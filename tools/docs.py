@@ -190,8 +190,8 @@ BLOCKS: dict[str, Block] = {
     ),
     "cpu-experts": Block(
         "docs/hybrid.md",
-        "moeserve bench cpu-experts --shapes qwen3-30b-a3b,mixtral-8x7b --tokens 1,4 "
-        "--formats fp32,bf16,int8,fp8 --json",
+        "moeserve bench cpu-experts --shapes qwen3-30b-a3b,mixtral-8x7b --tokens 1 "
+        "--formats fp32,bf16,int8,fp8,mxfp4 --json",
         "moeserve.bench.cpu_experts:markdown",
         5,
     ),

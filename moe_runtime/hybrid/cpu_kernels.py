@@ -14,12 +14,12 @@ is eligible only where the experts are stored in its own format, e.g. int8 exper
   the device path's dequantizing slot views do (fp8, MXFP4, int8 and cast experts).
 * ``cast-linear``: float experts stored in another dtype than the compute dtype (``--expert-dtype
   bf16`` with ``--dtype fp32``): ``F.linear`` in the stored dtype, the output cast back.
-* ``int8-gemv``, ``bf16-gemv``, ``fp8-gemv`` (:mod:`moe_runtime.hybrid.gemv`): compiled loops on
-  the stored int8, bf16 or fp8 rows, each weight widened to fp32 exactly, fp32 accumulators.
+* ``int8-gemv``, ``bf16-gemv``, ``fp8-gemv`` (:mod:`moe_runtime.hybrid.gemv`), ``mxfp4-gemv``
+  (:mod:`moe_runtime.hybrid.mxfp4_gemv`): compiled loops on the stored int8, bf16, fp8 or MXFP4
+  rows, each weight widened to fp32 exactly, fp32 accumulators.
 * ``int8pack``: int8 experts through ``torch.ops.aten._weight_int8pack_mm`` (activations in bf16
   unless the compute dtype is bf16 or fp16).
 
-MXFP4 experts run ``dequant`` (no second copy of the store is made: see docs/hybrid.md).
 :mod:`moe_runtime.hybrid.kernel_choice` measures the eligible kernels at load on the store's own
 experts and keeps the fastest per row count.
 

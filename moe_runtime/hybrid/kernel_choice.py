@@ -24,6 +24,7 @@ from moe_runtime.hybrid.cpu_kernels import (
     run_projections,
 )
 from moe_runtime.hybrid.gemv import Bf16Gemv, Fp8Gemv, Int8Gemv, e4m3_exact
+from moe_runtime.hybrid.mxfp4_gemv import Mxfp4Gemv, mxfp4_exact
 
 #: token rows at which the kernels are measured at load; a step's row count uses the nearest
 ROW_POINTS = (1, 4, 32)
@@ -53,6 +54,9 @@ def eligible_kernels(store: Any) -> list[Kernel]:
     elif name == "fp8":
         if _has_numba() and e4m3_exact():  # a thread that flushes subnormals would zero some
             kernels.append(Fp8Gemv(store))
+    elif name == "mxfp4":
+        if _has_numba() and mxfp4_exact():
+            kernels.append(Mxfp4Gemv(store))
     elif name == "int8":
         if _has_numba():
             kernels.append(Int8Gemv(store))

@@ -5,10 +5,11 @@ memory; at decode an expert meets few tokens, so its time is reading its weights
 expert shape (hidden H, width I: ``bundled`` from the bundled checkpoint, the others from
 :data:`moeserve.checkpoints.shapes.SHAPES`), format (``fp32``, ``bf16``: experts and activations
 in that dtype; ``int8``: one scale per output channel; ``fp8``: e4m3 with 128 x 128 block scales;
-activations fp32 for both) and kernel (:mod:`moe_runtime.hybrid.kernel_choice`: ``linear`` for
-the float formats and ``bf16-gemv`` for bf16; ``dequant``, ``int8-gemv`` and ``int8pack`` for
-int8; ``dequant`` and ``fp8-gemv`` for fp8), a host store of random experts (seeded; enough of
-them that each call reads its weights from memory, not the cache, the pool at least
+``mxfp4``: e2m1 with a power-of-two scale per 32; activations fp32 for all three) and kernel
+(:mod:`moe_runtime.hybrid.kernel_choice`: ``linear`` for the float formats and ``bf16-gemv`` for
+bf16; ``dequant``, ``int8-gemv`` and ``int8pack`` for int8; ``dequant`` and ``fp8-gemv`` or
+``mxfp4-gemv`` for fp8 and mxfp4), a host store of random experts (seeded; enough of them that
+each call reads its weights from memory, not the cache, the pool at least
 ``--pool-mib``) runs one expert's projections and SwiGLU on ``T`` token rows through the
 runtime's executor (:class:`~moe_runtime.hybrid.executor.CPUExpertExecutor`): the expert split by
 ranges of output rows over ``--threads`` pool threads (each one OpenMP thread), its ranges at
@@ -39,7 +40,7 @@ import torch
 
 from moe_runtime.errors import ConfigError
 
-FORMATS = ("fp32", "bf16", "int8", "fp8")
+FORMATS = ("fp32", "bf16", "int8", "fp8", "mxfp4")
 DEFAULT_SHAPES = "bundled,olmoe-1b-7b,qwen3-30b-a3b,mixtral-8x7b"
 MiB = 1 << 20
 #: a timed round makes at least ``--calls`` calls per thread and lasts at least this long (so a
@@ -53,7 +54,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"comma list (default: {DEFAULT_SHAPES})")
     p.add_argument("--tokens", default="1,2,4,8,32", help="comma list of token rows (default: 1,2,4,8,32)")
-    p.add_argument("--formats", default=",".join(FORMATS), help="comma list of fp32, bf16, int8, fp8")
+    p.add_argument("--formats", default=",".join(FORMATS), help="comma list of fp32, bf16, int8, fp8, mxfp4")
     p.add_argument(
         "--threads", type=int, default=1, help="pool threads, each expert split over all (default: 1)"
     )
@@ -120,9 +121,14 @@ def make_store(hidden: int, inter: int, fmt: str, pool_mib: int, seed: int) -> A
     from moe_runtime.quant.fp8 import E4M3, Fp8BlockCodec, block_for
     from moe_runtime.quant.int8 import Int8ChannelCodec
     from moe_runtime.quant.layout import ExpertLayout
+    from moe_runtime.quant.mxfp4 import Mxfp4Codec
     from moe_runtime.store import HostExpertStore
 
-    codec = {"int8": Int8ChannelCodec, "fp8": lambda: Fp8BlockCodec(block_for(hidden, inter))}.get(fmt)
+    codec = {
+        "int8": Int8ChannelCodec,
+        "fp8": lambda: Fp8BlockCodec(block_for(hidden, inter)),
+        "mxfp4": Mxfp4Codec,
+    }.get(fmt)
     layout = ExpertLayout(codec(), hidden, inter) if codec else None
     dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
     nbytes = layout.nbytes if layout else 3 * hidden * inter * dtype.itemsize
@@ -134,6 +140,11 @@ def make_store(hidden: int, inter: int, fmt: str, pool_mib: int, seed: int) -> A
             row.copy_(torch.randn(row.numel(), generator=gen).mul_(0.02))
         return store
     for part in ("gate", "up", "down"):
+        if fmt == "mxfp4":  # random codes, one scale (2^-7) per group
+            blocks = layout.view(store.data, part, "blocks")
+            blocks.copy_(torch.randint(0, 256, blocks.shape, generator=gen, dtype=torch.uint8))
+            layout.view(store.data, part, "scales").fill_(120)
+            continue
         q = layout.view(store.data, part, "weight")
         if fmt == "fp8":  # normal random codes and one scale per block
             q.copy_(torch.randn(q.shape, generator=gen).mul_(100).to(E4M3))
