@@ -94,10 +94,12 @@ def test_auto_over_a_slow_link_places_misses_on_the_cpu_with_the_same_bits(devic
     assert rec.resident + rec.inflight + rec.cpu + rec.copied > 0
 
 
-@pytest.mark.parametrize(("dtype", "expert_dtype"), [("fp32", "int8"), ("fp32", "fp8"), ("bf16", "auto")])
+@pytest.mark.parametrize(
+    ("dtype", "expert_dtype"), [("fp32", "int8"), ("fp32", "fp8"), ("fp32", "mxfp4"), ("bf16", "auto")]
+)
 def test_cpu_mode_with_a_gemv_kernel_is_close_to_device(monkeypatch, dtype, expert_dtype):
     """The compiled kernels in the engine (forced: the tiny experts may measure faster with torch's):
-    int8 and fp8 experts under fp32, and a bf16 model's experts (by pieces, rounded as the device
+    int8, fp8 and MXFP4 experts under fp32, and a bf16 model's experts (by pieces, rounded as the device
     path rounds), give device's tokens with logits within rounding."""
     import moe_runtime.hybrid.setup as setup
 
