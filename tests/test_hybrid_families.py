@@ -6,7 +6,8 @@ greedy tokens and fp32 logits within the oracle tests' tolerance, for one prompt
 prompts of different lengths, and on this CPU the same logits bit for bit as ``device`` (the CPU
 kernel is ``F.linear`` on the store's rows; each token's sum keeps ascending expert order).
 Families: Mixtral, Qwen2-MoE (shared expert), Qwen3-MoE, OLMoE, DeepSeek-V2 (two variants) and V3
-(latent attention), GLM-4.5, Phi-3.5-MoE, gpt-oss (expert biases, clamped SwiGLU).
+(latent attention), GLM-4.5, Phi-3.5-MoE, gpt-oss (expert biases, clamped SwiGLU; and with MXFP4
+experts through the compiled CPU kernel).
 """
 
 from __future__ import annotations
@@ -69,3 +70,27 @@ def test_cpu_and_auto_match_transformers_and_device(checkpoints, family):
     for mode in ("cpu", "auto"):
         for (tokens, logits), (dev_tokens, dev_logits) in zip(got[mode], got["device"]):
             assert tokens == dev_tokens and torch.equal(logits, dev_logits), mode
+
+
+def test_gpt_oss_mxfp4_experts_through_the_compiled_kernel(checkpoints, monkeypatch):
+    """gpt-oss with MXFP4 experts (``--expert-dtype mxfp4``), every miss on the CPU through
+    ``mxfp4-gemv`` (forced: at the tiny shape torch's may measure faster), its biases and clamped
+    SwiGLU between the kernel's projections: device's greedy tokens, logits within rounding."""
+    import moe_runtime.hybrid.setup as setup
+
+    eligible = setup.eligible_kernels
+    monkeypatch.setattr(
+        setup, "eligible_kernels", lambda store: [k for k in eligible(store) if "gemv" in k.name]
+    )
+    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+    got = {}
+    for mode in ("device", "cpu"):
+        rt = RuntimeConfig(
+            buffer_slots=2, max_model_len=64, max_batch_size=3, expert_compute=mode, expert_dtype="mxfp4"
+        )
+        with LLMEngine.from_pretrained(checkpoints["gpt_oss"], rt) as engine:
+            got[mode] = _run_collecting_logits(engine, PROMPTS, params)
+            assert mode == "device" or "mxfp4-gemv" in engine.summary()
+    for (tokens, logits), (dev_tokens, dev_logits) in zip(got["cpu"], got["device"]):
+        assert tokens == dev_tokens
+        torch.testing.assert_close(logits, dev_logits, rtol=1e-4, atol=1e-4)
