@@ -39,26 +39,22 @@ def _e2m1(c):
 _TWO_63 = np.float32(2.0**63)
 
 
-@njit(nogil=True, fastmath=True, cache=True)
-def _factors(scales: np.ndarray) -> np.ndarray:
-    """``2^(s - 64)`` per scale byte ``s`` ``[N, G]`` (float32 bits; exact for ``s <= 191``,
-    infinite above: a scale over ``2^64`` is no weight's)."""
-    f = np.empty(scales.shape, dtype=np.uint32)
-    for n in range(scales.shape[0]):
-        for g in range(scales.shape[1]):
-            s = np.uint32(scales[n, g])
-            f[n, g] = (s + np.uint32(63)) << 23 if s <= 191 else np.uint32(0x7F800000)
-    return f.view(np.float32)
+@njit(nogil=True, fastmath=True, cache=True, inline="always")
+def _factor(s) -> np.float32:
+    """``2^(s - 64)`` for a scale byte ``s`` from its float bits: exact for ``s <= 191``, infinite
+    above (a scale over ``2^64`` is no weight's)."""
+    return np.uint32((min(np.uint32(s), np.uint32(192)) + np.uint32(63)) << 23).view(np.float32)
 
 
 @njit(nogil=True, fastmath=True, cache=True, inline="always")
-def _four_rows(blocks, f, xe, xo, acc, out, m: int, col0: int, n0, n1, n2, n3) -> None:
+def _four_rows(blocks, scales, xe, xo, acc, out, m: int, col0: int, n0, n1, n2, n3) -> None:
     """Rows ``n0..n3`` against token ``m``'s even (``xe``) and odd (``xo``) elements, each row in
     its own 16 accumulators ``acc[i]`` (the same loop for every row)."""
     acc[:] = 0.0
     b0, b1, b2, b3 = blocks[n0], blocks[n1], blocks[n2], blocks[n3]
     for g in range(blocks.shape[1]):
-        s0, s1, s2, s3 = f[n0, g], f[n1, g], f[n2, g], f[n3, g]
+        s0, s1 = _factor(scales[n0, g]), _factor(scales[n1, g])
+        s2, s3 = _factor(scales[n2, g]), _factor(scales[n3, g])
         base = g * _HALF
         for j in range(_HALF):
             u, v = xe[base + j], xo[base + j]
@@ -81,7 +77,6 @@ def mxfp4_rows(blocks: np.ndarray, scales: np.ndarray, x: np.ndarray, out: np.nd
     last rows beside three rows before them (recomputed, the same bits), so with ``N >= 4`` a
     range of rows gives the whole product's bits."""
     n_out, groups = blocks.shape[0], blocks.shape[1]
-    f = _factors(scales)
     xe = np.zeros((x.shape[0], groups * _HALF), dtype=np.float32)
     xo = np.zeros((x.shape[0], groups * _HALF), dtype=np.float32)
     for m in range(x.shape[0]):
@@ -94,12 +89,12 @@ def mxfp4_rows(blocks: np.ndarray, scales: np.ndarray, x: np.ndarray, out: np.nd
     step = n_out // 4
     for m in range(x.shape[0]):
         for i in range(step):
-            _four_rows(blocks, f, xe[m], xo[m], acc, out, m, col0, i, i + step, i + 2 * step, i + 3 * step)
+            _four_rows(blocks, scales, xe[m], xo[m], acc, out, m, col0, i, i + step, i + 2 * step, i + 3 * step)
         for n in range(4 * step, n_out):
             if n_out >= 4:
-                _four_rows(blocks, f, xe[m], xo[m], acc, out, m, col0, n, n - 1, n - 2, n - 3)
+                _four_rows(blocks, scales, xe[m], xo[m], acc, out, m, col0, n, n - 1, n - 2, n - 3)
             else:
-                _four_rows(blocks, f, xe[m], xo[m], acc, out, m, col0, n, n, n, n)
+                _four_rows(blocks, scales, xe[m], xo[m], acc, out, m, col0, n, n, n, n)
 
 
 def mxfp4_exact() -> bool:
