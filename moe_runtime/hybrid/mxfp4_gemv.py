@@ -89,7 +89,9 @@ def mxfp4_rows(blocks: np.ndarray, scales: np.ndarray, x: np.ndarray, out: np.nd
     step = n_out // 4
     for m in range(x.shape[0]):
         for i in range(step):
-            _four_rows(blocks, scales, xe[m], xo[m], acc, out, m, col0, i, i + step, i + 2 * step, i + 3 * step)
+            _four_rows(
+                blocks, scales, xe[m], xo[m], acc, out, m, col0, i, i + step, i + 2 * step, i + 3 * step
+            )
         for n in range(4 * step, n_out):
             if n_out >= 4:
                 _four_rows(blocks, scales, xe[m], xo[m], acc, out, m, col0, n, n - 1, n - 2, n - 3)
