@@ -219,8 +219,8 @@ def test_fp8_gemv_is_close_to_the_dequantizing_kernel():
 def test_bf16_gemv_is_close_to_the_exact_kernel(plain, rows):
     """bf16-gemv on a bf16 model's plain rows (bf16 in and out) and on ``--expert-dtype bf16``
     rows under fp32 compute, against the exact kernel: fp32 rounding apart (bf16 output: one
-    bf16 rounding). The whole-expert call (its own SiLU, the hidden activation kept in fp32 where
-    the pieces round it to the compute dtype) is as close to the pieces."""
+    bf16 rounding). The whole-expert call (its own SiLU; under bf16 the hidden activation rounded
+    as the pieces round it) is as close to the pieces."""
     store = (
         make_store(torch.bfloat16) if plain else make_store(torch.float32, CastCodec(torch.bfloat16, "bf16"))
     )

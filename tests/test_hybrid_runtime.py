@@ -99,8 +99,8 @@ def test_auto_over_a_slow_link_places_misses_on_the_cpu_with_the_same_bits(devic
 )
 def test_cpu_mode_with_a_gemv_kernel_is_close_to_device(monkeypatch, dtype, expert_dtype):
     """The compiled kernels in the engine (forced: the tiny experts may measure faster with torch's):
-    int8, fp8 and MXFP4 experts under fp32, and a bf16 model's experts (by pieces, rounded as the device
-    path rounds), give device's tokens with logits within rounding."""
+    int8, fp8 and MXFP4 experts under fp32, and a bf16 model's experts (the hidden activation rounded
+    as the device path rounds it), give device's tokens with logits within rounding."""
     import moe_runtime.hybrid.setup as setup
 
     eligible = setup.eligible_kernels

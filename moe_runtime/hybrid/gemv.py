@@ -205,12 +205,14 @@ def gemv_rows(q, scale, br: int, bc: int, row0: int, x: np.ndarray, out: np.ndar
 
 
 @njit(nogil=True, fastmath=True, cache=True)
-def gemv_swiglu(qg, qu, qd, sg, su, sd, br: int, bc: int, x: np.ndarray, out: np.ndarray) -> None:
+def gemv_swiglu(qg, qu, qd, sg, su, sd, br: int, bc: int, x: np.ndarray, out: np.ndarray, bf16: bool) -> None:
     """One whole expert with the plain SwiGLU: ``out [M, H] = down(silu(gate(x)) * up(x))`` for
     ``x [M, H]`` float32, each projection by :func:`gemv_rows` (``q*`` stored weights ``[N, K]``,
     ``s*`` their scales by ``br x bc`` blocks, or None). One call instead of three kernels and the
     activation's torch ops between them: at one token the Qwen3-30B-A3B int8 expert reads in about
-    200 us, which the Python between the pieces (20-50 us) would stretch by a fifth."""
+    200 us, which the Python between the pieces (20-50 us) would stretch by a fifth. ``bf16``: the
+    gate and up outputs, the SiLU and the product are each rounded to bf16, as a bf16 model's
+    device path rounds them (its output is rounded by the caller)."""
     inter = qg.shape[0]
     gu = np.empty((x.shape[0], 2 * inter), dtype=np.float32)
     gemv_rows(qg, sg, br, bc, 0, x, gu, 0)
@@ -218,9 +220,23 @@ def gemv_swiglu(qg, qu, qd, sg, su, sd, br: int, bc: int, x: np.ndarray, out: np
     h = np.empty((x.shape[0], inter), dtype=np.float32)
     for m in range(x.shape[0]):
         for j in range(inter):
-            g = gu[m, j]
-            h[m, j] = g / (np.float32(1.0) + np.exp(-g)) * gu[m, inter + j]
+            g, u = gu[m, j], gu[m, inter + j]
+            if bf16:
+                g, u = _round_bf16(g), _round_bf16(u)
+                h[m, j] = _round_bf16(_round_bf16(g / (np.float32(1.0) + np.exp(-g))) * u)
+            else:
+                h[m, j] = g / (np.float32(1.0) + np.exp(-g)) * u
     gemv_rows(qd, sd, br, bc, 0, h, out, 0)
+
+
+@njit(nogil=True, fastmath=True, cache=True, inline="always")
+def _round_bf16(v):
+    """``v`` rounded to the nearest bf16 (ties to even), as an fp32; finite ``v`` only."""
+    bits = np.uint32(np.float32(v).view(np.uint32))
+    bits = np.uint32(
+        np.uint32(bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    )
+    return bits.view(np.float32)
 
 
 class Gemv(Kernel):
@@ -238,10 +254,9 @@ class Gemv(Kernel):
         super().__init__(store)
         # numpy views of every expert's components, made once: a call only indexes them by key
         self._q, self._s = self._weights(store)
-        # the whole-expert call keeps the hidden activation in fp32; under a 16-bit compute dtype
-        # the pieces round it as the device path does (a bf16 model's tokens stayed the device's
-        # with the pieces, not with the whole call)
-        self.fused = self.dtype == torch.float32
+        # one call per whole expert in fp32 and bf16 (rounding the hidden activation as a bf16
+        # device path does); fp16 runs by pieces
+        self.fused = self.dtype in (torch.float32, torch.bfloat16)
 
     def _weights(
         self, store: Any
@@ -285,7 +300,8 @@ class Gemv(Kernel):
     def swiglu(self, key, x):
         parts = [self._q[p][key] for p in ("gate", "up", "down")]
         scales = [None if self._s[p] is None else self._s[p][key] for p in ("gate", "up", "down")]
-        return self._call(x, self.h, lambda xs, out: gemv_swiglu(*parts, *scales, *self.block, xs, out))
+        bf16 = self.dtype == torch.bfloat16
+        return self._call(x, self.h, lambda xs, out: gemv_swiglu(*parts, *scales, *self.block, xs, out, bf16))
 
 
 class Int8Gemv(Gemv):
