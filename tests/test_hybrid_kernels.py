@@ -14,8 +14,7 @@ import torch.nn.functional as F
 
 from moe_runtime.hybrid.cpu_kernels import CastLinear, Dequant, Int8Pack, Linear, run_projections
 from moe_runtime.hybrid.executor import CPUExpertExecutor
-from moe_runtime.hybrid.gemv import e4m3_exact, gemv_rows
-from moe_runtime.hybrid.gemv_kernels import Bf16Gemv, Fp8Gemv, Int8Gemv
+from moe_runtime.hybrid.gemv import Bf16Gemv, Fp8Gemv, Int8Gemv, e4m3_exact, gemv_rows
 from moe_runtime.hybrid.kernel_choice import choose_kernels, eligible_kernels
 from moe_runtime.hybrid.layer_share import CPUExperts, expert_rows
 from moe_runtime.hybrid.mxfp4_gemv import Mxfp4Gemv, mxfp4_exact, mxfp4_rows

@@ -67,9 +67,6 @@ class Kernel:
     exact = True
     splits = True
     fused = False  # has :meth:`swiglu`, the whole expert in one call
-    #: ``gate_up``, ``down`` and ``swiglu`` take ``threads`` and spread one call over that many
-    #: threads (the executor runs such a kernel's experts whole instead of by ranges)
-    parallel = False
 
     def __init__(self, store: Any) -> None:
         self.store = store

@@ -30,12 +30,6 @@ does not multiply the compute thread's intra-op threads. A range is at least
 :data:`MIN_UNIT_BYTES` of weights: each unit costs some Python on the GIL, which small experts
 (the bundled model's) cannot amortise over many threads.
 
-A kernel that spreads one call over several threads itself (:attr:`Kernel.parallel`: the gemv
-kernels, over numba's threads) is not split into ranges: with more than one pool thread a batch of
-its experts runs on one worker, expert after expert, each call on as many threads as the pool has
-(no Python per range, no barrier; the same bits as one thread), and the waiting caller does not
-take units beside it.
-
 One layer run's share of the pool (its tokens' rows in, its outputs back) is
 :class:`~moe_runtime.hybrid.layer_share.CPUExperts`.
 """
@@ -138,7 +132,7 @@ class CPUExpertExecutor:
 
     # ------------------------------------------------------------------ ranges
     def _plan(self, kernel: Kernel, n_out: int, row_bytes: int) -> list[tuple[int, int]]:
-        if not kernel.splits or kernel.name in self.whole or kernel.parallel:
+        if not kernel.splits or kernel.name in self.whole:
             return [(0, n_out)]
         return split_ranges(n_out, row_bytes, self.threads, self.min_unit_bytes)
 
@@ -202,7 +196,7 @@ class CPUExpertExecutor:
         its down bias; ``plain``: ``hidden`` is the plain SwiGLU with no biases (a fused kernel may
         run the whole expert in one call); the kernel the choice names for its row count."""
         kernel = self.choice.for_rows(len(rows))
-        return _Expert(key, kernel, self.plans(kernel), rows, hidden, down_bias, plain, self.threads)
+        return _Expert(key, kernel, self.plans(kernel), rows, hidden, down_bias, plain)
 
     def submit(self, experts: list[_Expert], host: torch.Tensor, ready: Any = None) -> Batch:
         """Start ``experts`` over ``host`` (their token rows; ``ready``: a CUDA event the workers
@@ -214,11 +208,9 @@ class CPUExpertExecutor:
         the load-time measurement of the kernels (``choose_kernels(run=...)``). An unsplit expert
         runs on the calling thread where it :attr:`helps`, as the compute thread would take it:
         the pool's hand-off is the placement's measured start delay, not a kernel's cost."""
-        rows = np.arange(x.shape[0])
-        e = _Expert(key, kernel, self.plans(kernel), rows, _swiglu, None, True, self.threads)
+        e = _Expert(key, kernel, self.plans(kernel), np.arange(x.shape[0]), _swiglu, None, True)
         e.xs = x
-        # one unit the waiting caller would take itself (or a parallel kernel's): no hand-off
-        if e.whole and (self.helps or e.threads > 1):
+        if self.helps and e.whole:  # one unit the waiting caller would take itself: no hand-off
             return Batch(self, [e], x, None, start=False).wait(True)[0][0]
         return self.submit([e], x).wait(self.helps)[0][0]
 
@@ -234,17 +226,14 @@ class _Expert:
     """One expert's share of a :class:`Batch`: its ranges, their outputs and its two barriers."""
 
     __slots__ = ("key", "kernel", "gu_plan", "down_plan", "rows", "hidden", "down_bias", "xs", "gu",
-                 "down", "gu_left", "down_left", "h", "released", "y", "plain", "whole",
-                 "threads")  # fmt: skip
+                 "down", "gu_left", "down_left", "h", "released", "y", "plain", "whole")  # fmt: skip
 
-    def __init__(self, key, kernel, plans, rows, hidden, down_bias, plain=False, threads=1) -> None:
+    def __init__(self, key, kernel, plans, rows, hidden, down_bias, plain=False) -> None:
         self.key, self.kernel, self.rows, self.hidden, self.down_bias = key, kernel, rows, hidden, down_bias
         self.gu_plan, self.down_plan = plans
         self.plain = plain
         # unsplit: one unit, the whole expert on one thread (its down needs all of its gate/up)
         self.whole = len(self.gu_plan) == 1 and len(self.down_plan) == 1
-        # a parallel kernel's call spreads over this many threads (1: the calling thread's)
-        self.threads = threads if kernel.parallel else 1
         self.gu: list[Any] = [None] * len(self.gu_plan)
         self.down: list[Any] = [None] * len(self.down_plan)
         self.gu_left, self.down_left = len(self.gu_plan), len(self.down_plan)
@@ -281,15 +270,12 @@ class Batch:
         self.first_start, self.last_end = math.inf, 0.0  # first unit's start, last one's end
         self.work = [0.0] * len(experts)  # thread-seconds per expert
         self.error: BaseException | None = None
-        # experts whose calls spread over every thread themselves: one worker, one at a time
-        self.parallel = any(e.threads > 1 for e in experts)
-        n = 1 if self.parallel else min(executor.threads, max(len(gu), len(down)))
+        n = min(executor.threads, max(len(gu), len(down)))
         # one submit from the caller (the compute thread); the first worker starts the others
         self.t_submit = time.perf_counter()
         self.start_s = 0.0  # submit to the first unit's start, set by wait()
         if not self.left:
             self.done.set()
-        self.started = start
         if start:
             self.first: Future = executor.pool.submit(self._launch, n)
             self.first.add_done_callback(self._launched)
@@ -351,13 +337,7 @@ class Batch:
         activation is the plain SwiGLU, else its two projections around the device path's."""
         xs = e.xs if e.xs is not None else self._rows(e)
         k = e.kernel
-        if e.threads > 1:  # one call per projection over that many threads
-            if e.plain and k.fused:
-                y = k.swiglu(e.key, xs, threads=e.threads)
-            else:
-                y = k.down(e.key, e.hidden(k.gate_up(e.key, xs, threads=e.threads)), threads=e.threads)
-            self._finish(e, _biased(y, e.down_bias))
-        elif e.plain and k.fused:
+        if e.plain and k.fused:
             self._finish(e, k.swiglu(e.key, xs))
         else:
             self._finish(e, _biased(run_projections(k, e.key, xs, e.hidden), e.down_bias))
@@ -416,8 +396,7 @@ class Batch:
         caller passes False where its own thread runs more OpenMP threads.
 
         Raises: what a unit raised, in any thread."""
-        # not beside a worker running parallel calls (each on every thread), unless none started
-        if help and not (self.parallel and self.started) and not self.done.is_set():
+        if help and not self.done.is_set():
             self._worker()
         self.done.wait()
         if self.error is not None:

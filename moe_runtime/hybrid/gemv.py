@@ -1,6 +1,5 @@
-"""The compiled loops of the ``*-gemv`` CPU expert kernels (:mod:`moe_runtime.hybrid.gemv_kernels`):
-int8, bf16 or fp8 weights against fp32 token rows, with fp32 accumulators, ``nogil`` so the CPU
-pool's threads run them side by side.
+"""The ``*-gemv`` CPU expert kernels and their compiled loops: int8, bf16 or fp8 weights against
+fp32 token rows, with fp32 accumulators, ``nogil`` so the CPU pool's threads run them side by side.
 
 At decode an expert meets a few tokens and its time is reading its weights. One row at a time is
 one sequential stream through the matrix, which left the memory system idle on a 2-core EPYC host
@@ -23,8 +22,12 @@ row block, before the loop; bf16 has none (``scale`` None).
 
 from __future__ import annotations
 
-import numpy as np
+from typing import Any
 
+import numpy as np
+import torch
+
+from moe_runtime.hybrid.cpu_kernels import Kernel, gate_up_pieces
 from moe_runtime.jit import njit
 
 try:
@@ -234,3 +237,118 @@ def _round_bf16(v):
         np.uint32(bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) & np.uint32(0xFFFF0000)
     )
     return bits.view(np.float32)
+
+
+class Gemv(Kernel):
+    """The compiled row-stream loops of :mod:`moe_runtime.hybrid.gemv` on the stored weights,
+    fp32 accumulators; subclasses give every expert's ``[keys, N, K]`` weights per part
+    (:meth:`_weights`), their scales (None: unscaled) and the scales' block (:attr:`block`,
+    ``(1, 0)``: one per row)."""
+
+    block = (1, 0)
+
+    exact = False
+    fused = True
+
+    def __init__(self, store: Any) -> None:
+        super().__init__(store)
+        # numpy views of every expert's components, made once: a call only indexes them by key
+        self._q, self._s = self._weights(store)
+        # one call per whole expert in fp32 and bf16 (rounding the hidden activation as a bf16
+        # device path does); fp16 runs by pieces
+        self.fused = self.dtype in (torch.float32, torch.bfloat16)
+
+    def _weights(
+        self, store: Any
+    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray | None]]:  # pragma: no cover
+        raise NotImplementedError
+
+    def _call(self, x: torch.Tensor, width: int, fill) -> torch.Tensor:
+        """``fill(xs, out)`` on ``x [n, K]`` as fp32 numpy and a fresh fp32 ``out [n, width]``;
+        ``out`` in the compute dtype."""
+        xs = x.to(torch.float32).contiguous().numpy()
+        out = np.empty((xs.shape[0], width), dtype=np.float32)
+        fill(xs, out)
+        y = torch.from_numpy(out)
+        return y if self.dtype == torch.float32 else y.to(self.dtype)
+
+    def _run(self, key: int, x: torch.Tensor, pieces, width: int) -> torch.Tensor:
+        """``pieces``: ``(part, first, end)`` weight rows, their outputs side by side (``width``)."""
+
+        def fill(xs, out):
+            col = 0
+            for part, a, b in pieces:
+                s = self._s[part]
+                s = None if s is None else s[key]
+                gemv_rows(self._q[part][key][a:b], s, *self.block, a, xs, out, col)
+                col += b - a
+
+        return self._call(x, width, fill)
+
+    def gate_up(self, key, x):
+        return self._run(key, x, (("gate", 0, self.i), ("up", 0, self.i)), 2 * self.i)
+
+    def down(self, key, h):
+        return self._run(key, h, (("down", 0, self.h),), self.h)
+
+    def gate_up_rows(self, key, x, r0, r1):
+        return self._run(key, x, gate_up_pieces(self.i, r0, r1), r1 - r0)
+
+    def down_rows(self, key, h, r0, r1):
+        return self._run(key, h, (("down", r0, r1),), r1 - r0)
+
+    def swiglu(self, key, x):
+        parts = [self._q[p][key] for p in ("gate", "up", "down")]
+        scales = [None if self._s[p] is None else self._s[p][key] for p in ("gate", "up", "down")]
+        bf16 = self.dtype == torch.bfloat16
+        return self._call(x, self.h, lambda xs, out: gemv_swiglu(*parts, *scales, *self.block, xs, out, bf16))
+
+
+class Int8Gemv(Gemv):
+    """int8 experts, one scale per output row: 1 byte read per weight. An unsplit expert with the
+    plain SwiGLU runs whole in one call (``swiglu``), as every gemv kernel's does."""
+
+    name = "int8-gemv"
+
+    def _weights(self, store):
+        lay, data = self.layout, store.data
+        q = {p: lay.view(data, p, "weight").numpy() for p in ("gate", "up", "down")}
+        return q, {p: lay.view(data, p, "weight_scale").numpy() for p in ("gate", "up", "down")}
+
+
+class Bf16Gemv(Gemv):
+    """bf16 experts (a bf16 model's plain rows, or ``--expert-dtype bf16``): 2 bytes read per
+    weight, each widened to fp32 exactly; the output is rounded once, to the compute dtype.
+    oneDNN's bf16 ``F.linear`` at one token read a third of this host's roof."""
+
+    name = "bf16-gemv"
+
+    def _weights(self, store):
+        if self.layout is None:  # a plain [gate | up | down] row
+            h, i, data = self.h, self.i, store.data.view(torch.int16)
+            q = {
+                "gate": data[:, : i * h].view(-1, i, h),
+                "up": data[:, i * h : 2 * i * h].view(-1, i, h),
+                "down": data[:, 2 * i * h :].view(-1, h, i),
+            }
+        else:
+            q = {
+                p: self.layout.view(store.data, p, "weight").view(torch.int16) for p in ("gate", "up", "down")
+            }
+        return {p: w.numpy() for p, w in q.items()}, {"gate": None, "up": None, "down": None}
+
+
+class Fp8Gemv(Gemv):
+    """fp8 e4m3 experts with block scales (DeepSeek-V3's, Qwen3-FP8's): 1 byte read per weight,
+    each widened exactly; a row block's scales multiply the token rows once, not each weight."""
+
+    name = "fp8-gemv"
+
+    def __init__(self, store: Any) -> None:
+        self.block = store.layout.codec.block
+        super().__init__(store)
+
+    def _weights(self, store):
+        lay, data = self.layout, store.data
+        q = {p: lay.view(data, p, "weight").view(torch.uint8).numpy() for p in ("gate", "up", "down")}
+        return q, {p: lay.view(data, p, "weight_scale_inv").numpy() for p in ("gate", "up", "down")}

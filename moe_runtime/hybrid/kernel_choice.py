@@ -23,8 +23,7 @@ from moe_runtime.hybrid.cpu_kernels import (
     _silu_glu,
     run_projections,
 )
-from moe_runtime.hybrid.gemv import e4m3_exact
-from moe_runtime.hybrid.gemv_kernels import Bf16Gemv, Fp8Gemv, Int8Gemv
+from moe_runtime.hybrid.gemv import Bf16Gemv, Fp8Gemv, Int8Gemv, e4m3_exact
 from moe_runtime.hybrid.mxfp4_gemv import Mxfp4Gemv, mxfp4_exact
 
 #: token rows at which the kernels are measured at load; a step's row count uses the nearest

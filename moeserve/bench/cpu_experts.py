@@ -17,8 +17,7 @@ least ``--min-unit-kib`` of weights, as the runtime runs it. A row is a warm-up 
 ``--repeats`` timed rounds of ``--calls`` calls (more where that takes under
 :data:`MIN_ROUND_S`): per call, the median round's time and the spread (the fastest and slowest
 round's), the weights read per second (GB/s, 1e9 bytes), GFLOP/s (``2 x 3 x I x H x T``) and the
-ranges per projection (gate/up + down; 1 + 1: whole; a gemv kernel runs whole, each call
-over the ``--threads`` threads).
+ranges per projection (gate/up + down; 1 + 1: whole).
 
 The read roof is measured just before each timed round (so both see the same load on a shared
 host): each of the ``--threads`` threads sums its own contiguous ``--roof-mib`` fp32 tensor
