@@ -19,6 +19,7 @@ CHILD = textwrap.dedent(
     import resource, sys, torch
     from moeserve.bench.cpu_experts import make_store
     from moe_runtime.hybrid.cpu_kernels import Dequant, _silu_glu, run_projections
+    import moe_runtime.hybrid.gemv  # numba and LLVM loaded, as in every runtime process
     if sys.argv[1] == "engine":
         from moe_runtime.assets import default_model_dir
         from moe_runtime.config import RuntimeConfig
