@@ -243,7 +243,7 @@ class Gemv(Kernel):
     """The compiled row-stream loops of :mod:`moe_runtime.hybrid.gemv` on the stored weights,
     fp32 accumulators; subclasses give every expert's ``[keys, N, K]`` weights per part
     (:meth:`_weights`), their scales (None: unscaled) and the scales' block (:attr:`block`,
-    ``(1, 0)``: one per row)."""
+    ``(1, 0)``: one per row), or another loop for a range of rows (:meth:`_rows`)."""
 
     block = (1, 0)
 
@@ -256,7 +256,7 @@ class Gemv(Kernel):
         self._q, self._s = self._weights(store)
         # one call per whole expert in fp32 and bf16 (rounding the hidden activation as a bf16
         # device path does); fp16 runs by pieces
-        self.fused = self.dtype in (torch.float32, torch.bfloat16)
+        self.fused = self.fused and self.dtype in (torch.float32, torch.bfloat16)
 
     def _weights(
         self, store: Any
@@ -278,12 +278,15 @@ class Gemv(Kernel):
         def fill(xs, out):
             col = 0
             for part, a, b in pieces:
-                s = self._s[part]
-                s = None if s is None else s[key]
-                gemv_rows(self._q[part][key][a:b], s, *self.block, a, xs, out, col)
+                self._rows(part, key, a, b, xs, out, col)
                 col += b - a
 
         return self._call(x, width, fill)
+
+    def _rows(self, part: str, key: int, a: int, b: int, xs: np.ndarray, out: np.ndarray, col: int) -> None:
+        """Rows ``a:b`` of expert ``key``'s ``part`` against ``xs`` into ``out[:, col:]``."""
+        s = self._s[part]
+        gemv_rows(self._q[part][key][a:b], None if s is None else s[key], *self.block, a, xs, out, col)
 
     def gate_up(self, key, x):
         return self._run(key, x, (("gate", 0, self.i), ("up", 0, self.i)), 2 * self.i)

@@ -17,12 +17,9 @@ kernel reads.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
-import torch
 
-from moe_runtime.hybrid.cpu_kernels import Kernel, gate_up_pieces
+from moe_runtime.hybrid.gemv import Gemv
 from moe_runtime.jit import njit
 from moe_runtime.quant.mxfp4 import FP4_VALUES, GROUP
 
@@ -110,36 +107,17 @@ def mxfp4_exact() -> bool:
     return bool(np.array_equal(out[0], np.array(FP4_VALUES, dtype=np.float32)))
 
 
-class Mxfp4Gemv(Kernel):
-    """MXFP4 experts through :func:`mxfp4_rows`: half a byte read per weight."""
+class Mxfp4Gemv(Gemv):
+    """MXFP4 experts through :func:`mxfp4_rows`: half a byte read per weight; by pieces (no
+    whole-expert call)."""
 
     name = "mxfp4-gemv"
-    exact = False
+    fused = False
 
-    def __init__(self, store: Any) -> None:
-        super().__init__(store)
+    def _weights(self, store):
         lay, data = self.layout, store.data
-        self._b = {p: lay.view(data, p, "blocks").numpy() for p in ("gate", "up", "down")}
-        self._s = {p: lay.view(data, p, "scales").numpy() for p in ("gate", "up", "down")}
+        blocks = {p: lay.view(data, p, "blocks").numpy() for p in ("gate", "up", "down")}
+        return blocks, {p: lay.view(data, p, "scales").numpy() for p in ("gate", "up", "down")}
 
-    def _run(self, key: int, x: torch.Tensor, pieces, width: int) -> torch.Tensor:
-        xs = x.to(torch.float32).contiguous().numpy()
-        out = np.empty((xs.shape[0], width), dtype=np.float32)
-        col = 0
-        for part, a, b in pieces:
-            mxfp4_rows(self._b[part][key][a:b], self._s[part][key][a:b], xs, out, col)
-            col += b - a
-        y = torch.from_numpy(out)
-        return y if self.dtype == torch.float32 else y.to(self.dtype)
-
-    def gate_up(self, key, x):
-        return self._run(key, x, (("gate", 0, self.i), ("up", 0, self.i)), 2 * self.i)
-
-    def down(self, key, h):
-        return self._run(key, h, (("down", 0, self.h),), self.h)
-
-    def gate_up_rows(self, key, x, r0, r1):
-        return self._run(key, x, gate_up_pieces(self.i, r0, r1), r1 - r0)
-
-    def down_rows(self, key, h, r0, r1):
-        return self._run(key, h, (("down", r0, r1),), r1 - r0)
+    def _rows(self, part, key, a, b, xs, out, col):
+        mxfp4_rows(self._q[part][key][a:b], self._s[part][key][a:b], xs, out, col)
