@@ -115,7 +115,8 @@ def _run(tmp_path: Path, budget: int = 450) -> tuple[str, str, Path]:
     (data / "AzureLLMInferenceTrace_conv.csv").write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n")
     (data / "prompts_combined.jsonl").write_text("{}\n")
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(tmp_path / "calls"),
-           "TMPDIR": str(tmp_path), "GPU_CHECK_BUDGET_S": str(budget), "GPU_CHECK_PORT": "18999"}  # fmt: skip
+           "TMPDIR": str(tmp_path), "GPU_CHECK_BUDGET_S": str(budget), "GPU_CHECK_PORT": "18999",
+           "GPU_CHECK_WHEELS": str(tmp_path / "no-wheels")}  # fmt: skip
     proc = subprocess.run(
         ["bash", str(SCRIPT), "--data", str(data), str(out)],
         env=env,
@@ -132,7 +133,7 @@ def test_a_run_goes_through_every_step(tmp_path: Path) -> None:
     summary, calls, out = _run(tmp_path)
     lines = summary.splitlines()
     assert lines[0].startswith("gpu-tests.log: rc=1")  # a failing step ...
-    for name in ("decode-cuda-tiny-moe.json", "ckpt-qwen3-30b-a3b-8l", "decode-cuda-qwen3-30b-a3b-8l.json",
+    for name in ("decode-cuda-tiny-moe.json", "launches-cuda-tiny-moe.json", "ckpt-qwen3-30b-a3b-8l", "decode-cuda-qwen3-30b-a3b-8l.json",
                  "replay-cuda-qwen3-30b-a3b-8l.txt", "ckpt-mixtral-8x7b-4l",
                  "decode-cuda-mixtral-8x7b-4l.json", "bench-kv-cuda.json"):  # fmt: skip
         assert f"{name}: rc=0" in summary  # ... does not stop the rest

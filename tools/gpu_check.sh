@@ -6,6 +6,8 @@
 # Steps, each under its own timeout (a failing or hung step is recorded and the next one runs):
 #   gpu-tests.log                       pytest -m gpu
 #   decode-cuda-tiny-moe.json           moeserve bench decode on the bundled model
+#   launches-cuda-*.json                moeserve bench launches (kernel launches, syncs, GPU busy share
+#                                       per decoder layer of a decode step) on the bundled model and qwen3
 #   decode-cuda-qwen3-30b-a3b-8l.json   ... on make-checkpoint's qwen3-30b-a3b shape, 8 layers (11.2 GB)
 #   replay-cuda-qwen3-30b-a3b-8l.txt    moeserve serve on that checkpoint + moeserve replay of the Azure
 #                                       conversation trace (summary; the replay's files in replay-cuda-*/)
@@ -17,7 +19,7 @@
 # The two checkpoints are written in the background while the first steps run. Into OUTDIR go each
 # step's output and log (<step>.log), machine.txt (GPU, driver, torch, commit) and summary.txt (each
 # step's exit status and seconds; 124 = timed out). The whole run stops starting steps after
-# GPU_CHECK_BUDGET_S seconds (default 450).
+# GPU_CHECK_BUDGET_S seconds (default 450); GPU_CHECK_WHEELS names the wheels' folder (default .whl).
 #
 # Prepare on any machine, from the repository root:
 #   * wheels (optional): put them in .whl/ (e.g. `pip download torch --no-deps -d .whl` for the
@@ -111,8 +113,9 @@ export -f replay_check
 export OUT
 
 # The software: wheels from .whl/ when there are any, then the project unless a wheel brought it.
-if compgen -G ".whl/*.whl" > /dev/null; then
-  step install.log 180 python3 -m pip install --no-index --no-deps --no-compile .whl/*.whl
+WHEELS=${GPU_CHECK_WHEELS:-.whl}
+if compgen -G "$WHEELS/*.whl" > /dev/null; then
+  step install.log 180 python3 -m pip install --no-index --no-deps --no-compile "$WHEELS"/*.whl
 fi
 if ! python3 -m pip show -q moeserve > /dev/null 2>&1; then
   step install-project.log 120 python3 -m pip install --no-index --no-deps --no-build-isolation -e .
@@ -135,10 +138,13 @@ background ckpt-mixtral-8x7b-4l 360 \
 
 DECODE=(python3 -m moeserve bench decode --device cuda --dtype bf16 --link-gbps 0 --prefill-len 2048
   --fractions 1.0,0.25 --repeats 3 --json)
-step gpu-tests.log 150 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests
+step gpu-tests.log 180 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests
 step decode-cuda-tiny-moe.json 90 "${DECODE[@]}"
+step launches-cuda-tiny-moe.json 45 python3 -m moeserve bench launches --device cuda --json
 if await ckpt-qwen3-30b-a3b-8l; then
   step decode-cuda-qwen3-30b-a3b-8l.json 120 "${DECODE[@]}" --model "$CKPT/qwen3-8l"
+  step launches-cuda-qwen3-30b-a3b-8l.json 60 python3 -m moeserve bench launches --device cuda --json \
+    --model "$CKPT/qwen3-8l"
   TRACE=$(find_data arrival_traces/azure_llm_2023/AzureLLMInferenceTrace_conv.csv)
   PROMPTS=$(find_data prompts/prompts_combined.jsonl)
   export TRACE PROMPTS

@@ -23,6 +23,7 @@ BENCH_MODULES: list[str] = [
     "moeserve.bench.cpu_experts",
     "moeserve.bench.hybrid",
     "moeserve.bench.kv",
+    "moeserve.bench.launches",
 ]
 
 

@@ -1,0 +1,199 @@
+"""``moeserve bench launches``: ops, kernel launches and host syncs per decoder layer of a decode step.
+
+A decode step's host time is the floor of its latency on a GPU: every aten op the model runs is
+Python and dispatcher work, and every op that computes something launches at least one kernel.
+This bench counts, over the model's whole forward pass of decode steps (embedding, every decoder
+layer, final norm, LM head; sampling is not counted), at each ``--batches`` size:
+
+* **aten ops** and the **launching ops** among them (not a view or alias of its input), with a
+  ``TorchDispatchMode`` (:class:`OpCounter`); on any device. This is the CPU-checkable proxy that
+  ``tests/test_op_counts.py`` bounds.
+* On CUDA, with ``torch.profiler``: the **kernel launches** the host issued (runtime calls
+  ``cudaLaunchKernel``, ``cuLaunchKernel``, ``cudaGraphLaunch`` ...), the **kernels** the GPU ran,
+  the host **syncs** (``cudaStreamSynchronize``, ``cudaEventSynchronize``, ``cudaDeviceSynchronize``
+  and synchronous ``cudaMemcpy``), and the **GPU busy share**: the kernels' summed time over the
+  step's wall time under the profiler (the profiler adds host time, so the share is a lower bound).
+
+Figures are per decode step divided by the model's decoder layers, the median over the timed steps
+of one run after a warm-up run (the counts do not vary between steps of one batch; the busy share
+does, and gets its min-max spread). All experts are resident unless ``--buffer-fraction`` < 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+LAUNCH_CALLS = ("LaunchKernel", "cuLaunch", "GraphLaunch", "LaunchCooperativeKernel")
+SYNC_CALLS = ("Synchronize", "cudaMemcpy")  # cudaMemcpy without Async waits for the copy
+
+
+def _storage(t: Any) -> int | None:
+    t = t[0] if isinstance(t, (list, tuple)) and t else t
+    return t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else None
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every aten op (``ops``) and the ops that run a kernel (``launches``): all but a
+    view, i.e. an op whose schema returns an alias of its input that it does not write and whose
+    result shares the input's storage (``view``, ``slice``, ``unbind``; a ``to`` that casts is a
+    launch, one that returns its input is not)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.launches = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        out = func(*args, **(kwargs or {}))
+        ret = func._schema.returns
+        alias = ret and ret[0].alias_info is not None and not ret[0].alias_info.is_write
+        if not (alias and args and _storage(out) is not None and _storage(out) == _storage(args[0])):
+            self.launches += 1
+        return out
+
+
+def register_bench(sub: argparse._SubParsersAction) -> None:
+    from moeserve.commands.common import add_model_arg
+
+    p = sub.add_parser(
+        "launches", help="aten ops, CUDA kernel launches and host syncs per decoder layer per step"
+    )
+    add_model_arg(p)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--batches", default="1,8", help="comma-separated batch sizes (default: 1,8)")
+    p.add_argument("--buffer-fraction", type=float, default=1.0, help="share of experts in slots (1 = all)")
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=6, help="tokens per sequence; decode steps = this - 1")
+    p.add_argument("--cpu-threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print results as JSON")
+    p.set_defaults(func=run)
+
+
+def _profile_step(forward, *args: Any) -> tuple[Any, dict[str, float]]:
+    """``forward(*args)`` under ``torch.profiler`` on CUDA: launches, kernels, syncs, busy share."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        out = forward(*args)
+        torch.cuda.synchronize()
+    events = prof.events()
+    host = [e for e in events if e.device_type == DeviceType.CPU]
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    wall = max(e.time_range.end for e in host) - min(e.time_range.start for e in host)
+    busy = sum(e.time_range.elapsed_us() for e in kernels)
+    launches = sum(1 for e in host if any(c in e.name for c in LAUNCH_CALLS))
+    syncs = sum(1 for e in host if any(c in e.name for c in SYNC_CALLS) and not e.name.endswith("Async"))
+    return out, {
+        "launches": launches,
+        "kernels": len(kernels),
+        "syncs": syncs,
+        "busy_share": busy / max(wall, 1),
+    }
+
+
+def measure(engine, batch: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One row: the counts of ``batch`` sequences' decode steps (see the module docstring)."""
+    from moe_runtime.engine.request import SamplingParams
+
+    layers = engine.loaded.config.num_layers
+    gen = torch.Generator().manual_seed(args.seed)
+    vocab = engine.loaded.config.vocab_size
+    prompts = torch.randint(5, vocab, (batch, args.prompt_len), generator=gen).tolist()
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
+    engine.generate(prompts, params)  # warm-up: caches, allocator, the kernels' first launches
+    forward, cuda = engine.model.forward, engine.model.device.type == "cuda"
+    steps: list[dict[str, float]] = []
+
+    def counted(ids, step, *rest, **kw):
+        if not step.all_decode:
+            return forward(ids, step, *rest, **kw)
+        with OpCounter() as c:
+            out = forward(ids, step, *rest, **kw)
+        steps.append({"ops": c.ops, "launching_ops": c.launches})
+        return out
+
+    def profiled(ids, step, *rest, **kw):
+        if not step.all_decode:
+            return forward(ids, step, *rest, **kw)
+        out, row = _profile_step(forward, ids, step, *rest, **kw)
+        profiles.append(row)
+        return out
+
+    profiles: list[dict[str, float]] = []
+    try:
+        engine.model.forward = counted
+        engine.generate(prompts, params)
+        if cuda:
+            engine.model.forward = profiled
+            engine.generate(prompts, params)
+    finally:
+        engine.model.forward = forward
+    row: dict[str, Any] = {"batch": batch, "decode_steps": len(steps), "decoder_layers": layers}
+    for key in ("ops", "launching_ops"):
+        row[f"{key}_per_layer"] = statistics.median(s[key] for s in steps) / layers
+    if profiles:
+        for key in ("launches", "kernels", "syncs"):
+            row[f"{key}_per_step"] = statistics.median(p[key] for p in profiles)
+            row[f"{key}_per_layer"] = row[f"{key}_per_step"] / layers
+        shares = [p["busy_share"] for p in profiles]
+        row["gpu_busy_share"] = statistics.median(shares)
+        row["gpu_busy_share_spread"] = [min(shares), max(shares)]
+    return row
+
+
+def run(args: argparse.Namespace) -> int:
+    from moe_runtime.config import RuntimeConfig
+    from moe_runtime.engine.engine import LLMEngine
+    from moe_runtime.errors import ConfigError
+    from moeserve.commands.common import resolve_model
+
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        raise ConfigError(f"--batches {args.batches!r}: not integers") from None
+    if args.new_tokens < 2:
+        raise ConfigError(f"--new-tokens {args.new_tokens}: must be >= 2 (one decode step)")
+    torch.set_num_threads(args.cpu_threads)
+    model_dir = resolve_model(args)
+    settings = {
+        "model": str(model_dir.name),
+        "device": args.device,
+        "dtype": args.dtype,
+        "buffer_fraction": args.buffer_fraction,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "cpu_threads": args.cpu_threads,
+        "torch": torch.__version__,
+    }
+    if args.device.startswith("cuda"):
+        settings["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
+    rows = []
+    for batch in batches:
+        runtime = RuntimeConfig(
+            device=args.device,
+            dtype=args.dtype,
+            max_batch_size=batch,
+            max_model_len=args.prompt_len + args.new_tokens + 8,
+            cpu_threads=args.cpu_threads,
+            buffer_fraction=None if args.buffer_fraction >= 1 else args.buffer_fraction,
+        )
+        with LLMEngine.from_pretrained(model_dir, runtime) as engine:
+            rows.append(measure(engine, batch, args))
+    if args.json:
+        print(json.dumps({"settings": settings, "rows": rows}, indent=1))
+        return 0
+    print("  ".join(f"{k}={v}" for k, v in settings.items()))
+    for row in rows:
+        print("  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+    return 0
