@@ -5,14 +5,15 @@ Python and dispatcher work, and every op that computes something launches at lea
 This bench counts, over the model's whole forward pass of decode steps (embedding, every decoder
 layer, final norm, LM head; sampling is not counted), at each ``--batches`` size:
 
-* **aten ops** and the **launching ops** among them (not a view or alias of its input), with a
-  ``TorchDispatchMode`` (:class:`OpCounter`); on any device. This is the CPU-checkable proxy that
-  ``tests/test_op_counts.py`` bounds.
+* On the CPU: **aten ops** and the **launching ops** among them (not a view or alias of its
+  input), with a ``TorchDispatchMode`` (:class:`OpCounter`): the CPU-checkable proxy for kernel
+  launches that ``tests/test_op_counts.py`` bounds.
 * On CUDA, with ``torch.profiler``: the **kernel launches** the host issued (runtime calls
   ``cudaLaunchKernel``, ``cuLaunchKernel``, ``cudaGraphLaunch`` ...), the **kernels** the GPU ran,
   the host **syncs** (``cudaStreamSynchronize``, ``cudaEventSynchronize``, ``cudaDeviceSynchronize``
   and synchronous ``cudaMemcpy``), and the **GPU busy share**: the kernels' summed time over the
-  step's wall time under the profiler (the profiler adds host time, so the share is a lower bound).
+  step's wall time under the profiler (the profiler adds host time, so the share is a lower bound),
+  and the host events that took the most time in one step (``host_top``: name, calls, us).
 
 Figures are per decode step divided by the model's decoder layers, the median over the timed steps
 of one run after a warm-up run (the counts do not vary between steps of one batch; the busy share
@@ -31,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 LAUNCH_CALLS = ("LaunchKernel", "cuLaunch", "GraphLaunch", "LaunchCooperativeKernel")
 SYNC_CALLS = ("Synchronize", "cudaMemcpy")  # cudaMemcpy without Async waits for the copy
+TOP_HOST = 15  # host events by self time listed for one profiled step (``host_top``)
 
 
 def _storage(t: Any) -> int | None:
@@ -42,7 +44,8 @@ class OpCounter(TorchDispatchMode):
     """Counts every aten op (``ops``) and the ops that run a kernel (``launches``): all but a
     view, i.e. an op whose schema returns an alias of its input that it does not write and whose
     result shares the input's storage (``view``, ``slice``, ``unbind``; a ``to`` that casts is a
-    launch, one that returns its input is not)."""
+    launch, one that returns its input is not). Not on CUDA: the compiled FlexAttention of paged
+    decode refuses to run under a dispatch mode."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -78,32 +81,38 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _profile_step(forward, *args: Any) -> tuple[Any, dict[str, float]]:
-    """``forward(*args)`` under ``torch.profiler`` on CUDA: launches, kernels, syncs, busy share."""
+def _profile_step(forward, cuda: bool) -> tuple[Any, dict[str, Any]]:
+    """``forward()`` under ``torch.profiler``: launches, kernels, syncs, busy share (CUDA),
+    the step's profiled wall time and its top host events (any device)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        out = forward(*args)
-        torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        out = forward()
+        sync()
     events = prof.events()
     host = [e for e in events if e.device_type == DeviceType.CPU]
     kernels = [e for e in events if e.device_type == DeviceType.CUDA]
     wall = max(e.time_range.end for e in host) - min(e.time_range.start for e in host)
     busy = sum(e.time_range.elapsed_us() for e in kernels)
     launches = sum(1 for e in host if any(c in e.name for c in LAUNCH_CALLS))
+    top = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)[:TOP_HOST]
     syncs = sum(1 for e in host if any(c in e.name for c in SYNC_CALLS) and not e.name.endswith("Async"))
     return out, {
         "launches": launches,
         "kernels": len(kernels),
         "syncs": syncs,
         "busy_share": busy / max(wall, 1),
+        "wall_us": wall,
+        "host_top": [[a.key, a.count, round(a.self_cpu_time_total, 1)] for a in top],
     }
 
 
-def measure(engine, batch: int, args: argparse.Namespace) -> dict[str, Any]:
-    """One row: the counts of ``batch`` sequences' decode steps (see the module docstring)."""
+def measure(engine, batch: int, args: argparse.Namespace, profiled_run: bool | None = None) -> dict[str, Any]:
+    """One row: the counts of ``batch`` sequences' decode steps (see the module docstring);
+    ``profiled_run``: profile instead of counting aten ops (default: on CUDA)."""
     from moe_runtime.engine.request import SamplingParams
 
     layers = engine.loaded.config.num_layers
@@ -113,6 +122,7 @@ def measure(engine, batch: int, args: argparse.Namespace) -> dict[str, Any]:
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
     engine.generate(prompts, params)  # warm-up: caches, allocator, the kernels' first launches
     forward, cuda = engine.model.forward, engine.model.device.type == "cuda"
+    profiled_run = cuda if profiled_run is None else profiled_run
     steps: list[dict[str, float]] = []
 
     def counted(ids, step, *rest, **kw):
@@ -126,21 +136,18 @@ def measure(engine, batch: int, args: argparse.Namespace) -> dict[str, Any]:
     def profiled(ids, step, *rest, **kw):
         if not step.all_decode:
             return forward(ids, step, *rest, **kw)
-        out, row = _profile_step(forward, ids, step, *rest, **kw)
+        out, row = _profile_step(lambda: forward(ids, step, *rest, **kw), cuda)
         profiles.append(row)
         return out
 
     profiles: list[dict[str, float]] = []
     try:
-        engine.model.forward = counted
+        engine.model.forward = profiled if profiled_run else counted
         engine.generate(prompts, params)
-        if cuda:
-            engine.model.forward = profiled
-            engine.generate(prompts, params)
     finally:
         engine.model.forward = forward
-    row: dict[str, Any] = {"batch": batch, "decode_steps": len(steps), "decoder_layers": layers}
-    for key in ("ops", "launching_ops"):
+    row: dict[str, Any] = {"batch": batch, "decode_steps": len(steps or profiles), "decoder_layers": layers}
+    for key in ("ops", "launching_ops") if steps else ():
         row[f"{key}_per_layer"] = statistics.median(s[key] for s in steps) / layers
     if profiles:
         for key in ("launches", "kernels", "syncs"):
@@ -149,6 +156,9 @@ def measure(engine, batch: int, args: argparse.Namespace) -> dict[str, Any]:
         shares = [p["busy_share"] for p in profiles]
         row["gpu_busy_share"] = statistics.median(shares)
         row["gpu_busy_share_spread"] = [min(shares), max(shares)]
+        row["profiled_step_us"] = statistics.median(p["wall_us"] for p in profiles)
+        # host events by self time (name, calls, microseconds) of the median-length profiled step
+        row["host_top"] = sorted(profiles, key=lambda p: p["wall_us"])[len(profiles) // 2]["host_top"]
     return row
 
 
