@@ -332,6 +332,9 @@ class RuntimeConfig:
         plan_data: trace files (``moeserve-trace/1``) or EAMC files the memory plan reads the
             traffic's sequence lengths and the expert hit-rate curve from (docs/operations.md
             "Sizing"); empty: the built-in defaults.
+        cuda_graphs: replay decode steps from CUDA graphs, one per batch size, where the forward
+            can be captured (every expert resident and routed on the device, FlexAttention
+            decode); False runs every step eagerly (``--enforce-eager``). No effect off CUDA.
     """
 
     device: str = "cpu"
@@ -364,6 +367,8 @@ class RuntimeConfig:
     device_memory: int | None = None
     kv_cache_memory: int | None = None
     plan_data: tuple[str, ...] = ()
+    # decode steps replayed from CUDA graphs (moe_runtime.engine.decode_graphs)
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

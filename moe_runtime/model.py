@@ -239,6 +239,20 @@ class MoEModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, step: StepContext) -> torch.Tensor:
+        """Logits ``[N, V]`` (fp32) of the step's ``input_ids [T]``: the device work
+        (:meth:`forward_device`), then the host's per-step work of the device-routed layers
+        (``finish_step``: their router ids' one copy to the host, the buffer's counters, the
+        tracer)."""
+        logits = self.forward_device(input_ids, step)
+        finish_step(step.device_routed, self.buffer, step, self.recorder, self.cfg.num_experts)
+        return logits
+
+    @torch.inference_mode()
+    def forward_device(self, input_ids: torch.Tensor, step: StepContext) -> torch.Tensor:
+        """The forward pass up to the logits; the device-routed layers' ``(layer, ids, weights)``
+        are left in ``step.device_routed`` for :meth:`forward`'s host work. With every expert
+        resident and routed on the device, a decode step here has no host sync, so a CUDA graph
+        can capture it (``moe_runtime.engine.decode_graphs``)."""
         cfg, w = self.cfg, self.w
         x = F.embedding(input_ids, w["embed"])  # [T, H]
         rope = None  # cos/sin rows [T, 1, 1, D], once per step
@@ -276,7 +290,6 @@ class MoEModel:
                 gate, up = F.linear(h, gate_up).chunk(2, dim=-1)
                 h = F.linear(F.silu(gate) * up, down)
             x = x + h
-        finish_step(step.device_routed, self.buffer, step, self.recorder, cfg.num_experts)
         if not (step.logits_all and step.logits_index.shape[0] == x.shape[0]):  # else all, in order
             x = x[step.logits_index]
         x = self._norm(x, w["final_norm"], w.get("final_norm_bias"))

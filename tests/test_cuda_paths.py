@@ -1,8 +1,8 @@
 """Every runtime path on CUDA (skipped cleanly without it), against the CPU's oracles.
 
-* Every family at a 2-slot buffer (copy stream, events, pinned host store), with each
-  ``--expert-compute`` mode (device; cpu: misses on the host's kernels; auto: split over an
-  emulated link): transformers' greedy tokens and fp32 logits (on the CPU) within the oracle
+* Every family at a 2-slot buffer (copy stream, events, pinned host store), with
+  ``--expert-compute`` device and auto (misses split between the host's kernels and an emulated
+  link): transformers' greedy tokens and fp32 logits (on the CPU) within the oracle
   tests' tolerance, for one prompt and a batch of prompts of different lengths.
 * A request joining another's decode (a step mixing prefill and decode rows): the CPU's tokens.
 * Quantized slot views (fp8, int8, MXFP4) on the device and through the CPU's kernels: the CPU
@@ -12,6 +12,9 @@
   hits give an uncached run's; GQA, latent attention and sliding windows with sinks.
 * bf16, every expert resident (device-routed experts) against a 2-slot buffer (grouped GEMMs over
   the slot views): the same greedy tokens.
+* Decode steps replayed from CUDA graphs (``moe_runtime.engine.decode_graphs``) against eager
+  steps (``--enforce-eager``): the same logits bit for bit, a graph per batch size, the buffer's
+  counters the same.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+# device, and auto over a slow emulated link (most misses on the CPU, some copied): the GPU check's
+# time does not take all three modes for every family
+CUDA_MODES = {mode: MODES[mode] for mode in ("device", "auto")}
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +52,7 @@ def test_cuda_families_match_transformers_in_every_mode(checkpoints, family):
     path = checkpoints[family]
     _, refs = greedy_references(path, PROMPTS, NEW)
     got = {}
-    for mode, link in MODES.items():
+    for mode, link in CUDA_MODES.items():
         rt = RuntimeConfig(
             device="cuda",
             buffer_slots=2,
@@ -147,3 +153,28 @@ def test_cuda_bf16_resident_experts_match_the_slot_path(checkpoints, family):
             assert engine.buffer.all_resident == (slots is None)
             tokens[slots] = [t for t, _ in _run_collecting_logits(engine, PROMPTS, GREEDY)]
     assert tokens[None] == tokens[2]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "gpt_oss"])
+def test_cuda_decode_graphs_match_eager_steps(checkpoints, family):
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (10, 6, 3)]
+    got, stats = {}, {}
+    for graphs in (True, False):
+        rt = RuntimeConfig(
+            device="cuda", dtype="bf16", max_model_len=64, max_batch_size=3, cuda_graphs=graphs
+        )
+        with LLMEngine.from_pretrained(checkpoints[family], rt) as engine:
+            for i, (prompt, p) in enumerate(zip(PROMPTS, params)):
+                engine.add_request(f"r{i}", prompt, p)
+            rows = []
+            while engine.has_unfinished():
+                outs = engine.step()
+                rows.append(([o.new_token_ids for o in outs], engine.last_logits.cpu()))
+            got[graphs] = rows
+            stats[graphs] = (engine.buffer.stats.lookups, engine.buffer.stats.hits)
+            if graphs:
+                assert engine.graphs is not None and engine.graphs.enabled, engine.summary()
+                assert sorted(engine.graphs.graphs) == [1, 2, 3] and engine.graphs.replays == 9
+    assert stats[True] == stats[False]
+    for (tokens, logits), (ref_tokens, ref_logits) in zip(got[True], got[False]):
+        assert tokens == ref_tokens and torch.equal(logits, ref_logits)

@@ -95,6 +95,13 @@ BLOCKS: dict[str, Block] = {
         6,
         "a CUDA device, 12 GB of disk",
     ),
+    "launches-cuda": Block(
+        "docs/benchmarks.md",
+        "moeserve bench launches --device cuda --json",
+        "moeserve.bench.launches:render",
+        1,
+        "a CUDA device",
+    ),
     "regression-cpu": Block(
         "docs/benchmarks.md",
         "python tools/bench_regression.py --base 303d5a9 --json",

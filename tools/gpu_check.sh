@@ -7,7 +7,8 @@
 #   gpu-tests.log                       pytest -m gpu
 #   decode-cuda-tiny-moe.json           moeserve bench decode on the bundled model
 #   launches-cuda-*.json                moeserve bench launches (kernel launches, syncs, GPU busy share
-#                                       per decoder layer of a decode step) on the bundled model and qwen3
+#                                       per decoder layer of a decode step) on the bundled model (decode
+#                                       CUDA graphs on, and off: -eager) and on qwen3
 #   decode-cuda-qwen3-30b-a3b-8l.json   ... on make-checkpoint's qwen3-30b-a3b shape, 8 layers (11.2 GB)
 #   replay-cuda-qwen3-30b-a3b-8l.txt    moeserve serve on that checkpoint + moeserve replay of the Azure
 #                                       conversation trace (summary; the replay's files in replay-cuda-*/)
@@ -141,6 +142,7 @@ DECODE=(python3 -m moeserve bench decode --device cuda --dtype bf16 --link-gbps 
 step gpu-tests.log 180 python3 -m pytest -m gpu -q -rs -p no:cacheprovider --continue-on-collection-errors tests
 step decode-cuda-tiny-moe.json 120 "${DECODE[@]}"
 step launches-cuda-tiny-moe.json 45 python3 -m moeserve bench launches --device cuda --json
+step launches-cuda-tiny-moe-eager.json 45 python3 -m moeserve bench launches --device cuda --json --enforce-eager
 if await ckpt-qwen3-30b-a3b-8l; then
   step decode-cuda-qwen3-30b-a3b-8l.json 120 "${DECODE[@]}" --model "$CKPT/qwen3-8l"
   step launches-cuda-qwen3-30b-a3b-8l.json 60 python3 -m moeserve bench launches --device cuda --json \

@@ -26,6 +26,7 @@ from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine import context as step_context
 from moe_runtime.engine.admission import RequestAdmission
 from moe_runtime.engine.context import StepContext
+from moe_runtime.engine.decode_graphs import DecodeGraphs
 from moe_runtime.engine.kv_setup import build_kv
 from moe_runtime.engine.outputs import StepOutputs
 from moe_runtime.engine.prefix_eam import StepRecorder
@@ -133,6 +134,10 @@ class LLMEngine(RequestAdmission, StepOutputs, PromptScoring):
         # and cached blocks keep their tokens' expert counts (prefix_eam)
         self.step_recorder = StepRecorder(recorder, kv.activations) if recorder is not None else None
         self.model.recorder = self.step_recorder
+        # decode steps replayed from CUDA graphs where the forward can be captured (decode_graphs)
+        flex = getattr(self.kv, "flex", None)
+        capturable = device.type == "cuda" and runtime.cuda_graphs and n_dev == 1 and flex is not None
+        self.graphs = DecodeGraphs(self.model, self.kv) if capturable else None
         self.model.prefetcher = self.prefetcher
         if getattr(self.prefetcher, "lookahead_depth", 0) > 0:
             self.model.lookahead = RouterLookahead(
@@ -193,7 +198,7 @@ class LLMEngine(RequestAdmission, StepOutputs, PromptScoring):
         )
         self._begin_recording(scheduled, step)
         scored = self._score_prompts(scheduled, step)
-        logits = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=self.device), step)
+        logits = self._forward(torch.tensor(ids, dtype=torch.int64, device=self.device), step)
         if scored:
             logits = self._take_prompt_logprobs(scheduled, logits, scored)
         self.last_logits = logits  # [N, V] fp32, rows in scheduled order of sampling sequences
@@ -283,6 +288,12 @@ class LLMEngine(RequestAdmission, StepOutputs, PromptScoring):
                     final[out.request_id] = out
         return [final[r] for r in ids]
 
+    def _forward(self, input_ids: torch.Tensor, step: StepContext) -> torch.Tensor:
+        """The model's logits for the step: from a decode graph where one applies, else eager."""
+        if self.graphs is not None:
+            return self.graphs.forward(input_ids, step)
+        return self.model.forward(input_ids, step)
+
     def summary(self) -> str:
         """One line: dense bytes on device, expert bytes in host memory, slots and their bytes, the
         KV cache (blocks, sliding layers, prefix caching) and its attention path, the expert path
@@ -304,6 +315,7 @@ class LLMEngine(RequestAdmission, StepOutputs, PromptScoring):
             f"{self._expert_format()}, "
             f"{hybrid_setup.describe(self.hybrid, self.runtime, self.expert_compute)}, "
             f"experts run {self.model.expert_path}"
+            + (f", {self.graphs.describe()}" if self.graphs is not None else "")
         )
 
     def _expert_format(self) -> str:

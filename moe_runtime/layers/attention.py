@@ -110,12 +110,12 @@ def attention(
         if vc is not kc:
             vc.index_copy_(0, slots, v)
     t = q.shape[0]
-    flex = getattr(cache, "flex", None)
-    if step.all_decode and not q.is_cuda and window is None:  # the common CPU case: no backend context
+    flex = getattr(cache, "flex", None)  # set where decodes read the blocks in place (CUDA)
+    if step.all_decode and flex is None and not q.is_cuda and window is None:  # the common CPU case
         return _decode(q, kc, vc, step, group, sinks, both).view(t, -1)
     if q.dim() == 4:
         q = q.squeeze(2)  # [T, Hq, D]
-    if step.all_decode and flex is not None and q.is_cuda:  # blocks read in place
+    if step.all_decode and flex is not None:  # blocks read in place
         return flex.decode(q, kc, vc, step, group, window, sinks).reshape(t, -1)
     backends = sdpa_kernel(CUDA_BACKENDS) if q.is_cuda else contextlib.nullcontext()
     with backends:
@@ -126,7 +126,7 @@ def attention(
         out = q.new_empty(q.shape)  # [T, Hq, D]
         if step.decode_tokens is not None:  # the decodes of a mixed step, in one call
             qd = q.index_select(0, step.decode_tokens)
-            if flex is not None and q.is_cuda:
+            if flex is not None:
                 od = flex.decode(qd, kc, vc, step, group, None, sinks).squeeze(2)
             else:
                 od = _decode(qd, kc, vc, step, group, sinks, both).squeeze(2)

@@ -1,7 +1,9 @@
 """``moeserve bench launches``: ops, kernel launches and host syncs per decoder layer of a decode step.
 
-A decode step's host time is the floor of its latency on a GPU: every aten op the model runs is
-Python and dispatcher work, and every op that computes something launches at least one kernel.
+A decode step's host time is the floor of its latency on a GPU, unless the step replays a CUDA
+graph (``moe_runtime.engine.decode_graphs``; ``--enforce-eager`` measures the eager steps): every
+aten op the model runs is Python and dispatcher work, and every op that computes something
+launches at least one kernel.
 This bench counts, over the model's whole forward pass of decode steps (embedding, every decoder
 layer, final norm, LM head; sampling is not counted), at each ``--batches`` size:
 
@@ -33,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 LAUNCH_CALLS = ("LaunchKernel", "cuLaunch", "GraphLaunch", "LaunchCooperativeKernel")
 SYNC_CALLS = ("Synchronize", "cudaMemcpy")  # cudaMemcpy without Async waits for the copy
 TOP_HOST = 15  # host events by self time listed for one profiled step (``host_top``)
+SHOWN_HOST = 8  # of them, rendered in the docs
 
 
 def _storage(t: Any) -> int | None:
@@ -76,6 +79,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=6, help="tokens per sequence; decode steps = this - 1")
     p.add_argument("--cpu-threads", type=int, default=1)
+    p.add_argument("--enforce-eager", action="store_true", help="no decode CUDA graphs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print results as JSON")
     p.set_defaults(func=run)
@@ -121,7 +125,8 @@ def measure(engine, batch: int, args: argparse.Namespace, profiled_run: bool | N
     prompts = torch.randint(5, vocab, (batch, args.prompt_len), generator=gen).tolist()
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
     engine.generate(prompts, params)  # warm-up: caches, allocator, the kernels' first launches
-    forward, cuda = engine.model.forward, engine.model.device.type == "cuda"
+    # the engine's forward: from a decode CUDA graph where one applies (``engine.graphs``), else eager
+    forward, cuda = engine._forward, engine.model.device.type == "cuda"  # noqa: SLF001
     profiled_run = cuda if profiled_run is None else profiled_run
     steps: list[dict[str, float]] = []
 
@@ -142,10 +147,10 @@ def measure(engine, batch: int, args: argparse.Namespace, profiled_run: bool | N
 
     profiles: list[dict[str, float]] = []
     try:
-        engine.model.forward = profiled if profiled_run else counted
+        engine._forward = profiled if profiled_run else counted  # noqa: SLF001
         engine.generate(prompts, params)
     finally:
-        engine.model.forward = forward
+        del engine._forward  # the method again
     row: dict[str, Any] = {"batch": batch, "decode_steps": len(steps or profiles), "decoder_layers": layers}
     for key in ("ops", "launching_ops") if steps else ():
         row[f"{key}_per_layer"] = statistics.median(s[key] for s in steps) / layers
@@ -184,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "cpu_threads": args.cpu_threads,
+        "cuda_graphs": not args.enforce_eager,
         "torch": torch.__version__,
     }
     if args.device.startswith("cuda"):
@@ -197,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
             max_model_len=args.prompt_len + args.new_tokens + 8,
             cpu_threads=args.cpu_threads,
             buffer_fraction=None if args.buffer_fraction >= 1 else args.buffer_fraction,
+            cuda_graphs=not args.enforce_eager,
         )
         with LLMEngine.from_pretrained(model_dir, runtime) as engine:
             rows.append(measure(engine, batch, args))
@@ -207,3 +214,31 @@ def run(args: argparse.Namespace) -> int:
     for row in rows:
         print("  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
     return 0
+
+
+def render(data: dict[str, Any]) -> str:
+    """Markdown of a ``--json`` result: one row per batch size, then the top host events of the
+    first row's profiled step (CUDA)."""
+    rows = data["rows"]
+    cuda = "launches_per_layer" in rows[0]
+    if cuda:
+        head = "| batch | kernel launches / layer | kernels / layer | host syncs / step | GPU busy share |"
+        lines = [head + " profiled step ms |", "|---|---|---|---|---|---|"]
+        for r in rows:
+            lo, hi = r["gpu_busy_share_spread"]
+            lines.append(
+                f"| {r['batch']} | {r['launches_per_layer']:.1f} | {r['kernels_per_layer']:.1f} | "
+                f"{r['syncs_per_step']:.0f} | {r['gpu_busy_share']:.1%} ({lo:.1%}-{hi:.1%}) | "
+                f"{r['profiled_step_us'] / 1e3:.2f} |"
+            )
+        lines += ["", f"Host events by self time in one profiled step at batch {rows[0]['batch']}:", ""]
+        lines += ["| event | calls | self us |", "|---|---|---|"]
+        top = rows[0]["host_top"][:SHOWN_HOST]
+        lines += [f"| `{name[:60]}` | {calls} | {us:.0f} |" for name, calls, us in top]
+    else:
+        lines = ["| batch | aten ops / layer | launching ops / layer |", "|---|---|---|"]
+        lines += [
+            f"| {r['batch']} | {r['ops_per_layer']:.2f} | {r['launching_ops_per_layer']:.2f} |" for r in rows
+        ]
+    settings = ", ".join(f"`{k}={v}`" for k, v in data["settings"].items())
+    return "\n".join(lines) + f"\n\nSettings: {settings}"

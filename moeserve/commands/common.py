@@ -125,6 +125,12 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
         help="intra-op threads for CPU compute (default: 1; see docs/benchmarks.md)",
     )
     g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run every decode step eagerly: no CUDA graphs (by default, on CUDA, decode steps with "
+        "every expert resident replay a graph per batch size; docs/architecture.md)",
+    )
+    g.add_argument(
         "--cache-policy",
         default=DEFAULT_CACHE_POLICY,
         choices=cache_policy_names(),
@@ -247,6 +253,7 @@ def runtime_from_args(args: argparse.Namespace, dtype: str | None = None) -> Run
         device_memory=getattr(args, "device_memory", None),
         kv_cache_memory=getattr(args, "kv_cache_memory", None),
         plan_data=_plan_data(args),
+        cuda_graphs=not getattr(args, "enforce_eager", False),
     )
 
 
