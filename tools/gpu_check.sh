@@ -5,7 +5,8 @@
 #
 # Steps, each under its own timeout (a failing or hung step is recorded and the next one runs):
 #   gpu-tests.log                       pytest -m gpu
-#   decode-cuda-tiny-moe.json           moeserve bench decode on the bundled model
+#   decode-cuda-tiny-moe.json           moeserve bench decode on the bundled model (-eager: without CUDA
+#                                       graphs, all experts resident)
 #   launches-cuda-*.json                moeserve bench launches (kernel launches, syncs, GPU busy share
 #                                       per decoder layer of a decode step) on the bundled model (decode
 #                                       CUDA graphs on, and off: -eager) and on qwen3
@@ -143,6 +144,8 @@ step gpu-tests.log 180 python3 -m pytest -m gpu -q -rs -p no:cacheprovider --con
 step decode-cuda-tiny-moe.json 120 "${DECODE[@]}"
 step launches-cuda-tiny-moe.json 45 python3 -m moeserve bench launches --device cuda --json
 step launches-cuda-tiny-moe-eager.json 45 python3 -m moeserve bench launches --device cuda --json --enforce-eager
+step decode-cuda-tiny-moe-eager.json 60 python3 -m moeserve bench decode --device cuda --dtype bf16 \
+  --link-gbps 0 --prefill-len 0 --fractions 1.0 --repeats 3 --no-transformers --enforce-eager --json
 if await ckpt-qwen3-30b-a3b-8l; then
   step decode-cuda-qwen3-30b-a3b-8l.json 120 "${DECODE[@]}" --model "$CKPT/qwen3-8l"
   step launches-cuda-qwen3-30b-a3b-8l.json 60 python3 -m moeserve bench launches --device cuda --json \

@@ -82,6 +82,9 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
         "link, which the link bound describes; moeserve bench hybrid compares the modes)",
     )
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    p.add_argument(
+        "--enforce-eager", action="store_true", help="no decode CUDA graphs (default: on, where they apply)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print results as JSON")
     p.set_defaults(func=run)
@@ -121,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         cpu_threads=args.cpu_threads,
         expert_compute=args.expert_compute,
+        cuda_graphs=not args.enforce_eager,
     )
     device = base.torch_device
     hbm, hbm_source = hbm_gbps(device, args.hbm_gbps)
@@ -173,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
         "link_gbps": args.link_gbps or None,
         "link_latency_us": args.link_latency_us,
         "expert_compute": args.expert_compute,
+        "cuda_graphs": not args.enforce_eager,
         "prefetch_policy": base.prefetch_policy,
         "cache_policy": base.cache_policy,
         "prompt_len": args.prompt_len,
