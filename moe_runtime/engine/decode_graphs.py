@@ -157,7 +157,8 @@ class DecodeGraphs:
                 run()  # warm-up: FlexAttention compiled at this shape, its buffers loaded (memo)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            # thread_local: the I/O threads' own CUDA calls (event queries, copies) stay legal
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 outs = run()
         layers = [layer for layer, _, _ in static.device_routed]
         self.capture_s += time.perf_counter() - t0
