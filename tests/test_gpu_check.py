@@ -133,9 +133,18 @@ def test_a_run_goes_through_every_step(tmp_path: Path) -> None:
     summary, calls, out = _run(tmp_path)
     lines = summary.splitlines()
     assert lines[0].startswith("gpu-tests.log: rc=1")  # a failing step ...
-    for name in ("decode-cuda-tiny-moe.json", "launches-cuda-tiny-moe.json", "ckpt-qwen3-30b-a3b-8l", "decode-cuda-qwen3-30b-a3b-8l.json",
-                 "replay-cuda-qwen3-30b-a3b-8l.txt", "ckpt-mixtral-8x7b-4l",
-                 "decode-cuda-mixtral-8x7b-4l.json", "bench-kv-cuda.json"):  # fmt: skip
+    steps = (
+        "decode-cuda-tiny-moe.json",
+        "launches-cuda-tiny-moe.json",
+        "decode-cuda-tiny-moe-eager.json",
+        "ckpt-qwen3-30b-a3b-8l",
+        "decode-cuda-qwen3-30b-a3b-8l.json",
+        "replay-cuda-qwen3-30b-a3b-8l.txt",
+        "ckpt-mixtral-8x7b-4l",
+        "decode-cuda-mixtral-8x7b-4l.json",
+        "bench-kv-cuda.json",
+    )
+    for name in steps:
         assert f"{name}: rc=0" in summary  # ... does not stop the rest
     assert "cpu-experts" not in summary and lines[-1].startswith("done")
     assert (out / "decode-cuda-tiny-moe.json").read_text() == '{"settings": {}}\n'
