@@ -15,7 +15,7 @@
   the slot views): the same greedy tokens.
 * Decode steps replayed from CUDA graphs (``moe_runtime.engine.decode_graphs``) against eager
   steps (``--enforce-eager``): the same logits bit for bit, a graph per batch size, the buffer's
-  counters the same.
+  counters the same. This runs first: the newest path.
 """
 
 from __future__ import annotations
@@ -46,6 +46,31 @@ CUDA_MODES = {mode: MODES[mode] for mode in ("device", "auto")}
 def checkpoints(tiny_checkpoints, tmp_path_factory):
     root = tmp_path_factory.mktemp("cuda")
     return {**tiny_checkpoints, **{name: build(root / name) for name, build in BUILDERS.items()}}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "gpt_oss"])
+def test_cuda_decode_graphs_match_eager_steps(checkpoints, family):
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (10, 6, 3)]
+    got, stats = {}, {}
+    for graphs in (True, False):
+        rt = RuntimeConfig(
+            device="cuda", dtype="bf16", max_model_len=64, max_batch_size=3, cuda_graphs=graphs
+        )
+        with LLMEngine.from_pretrained(checkpoints[family], rt) as engine:
+            for i, (prompt, p) in enumerate(zip(PROMPTS, params)):
+                engine.add_request(f"r{i}", prompt, p)
+            rows = []
+            while engine.has_unfinished():
+                outs = engine.step()
+                rows.append(([o.new_token_ids for o in outs], engine.last_logits.cpu()))
+            got[graphs] = rows
+            stats[graphs] = (engine.buffer.stats.lookups, engine.buffer.stats.hits)
+            if graphs:
+                assert engine.graphs is not None and engine.graphs.enabled, engine.summary()
+                assert sorted(engine.graphs.graphs) == [1, 2, 3] and engine.graphs.replays == 9
+    assert stats[True] == stats[False]
+    for (tokens, logits), (ref_tokens, ref_logits) in zip(got[True], got[False]):
+        assert tokens == ref_tokens and torch.equal(logits, ref_logits)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -158,28 +183,3 @@ def test_cuda_bf16_resident_experts_match_the_slot_path(checkpoints, family):
             assert engine.buffer.all_resident == (slots is None)
             tokens[slots] = [t for t, _ in _run_collecting_logits(engine, PROMPTS, GREEDY)]
     assert tokens[None] == tokens[2]
-
-
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "gpt_oss"])
-def test_cuda_decode_graphs_match_eager_steps(checkpoints, family):
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (10, 6, 3)]
-    got, stats = {}, {}
-    for graphs in (True, False):
-        rt = RuntimeConfig(
-            device="cuda", dtype="bf16", max_model_len=64, max_batch_size=3, cuda_graphs=graphs
-        )
-        with LLMEngine.from_pretrained(checkpoints[family], rt) as engine:
-            for i, (prompt, p) in enumerate(zip(PROMPTS, params)):
-                engine.add_request(f"r{i}", prompt, p)
-            rows = []
-            while engine.has_unfinished():
-                outs = engine.step()
-                rows.append(([o.new_token_ids for o in outs], engine.last_logits.cpu()))
-            got[graphs] = rows
-            stats[graphs] = (engine.buffer.stats.lookups, engine.buffer.stats.hits)
-            if graphs:
-                assert engine.graphs is not None and engine.graphs.enabled, engine.summary()
-                assert sorted(engine.graphs.graphs) == [1, 2, 3] and engine.graphs.replays == 9
-    assert stats[True] == stats[False]
-    for (tokens, logits), (ref_tokens, ref_logits) in zip(got[True], got[False]):
-        assert tokens == ref_tokens and torch.equal(logits, ref_logits)
