@@ -332,9 +332,11 @@ class RuntimeConfig:
         plan_data: trace files (``moeserve-trace/1``) or EAMC files the memory plan reads the
             traffic's sequence lengths and the expert hit-rate curve from (docs/operations.md
             "Sizing"); empty: the built-in defaults.
-        cuda_graphs: replay decode steps from CUDA graphs, one per batch size, where the forward
-            can be captured (every expert resident and routed on the device, FlexAttention
-            decode); False runs every step eagerly (``--enforce-eager``). No effect off CUDA.
+        cuda_graphs: replay decode steps from CUDA graphs where FlexAttention decodes: the whole
+            step per batch size when every expert is resident and routed on the device
+            (``engine.decode_graphs``), else each layer's attention block per batch size
+            (``layers.attention_graphs``); False runs every step eagerly (``--enforce-eager``).
+            No effect off CUDA.
     """
 
     device: str = "cpu"

@@ -208,6 +208,8 @@ class MoEModel:
         self.recorder: Any | None = None
         self.prefetcher: Any | None = None
         self.lookahead: RouterLookahead | None = None  # set when the prefetch policy uses it
+        # decode steps' attention blocks from CUDA graphs (layers.attention_graphs), set by the engine
+        self.segments: Any | None = None
         # ``grouped`` (one grouped GEMM per projection) or ``loop``: probed once, on this device/dtype
         # quantized slots: each used expert is dequantized (to the compute dtype) where it runs;
         # the loop path dequantizes exactly the used slots, a grouped call would also dequantize
@@ -255,8 +257,10 @@ class MoEModel:
         can capture it (``moe_runtime.engine.decode_graphs``)."""
         cfg, w = self.cfg, self.w
         x = F.embedding(input_ids, w["embed"])  # [T, H]
+        # each layer's attention block from a CUDA graph (decode steps, offloaded experts)
+        seg = self.segments.begin(step) if self.segments is not None else None
         rope = None  # cos/sin rows [T, 1, 1, D], once per step
-        if self.mla is None:
+        if self.mla is None and seg is None:
             rope = tuple(r.unsqueeze(1) for r in self.rotary.rows(step.positions))
         la = self.lookahead if step.observe else None
         resident = self._resident()  # the same for every layer of the step
@@ -267,8 +271,11 @@ class MoEModel:
             # (skipped while the policy plans nothing: its scores would be None)
             if la is not None and moe_layer is not None and not getattr(la.policy, "idle", 0):
                 ahead = la.scores(x, moe_layer, normed=h)  # from the layer's input
-            x = self._attention(h, x, lw, layer, step, rope)  # residual included
-            h = self._norm(x, lw.mlp_norm, lw.mlp_norm_bias)
+            if seg is not None:
+                x, h = seg.run(layer, lw, h, x)
+            else:
+                x = self._attention(h, x, lw, layer, step, rope)  # residual included
+                h = self._norm(x, lw.mlp_norm, lw.mlp_norm_bias)
             if moe_layer is not None:
                 h = moe_block(
                     h,

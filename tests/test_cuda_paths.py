@@ -15,7 +15,9 @@
   the slot views): the same greedy tokens.
 * Decode steps replayed from CUDA graphs (``moe_runtime.engine.decode_graphs``) against eager
   steps (``--enforce-eager``): the same logits bit for bit, a graph per batch size, the buffer's
-  counters the same. This runs first: the newest path.
+  counters the same; with offloaded experts, each layer's attention block from a graph
+  (``moe_runtime.layers.attention_graphs``) against the eager blocks. These run first: the
+  newest paths.
 """
 
 from __future__ import annotations
@@ -69,6 +71,26 @@ def test_cuda_decode_graphs_match_eager_steps(checkpoints, family):
                 assert engine.graphs is not None and engine.graphs.enabled, engine.summary()
                 assert sorted(engine.graphs.graphs) == [1, 2, 3] and engine.graphs.replays == 9
     assert stats[True] == stats[False]
+    for (tokens, logits), (ref_tokens, ref_logits) in zip(got[True], got[False]):
+        assert tokens == ref_tokens and torch.equal(logits, ref_logits)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("compute", ["device", "cpu"])
+def test_cuda_attention_graphs_match_eager_blocks(checkpoints, family, compute):
+    """Offloaded experts (2 slots), copied or computed on the CPU: each layer's attention block
+    replayed from a graph gives the eager blocks' logits bit for bit."""
+    got = {}
+    for graphs in (True, False):
+        rt = RuntimeConfig(
+            device="cuda", dtype="bf16", buffer_slots=2, max_model_len=64, max_batch_size=3,
+            expert_compute=compute, cuda_graphs=graphs,
+        )  # fmt: skip
+        with LLMEngine.from_pretrained(checkpoints[family], rt) as engine:
+            got[graphs] = _run_collecting_logits(engine, PROMPTS, GREEDY)
+            if graphs:
+                seg = engine.model.segments
+                assert seg is not None and seg.enabled and seg.replays > 0, engine.summary()
     for (tokens, logits), (ref_tokens, ref_logits) in zip(got[True], got[False]):
         assert tokens == ref_tokens and torch.equal(logits, ref_logits)
 

@@ -21,6 +21,7 @@ from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine.decode_graphs import DecodeGraphs
 from moe_runtime.engine.engine import LLMEngine
 from moe_runtime.engine.request import SamplingParams
+from moe_runtime.layers.attention_graphs import AttentionGraphs
 from moe_runtime.layers.kv_cache import cdiv
 from moe_runtime.layers.paged_decode import FlexPagedDecode
 
@@ -36,9 +37,10 @@ def checkpoints(tiny_checkpoints, tmp_path_factory):
     return {"qwen3_moe": tiny_checkpoints["qwen3_moe"], "gpt_oss": gpt_oss}
 
 
-def _engine(path, monkeypatch, graphs: bool, **kw) -> LLMEngine:
+def _engine(path, monkeypatch, graphs: bool, segments: bool = False, **kw) -> LLMEngine:
     """An engine on the GPU's decode path (device-routed experts, FlexAttention over the blocks),
-    with the graphs' CPU stand-in when ``graphs``."""
+    with the CPU stand-in of the whole-step graphs when ``graphs``, of the attention blocks' graphs
+    (``moe_runtime.layers.attention_graphs``) when ``segments``."""
     monkeypatch.setitem(resident.DEVICE_ROUTED, "cpu", True)
     runtime = RuntimeConfig(max_model_len=MAX_LEN, max_batch_size=3, **kw)
     engine = LLMEngine.from_pretrained(path, runtime)
@@ -54,6 +56,8 @@ def _engine(path, monkeypatch, graphs: bool, **kw) -> LLMEngine:
     )
     if graphs:
         engine.graphs = DecodeGraphs(engine.model, kv, emulate=True)
+    if segments:
+        engine.model.segments = AttentionGraphs(engine.model, kv, emulate=True)
     return engine
 
 

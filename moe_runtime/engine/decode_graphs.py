@@ -22,13 +22,14 @@ Per decode step of ``b`` sequences where :meth:`DecodeGraphs.eligible` holds:
   replay, then the host's per-step work (``finish_step``) on the step's own request ids and a copy
   of the logits (the graph's output is overwritten by the next replay).
 
-Anything else runs eagerly: prefill and mixed steps, offloaded or CPU-computed experts, a prefetch
+Anything else runs eagerly: prefill and mixed steps, offloaded or CPU-computed experts (whose
+layers' attention blocks still replay graphs: ``moe_runtime.layers.attention_graphs``), a prefetch
 policy or router lookahead that plans per layer, latent attention and the gathered attention path,
 several devices, ``--enforce-eager``. A capture that fails turns the graphs off with a warning.
 
-``emulate=True`` (tests) runs the same bookkeeping on any device with a stand-in for the graph
-that re-runs the forward on the static inputs and copies its outputs into the captured ones: an
-input not refreshed per step gives the stale step's tokens, which the CPU tests catch.
+``emulate=True`` (tests) runs the same bookkeeping on any device with the stand-in of
+``moe_runtime.layers.graph_capture``, which re-runs the forward on the static inputs: an input
+not refreshed per step gives the stale step's tokens, which the CPU tests catch.
 """
 
 from __future__ import annotations
@@ -40,22 +41,10 @@ from typing import Any
 
 import torch
 
+from moe_runtime.layers.graph_capture import WHOLE_STEP, capture
 from moe_runtime.layers.resident_experts import finish_step
 
 log = logging.getLogger(__name__)
-
-
-class _Rerun:
-    """The CPU stand-in for a CUDA graph: ``replay`` re-runs the captured function and writes its
-    outputs into the first run's tensors, as a replay overwrites a graph's outputs in place."""
-
-    def __init__(self, fn) -> None:
-        self.fn = fn
-        self.outs: list[torch.Tensor] = fn()
-
-    def replay(self) -> None:
-        for out, new in zip(self.outs, self.fn()):
-            out.copy_(new)
 
 
 class _Graph:
@@ -137,7 +126,7 @@ class DecodeGraphs:
             positions=step.positions.clone(),
             slots=[s.clone() for s in step.slots],
             logits_index=step.logits_index.clone(),
-            memo={},
+            memo={WHOLE_STEP: True},
             moe_layers=[],
             device_routed=[],
         )
@@ -147,19 +136,7 @@ class DecodeGraphs:
             logits = self.model.forward_device(ids, static)
             return [logits, *(t for _, i, w in static.device_routed for t in (i, w))]
 
-        if self.emulate:
-            graph: Any = _Rerun(run)
-            outs = graph.outs
-        else:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                run()  # warm-up: FlexAttention compiled at this shape, its buffers loaded (memo)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: the I/O threads' own CUDA calls (event queries, copies) stay legal
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                outs = run()
+        graph, outs = capture(run, self._pool, self.emulate)
         layers = [layer for layer, _, _ in static.device_routed]
         self.capture_s += time.perf_counter() - t0
         return _Graph(ids, static, graph, outs, layers)

@@ -38,6 +38,7 @@ from moe_runtime.engine.structured import GrammarMatcher
 from moe_runtime.errors import ConfigError
 from moe_runtime.host_alloc import keep_freed_memory
 from moe_runtime.hybrid import setup as hybrid_setup
+from moe_runtime.layers.attention_graphs import AttentionGraphs
 from moe_runtime.layers.router_lookahead import RouterLookahead
 from moe_runtime.loader import LoadedModel, load_checkpoint
 from moe_runtime.memory_plan import buffer_slot_count, engine_devices, human_bytes, kv_cache_len
@@ -138,6 +139,7 @@ class LLMEngine(RequestAdmission, StepOutputs, PromptScoring):
         flex = getattr(self.kv, "flex", None)
         capturable = device.type == "cuda" and runtime.cuda_graphs and n_dev == 1 and flex is not None
         self.graphs = DecodeGraphs(self.model, self.kv) if capturable else None
+        self.model.segments = AttentionGraphs(self.model, self.kv) if capturable else None
         self.model.prefetcher = self.prefetcher
         if getattr(self.prefetcher, "lookahead_depth", 0) > 0:
             self.model.lookahead = RouterLookahead(
@@ -316,6 +318,7 @@ class LLMEngine(RequestAdmission, StepOutputs, PromptScoring):
             f"{hybrid_setup.describe(self.hybrid, self.runtime, self.expert_compute)}, "
             f"experts run {self.model.expert_path}"
             + (f", {self.graphs.describe()}" if self.graphs is not None else "")
+            + (f", {self.model.segments.describe()}" if self.model.segments is not None else "")
         )
 
     def _expert_format(self) -> str:

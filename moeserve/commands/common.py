@@ -127,8 +127,9 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--enforce-eager",
         action="store_true",
-        help="run every decode step eagerly: no CUDA graphs (by default, on CUDA, decode steps with "
-        "every expert resident replay a graph per batch size; docs/architecture.md)",
+        help="run every decode step eagerly: no CUDA graphs (by default, on CUDA, a decode step replays "
+        "one graph when every expert is resident, else one per layer's attention block; "
+        "docs/architecture.md)",
     )
     g.add_argument(
         "--cache-policy",
