@@ -28,7 +28,8 @@ def test_blocks_from_graphs_give_the_eager_logits(checkpoints, monkeypatch, fami
         with _engine(checkpoints[family], monkeypatch, False, segments, **runtime) as engine:
             got[segments] = _run(engine)
             st = engine.buffer.stats
-            stats[segments] = (st.lookups, st.hits, st.demand_bytes, sum(st.cpu_experts))
+            # (hits and bytes copied depend on when prefetches land: not compared)
+            stats[segments] = (st.lookups, sum(st.cpu_experts))
             if segments:
                 layers = engine.loaded.config.num_layers
                 assert sorted(engine.model.segments.graphs) == [
