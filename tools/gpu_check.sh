@@ -9,7 +9,7 @@
 #                                       graphs, all experts resident)
 #   launches-cuda-*.json                moeserve bench launches (kernel launches, syncs, GPU busy share
 #                                       per decoder layer of a decode step) on the bundled model (decode
-#                                       CUDA graphs on, and off: -eager) and on qwen3
+#                                       CUDA graphs on, off: -eager, and a 25% buffer: -offloaded) and on qwen3
 #   decode-cuda-qwen3-30b-a3b-8l.json   ... on make-checkpoint's qwen3-30b-a3b shape, 8 layers (11.2 GB)
 #   replay-cuda-qwen3-30b-a3b-8l.txt    moeserve serve on that checkpoint + moeserve replay of the Azure
 #                                       conversation trace (summary; the replay's files in replay-cuda-*/)
@@ -144,6 +144,8 @@ step gpu-tests.log 180 python3 -m pytest -m gpu -q -rs -p no:cacheprovider --con
 step decode-cuda-tiny-moe.json 120 "${DECODE[@]}"
 step launches-cuda-tiny-moe.json 45 python3 -m moeserve bench launches --device cuda --json
 step launches-cuda-tiny-moe-eager.json 45 python3 -m moeserve bench launches --device cuda --json --enforce-eager
+step launches-cuda-tiny-moe-offloaded.json 45 python3 -m moeserve bench launches --device cuda --json \
+  --buffer-fraction 0.25
 step decode-cuda-tiny-moe-eager.json 60 python3 -m moeserve bench decode --device cuda --dtype bf16 \
   --link-gbps 0 --prefill-len 0 --fractions 1.0 --repeats 3 --no-transformers --enforce-eager --json
 if await ckpt-qwen3-30b-a3b-8l; then
