@@ -67,3 +67,28 @@ def test_a_stale_residual_shows(checkpoints, monkeypatch):  # noqa: F811
     with _engine(checkpoints["qwen3_moe"], monkeypatch, False, True, buffer_fraction=0.5) as engine:
         got = _run(engine)
     assert not torch.equal(got[0][1], ref[0][1])
+
+
+def test_a_failed_capture_keeps_serving_eagerly(checkpoints, monkeypatch):  # noqa: F811
+    """A capture that raises (here: every capture) turns both kinds of graphs off with a warning;
+    the step that met it and every later one run eagerly, with the eager logits."""
+    import moe_runtime.engine.decode_graphs as decode_graphs
+    import moe_runtime.layers.attention_graphs as attention_graphs
+
+    def refuse(fn, pool, emulate):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    with _engine(checkpoints["qwen3_moe"], monkeypatch, False, buffer_fraction=0.5) as engine:
+        ref_offloaded = _run(engine)
+    with _engine(checkpoints["qwen3_moe"], monkeypatch, False) as engine:
+        ref_resident = _run(engine)
+    monkeypatch.setattr(decode_graphs, "capture", refuse)
+    monkeypatch.setattr(attention_graphs, "capture", refuse)
+    for runtime, ref in (({"buffer_fraction": 0.5}, ref_offloaded), ({}, ref_resident)):
+        with _engine(checkpoints["qwen3_moe"], monkeypatch, True, True, **runtime) as engine:
+            got = _run(engine)
+            assert not engine.graphs.enabled or not engine.model.segments.enabled
+            assert engine.graphs.replays == engine.model.segments.replays == 0
+            assert "off (a capture failed)" in engine.summary()
+        for (tokens, logits), (ref_tokens, ref_logits) in zip(got, ref):
+            assert tokens == ref_tokens and torch.equal(logits, ref_logits)
