@@ -92,3 +92,24 @@ def test_a_failed_capture_keeps_serving_eagerly(checkpoints, monkeypatch):  # no
             assert "off (a capture failed)" in engine.summary()
         for (tokens, logits), (ref_tokens, ref_logits) in zip(got, ref):
             assert tokens == ref_tokens and torch.equal(logits, ref_logits)
+
+
+@pytest.mark.parametrize("runtime", [{}, {"buffer_fraction": 0.5}], ids=["resident", "offloaded"])
+def test_graphs_captured_at_start_serve_every_step(checkpoints, monkeypatch, runtime):  # noqa: F811
+    """``capture_graphs`` before the first request (as ``moeserve serve`` does): every batch size's
+    whole-step graph (all resident) or every layer's attention graph (offloaded); the requests
+    then capture nothing, give the eager logits, and no counter saw the stand-in steps."""
+    with _engine(checkpoints["qwen3_moe"], monkeypatch, False, **runtime) as engine:
+        ref = _run(engine)
+        ref_lookups = engine.buffer.stats.lookups
+    with _engine(checkpoints["qwen3_moe"], monkeypatch, True, True, **runtime) as engine:
+        n, _ = engine.capture_graphs()
+        layers = engine.loaded.config.num_layers
+        counts = (len(engine.graphs.graphs), len(engine.model.segments.graphs))
+        assert counts == ((3, 0) if not runtime else (0, 3 * layers)) and n == sum(counts)
+        assert not any(engine.buffer.stats.lookups)  # per layer: none yet
+        got = _run(engine)
+        assert (len(engine.graphs.graphs), len(engine.model.segments.graphs)) == counts
+        assert engine.buffer.stats.lookups == ref_lookups
+    for (tokens, logits), (ref_tokens, ref_logits) in zip(got, ref):
+        assert tokens == ref_tokens and torch.equal(logits, ref_logits)

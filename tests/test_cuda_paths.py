@@ -95,6 +95,32 @@ def test_cuda_attention_graphs_match_eager_blocks(checkpoints, family, compute):
         assert tokens == ref_tokens and torch.equal(logits, ref_logits)
 
 
+@pytest.mark.parametrize("slots", [None, 2], ids=["resident", "offloaded"])
+def test_cuda_graphs_captured_at_start(checkpoints, slots):
+    """``capture_graphs`` before the first request (``moeserve serve``): the requests capture
+    nothing more and give the eager steps' logits bit for bit."""
+    got = {}
+    for graphs in (True, False):
+        rt = RuntimeConfig(
+            device="cuda",
+            dtype="bf16",
+            buffer_slots=slots,
+            max_model_len=64,
+            max_batch_size=3,
+            cuda_graphs=graphs,
+        )
+        with LLMEngine.from_pretrained(checkpoints["qwen3_moe"], rt) as engine:
+            if graphs:
+                n, seconds = engine.capture_graphs()
+                counts = (len(engine.graphs.graphs), len(engine.model.segments.graphs))
+                assert n == sum(counts) > 0, engine.summary()
+            got[graphs] = _run_collecting_logits(engine, PROMPTS, GREEDY)
+            if graphs:
+                assert (len(engine.graphs.graphs), len(engine.model.segments.graphs)) == counts
+    for (tokens, logits), (ref_tokens, ref_logits) in zip(got[True], got[False]):
+        assert tokens == ref_tokens and torch.equal(logits, ref_logits)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cuda_families_match_the_cpu_in_every_mode(checkpoints, family):
     path = checkpoints[family]

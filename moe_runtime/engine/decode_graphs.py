@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from moe_runtime.engine.context import StepContext
 from moe_runtime.layers.graph_capture import WHOLE_STEP, capture
 from moe_runtime.layers.resident_experts import finish_step
 
@@ -146,3 +147,41 @@ class DecodeGraphs:
         if not self.enabled:
             return "decode CUDA graphs off (a capture failed)"
         return "decode CUDA graphs on (captured per batch size at first use)"
+
+
+def capture_at_start(graphs: DecodeGraphs | None, segments: Any | None, max_batch: int) -> int:
+    """Capture every batch size's graphs before serving, so no live step pays a capture (each one
+    syncs the device): the whole-step graph where it applies, else each layer's attention block
+    (``moe_runtime.layers.attention_graphs``). Returns the graphs captured.
+
+    The steps are stand-ins: ``b`` sequences of one token at position 0, every one in block 0
+    (nothing is cached yet; a sequence writes a position's KV before it reads it), token id 0. Only
+    the capture runs (its warm-up included), not the host's per-step work: no counter, trace or
+    policy sees them. A fault is logged and leaves the rest to the lazy captures."""
+    owner = graphs if graphs is not None else segments
+    if owner is None:
+        return 0
+    model, cache = owner.model, owner.cache
+    before = len(graphs.graphs if graphs is not None else ()) + len(segments.graphs if segments else ())
+    device = model.device
+    try:
+        for b in range(1, max_batch + 1):
+            tables = [[[0] for _ in cache.windows] for _ in range(b)]
+            names, ones = [f"capture-{i}" for i in range(b)], [1] * b
+            step = StepContext.build(names, tables, [0] * b, ones, [True] * b, device, cache.block_size)
+            ids = torch.zeros(b, dtype=torch.int64, device=device)
+            if graphs is not None and graphs.eligible(step):
+                if b not in graphs.graphs:
+                    graphs.graphs[b] = graphs._capture(ids, step)  # noqa: SLF001
+                continue
+            seg = segments.begin(step) if segments is not None else None
+            if seg is None:
+                continue
+            dtype = model.w["embed"].dtype
+            x = torch.zeros(b, model.cfg.hidden_size, dtype=dtype, device=device)
+            for layer, lw in enumerate(model.layers):
+                seg.run(layer, lw, x, x)
+    except Exception as exc:  # noqa: BLE001  (start serving; the lazy captures remain)
+        log.warning("graphs not captured at start: %s", exc)
+    after = len(graphs.graphs if graphs is not None else ()) + len(segments.graphs if segments else ())
+    return after - before

@@ -213,6 +213,9 @@ def _serve(args: argparse.Namespace, settings: Any, sock: Any) -> int:
     )
     engine = LLMEngine(loaded, runtime, recorder, eamc=eamc)
     print(engine.summary(), file=sys.stderr, flush=True)
+    captured, seconds = engine.capture_graphs()  # before the first request, not during it
+    if captured:
+        print(f"decode graphs: {captured} captured in {seconds:.1f} s", file=sys.stderr, flush=True)
     trace = TraceHooks(engine, args.eamc_path, args.eamc_save_every, closers)
     app = create_app(engine, settings, trace)
     server = make_server(app, args.host, args.port, args.log_level)
