@@ -149,10 +149,16 @@ class DecodeGraphs:
         return "decode CUDA graphs on (captured per batch size at first use)"
 
 
+#: batch sizes captured before serving (larger ones at their first step): with offloaded experts
+#: each size is one capture per layer, and each capture syncs the device
+START_BATCHES = 16
+
+
 def capture_at_start(graphs: DecodeGraphs | None, segments: Any | None, max_batch: int) -> int:
-    """Capture every batch size's graphs before serving, so no live step pays a capture (each one
-    syncs the device): the whole-step graph where it applies, else each layer's attention block
-    (``moe_runtime.layers.attention_graphs``). Returns the graphs captured.
+    """Capture the graphs of batch sizes 1 .. ``min(max_batch, START_BATCHES)`` before serving, so
+    no live step of those sizes pays a capture (each one syncs the device): the whole-step graph
+    where it applies, else each layer's attention block (``moe_runtime.layers.attention_graphs``).
+    Returns the graphs captured.
 
     The steps are stand-ins: ``b`` sequences of one token at position 0, every one in block 0
     (nothing is cached yet; a sequence writes a position's KV before it reads it), token id 0. Only
@@ -165,7 +171,7 @@ def capture_at_start(graphs: DecodeGraphs | None, segments: Any | None, max_batc
     before = len(graphs.graphs if graphs is not None else ()) + len(segments.graphs if segments else ())
     device = model.device
     try:
-        for b in range(1, max_batch + 1):
+        for b in range(1, min(max_batch, START_BATCHES) + 1):
             tables = [[[0] for _ in cache.windows] for _ in range(b)]
             names, ones = [f"capture-{i}" for i in range(b)], [1] * b
             step = StepContext.build(names, tables, [0] * b, ones, [True] * b, device, cache.block_size)

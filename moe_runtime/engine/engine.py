@@ -291,7 +291,7 @@ class LLMEngine(RequestAdmission, StepOutputs, PromptScoring):
         return [final[r] for r in ids]
 
     def capture_graphs(self) -> tuple[int, float]:
-        """Capture the decode graphs of every batch size now (``decode_graphs.capture_at_start``)
+        """Capture the decode graphs of batch sizes up to 16 now (``decode_graphs.capture_at_start``)
         rather than at each size's first step; ``(graphs captured, seconds)``. Nothing off CUDA."""
         t0 = time.perf_counter()
         n = capture_at_start(self.graphs, self.model.segments, self.runtime.max_batch_size)
