@@ -35,3 +35,25 @@ def test_profiled_pass_lists_host_events():
     assert row["profiled_step_us"] > 0
     names = [name for name, calls, us in row["host_top"]]
     assert any(n.startswith("aten::") for n in names) and all(us >= 0 for _, _, us in row["host_top"])
+
+
+def test_flex_attention_decode_is_profiled_not_counted():
+    """FlexAttention refuses a dispatch mode (found on an H100: the bench failed there). Where the
+    cache decodes through it (eager here), the bench profiles instead of counting aten ops."""
+    from moe_runtime.layers.kv_cache import cdiv
+    from moe_runtime.layers.paged_decode import FlexPagedDecode
+
+    runtime = RuntimeConfig(max_model_len=32, max_batch_size=1, dtype="bf16")
+    with LLMEngine.from_pretrained(default_model_dir(), runtime) as engine:
+        kv = engine.kv
+        kv.flex = FlexPagedDecode(
+            kv.num_blocks,
+            kv.block_size,
+            1,
+            cdiv(32, kv.block_size),
+            len(kv.windows),
+            kv._kv.device,
+            compiled=False,
+        )
+        row = measure(engine, 1, ARGS)
+    assert "ops_per_layer" not in row and row["profiled_step_us"] > 0

@@ -160,3 +160,10 @@ def test_the_budget_skips_late_steps(tmp_path: Path) -> None:
     summary, calls, _ = _run(tmp_path, budget=10)
     assert "gpu-tests.log: skipped" in summary and "decode-cuda-mixtral-8x7b-4l.json: skipped" in summary
     assert "-m pytest" not in calls and "bench decode" not in calls
+
+
+def test_gpu_tests_survive_missing_test_only_imports() -> None:
+    """A GPU machine may lack test-only packages (openai, jsonschema: found on an H100, where the
+    collection errors stopped every GPU test): the step keeps collecting past them."""
+    line = next(x for x in _lines() if "step gpu-tests.log" in x)
+    assert "-m gpu" in line and "--continue-on-collection-errors" in line

@@ -116,7 +116,8 @@ def _profile_step(forward, cuda: bool) -> tuple[Any, dict[str, Any]]:
 
 def measure(engine, batch: int, args: argparse.Namespace, profiled_run: bool | None = None) -> dict[str, Any]:
     """One row: the counts of ``batch`` sequences' decode steps (see the module docstring);
-    ``profiled_run``: profile instead of counting aten ops (default: on CUDA)."""
+    ``profiled_run``: profile instead of counting aten ops (default: on CUDA, or wherever
+    FlexAttention decodes)."""
     from moe_runtime.engine.request import SamplingParams
 
     layers = engine.loaded.config.num_layers
@@ -127,7 +128,9 @@ def measure(engine, batch: int, args: argparse.Namespace, profiled_run: bool | N
     engine.generate(prompts, params)  # warm-up: caches, allocator, the kernels' first launches
     # the engine's forward: from a decode CUDA graph where one applies (``engine.graphs``), else eager
     forward, cuda = engine._forward, engine.model.device.type == "cuda"  # noqa: SLF001
-    profiled_run = cuda if profiled_run is None else profiled_run
+    # FlexAttention (CUDA's paged decode) refuses to run under the op counter's dispatch mode
+    flex = getattr(engine.kv, "flex", None) is not None
+    profiled_run = (cuda or flex) if profiled_run is None else profiled_run
     steps: list[dict[str, float]] = []
 
     def counted(ids, step, *rest, **kw):
