@@ -105,7 +105,7 @@ esac
 """
 
 
-def _run(tmp_path: Path, budget: int = 450) -> tuple[str, str, Path]:
+def _run(tmp_path: Path, budget: int = 450, **extra_env: str) -> tuple[str, str, Path]:
     bin_dir, data, out = tmp_path / "bin", tmp_path / "data", tmp_path / "out"
     bin_dir.mkdir()
     fake = bin_dir / "python3"
@@ -116,7 +116,7 @@ def _run(tmp_path: Path, budget: int = 450) -> tuple[str, str, Path]:
     (data / "prompts_combined.jsonl").write_text("{}\n")
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(tmp_path / "calls"),
            "TMPDIR": str(tmp_path), "GPU_CHECK_BUDGET_S": str(budget), "GPU_CHECK_PORT": "18999",
-           "GPU_CHECK_WHEELS": str(tmp_path / "no-wheels")}  # fmt: skip
+           "GPU_CHECK_WHEELS": str(tmp_path / "no-wheels"), **extra_env}  # fmt: skip
     proc = subprocess.run(
         ["bash", str(SCRIPT), "--data", str(data), str(out)],
         env=env,
@@ -167,3 +167,14 @@ def test_gpu_tests_survive_missing_test_only_imports() -> None:
     collection errors stopped every GPU test): the step keeps collecting past them."""
     line = next(x for x in _lines() if "step gpu-tests.log" in x)
     assert "-m gpu" in line and "--continue-on-collection-errors" in line
+
+
+def test_only_the_selected_steps_run(tmp_path: Path) -> None:
+    """``GPU_CHECK_ONLY`` (a rerun within a short lease): the selected steps run, the others are
+    noted as not selected, and no checkpoint is written for steps that do not run."""
+    summary, calls, _ = _run(tmp_path, GPU_CHECK_ONLY="gpu-tests*,launches-cuda-tiny-moe*")
+    ran = [line.split(":")[0] for line in summary.splitlines() if ": rc=" in line]
+    assert ran == ["gpu-tests.log", "launches-cuda-tiny-moe.json", "launches-cuda-tiny-moe-eager.json",
+                   "launches-cuda-tiny-moe-offloaded.json"]  # fmt: skip
+    assert "decode-cuda-tiny-moe.json: not selected by GPU_CHECK_ONLY" in summary
+    assert "make-checkpoint" not in calls and "bench decode" not in calls

@@ -21,7 +21,9 @@
 # The two checkpoints are written in the background while the first steps run. Into OUTDIR go each
 # step's output and log (<step>.log), machine.txt (GPU, driver, torch, commit) and summary.txt (each
 # step's exit status and seconds; 124 = timed out). The whole run stops starting steps after
-# GPU_CHECK_BUDGET_S seconds (default 450); GPU_CHECK_WHEELS names the wheels' folder (default .whl).
+# GPU_CHECK_BUDGET_S seconds (default 450); GPU_CHECK_WHEELS names the wheels' folder (default .whl);
+# GPU_CHECK_ONLY runs only the steps whose names match its comma-separated globs (a rerun within a
+# short lease: GPU_CHECK_ONLY='gpu-tests*,launches-*', or '*qwen3*' with its checkpoint).
 #
 # Prepare on any machine, from the repository root:
 #   * wheels (optional): put them in .whl/ (e.g. `pip download torch --no-deps -d .whl` for the
@@ -63,9 +65,21 @@ record() {  # record NAME RC T0: one summary line
   echo "$1: $what, $(($SECONDS - $3)) s (at $SECONDS s)" | tee -a "$SUMMARY"
 }
 note() { echo "$1 (at $SECONDS s)" | tee -a "$SUMMARY"; }
+wanted() {  # wanted NAME: whether GPU_CHECK_ONLY (comma-separated glob patterns; unset: all) selects it
+  [ -z "${GPU_CHECK_ONLY:-}" ] && return 0
+  case $1 in install*) return 0 ;; esac
+  local pattern patterns
+  IFS=, read -ra patterns <<< "$GPU_CHECK_ONLY"
+  for pattern in "${patterns[@]}"; do
+    # shellcheck disable=SC2053  # a glob, on purpose
+    [[ $1 == $pattern ]] && return 0
+  done
+  return 1
+}
 step() {  # step NAME TIMEOUT_S CMD...: CMD's stdout into OUT/NAME, its stderr into OUT/<NAME less extension>.log
   local name=$1 limit=$2 left=$((BUDGET - SECONDS)) t0=$SECONDS
   shift 2
+  if ! wanted "$name"; then note "$name: not selected by GPU_CHECK_ONLY"; return 1; fi
   if [ "$left" -lt 30 ]; then note "$name: skipped, ${left} s of the budget left"; return 1; fi
   [ "$limit" -gt "$left" ] && limit=$left
   if [ "$name" != "${name%.log}" ]; then  # a .log step: its whole output there
@@ -80,11 +94,13 @@ step() {  # step NAME TIMEOUT_S CMD...: CMD's stdout into OUT/NAME, its stderr i
 background() {  # background NAME TIMEOUT_S CMD...: start CMD now (output into OUT/NAME.log); await NAME
   local name=$1 limit=$2
   shift 2
+  wanted "$name" || return 0
   timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1 &
   PIDS[$name]=$!
   STARTED[$name]=$SECONDS
 }
-await() {  # await NAME: wait for a background step and record it; its exit status
+await() {  # await NAME: wait for a background step and record it; its exit status (1: not started)
+  [ -n "${PIDS[$1]:-}" ] || return 1
   wait "${PIDS[$1]}"
   local rc=$?
   record "$1" "$rc" "${STARTED[$1]}"
