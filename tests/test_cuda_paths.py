@@ -44,6 +44,20 @@ GREEDY = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
 CUDA_MODES = {mode: MODES[mode] for mode in ("device", "auto")}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _flex_compiles_per_shape():
+    """Every engine here has its own pool and batch shape, and FlexAttention compiles once per
+    shape (``dynamic=False``); past Dynamo's recompile limit (8) it would fall back to its unfused
+    eager form, which these tests are not about. A serving process compiles one or two shapes."""
+    import torch._dynamo.config as dynamo
+
+    name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
+    before = getattr(dynamo, name)
+    setattr(dynamo, name, 128)
+    yield
+    setattr(dynamo, name, before)
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tiny_checkpoints, tmp_path_factory):
     root = tmp_path_factory.mktemp("cuda")
