@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import moe_runtime.layers.experts as experts
 import moe_runtime.layers.norm as norm
@@ -19,39 +18,25 @@ from moe_runtime.assets import default_model_dir
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine.engine import LLMEngine
 from moe_runtime.engine.request import SamplingParams
+from moeserve.bench.launches import OpCounter
 
 NEW_TOKENS = 3
 
 
-def _storage(t) -> int | None:
-    t = t[0] if isinstance(t, (list, tuple)) and t else t
-    return t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else None
-
-
-class _Count(TorchDispatchMode):
-    """Counts every aten op; ``syncs`` counts those that hand a device value to the host;
-    ``launches`` those that run a kernel: not a view (an op whose schema returns an alias of its
-    input that it does not write, e.g. ``view``, ``slice``, ``unbind``, and whose result shares
-    the input's storage: a ``to`` that casts is a launch, one that returns its input is not)."""
+class _Count(OpCounter):
+    """The bench's counter of aten ops and of those that launch a kernel (views and aliases run
+    none), with ``syncs``: the ops that hand a device value to the host."""
 
     SYNC = {"aten._local_scalar_dense.default", "aten.item.default"}
 
     def __init__(self) -> None:
         super().__init__()
-        self.ops = 0
         self.syncs = 0
-        self.launches = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
         if str(func) in self.SYNC:
             self.syncs += 1
-        out = func(*args, **(kwargs or {}))
-        ret = func._schema.returns
-        alias = ret and ret[0].alias_info is not None and not ret[0].alias_info.is_write
-        if not (alias and args and _storage(out) is not None and _storage(out) == _storage(args[0])):
-            self.launches += 1
-        return out
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 class _CountSync(torch.overrides.TorchFunctionMode):
