@@ -34,15 +34,13 @@ not refreshed per step gives the stale step's tokens, which the CPU tests catch.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import time
 from typing import Any
 
 import torch
 
 from moe_runtime.engine.context import StepContext
-from moe_runtime.layers.graph_capture import WHOLE_STEP, capture
+from moe_runtime.layers.graph_capture import WHOLE_STEP, capture, refresh, static_step
 from moe_runtime.layers.resident_experts import finish_step
 
 log = logging.getLogger(__name__)
@@ -71,7 +69,6 @@ class DecodeGraphs:
         self.enabled = True
         self.graphs: dict[int, _Graph] = {}
         self.replays = 0
-        self.capture_s = 0.0
         self._pool = None if emulate else torch.cuda.graph_pool_handle()
 
     def eligible(self, step: Any) -> bool:
@@ -111,26 +108,12 @@ class DecodeGraphs:
     def _load(self, input_ids: torch.Tensor, step: Any, g: _Graph) -> None:
         """``step``'s inputs into ``g``'s static ones, and its block tables into FlexAttention's."""
         g.ids.copy_(input_ids)
-        g.step.positions.copy_(step.positions)
-        for static, new in zip(g.step.slots, step.slots):
-            static.copy_(new)
-        flex = self.cache.flex
-        for group, window in enumerate(self.cache.windows):
-            flex.load(step, group, window)
+        refresh(g.step, step, self.cache)
 
     def _capture(self, input_ids: torch.Tensor, step: Any) -> _Graph:
         """Capture the decode forward at ``step``'s batch size, with static copies of its inputs."""
-        t0 = time.perf_counter()
         ids = input_ids.clone()
-        static = dataclasses.replace(
-            step,
-            positions=step.positions.clone(),
-            slots=[s.clone() for s in step.slots],
-            logits_index=step.logits_index.clone(),
-            memo={WHOLE_STEP: True},
-            moe_layers=[],
-            device_routed=[],
-        )
+        static = static_step(step, {WHOLE_STEP: True})
 
         def run() -> list[torch.Tensor]:
             static.device_routed.clear()
@@ -139,7 +122,6 @@ class DecodeGraphs:
 
         graph, outs = capture(run, self._pool, self.emulate)
         layers = [layer for layer, _, _ in static.device_routed]
-        self.capture_s += time.perf_counter() - t0
         return _Graph(ids, static, graph, outs, layers)
 
     def describe(self) -> str:

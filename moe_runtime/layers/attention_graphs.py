@@ -25,13 +25,12 @@ turns these graphs off with a warning. ``emulate=True`` (tests) uses the CPU sta
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any
 
 import torch
 
-from moe_runtime.layers.graph_capture import WHOLE_STEP, capture
+from moe_runtime.layers.graph_capture import WHOLE_STEP, capture, refresh, static_step
 
 log = logging.getLogger(__name__)
 
@@ -62,22 +61,10 @@ class AttentionGraphs:
             return None
         b = len(step.num_new)
         static = self.statics.get(b)
-        if static is None:
-            static = self.statics[b] = dataclasses.replace(
-                step,
-                positions=step.positions.clone(),
-                slots=[s.clone() for s in step.slots],
-                memo={("flex", g): b for g in range(len(self.cache.windows))},
-                moe_layers=[],
-                device_routed=[],
-            )
-        else:
-            static.positions.copy_(step.positions)
-            for mine, new in zip(static.slots, step.slots):
-                mine.copy_(new)
-        flex = self.cache.flex
-        for group, window in enumerate(self.cache.windows):
-            flex.load(step, group, window)
+        if static is None:  # FlexAttention's buffers are loaded here, not by the captured blocks
+            flex_loaded = {("flex", g): b for g in range(len(self.cache.windows))}
+            static = self.statics[b] = static_step(step, flex_loaded)
+        refresh(static, step, self.cache)
         return StepSegments(self, b, static)
 
     def describe(self) -> str:

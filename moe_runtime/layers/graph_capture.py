@@ -9,6 +9,7 @@ returned during the capture; every replay overwrites them in place.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -49,3 +50,27 @@ def capture(fn: Callable[[], list[torch.Tensor]], pool: Any, emulate: bool) -> t
     with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         outs = fn()
     return graph, outs
+
+
+def static_step(step: Any, memo: dict) -> Any:
+    """A copy of ``step`` (a decode ``StepContext``) whose device inputs a graph reads, positions
+    and each block group's KV slots, are its own tensors (refreshed by :func:`refresh`); host
+    fields shared, ``memo`` as given, no per-step MoE records."""
+    return dataclasses.replace(
+        step,
+        positions=step.positions.clone(),
+        slots=[s.clone() for s in step.slots],
+        memo=memo,
+        moe_layers=[],
+        device_routed=[],
+    )
+
+
+def refresh(static: Any, step: Any, cache: Any) -> None:
+    """``step``'s positions and KV slots into ``static``'s tensors, and its block tables into the
+    FlexAttention decode buffers of ``cache`` (every block group): the host work before a replay."""
+    static.positions.copy_(step.positions)
+    for mine, new in zip(static.slots, step.slots):
+        mine.copy_(new)
+    for group, window in enumerate(cache.windows):
+        cache.flex.load(step, group, window)
