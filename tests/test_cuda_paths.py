@@ -25,10 +25,9 @@ from __future__ import annotations
 import pytest
 import torch
 from test_hybrid_families import BUILDERS, FAMILIES, MODES, NEW, PROMPTS
-from test_kv_engine import PARAMS, _run, _same
+from test_kv_engine import PARAMS, _run, _same, paged_checkpoints
 from test_kv_engine import PROMPTS as KV_PROMPTS
 from test_runtime_oracle import _run_collecting_logits, assert_matches, join_mid_decode
-from tiny_models import make_deepseek_checkpoint, make_gpt_oss_checkpoint
 
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine.engine import LLMEngine
@@ -197,12 +196,7 @@ def test_cuda_quantized_experts_match_the_cpu(checkpoints, expert_dtype, compute
 
 @pytest.fixture(scope="module")
 def kv_checkpoints(tiny_checkpoints, tmp_path_factory):
-    root = tmp_path_factory.mktemp("cuda_kv")
-    return {
-        "qwen3_moe": tiny_checkpoints["qwen3_moe"],
-        "deepseek": make_deepseek_checkpoint("v3", root / "v3"),
-        "gpt_oss": make_gpt_oss_checkpoint(root / "gpt_oss"),
-    }
+    return paged_checkpoints(tiny_checkpoints, tmp_path_factory.mktemp("cuda_kv"))
 
 
 @pytest.mark.parametrize("block_size", [4, 16])

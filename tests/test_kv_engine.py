@@ -48,14 +48,19 @@ class KeepingRecorder(RequestRecorder):
         super().finish(request_id)
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tiny_checkpoints, tmp_path_factory):
-    root = tmp_path_factory.mktemp("paged")
+def paged_checkpoints(tiny_checkpoints, root) -> dict:
+    """The three attention kinds of the paged cache: GQA (Qwen3), latent (DeepSeek-V3), sliding
+    windows with sinks (gpt-oss)."""
     return {
         "qwen3_moe": tiny_checkpoints["qwen3_moe"],
         "deepseek": make_deepseek_checkpoint("v3", root / "v3"),
         "gpt_oss": make_gpt_oss_checkpoint(root / "gpt_oss"),
     }
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_checkpoints, tmp_path_factory):
+    return paged_checkpoints(tiny_checkpoints, tmp_path_factory.mktemp("paged"))
 
 
 def _run(path, runtime: RuntimeConfig, prompts, params, one_by_one=False):
