@@ -337,6 +337,10 @@ class RuntimeConfig:
             (``engine.decode_graphs``), else each layer's attention block per batch size
             (``layers.attention_graphs``); False runs every step eagerly (``--enforce-eager``).
             No effect off CUDA.
+        compile_decode: on the CPU, run decode steps through one ``torch.compile``d forward
+            where every expert is resident (``engine.compiled_decode``; ``moeserve serve``'s
+            default there, ``--enforce-eager`` off). Off by default in the engine API: each engine
+            compiles once, tens of seconds on a small host. No effect off the CPU.
     """
 
     device: str = "cpu"
@@ -371,6 +375,8 @@ class RuntimeConfig:
     plan_data: tuple[str, ...] = ()
     # decode steps replayed from CUDA graphs (moe_runtime.engine.decode_graphs)
     cuda_graphs: bool = True
+    # decode steps through torch.compile on the CPU (moe_runtime.engine.compiled_decode)
+    compile_decode: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

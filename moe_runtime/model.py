@@ -33,12 +33,13 @@ from moe_runtime.config import ModelConfig
 from moe_runtime.engine.context import StepContext
 from moe_runtime.layers.attention import attention
 from moe_runtime.layers.experts import ExpertFFN, select_expert_path
+from moe_runtime.layers.graph_capture import WHOLE_STEP
 from moe_runtime.layers.kv_cache import PagedKVCache
 from moe_runtime.layers.mla import MLAttention
 from moe_runtime.layers.mla_cache import PagedMLACache
 from moe_runtime.layers.moe import moe_block
 from moe_runtime.layers.norm import layer_norm, rms_norm
-from moe_runtime.layers.resident_experts import ResidentSpans, finish_step, resident_spans
+from moe_runtime.layers.resident_experts import DEVICE_ROUTED, ResidentSpans, finish_step, resident_spans
 from moe_runtime.layers.rotary import Rotary
 from moe_runtime.layers.router_lookahead import RouterLookahead
 
@@ -222,15 +223,18 @@ class MoEModel:
             else select_expert_path(emb.device, emb.dtype, cfg.hidden_size, cfg.moe_intermediate_size)
         )
 
-    def _resident(self) -> ResidentSpans | None:
+    def _resident(self, step: StepContext | None = None) -> ResidentSpans | None:
         """The fully resident layers' slot views where they run device-routed, while the prefetch
-        policy plans nothing (built at the first call: the engine sets the policy after load)."""
+        policy plans nothing (built at the first call: the engine sets the policy after load). On
+        the CPU only inside a whole compiled step (``step.memo[WHOLE_STEP]``; None: any step)."""
         if self._spans is False:
             self._spans = resident_spans(
                 self.buffer, self.cfg.num_moe_layers, self.cfg.num_experts, self.device, self.expert_path
             )
         pf = self.prefetcher
         if pf is not None and getattr(pf, "name", "") != "on-demand":
+            return None
+        if step is not None and not DEVICE_ROUTED.get(self.device.type) and not step.memo.get(WHOLE_STEP):
             return None
         return self._spans  # type: ignore[return-value]
 
@@ -263,7 +267,7 @@ class MoEModel:
         if self.mla is None and seg is None:
             rope = tuple(r.unsqueeze(1) for r in self.rotary.rows(step.positions))
         la = self.lookahead if step.observe else None
-        resident = self._resident()  # the same for every layer of the step
+        resident = self._resident(step)  # the same for every layer of the step
         for layer, lw in enumerate(self.layers):
             ahead = None
             h = self._norm(x, lw.attn_norm, lw.attn_norm_bias)

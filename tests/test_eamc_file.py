@@ -138,7 +138,7 @@ def test_serve_exits_1_when_the_final_save_fails(tiny_qwen3, tmp_path):
     folder.mkdir()
     port = free_port()
     cmd = [sys.executable, "-m", "moeserve", "serve", "--model", str(tiny_qwen3), "--port", str(port)]
-    cmd += ["--log-level", "warning", "--eamc-path", str(folder / "eamc.npz")]
+    cmd += ["--log-level", "warning", "--eamc-path", str(folder / "eamc.npz"), "--enforce-eager"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     try:
         wait_until_healthy(f"http://127.0.0.1:{port}", proc)

@@ -227,7 +227,8 @@ def free_port() -> int:
 def test_serve_a_cached_repo_by_id(snapshot, hf_env, revision):
     port = free_port()
     cmd = [sys.executable, "-m", "moeserve", "serve", "--model", REPO_ID, "--port", str(port)]
-    cmd += ["--log-level", "warning", "--max-wait-ms", "0"] + (["--revision", revision] if revision else [])
+    cmd += ["--log-level", "warning", "--max-wait-ms", "0", "--enforce-eager"]
+    cmd += ["--revision", revision] if revision else []
     env = {**os.environ, **hf_env}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     base = f"http://127.0.0.1:{port}"

@@ -40,7 +40,7 @@ def free_port() -> int:
 def test_serve_with_only_device_memory_plans_prints_and_serves():
     port = free_port()
     cmd = [sys.executable, "-m", "moeserve", "serve", "--port", str(port), "--device-memory", "128MiB"]
-    cmd += ["--log-level", "warning", "--max-wait-ms", "0", "--served-model-name", "tiny"]
+    cmd += ["--log-level", "warning", "--max-wait-ms", "0", "--served-model-name", "tiny", "--enforce-eager"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 90

@@ -166,7 +166,7 @@ def free_port() -> int:
 def test_sigterm_drains_running_requests_then_saves_the_eamc(tiny_qwen3, tmp_path):
     port, eamc_path, trace_path = free_port(), tmp_path / "eamc.npz", tmp_path / "trace.jsonl"
     cmd = [sys.executable, "-m", "moeserve", "serve", "--model", str(tiny_qwen3), "--port", str(port)]
-    cmd += ["--served-model-name", "tiny", "--log-level", "warning", "--max-wait-ms", "0"]
+    cmd += ["--served-model-name", "tiny", "--log-level", "warning", "--max-wait-ms", "0", "--enforce-eager"]
     cmd += ["--prefetch-policy", "eam", "--eamc-path", str(eamc_path), "--record-trace", str(trace_path)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"

@@ -136,7 +136,7 @@ def test_out_of_file_descriptors_logs_a_line_not_a_flood_and_recovers(tiny_qwen3
     ``/health`` answers again."""
     port = free_port()
     cmd = [sys.executable, "-m", "moeserve", "serve", "--model", str(tiny_qwen3), "--port", str(port)]
-    cmd += ["--log-level", "warning", "--timeout-header", "1", "--timeout-keep-alive", "1"]
+    cmd += ["--log-level", "warning", "--timeout-header", "1", "--timeout-keep-alive", "1", "--enforce-eager"]
     limit = 48
 
     def bounded() -> None:

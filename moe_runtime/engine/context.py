@@ -164,8 +164,10 @@ class StepContext:
             logits_index = list(range(acc))
         all_decode = all(n == 1 for n in num_new)
         max_ctx = max(ctx)
-        # block tables [G, S, W] and each new token's slot [G, T]: one host array, one copy
-        groups, seqs, width = len(tables[0]), len(request_ids), cdiv(max_ctx, block_size)
+        # block tables [G, S, W] and each new token's slot [G, T]: one host array, one copy. At
+        # least two columns (a spare one of zeros): a compiled decode step (engine.compiled_decode)
+        # would otherwise meet a one-block table as a shape of its own and compile again
+        groups, seqs, width = len(tables[0]), len(request_ids), max(cdiv(max_ctx, block_size), 2)
         tab = np.zeros((groups, seqs, width), dtype=np.int64)
         for i, per_group in enumerate(tables):
             for g, row in enumerate(per_group):

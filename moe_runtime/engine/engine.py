@@ -25,6 +25,7 @@ from moe_runtime.buffer import ExpertBuffer
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine import context as step_context
 from moe_runtime.engine.admission import RequestAdmission
+from moe_runtime.engine.compiled_decode import CompiledDecode
 from moe_runtime.engine.context import StepContext
 from moe_runtime.engine.decode_graphs import DecodeGraphs, capture_at_start
 from moe_runtime.engine.kv_setup import build_kv
@@ -139,6 +140,9 @@ class LLMEngine(RequestAdmission, StepOutputs, PromptScoring):
         flex = getattr(self.kv, "flex", None)
         capturable = device.type == "cuda" and runtime.cuda_graphs and n_dev == 1 and flex is not None
         self.graphs = DecodeGraphs(self.model, self.kv) if capturable else None
+        # on the CPU, decode steps through one compiled forward where it applies (compiled_decode)
+        compiled = device.type == "cpu" and runtime.compile_decode and n_dev == 1 and cfg.mla is None
+        self.compiled = CompiledDecode(self.model, self.kv) if compiled else None
         self.model.segments = AttentionGraphs(self.model, self.kv) if capturable else None
         self.model.prefetcher = self.prefetcher
         if getattr(self.prefetcher, "lookahead_depth", 0) > 0:
@@ -292,15 +296,21 @@ class LLMEngine(RequestAdmission, StepOutputs, PromptScoring):
 
     def capture_graphs(self) -> tuple[int, float]:
         """Capture the decode graphs of batch sizes up to 16 now (``decode_graphs.capture_at_start``)
-        rather than at each size's first step; ``(graphs captured, seconds)``. Nothing off CUDA."""
+        rather than at each size's first step, or on the CPU compile the decode step's variants
+        (``compiled_decode``); ``(graphs or variants, seconds)``."""
+        if self.compiled is not None:
+            return self.compiled.warm_up(self.runtime.max_batch_size)
         t0 = time.perf_counter()
         n = capture_at_start(self.graphs, self.model.segments, self.runtime.max_batch_size)
         return n, time.perf_counter() - t0
 
     def _forward(self, input_ids: torch.Tensor, step: StepContext) -> torch.Tensor:
-        """The model's logits for the step: from a decode graph where one applies, else eager."""
+        """The model's logits for the step: from a decode graph (CUDA) or the compiled forward
+        (CPU) where one applies, else eager."""
         if self.graphs is not None:
             return self.graphs.forward(input_ids, step)
+        if self.compiled is not None:
+            return self.compiled.forward(input_ids, step)
         return self.model.forward(input_ids, step)
 
     def summary(self) -> str:
@@ -325,6 +335,7 @@ class LLMEngine(RequestAdmission, StepOutputs, PromptScoring):
             f"{hybrid_setup.describe(self.hybrid, self.runtime, self.expert_compute)}, "
             f"experts run {self.model.expert_path}"
             + (f", {self.graphs.describe()}" if self.graphs is not None else "")
+            + (f", {self.compiled.describe()}" if self.compiled is not None else "")
             + (f", {self.model.segments.describe()}" if self.model.segments is not None else "")
         )
 

@@ -151,6 +151,9 @@ def attention(
 def token_slots(table: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
     """The flat slots (``block * block_size + offset``) of positions ``0 .. length - 1`` of each
     row of ``table [S, nb]``, ``[S * length]`` (row after row)."""
+    if torch.compiler.is_compiling():  # each position's block looked up: no guard on length % block_size
+        pos = torch.arange(length, device=table.device)
+        return (table.index_select(1, pos // block_size) * block_size + pos % block_size).reshape(-1)
     offsets = torch.arange(block_size, device=table.device)
     return (table[:, :, None] * block_size + offsets).reshape(table.shape[0], -1)[:, :length].reshape(-1)
 
@@ -171,7 +174,9 @@ def _decode_slots(step, group: int) -> torch.Tensor:
     table = step.tables[group]
     if step.decode_seq_t is not None:
         table = table.index_select(0, step.decode_seq_t)
-    return token_slots(table[:, : cdiv(step.decode_ctx, step.block_size)], step.block_size, step.decode_ctx)
+    if not torch.compiler.is_compiling():  # (compiled, token_slots looks up the blocks it needs)
+        table = table[:, : cdiv(step.decode_ctx, step.block_size)]
+    return token_slots(table, step.block_size, step.decode_ctx)
 
 
 def _prefill_slots(step, group: int) -> torch.Tensor:

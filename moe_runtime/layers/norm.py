@@ -55,7 +55,11 @@ def rms_norm(
         # the normalised value to the model dtype first (the same in fp32 up to the kernel's order)
         return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)[0]
     h = normalise(x, eps)
-    return weight * h if out is None else torch.mul(weight, h, out=out)
+    if out is None:
+        return weight * h
+    if torch.compiler.is_compiling():  # the compiler takes no strided ``out=``: the same write
+        return out.copy_(weight * h)
+    return torch.mul(weight, h, out=out)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:

@@ -23,8 +23,10 @@ rows in the same order, same scaling and sum), so the logits are the same bits
 
 Where: CUDA (:data:`DEVICE_ROUTED`), with the grouped expert path, at most ``MAX_GROUPS`` experts
 per layer, no hybrid CPU experts, and a prefetch policy that plans nothing (every expert resident
-means ``on-demand``). The CPU keeps the host-planned paths: its grouped kernel loops over every
-group (``~0.8 us`` per empty one), and its few-token path is cheaper at decode.
+means ``on-demand``). The CPU keeps the host-planned paths in eager steps: its grouped kernel loops
+over every group (``~0.8 us`` per empty one), and its few-token path is cheaper there. Its compiled
+decode steps (``moe_runtime.engine.compiled_decode``) route on the device too, with each row's
+expert indexed from the slots (:func:`_gathered`) instead of a grouped GEMM.
 """
 
 from __future__ import annotations
@@ -73,8 +75,11 @@ class ResidentSpans:
 def resident_spans(
     buffer: Any, num_layers: int, num_experts: int, device: torch.device, expert_path: str
 ) -> ResidentSpans | None:
-    """:class:`ResidentSpans` where the device-routed path may run (module docstring), else None."""
-    if not DEVICE_ROUTED.get(device.type, False) or expert_path != "grouped":
+    """:class:`ResidentSpans` where the device-routed path may run (module docstring), else None:
+    on a device of :data:`DEVICE_ROUTED` with the grouped expert path, or on the CPU for its
+    compiled decode steps (``moe_runtime.engine.compiled_decode``), which route every step."""
+    routed = DEVICE_ROUTED.get(device.type, False) and expert_path == "grouped"
+    if not (routed or device.type == "cpu"):
         return None
     if not getattr(buffer, "all_resident", False) or getattr(buffer, "placer", None) is not None:
         return None
@@ -96,6 +101,8 @@ def run_resident(
     ids_s, perm = ids.sort(dim=1)  # each token's ranks in ascending expert order
     w_s = weights.gather(1, perm)
     flat = ids_s.view(-1)  # [T*k] (token, rank) rows
+    if x.device.type == "cpu" and not DEVICE_ROUTED["cpu"]:  # a compiled step (tests: the GPU's ops)
+        return _gathered(x, w_s, flat, views, ffn, k)
     if t == 1:  # already sorted by expert
         order, rows = None, flat
         xs = x.repeat(k, 1)
@@ -116,6 +123,33 @@ def run_resident(
         y = y.to(x.dtype)
     if order is not None:
         y = y.new_empty(y.shape).index_copy_(0, order, y)  # (token, rank) rows
+    return sum_ranks(y, t)
+
+
+def _gathered(
+    x: torch.Tensor,
+    w_s: torch.Tensor,
+    flat: torch.Tensor,
+    views: tuple[torch.Tensor, torch.Tensor],
+    ffn: ExpertFFN | None,
+    k: int,
+) -> torch.Tensor:
+    """:func:`run_resident` in a CPU compiled decode step: each (token, rank) row's expert indexed
+    straight from the slot views (``views[0][flat]``), one batched matmul per projection. The
+    compiler reads the indexed weights where they lie; a grouped GEMM there would run one call per
+    expert, used or not. ``w_s``: the router weights ``[T, k]`` in the ranks' sorted order; ``flat``:
+    ``[T*k]`` the rows' experts."""
+    gate_up_t, down_t = views
+    t = x.shape[0]
+    xs = x.unsqueeze(1).expand(t, k, x.shape[1]).reshape(t * k, 1, x.shape[1])  # [T*k, 1, H]
+    gu_bias = down_bias = None
+    if ffn is not None:
+        gu_bias, down_bias = ffn.rows(flat, x.device)
+    hidden = _hidden(torch.bmm(xs, gate_up_t[flat]).squeeze(1), ffn, gu_bias)  # [T*k, I]
+    y = _biased(torch.bmm(hidden.unsqueeze(1), down_t[flat]).squeeze(1), down_bias)
+    y = y * w_s.reshape(-1, 1)
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
     return sum_ranks(y, t)
 
 

@@ -108,6 +108,8 @@ class Rotary:
         (an ``addcmul_`` would make it three, but may fuse its multiply and add: not the
         reference's rounding)."""
         turned = self.turn(x).mul_(sin)
+        if torch.compiler.is_compiling():  # the compiler takes no strided ``out=``: the same write
+            return x.copy_(x * cos + turned)
         return torch.add(x * cos, turned, out=x)
 
     def apply(

@@ -128,8 +128,8 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
         "--enforce-eager",
         action="store_true",
         help="run every decode step eagerly: no CUDA graphs (by default, on CUDA, a decode step replays "
-        "one graph when every expert is resident, else one per layer's attention block; "
-        "docs/architecture.md)",
+        "one graph when every expert is resident, else one per layer's attention block) and, for "
+        "serve on the CPU, no compiled decode step (docs/architecture.md)",
     )
     g.add_argument(
         "--cache-policy",
@@ -220,12 +220,15 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def runtime_from_args(args: argparse.Namespace, dtype: str | None = None) -> RuntimeConfig:
+def runtime_from_args(
+    args: argparse.Namespace, dtype: str | None = None, compile_decode: bool = False
+) -> RuntimeConfig:
     """Build (and validate) the runtime settings from parsed flags.
 
     ``dtype`` replaces ``--dtype`` (by default resolved by :func:`_dtype`, which reads the
     checkpoint's ``config.json`` for ``--dtype auto`` on CPU): a caller that checks the flags
     before the model is resolved passes one so nothing is read or downloaded yet.
+    ``compile_decode``: the command compiles CPU decode steps unless ``--enforce-eager`` (serve).
     """
     return RuntimeConfig(
         device=args.device,
@@ -255,6 +258,7 @@ def runtime_from_args(args: argparse.Namespace, dtype: str | None = None) -> Run
         kv_cache_memory=getattr(args, "kv_cache_memory", None),
         plan_data=_plan_data(args),
         cuda_graphs=not getattr(args, "enforce_eager", False),
+        compile_decode=compile_decode and not getattr(args, "enforce_eager", False),
     )
 
 

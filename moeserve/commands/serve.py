@@ -202,7 +202,7 @@ def _serve(args: argparse.Namespace, settings: Any, sock: Any) -> int:
 
     try:
         source = model_source(args)
-        runtime = runtime_from_args(args)
+        runtime = runtime_from_args(args, compile_decode=True)
         settings = dataclasses.replace(settings, served_model_name=args.served_model_name or source.name)
         loaded = load_checkpoint(source.path, runtime)
     except MoeServeError as exc:
@@ -213,8 +213,12 @@ def _serve(args: argparse.Namespace, settings: Any, sock: Any) -> int:
     )
     engine = LLMEngine(loaded, runtime, recorder, eamc=eamc)
     print(engine.summary(), file=sys.stderr, flush=True)
+    if engine.compiled is not None:
+        print("compiling the decode step (--enforce-eager skips it) ...", file=sys.stderr, flush=True)
     captured, seconds = engine.capture_graphs()  # before the first request, not during it
-    if captured:
+    if engine.compiled is not None:
+        print(engine.compiled.report(captured, seconds), file=sys.stderr, flush=True)
+    elif captured:
         print(f"decode graphs: {captured} captured in {seconds:.1f} s", file=sys.stderr, flush=True)
     trace = TraceHooks(engine, args.eamc_path, args.eamc_save_every, closers)
     app = create_app(engine, settings, trace)
