@@ -38,9 +38,11 @@ RUNS = 3  # timed runs per row in a worker; a worker reports its fastest (least 
 DECODE_ROWS = [(1.0, 1), (1.0, 3), (1.0, 8), (0.25, 1), (0.25, 8)]  # (buffer fraction, batch)
 
 
-def worker(model: str, new_tokens: int, prompt_len: int, prefill_len: int) -> dict:
+def worker(model: str, new_tokens: int, prompt_len: int, prefill_len: int, eager: bool = False) -> dict:
     """Time every row in this process (``moe_runtime`` from ``PYTHONPATH``); returns
-    ``{row name: {"cpu_ms": per step, "wall_ms": per step}}``."""
+    ``{row name: {"cpu_ms": per step, "wall_ms": per step}}``. A tree that compiles CPU decode
+    steps (``RuntimeConfig.compile_decode``, ``moeserve serve``'s default) runs them compiled,
+    compiled before the warm-up as serve does, unless ``eager``."""
     import numpy as np
     import torch
 
@@ -75,9 +77,18 @@ def worker(model: str, new_tokens: int, prompt_len: int, prefill_len: int) -> di
         prompt from its cache (the prefill row would time a cache hit, not a prefill)."""
         return rng.integers(0, vocab, size=(rows, length)).tolist()
 
+    compiled = (
+        {}
+        if eager or "compile_decode" not in RuntimeConfig.__dataclass_fields__
+        else {"compile_decode": True}
+    )
     for fraction, batch in DECODE_ROWS:
-        rt = RuntimeConfig(max_model_len=256, max_batch_size=batch, buffer_fraction=fraction, cpu_threads=1)
+        rt = RuntimeConfig(
+            max_model_len=256, max_batch_size=batch, buffer_fraction=fraction, cpu_threads=1, **compiled
+        )
         with LLMEngine.from_pretrained(model, rt) as engine:
+            if getattr(engine, "compiled", None) is not None:
+                engine.capture_graphs()  # the compile, before serving (moeserve serve)
             vocab = engine.config.vocab_size
             # warm-up: as long as the timed run
             timed_steps(engine, fresh(vocab, batch, prompt_len), new_tokens + 1, True)
@@ -133,7 +144,7 @@ def run_worker(tree: Path, args) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--model", str(args.model)]
     cmd += ["--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len)]
-    cmd += ["--prefill-len", str(args.prefill_len)]
+    cmd += ["--prefill-len", str(args.prefill_len)] + (["--eager"] if getattr(args, "eager", False) else [])
     res = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     if res.returncode:
         fail(f"the worker in {tree.name} failed: {(res.stderr.strip().splitlines() or ['no output'])[-1]}")
@@ -189,6 +200,9 @@ def settings_of(base: str, args, started_load: float) -> dict:
         "prompt_len": args.prompt_len,
         "prefill_len": args.prefill_len,
         "cpu_threads": 1,
+        "new_decode": "eager (--eager)"
+        if getattr(args, "eager", False)
+        else "compiled where every expert is resident (serve's default)",
         "load_avg_1min": f"{started_load:.2f}",
         "torch": torch.__version__,
     }
@@ -225,6 +239,7 @@ def report(base: str, runs: dict[str, list[dict]], args, started_load: float) ->
             "",
             "```bash",
             f"python tools/bench_regression.py --base {args.base}"
+            + (" --eager" if getattr(args, "eager", False) else "")
             + (f" --out {args.out}" if getattr(args, "out", None) else ""),
             "```",
             "",
@@ -245,13 +260,16 @@ def main() -> int:
     p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument("--out", help="write the Markdown report here (default: print it)")
     p.add_argument(
+        "--eager", action="store_true", help="this tree's decode steps eagerly (no compiled CPU decode step)"
+    )
+    p.add_argument(
         "--json", action="store_true", help="print the runs and settings as JSON (tools/docs.py's block)"
     )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", default=str(ROOT / "moe_runtime/assets/tiny-moe"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.model, args.new_tokens, args.prompt_len, args.prefill_len)))
+        print(json.dumps(worker(args.model, args.new_tokens, args.prompt_len, args.prefill_len, args.eager)))
         return 0
     if args.repeats < 1:
         fail(f"--repeats must be >= 1, got {args.repeats}")

@@ -108,6 +108,12 @@ BLOCKS: dict[str, Block] = {
         "tools.bench_regression:render",
         25,
     ),
+    "regression-cpu-eager": Block(
+        "docs/benchmarks.md",
+        "python tools/bench_regression.py --base 303d5a9 --eager --json",
+        "tools.bench_regression:render",
+        20,
+    ),
     "experts-cpu": Block(
         "docs/benchmarks.md",
         "moeserve bench experts --device cpu --dtype fp32 --shapes bundled,qwen3-30b-a3b "
