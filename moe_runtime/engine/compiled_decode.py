@@ -23,9 +23,11 @@ compiles them before serving, with stand-in steps, and reports the seconds.
 
 Outputs: the compiled step fuses the norms' reductions and the softmax, so its logits can differ
 from the eager step's in the last bits of fp32 (greedy tokens agree; ``tests/test_compiled_decode.py``
-checks both against the eager engine). ``--enforce-eager`` turns it off. A compile that fails (no
-C++ compiler on the host, an unsupported op) turns it off with a warning and the steps run
-eagerly.
+checks both against the eager engine). In bf16 its fused loops keep fp32 intermediates where the
+eager step rounds after each op, so the logits move by more (up to 0.6 on the bundled model).
+
+``--enforce-eager`` turns it off. A compile that fails (no C++ compiler on the host, an
+unsupported op) turns it off with a warning and the steps run eagerly.
 """
 
 from __future__ import annotations
