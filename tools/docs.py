@@ -80,6 +80,12 @@ BLOCKS: dict[str, Block] = {
         6,
         "../shared (prompts)",
     ),
+    "decode-cpu-compiled": Block(
+        "docs/benchmarks.md",
+        "moeserve bench decode --compile-decode --fractions 1.0 --prefill-len 0 --json",
+        "moeserve.bench.render:render_decode",
+        4,
+    ),
     "decode-cuda": Block(
         "docs/benchmarks.md",
         f"moeserve bench decode {CUDA_DECODE}",

@@ -85,6 +85,12 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--enforce-eager", action="store_true", help="no decode CUDA graphs (default: on, where they apply)"
     )
+    p.add_argument(
+        "--compile-decode",
+        action="store_true",
+        help="CPU: decode steps through the compiled forward, as `moeserve serve` runs them where every "
+        "expert is resident (compiled before the rows; default: eager)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print results as JSON")
     p.set_defaults(func=run)
@@ -125,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         cpu_threads=args.cpu_threads,
         expert_compute=args.expert_compute,
         cuda_graphs=not args.enforce_eager,
+        compile_decode=args.compile_decode,
     )
     device = base.torch_device
     hbm, hbm_source = hbm_gbps(device, args.hbm_gbps)
@@ -178,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
         "link_latency_us": args.link_latency_us,
         "expert_compute": args.expert_compute,
         "cuda_graphs": not args.enforce_eager,
+        "compile_decode": args.compile_decode,
         "prefetch_policy": base.prefetch_policy,
         "cache_policy": base.cache_policy,
         "prompt_len": args.prompt_len,

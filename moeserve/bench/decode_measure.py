@@ -204,6 +204,8 @@ def run_rows(args, base, loaded, b: Bounds, hf_model, device, fractions, batches
                 }
             )
             with LLMEngine(loaded, rt) as engine:
+                if engine.compiled is not None:
+                    engine.capture_graphs()  # the compile, before the rows (as serve does at start)
                 for batch in batches:
                     prompts = _prompts(cfg.vocab_size, batch, args.prompt_len, args.seed + batch)
                     # warm-up as long as a timed run: the first engine's first short runs were slower
