@@ -82,7 +82,7 @@ BLOCKS: dict[str, Block] = {
     ),
     "decode-cpu-compiled": Block(
         "docs/benchmarks.md",
-        "moeserve bench decode --compile-decode --fractions 1.0 --prefill-len 0 --json",
+        "moeserve bench decode --compile-decode --fractions 1.0 --link-gbps 0 --prefill-len 0 --json",
         "moeserve.bench.render:render_decode",
         4,
     ),
