@@ -135,10 +135,11 @@ def _gathered(
     k: int,
 ) -> torch.Tensor:
     """:func:`run_resident` in a CPU compiled decode step: each (token, rank) row's expert indexed
-    straight from the slot views (``views[0][flat]``), one batched matmul per projection. The
-    compiler reads the indexed weights where they lie; a grouped GEMM there would run one call per
-    expert, used or not. ``w_s``: the router weights ``[T, k]`` in the ranks' sorted order; ``flat``:
-    ``[T*k]`` the rows' experts."""
+    from the slot views (``views[0][flat]``, a copy of the ``T*k`` experts' weights), then one
+    batched matmul per projection. At decode sizes of small models the copy is cheap; the CPU's
+    grouped GEMM would run one call per expert, used or not, and the compiler does not take it in
+    fp32. ``w_s``: the router weights ``[T, k]`` in the ranks' sorted order; ``flat``: ``[T*k]``
+    the rows' experts."""
     gate_up_t, down_t = views
     t = x.shape[0]
     xs = x.unsqueeze(1).expand(t, k, x.shape[1]).reshape(t * k, 1, x.shape[1])  # [T*k, 1, H]
