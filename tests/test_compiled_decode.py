@@ -20,7 +20,6 @@ import httpx
 import pytest
 import torch
 
-from moe_runtime.assets import default_model_dir
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine.engine import LLMEngine
 from moe_runtime.engine.request import SamplingParams
@@ -36,9 +35,11 @@ needs_cxx = pytest.mark.skipif(
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
-def _engine(compiled: bool, fraction: float = 1.0) -> LLMEngine:
+def _engine(model, compiled: bool, fraction: float = 1.0) -> LLMEngine:
+    """An engine on ``model`` with the settings the serve test passes too (the compiled graphs
+    then come from TorchInductor's cache there: the pool's size is part of their shapes)."""
     rt = RuntimeConfig(max_model_len=96, max_batch_size=3, buffer_fraction=fraction, compile_decode=compiled)
-    return LLMEngine.from_pretrained(default_model_dir(), rt)
+    return LLMEngine.from_pretrained(model, rt)
 
 
 def _run(engine: LLMEngine, prompts: list[list[int]]) -> tuple[dict, list[torch.Tensor], dict]:
@@ -57,8 +58,8 @@ def _run(engine: LLMEngine, prompts: list[list[int]]) -> tuple[dict, list[torch.
 
 
 @pytest.fixture(scope="module")
-def engines():
-    eager, compiled = _engine(False), _engine(True)
+def engines(tiny_qwen3):
+    eager, compiled = _engine(tiny_qwen3, False), _engine(tiny_qwen3, True)
     variants, _ = compiled.capture_graphs()
     yield eager, compiled, variants
     eager.close()
@@ -92,9 +93,9 @@ def test_compiled_steps_give_the_eager_tokens_and_logits(engines, seqs):
 
 
 @needs_cxx
-def test_buffer_counters_match_eager():
+def test_buffer_counters_match_eager(tiny_qwen3):
     """Fresh engines, the same requests: the buffer's lookups and hits agree."""
-    with _engine(False) as eager, _engine(True) as compiled:
+    with _engine(tiny_qwen3, False) as eager, _engine(tiny_qwen3, True) as compiled:
         compiled.capture_graphs()
         _run(eager, PROMPTS)
         _run(compiled, PROMPTS)
@@ -103,17 +104,17 @@ def test_buffer_counters_match_eager():
         assert a[key] == b[key], key
 
 
-def test_offloaded_experts_run_eagerly():
+def test_offloaded_experts_run_eagerly(tiny_qwen3):
     """Half the experts offloaded: no step is eligible, nothing compiles, the eager tokens."""
-    with _engine(False, 0.5) as eager, _engine(True, 0.5) as engine:
+    with _engine(tiny_qwen3, False, 0.5) as eager, _engine(tiny_qwen3, True, 0.5) as engine:
         assert engine.capture_graphs()[0] == 0
         assert _run(engine, PROMPTS)[0] == _run(eager, PROMPTS)[0]
         assert engine.compiled.steps == engine.compiled.compiles == 0
 
 
-def test_a_failed_compile_serves_eagerly(engines, caplog):
+def test_a_failed_compile_serves_eagerly(engines, tiny_qwen3, caplog):
     eager = engines[0]
-    with _engine(True) as engine:
+    with _engine(tiny_qwen3, True) as engine:
 
         def broken(*args, **kwargs):
             raise RuntimeError("no C++ compiler found\nmore detail")
@@ -141,11 +142,12 @@ def _free_port() -> int:
 
 
 @needs_cxx
-def test_serve_compiles_before_serving(engines):
-    """``moeserve serve`` on the bundled model compiles its decode step at start, says so, then
-    answers (the compiler's cache, warm from the engines above, keeps this short)."""
+def test_serve_compiles_before_serving(engines, tiny_qwen3):
+    """``moeserve serve`` compiles its decode step at start, says so, then answers (the
+    compiler's cache, warm from the engines above at the same settings, keeps this short)."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "moeserve", "serve", "--port", str(port), "--max-batch-size", "3"]
+    cmd = [sys.executable, "-m", "moeserve", "serve", "--model", str(tiny_qwen3), "--port", str(port)]
+    cmd += ["--max-batch-size", "3", "--max-model-len", "96", "--dtype", "fp32"]
     cmd += ["--log-level", "warning", "--max-wait-ms", "0", "--served-model-name", "tiny"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
