@@ -11,7 +11,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import time
 import httpx
 import pytest
 import torch
+from serve_helpers import free_port, wait_healthy
 
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine.engine import LLMEngine
@@ -135,31 +135,17 @@ def test_serve_compiles_only_unless_enforce_eager():
     assert not runtime_from_args(parse(["generate", "--prompt", "x"])).compile_decode
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @needs_cxx
 def test_serve_compiles_before_serving(engines, tiny_qwen3):
     """``moeserve serve`` compiles its decode step at start, says so, then answers (the
     compiler's cache, warm from the engines above at the same settings, keeps this short)."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "moeserve", "serve", "--model", str(tiny_qwen3), "--port", str(port)]
     cmd += ["--max-batch-size", "3", "--max-model-len", "96", "--dtype", "fp32"]
     cmd += ["--log-level", "warning", "--max-wait-ms", "0", "--served-model-name", "tiny"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_healthy(proc, f"http://127.0.0.1:{port}", 240)
         body = {"model": "tiny", "prompt": "The quick", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8

@@ -8,12 +8,12 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
 import pytest
+from serve_helpers import free_port, wait_healthy
 
 from moe_runtime import hub
 from moe_runtime.errors import CheckpointError, ConfigError
@@ -215,14 +215,6 @@ def test_serve_of_a_repo_not_cached_exits_with_the_model_status(hf_env, capsys):
     assert "org/missing (revision main)" in one_line(capsys.readouterr().err)
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("revision", [None, COMMIT])
 def test_serve_a_cached_repo_by_id(snapshot, hf_env, revision):
     port = free_port()
@@ -233,15 +225,7 @@ def test_serve_a_cached_repo_by_id(snapshot, hf_env, revision):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            assert time.monotonic() < deadline, "the server did not start"
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        wait_healthy(proc, base, 60)
         models = httpx.get(base + "/v1/models", timeout=10).json()
         assert [m["id"] for m in models["data"]] == [REPO_ID]
         body = {"model": REPO_ID, "prompt": "def add", "max_tokens": 2}

@@ -8,11 +8,11 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 import torch
+from serve_helpers import free_port, wait_healthy
 
 from moe_runtime.engine.engine import LLMEngine
 from moe_runtime.engine.request import SamplingParams
@@ -29,29 +29,13 @@ def engine_from(argv: list[str]) -> LLMEngine:
     return LLMEngine.from_pretrained(resolve_model(args), runtime_from_args(args))
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_with_only_device_memory_plans_prints_and_serves():
     port = free_port()
     cmd = [sys.executable, "-m", "moeserve", "serve", "--port", str(port), "--device-memory", "128MiB"]
     cmd += ["--log-level", "warning", "--max-wait-ms", "0", "--served-model-name", "tiny", "--enforce-eager"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        wait_healthy(proc, f"http://127.0.0.1:{port}", 90)
         body = {"model": "tiny", "prompt": "The quick", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
