@@ -58,7 +58,8 @@ class CompiledDecode:
         self.enabled = True
         self.steps = 0  # decode steps run compiled
         self.compiles = 0  # graphs compiled (warm-up and any step that met a new variant)
-        self.compile_s = 0.0  # seconds of the calls that compiled
+        # what no step changes: latent attention and sliding windows run eagerly
+        self._attention_ok = model.mla is None and all(w is None for w in cache.windows)
         forward = type(model).forward_device
         raw = getattr(forward, "__wrapped__", forward)  # without its inference_mode wrapper
         # inference_mode's tensors cannot be traced into views; the compiled step runs under no_grad
@@ -67,9 +68,9 @@ class CompiledDecode:
     def eligible(self, step: StepContext) -> bool:
         """Whether ``step`` runs compiled (module docstring)."""
         m = self.model
-        if not (self.enabled and step.all_decode and step.logits_all) or m.mla is not None:
+        if not (self.enabled and self._attention_ok and step.all_decode and step.logits_all):
             return False
-        if m.lookahead is not None or any(w is not None for w in self.cache.windows):
+        if m.lookahead is not None:  # set after load, when the prefetch policy uses it
             return False
         spans = m._resident()  # noqa: SLF001  (None while a policy plans per layer)
         return spans is not None and all(v is not None for v in spans.views)
@@ -90,14 +91,11 @@ class CompiledDecode:
         return logits
 
     def _call(self, input_ids: torch.Tensor, step: StepContext) -> torch.Tensor:
-        """The compiled forward, counting the compiles it triggers and their seconds."""
+        """The compiled forward, counting the compiles it triggers."""
         frames = counters["frames"]["ok"]
-        t0 = time.perf_counter()
         with torch.no_grad():
             logits = self._fn(self.model, input_ids, step)
-        if counters["frames"]["ok"] != frames:
-            self.compiles += counters["frames"]["ok"] - frames
-            self.compile_s += time.perf_counter() - t0
+        self.compiles += counters["frames"]["ok"] - frames
         return logits
 
     def _off(self, exc: Exception) -> None:
