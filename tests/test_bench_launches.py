@@ -33,6 +33,8 @@ def test_profiled_pass_lists_host_events():
     assert row["decode_steps"] == 3 and "ops_per_layer" not in row
     assert row["launches_per_step"] == row["kernels_per_step"] == 0  # no CUDA here
     assert row["profiled_step_us"] > 0
+    # eager steps: every outermost aten op is a kernel call, none generated
+    assert 10 < row["kernel_calls_per_layer"] < 200 and row["generated_kernels_per_step"] == 0
     names = [name for name, calls, us in row["host_top"]]
     assert any(n.startswith("aten::") for n in names) and all(us >= 0 for _, _, us in row["host_top"])
 

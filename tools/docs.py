@@ -108,6 +108,12 @@ BLOCKS: dict[str, Block] = {
         1,
         "a CUDA device",
     ),
+    "launches-cpu-compiled": Block(
+        "docs/benchmarks.md",
+        "moeserve bench launches --device cpu --compile-decode --json",
+        "moeserve.bench.launches:render",
+        2,
+    ),
     "regression-cpu": Block(
         "docs/benchmarks.md",
         "python tools/bench_regression.py --base 303d5a9 --json",

@@ -26,8 +26,10 @@ from the eager step's in the last bits of fp32 (greedy tokens agree; ``tests/tes
 checks both against the eager engine). In bf16 its fused loops keep fp32 intermediates where the
 eager step rounds after each op, so the logits move by more (up to 0.6 on the bundled model).
 
-``--enforce-eager`` turns it off. A compile that fails (no C++ compiler on the host, an
-unsupported op) turns it off with a warning and the steps run eagerly.
+``moeserve bench launches --compile-decode`` counts a compiled step's kernel calls (each generated
+loop and each library call) with the profiler. ``--enforce-eager`` turns it off. A compile that
+fails (no C++ compiler on the host, an unsupported op) turns it off with a warning and the steps run
+eagerly.
 """
 
 from __future__ import annotations
@@ -62,8 +64,10 @@ class CompiledDecode:
         self._attention_ok = model.mla is None and all(w is None for w in cache.windows)
         forward = type(model).forward_device
         raw = getattr(forward, "__wrapped__", forward)  # without its inference_mode wrapper
-        # inference_mode's tensors cannot be traced into views; the compiled step runs under no_grad
-        self._fn = torch.compile(raw, dynamic=None)
+        # inference_mode's tensors cannot be traced into views; the compiled step runs under no_grad.
+        # Each generated loop records itself for torch.profiler (a flag check when no profiler runs;
+        # no TPOT change measured), so a profile names every kernel a step calls (bench launches)
+        self._fn = torch.compile(raw, dynamic=None, options={"cpp.enable_kernel_profile": True})
 
     def eligible(self, step: StepContext) -> bool:
         """Whether ``step`` runs compiled (module docstring)."""

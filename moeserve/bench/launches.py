@@ -10,6 +10,11 @@ layer, final norm, LM head; sampling is not counted), at each ``--batches`` size
 * On the CPU: **aten ops** and the **launching ops** among them (not a view or alias of its
   input), with a ``TorchDispatchMode`` (:class:`OpCounter`): the CPU-checkable proxy for kernel
   launches that ``tests/test_op_counts.py`` bounds.
+* On the CPU with ``--compile-decode`` (``moe_runtime.engine.compiled_decode``, as ``moeserve
+  serve`` runs steps whose experts are all resident), with ``torch.profiler``: the **kernel calls**
+  of a step, each generated C++ loop of the compiled forward and each library call it makes
+  (``mm``, SDPA, ``topk``), plus the aten ops the step runs outside the compiled forward. A dispatch
+  mode sees only the library calls, not the generated loops, so it cannot count these steps.
 * On CUDA, with ``torch.profiler``: the **kernel launches** the host issued (runtime calls
   ``cudaLaunchKernel``, ``cuLaunchKernel``, ``cudaGraphLaunch`` ...), the **kernels** the GPU ran,
   the host **syncs** (``cudaStreamSynchronize``, ``cudaEventSynchronize``, ``cudaDeviceSynchronize``
@@ -80,14 +85,45 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--new-tokens", type=int, default=6, help="tokens per sequence; decode steps = this - 1")
     p.add_argument("--cpu-threads", type=int, default=1)
     p.add_argument("--enforce-eager", action="store_true", help="no decode CUDA graphs")
+    p.add_argument(
+        "--compile-decode",
+        action="store_true",
+        help="CPU: decode steps through the compiled forward, as serve runs them (compiled before the "
+        "rows; counted as kernel calls with the profiler)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print results as JSON")
     p.set_defaults(func=run)
 
 
+COMPILED_CALL = "## Call CompiledFxGraph"  # the profiler's event for one run of a compiled graph
+COMPILED_REGION = "Torch-Compiled Region"
+
+
+def kernel_calls(events: list[Any]) -> tuple[int, int, int]:
+    """``(kernel calls, generated kernels among them, aten ops outside compiled regions among
+    them)`` of one profiled step: each child of a
+    compiled graph's run (a generated loop, seen when the graph was compiled with
+    ``cpp.enable_kernel_profile`` as ``CompiledDecode`` compiles it, or a library call such as
+    ``aten::mm``), plus each outermost aten op outside a compiled region (eager work around the
+    compiled forward, or a whole eager step)."""
+    calls = generated = outside = 0
+    for e in events:
+        if e.name.startswith(COMPILED_CALL):
+            calls += len(e.cpu_children)
+            generated += sum(1 for c in e.cpu_children if not c.name.startswith("aten::"))
+        elif e.name.startswith("aten::"):
+            parent = e.cpu_parent
+            while parent is not None and not parent.name.startswith(("aten::", COMPILED_REGION)):
+                parent = parent.cpu_parent
+            outside += parent is None
+    return calls + outside, generated, outside
+
+
 def _profile_step(forward, cuda: bool) -> tuple[Any, dict[str, Any]]:
     """``forward()`` under ``torch.profiler``: launches, kernels, syncs, busy share (CUDA),
-    the step's profiled wall time and its top host events (any device)."""
+    kernel calls (:func:`kernel_calls`; any device), the step's profiled wall time and its top
+    host events."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -104,10 +140,14 @@ def _profile_step(forward, cuda: bool) -> tuple[Any, dict[str, Any]]:
     launches = sum(1 for e in host if any(c in e.name for c in LAUNCH_CALLS))
     top = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)[:TOP_HOST]
     syncs = sum(1 for e in host if any(c in e.name for c in SYNC_CALLS) and not e.name.endswith("Async"))
+    calls, generated, outside = kernel_calls(host)
     return out, {
         "launches": launches,
         "kernels": len(kernels),
         "syncs": syncs,
+        "kernel_calls": calls,
+        "generated_kernels": generated,
+        "eager_ops": outside,
         "busy_share": busy / max(wall, 1),
         "wall_us": wall,
         "host_top": [[a.key, a.count, round(a.self_cpu_time_total, 1)] for a in top],
@@ -116,8 +156,8 @@ def _profile_step(forward, cuda: bool) -> tuple[Any, dict[str, Any]]:
 
 def measure(engine, batch: int, args: argparse.Namespace, profiled_run: bool | None = None) -> dict[str, Any]:
     """One row: the counts of ``batch`` sequences' decode steps (see the module docstring);
-    ``profiled_run``: profile instead of counting aten ops (default: on CUDA, or wherever
-    FlexAttention decodes)."""
+    ``profiled_run``: profile instead of counting aten ops (default: on CUDA, where decode steps
+    run compiled, or wherever FlexAttention decodes)."""
     from moe_runtime.engine.request import SamplingParams
 
     layers = engine.loaded.config.num_layers
@@ -130,7 +170,8 @@ def measure(engine, batch: int, args: argparse.Namespace, profiled_run: bool | N
     forward, cuda = engine._forward, engine.model.device.type == "cuda"  # noqa: SLF001
     # FlexAttention (CUDA's paged decode) refuses to run under the op counter's dispatch mode
     flex = getattr(engine.kv, "flex", None) is not None
-    profiled_run = (cuda or flex) if profiled_run is None else profiled_run
+    compiled = engine.compiled is not None and engine.compiled.enabled
+    profiled_run = (cuda or flex or compiled) if profiled_run is None else profiled_run
     steps: list[dict[str, float]] = []
 
     def counted(ids, step, *rest, **kw):
@@ -149,16 +190,19 @@ def measure(engine, batch: int, args: argparse.Namespace, profiled_run: bool | N
         return out
 
     profiles: list[dict[str, float]] = []
+    compiled_before = engine.compiled.steps if compiled else 0
     try:
         engine._forward = profiled if profiled_run else counted  # noqa: SLF001
         engine.generate(prompts, params)
     finally:
         del engine._forward  # the method again
     row: dict[str, Any] = {"batch": batch, "decode_steps": len(steps or profiles), "decoder_layers": layers}
+    if compiled:
+        row["compiled_steps"] = engine.compiled.steps - compiled_before
     for key in ("ops", "launching_ops") if steps else ():
         row[f"{key}_per_layer"] = statistics.median(s[key] for s in steps) / layers
     if profiles:
-        for key in ("launches", "kernels", "syncs"):
+        for key in ("launches", "kernels", "syncs", "kernel_calls", "generated_kernels", "eager_ops"):
             row[f"{key}_per_step"] = statistics.median(p[key] for p in profiles)
             row[f"{key}_per_layer"] = row[f"{key}_per_step"] / layers
         shares = [p["busy_share"] for p in profiles]
@@ -193,6 +237,7 @@ def run(args: argparse.Namespace) -> int:
         "new_tokens": args.new_tokens,
         "cpu_threads": args.cpu_threads,
         "cuda_graphs": not args.enforce_eager,
+        "compile_decode": args.compile_decode,
         "torch": torch.__version__,
     }
     if args.device.startswith("cuda"):
@@ -207,8 +252,11 @@ def run(args: argparse.Namespace) -> int:
             cpu_threads=args.cpu_threads,
             buffer_fraction=None if args.buffer_fraction >= 1 else args.buffer_fraction,
             cuda_graphs=not args.enforce_eager,
+            compile_decode=args.compile_decode,
         )
         with LLMEngine.from_pretrained(model_dir, runtime) as engine:
+            if engine.compiled is not None:  # every variant compiled before the counted steps
+                engine.capture_graphs()
             rows.append(measure(engine, batch, args))
     if args.json:
         print(json.dumps({"settings": settings, "rows": rows}, indent=1))
@@ -221,9 +269,10 @@ def run(args: argparse.Namespace) -> int:
 
 def render(data: dict[str, Any]) -> str:
     """Markdown of a ``--json`` result: one row per batch size, then the top host events of the
-    first row's profiled step (CUDA)."""
+    first row's profiled step (CUDA, or compiled CPU steps)."""
     rows = data["rows"]
-    cuda = "launches_per_layer" in rows[0]
+    cuda = rows[0].get("kernels_per_step", 0) > 0
+    compiled = not cuda and bool(data["settings"].get("compile_decode"))
     if cuda:
         head = "| batch | kernel launches / layer | kernels / layer | host syncs / step | GPU busy share |"
         lines = [head + " profiled step ms |", "|---|---|---|---|---|---|"]
@@ -234,14 +283,23 @@ def render(data: dict[str, Any]) -> str:
                 f"{r['syncs_per_step']:.0f} | {r['gpu_busy_share']:.1%} ({lo:.1%}-{hi:.1%}) | "
                 f"{r['profiled_step_us'] / 1e3:.2f} |"
             )
-        lines += ["", f"Host events by self time in one profiled step at batch {rows[0]['batch']}:", ""]
-        lines += ["| event | calls | self us |", "|---|---|---|"]
-        top = rows[0]["host_top"][:SHOWN_HOST]
-        lines += [f"| `{name[:60]}` | {calls} | {us:.0f} |" for name, calls, us in top]
+    elif compiled:
+        lines = ["| batch | kernel calls / layer | decode steps (compiled) | profiled step ms |"]
+        lines.append("|---|---|---|---|")
+        lines += [
+            f"| {r['batch']} | {r['kernel_calls_per_layer']:.2f} | {r['decode_steps']} "
+            f"({r.get('compiled_steps', 0)}) | {r['profiled_step_us'] / 1e3:.2f} |"
+            for r in rows
+        ]
     else:
         lines = ["| batch | aten ops / layer | launching ops / layer |", "|---|---|---|"]
         lines += [
             f"| {r['batch']} | {r['ops_per_layer']:.2f} | {r['launching_ops_per_layer']:.2f} |" for r in rows
         ]
+    if cuda or compiled:
+        lines += ["", f"Host events by self time in one profiled step at batch {rows[0]['batch']}:", ""]
+        lines += ["| event | calls | self us |", "|---|---|---|"]
+        top = rows[0]["host_top"][:SHOWN_HOST]
+        lines += [f"| `{name[:60]}` | {calls} | {us:.0f} |" for name, calls, us in top]
     settings = ", ".join(f"`{k}={v}`" for k, v in data["settings"].items())
     return "\n".join(lines) + f"\n\nSettings: {settings}"
