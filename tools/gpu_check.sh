@@ -29,7 +29,8 @@
 #   * wheels (optional): put them in .whl/ (e.g. `pip download torch --no-deps -d .whl` for the
 #     machine's CUDA, `pip wheel --no-deps -w .whl .`); with wheels there, they are installed without
 #     the network, and the project from the checkout unless a moeserve wheel is among them; without,
-#     the installed torch and moeserve are used.
+#     the installed torch and moeserve are used. With pytest-xdist's wheels (pytest-xdist, execnet)
+#     the GPU tests run in 4 processes.
 #   * data: the replay reads arrival_traces/azure_llm_2023/AzureLLMInferenceTrace_conv.csv and
 #     prompts/prompts_combined.jsonl under --data DIR or $MOESERVE_DATA (default: ../shared/data beside
 #     the checkout); the two files may also sit directly in that folder. Without them the replay is skipped.
@@ -156,7 +157,12 @@ background ckpt-mixtral-8x7b-4l 360 \
 
 DECODE=(python3 -m moeserve bench decode --device cuda --dtype bf16 --link-gbps 0 --prefill-len 2048
   --fractions 1.0,0.25 --repeats 3 --json)
-step gpu-tests.log 180 python3 -m pytest -m gpu -q -rs -p no:cacheprovider --continue-on-collection-errors tests
+# the GPU tests in 4 processes where pytest-xdist is installed (one GPU holds them all; most of a
+# test's time is compiling its kernels on the CPU), else in one
+XDIST=()
+python3 -c "import xdist" > /dev/null 2>&1 && XDIST=(-n 4)
+step gpu-tests.log 180 python3 -m pytest -m gpu -q -rs -p no:cacheprovider --continue-on-collection-errors \
+  "${XDIST[@]}" tests
 step decode-cuda-tiny-moe.json 120 "${DECODE[@]}"
 step launches-cuda-tiny-moe.json 45 python3 -m moeserve bench launches --device cuda --json
 step launches-cuda-tiny-moe-eager.json 45 python3 -m moeserve bench launches --device cuda --json --enforce-eager
