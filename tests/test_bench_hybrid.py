@@ -76,5 +76,10 @@ def test_hybrid_rows_per_mode(capsys):
         # the misses' bytes over link plus host memory
         want = r["misses_per_token"] * 98304 / ((0.1 + s["host_gbps_measured"]) * 1e9) * 1e3
         assert r["hybrid_bound_ms"] == pytest.approx(want, rel=0.02) and r["misses_per_token"] > 0
+        # the CPU device's step floor: the bundled model's dense weights (5.9 MB) and 32 expert
+        # lookups a step (8 layers, top-4) at all cores' read roof, below the step's time
+        assert r["lookups_per_step"] == 32
+        floor = (6040064 + 32 * 98304) / (s["all_core_read_gbps"] * 1e9) * 1e3
+        assert r["step_floor_ms"] == pytest.approx(floor, rel=0.01) and r["step_floor_ms"] < r["tpot_ms"]
     assert rows[1]["moved_mib_per_token"] == 0  # cpu mode copies nothing
     assert rows[1]["misses_per_token"] > rows[0]["misses_per_token"]  # a fixed set: more misses

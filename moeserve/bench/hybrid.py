@@ -16,6 +16,12 @@ Beside TPOT each row gives the hybrid bound of its misses, the limit for the mis
 alone: their bytes per token over the link and host memory at once, ``misses x expert bytes /
 (link GB/s + host GB/s)``, the link's rate emulated or timed by the I/O threads, the host's
 the CPU pool's kernel at one row as measured at load (the resident experts' compute comes on top).
+
+On a CPU device (the link emulated) each row also gives the **step floor**: every byte a decode
+step reads, the dense weights and each expert it uses once, at the read roof of all the host's
+cores (``bench cpu-experts``' roof, measured before the rows). There the "device" computes on the
+same cores and reads the same memory as the CPU pool, so no placement runs a step faster than
+that; the hybrid modes can only stop paying for copies.
 ``--prefill-len N`` also times one N-token prompt per round and mode, admission to first token.
 """
 
@@ -129,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     loaded = load_checkpoint(model_dir, base)
     vocab = loaded.config.vocab_size
+    roof_gbps = _all_core_roof() if torch.device(args.device).type == "cpu" else None
     engines = {}
     for m in modes:
         rt = RuntimeConfig(**{**{f.name: getattr(base, f.name) for f in fields(base)}, "expert_compute": m})
@@ -167,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
             None if link_gbps is None or host_gbps is None
             else r["misses_per_token"] * loaded.store.expert_nbytes / ((link_gbps + host_gbps) * 1e9) * 1e3
         )  # fmt: skip
+        r["step_floor_ms"] = None if roof_gbps is None else _floor_ms(loaded, r, roof_gbps)
     settings = {
         "model": shown_path(model_dir), "architecture": loaded.config.architecture, "device": args.device,
         "cpu": _cpu_name(), "dtype": args.dtype, "expert_dtype": args.expert_dtype,
@@ -177,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
         "prefill_len": args.prefill_len,
         "link_gbps_measured": None if link_gbps is None else round(link_gbps, 2),
         "host_gbps_measured": None if host_gbps is None else round(host_gbps, 2),
+        "all_core_read_gbps": None if roof_gbps is None else round(roof_gbps, 2),
         "load_avg_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         "summaries": summaries, "torch": torch.__version__,
     }  # fmt: skip
@@ -186,6 +195,24 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print(data)
     return 0
+
+
+def _all_core_roof(rounds: int = 5) -> float:
+    """GB/s that all the host's cores read at once (median of ``rounds``; ``bench cpu-experts``'
+    read roof, 256 MiB a thread)."""
+    from moeserve.bench.cpu_experts import ReadRoof
+
+    roof = ReadRoof(os.cpu_count() or 1, 256)
+    return statistics.median(roof.round() for _ in range(rounds))
+
+
+def _floor_ms(loaded: Any, row: dict, roof_gbps: float) -> float:
+    """The step floor on a CPU device (module docstring; TPOT is a step's time): the dense weights
+    once and each expert lookup's bytes (a step looks each expert it uses up once) at ``roof_gbps``."""
+    from moeserve.bench.decode_bounds import dense_read_bytes, expert_read_bytes
+
+    step_bytes = dense_read_bytes(loaded.dense) + row["lookups_per_step"] * expert_read_bytes(loaded)
+    return 1e3 * step_bytes / (roof_gbps * 1e9)
 
 
 def _rates(link_arg: float, fits: dict, expert_nbytes: int) -> tuple[float | None, float | None]:
@@ -222,6 +249,7 @@ def _row(mode: str, runs: list[dict], fits: dict | None, batch: int) -> dict:
         "tpot_ms_max": max(tpots), "tpot_ms_runs": tpots,
         "hit_rate": sum(r["hits"] for r in runs) / lookups if lookups else 0.0,
         "misses_per_token": (lookups - sum(r["hits"] for r in runs)) / (steps * batch),
+        "lookups_per_step": lookups / steps,
         "cpu_experts_per_step": sum(r["cpu_experts"] for r in runs) / steps,
         "moved_mib_per_token": sum(r["moved"] for r in runs) / (steps * batch) / (1 << 20),
         "prediction_error_median": statistics.median(errors) if errors else None,
@@ -251,7 +279,8 @@ def markdown(data: dict[str, Any]) -> str:
     return md_table(HEADER, _cells(data["results"], 2)) + f"\nSettings: {settings}\n"
 
 
-HEADER = ["mode", "TPOT ms [min-max]", "vs first", "hybrid bound ms", "prefill ms [min-max]", "hit rate",
+HEADER = ["mode", "TPOT ms [min-max]", "vs first", "hybrid bound ms", "step floor ms", "prefill ms [min-max]",
+          "hit rate",
           "CPU experts/step", "MiB moved/token", "cost model error (layer runs)"]  # fmt: skip
 
 
@@ -266,10 +295,11 @@ def _cells(results: list[dict], digits: int) -> list[list[str]]:
 
     out = []
     for r in results:
-        err, bound = r["prediction_error_median"], r.get("hybrid_bound_ms")
+        err, bound, floor = r["prediction_error_median"], r.get("hybrid_bound_ms"), r.get("step_floor_ms")
         out.append([
             r["mode"], spread(r, "tpot_ms"), f"{r['tpot_ms'] / first:.2f}",
-            "" if bound is None else f"{bound:.{digits}f}", spread(r, "prefill_ms"), f"{r['hit_rate']:.3f}",
+            "" if bound is None else f"{bound:.{digits}f}", "" if floor is None else f"{floor:.{digits}f}",
+            spread(r, "prefill_ms"), f"{r['hit_rate']:.3f}",
             f"{r['cpu_experts_per_step']:.2f}", f"{r['moved_mib_per_token']:.2f}",
             "" if err is None else f"{100 * err:.1f}% ({r['prediction_layer_runs']})",
         ])  # fmt: skip
