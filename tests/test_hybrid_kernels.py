@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from moe_runtime.hybrid.cpu_kernels import CastLinear, Dequant, Int8Pack, Linear, run_projections
 from moe_runtime.hybrid.executor import CPUExpertExecutor
 from moe_runtime.hybrid.gemv import Bf16Gemv, Fp8Gemv, Int8Gemv, e4m3_exact, gemv_rows
-from moe_runtime.hybrid.kernel_choice import choose_kernels, eligible_kernels
+from moe_runtime.hybrid.kernel_choice import choose_kernels, eligible_kernels, fastest
 from moe_runtime.hybrid.layer_share import CPUExperts, expert_rows
 from moe_runtime.hybrid.mxfp4_gemv import Mxfp4Gemv, mxfp4_exact, mxfp4_rows
 from moe_runtime.layers.experts import _hidden
@@ -259,14 +259,14 @@ def test_choose_kernels_keeps_the_exact_one_on_a_tie_and_names_its_gbps():
     assert "GB/s at 1 row" in choice.describe() and choice.gbps() > 0
     assert choice.for_rows(1) is choice.kernels[0] and choice.for_rows(100) is choice.kernels[1]
 
-    class Same(Linear):  # as fast as the exact one, not exact: never chosen
-        name, exact = "same", False
+    class Other(Linear):  # not exact: chosen only when faster than the exact one
+        name, exact = "other", False
 
     plain = make_store()
-    tie = choose_kernels(plain, (1,), repeats=1, kernels=[Same(plain), Linear(plain)])
-    tie.seconds = {"same": [1.0], "linear": [1.0]}
-    best = min(tie.kernels + [Same(plain)], key=lambda k: (tie.seconds[k.name][0], not k.exact))
-    assert best.name == "linear"
+    pair = [Other(plain), Linear(plain)]
+    assert fastest(pair, {"other": [1.0], "linear": [1.0]}, 0).name == "linear"  # a tie
+    assert fastest(pair, {"other": [0.9, 1.0], "linear": [1.0, 0.9]}, 0).name == "other"
+    assert fastest(pair, {"other": [0.9, 1.0], "linear": [1.0, 0.9]}, 1).name == "linear"
 
 
 def test_expert_rows_positions_follow_ascending_expert_ranks():

@@ -146,8 +146,11 @@ def choose_kernels(
                     if spent > budget_s and times:
                         break
                 seconds[k.name].append(statistics.median(times))
-    chosen = []
-    for j in range(len(points)):
-        best = min(kernels, key=lambda k: (seconds[k.name][j], not k.exact))
-        chosen.append(best)
+    chosen = [fastest(kernels, seconds, j) for j in range(len(points))]
     return KernelChoice(tuple(points), chosen, seconds, store.expert_nbytes)
+
+
+def fastest(kernels: list[Kernel], seconds: dict[str, list[float]], j: int) -> Kernel:
+    """The kernel with the fewest ``seconds`` at point ``j`` (``seconds[name][j]``); on a tie the
+    exact one, so a kernel that is not exact must beat it to be chosen."""
+    return min(kernels, key=lambda k: (seconds[k.name][j], not k.exact))
