@@ -16,9 +16,10 @@ router's ids reach the host once, after the step), with full attention over gath
 (``moe_runtime.layers.attention``), and no per-layer planning (latent attention, sliding windows
 and a router lookahead run eagerly). Every other step runs eagerly, as it would without this.
 
-Shapes: the batch size and the context length are symbolic (``dynamic=True``), so one compiled
-graph serves every batch size above one and every length; a batch of one and a step whose
-sequences all have the same length (no mask) are their own variants. :meth:`CompiledDecode.warm_up`
+Shapes: the context length (read from the decode mask's shape while compiling, not from an int
+the compiler would specialise on) and the batch size are symbolic, marked so from each variant's
+first compile, so two graphs serve every step: a batch of one (no mask; the compiler specialises
+sizes of 1), and several sequences at any lengths (always masked). :meth:`CompiledDecode.warm_up`
 compiles them before serving, with stand-in steps, and reports the seconds.
 
 Outputs: the compiled step fuses the norms' reductions and the softmax, so its logits can differ
@@ -123,10 +124,9 @@ class CompiledDecode:
         if not self.enabled:
             return 0, 0.0
         bs, groups = self.cache.block_size, len(self.cache.windows)
-        # context lengths per stand-in step: batch 1 at two lengths, so lengths and block-table
-        # widths become symbolic; several of one length (no mask); several of two lengths
-        variants = [[3], [2 * bs + 2]]
-        variants += [[2 * bs + 2] * 2, [2 * bs + 2, 3]] if max_batch > 1 else []
+        # context lengths per stand-in step: batch 1, then several sequences (of two lengths); the
+        # context dims are symbolic from each one's compile, the batch dim from the second's
+        variants = [[3]] + ([[2 * bs + 2, 3]] if max_batch > 1 else [])
         t0, done = time.perf_counter(), 0
         device = self.model.device
         for lens in variants:
@@ -139,8 +139,7 @@ class CompiledDecode:
             if not self.eligible(step):
                 break
             ids = torch.zeros(b, dtype=torch.int64, device=device)
-            if b > 1:  # the batch and context dims symbolic from the first compile with several
-                _mark_dynamic(ids, step)
+            _mark_dynamic(ids, step)
             step.memo[WHOLE_STEP] = True
             try:
                 self._call(ids, step)
@@ -166,15 +165,19 @@ class CompiledDecode:
 
 
 def _mark_dynamic(ids: torch.Tensor, step: StepContext) -> None:
-    """Mark the batch dim of the step's per-sequence tensors (and the context dims of its block
-    tables and mask) symbolic, so the first compile with several sequences serves every batch size
-    (left to itself the compiler specialises on the first size and recompiles at the second)."""
+    """Mark the context dims of the step's block tables and mask symbolic, and with several
+    sequences the batch dim of its per-sequence tensors, so one compile serves every length and
+    batch size (left to itself the compiler specialises on the first size and recompiles at the
+    second). A batch of one keeps its own graph: the compiler specialises sizes of 1 anyway."""
     mark = torch._dynamo.maybe_mark_dynamic  # noqa: SLF001  (the public API's non-raising form)
-    for t in (ids, step.positions, *step.slots):
+    several = ids.shape[0] > 1
+    for t in (ids, step.positions, *step.slots) if several else ():
         mark(t, 0)
     for t in step.tables:
-        mark(t, 0)
+        if several:
+            mark(t, 0)
         mark(t, 1)
     if step.decode_mask is not None:
-        mark(step.decode_mask, 0)
+        if several:
+            mark(step.decode_mask, 0)
         mark(step.decode_mask, 3)

@@ -176,7 +176,14 @@ def _decode_slots(step, group: int) -> torch.Tensor:
         table = table.index_select(0, step.decode_seq_t)
     if not torch.compiler.is_compiling():  # (compiled, token_slots looks up the blocks it needs)
         table = table[:, : cdiv(step.decode_ctx, step.block_size)]
-    return token_slots(table, step.block_size, step.decode_ctx)
+    return token_slots(table, step.block_size, _decode_ctx(step))
+
+
+def _decode_ctx(step) -> int:
+    """The decoding sequences' longest context: ``step.decode_ctx``, or while compiling the mask's
+    last dim, which the compiled step marks symbolic, so one graph serves every length from its
+    first compile (an int attribute would be specialised on its first value)."""
+    return step.decode_mask.shape[-1] if torch.compiler.is_compiling() else step.decode_ctx
 
 
 def _prefill_slots(step, group: int) -> torch.Tensor:
@@ -273,14 +280,17 @@ def _decode(q: torch.Tensor, kc, vc, step, group: int, sinks=None, both=None) ->
     one ``index_select`` and split by one ``unbind``; else ``kc`` and ``vc`` one gather each. No
     mask when every context is the longest (``step.decode_full``)."""
     slots = step.cached(("decode-slots", group), _decode_slots, step, group)
-    b, ctx = q.shape[0], step.decode_ctx
+    b, ctx = q.shape[0], _decode_ctx(step)
     if both is not None:
         hkv = kc.shape[1]
         rows = both.index_select(0, slots).view(b, ctx, 2, hkv, both.shape[-1])
         keys, vals = rows.permute(2, 0, 3, 1, 4).unbind(0)  # [B_d, Hkv, C, D] each
     else:
         keys, vals = _gather_kv(kc, vc, slots, b, ctx)  # [B_d, Hkv, C, D]
-    mask = None if step.decode_full else step.decode_mask
+    if torch.compiler.is_compiling() and b > 1:  # several sequences: one graph, masked at any lengths
+        mask = step.decode_mask
+    else:
+        mask = None if step.decode_full else step.decode_mask
     q4 = q if q.dim() == 4 else q.unsqueeze(2)  # [B_d, Hq, 1, D]
     if q.is_cuda and sinks is None:
         return decode_grouped(q4.squeeze(2), keys, vals, mask)
