@@ -236,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "cpu_threads": args.cpu_threads,
-        "cuda_graphs": not args.enforce_eager,
+        "cuda_graphs": args.device.startswith("cuda") and not args.enforce_eager,
         "compile_decode": args.compile_decode,
         "torch": torch.__version__,
     }
