@@ -260,6 +260,7 @@ PREFETCH_POLICY_NAMES = ("on-demand", "next-layer-all", "model-counts", "hot-exp
 #: ``--expert-compute`` values (:mod:`moe_runtime.hybrid`, docs/hybrid.md): where a needed expert that
 #: is not in the device buffer runs.
 EXPERT_COMPUTE_MODES = ("device", "cpu", "auto")
+LOAD_FORMATS = ("safetensors", "dummy")
 
 
 def cache_policy_names() -> list[str]:
@@ -341,6 +342,9 @@ class RuntimeConfig:
             where every expert is resident (``engine.compiled_decode``; ``moeserve serve``'s
             default there, ``--enforce-eager`` off). Off by default in the engine API: each engine
             compiles once, tens of seconds on a small host. No effect off the CPU.
+        load_format: ``safetensors`` reads the checkpoint's weights; ``dummy`` reads only its
+            ``config.json`` and draws random weights in memory (``moe_runtime.dummy_weights``):
+            a model's speed without its weights, meaningless outputs.
     """
 
     device: str = "cpu"
@@ -377,8 +381,12 @@ class RuntimeConfig:
     cuda_graphs: bool = True
     # decode steps through torch.compile on the CPU (moe_runtime.engine.compiled_decode)
     compile_decode: bool = False
+    load_format: str = "safetensors"
 
     def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            formats = ", ".join(LOAD_FORMATS)
+            raise ConfigError(f"--load-format must be one of {formats}, got {self.load_format!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of bf16, fp16, fp32, got {self.dtype!r}")
         if self.expert_dtype not in EXPERT_DTYPES:

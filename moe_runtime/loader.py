@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from moe_runtime.config import ModelConfig, RuntimeConfig
+from moe_runtime.dummy_weights import random_weights
 from moe_runtime.errors import CheckpointError, ConfigError, InsufficientMemoryError
 from moe_runtime.memory_plan import check_memory, human_bytes, plan_memory
 from moe_runtime.memory_split import MemorySplit, measure_devices, resolve_split
@@ -218,7 +219,8 @@ def load_checkpoint(
     dtype, device = runtime.torch_dtype, runtime.torch_device
     if runtime.device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"--device {runtime.device}: CUDA is not available on this machine")
-    files = safetensors_files(path)
+    dummy = runtime.load_format == "dummy"  # config.json only: random weights (dummy_weights)
+    files = [] if dummy else safetensors_files(path)
     measured = measure_devices(runtime)  # before anything of ours is on the device
     split = resolve_split(cfg, runtime, measured, str(path))
     plan = plan_memory(cfg, split.runtime)
@@ -229,7 +231,7 @@ def load_checkpoint(
     layout = expert_layout(cfg, runtime)
     codec = checkpoint_codec(cfg.quant_method, cfg.weight_block_size)
     pairs = None
-    if codec is not None:
+    if codec is not None and not dummy:
         suffixes = family.suffixes_for(cfg.quant_method) or DEFAULT_SUFFIXES[cfg.quant_method]
         pairs = QuantPairs(codec, suffixes)
     # experts already in the format they are kept in are copied as stored, not dequantized
@@ -242,7 +244,7 @@ def load_checkpoint(
             f"{path}: cannot allocate the {human_bytes(plan.expert_store)} expert store ({reason})"
         ) from None
     want = expected_dense_shapes(cfg)
-    dense: dict[str, torch.Tensor] = {}
+    dense: dict[str, torch.Tensor] = random_weights(family, cfg, want, store, runtime) if dummy else {}
     from safetensors import safe_open
 
     handles = []

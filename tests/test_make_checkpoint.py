@@ -253,13 +253,14 @@ def test_made_checkpoint_loads_in_both_and_agrees(capsys, tmp_path, name):
 
 
 def test_bytes_do_not_depend_on_the_cores(tmp_path, monkeypatch):
-    """The draws run chunked on every core (``writer.CHUNK``, one generator a chunk): one core and
+    """The draws run chunked on every core (``dummy_weights.CHUNK``, one generator a chunk): one core and
     this host's cores write the same shards, and a tensor's chunks are not copies of each other."""
     from safetensors.torch import load_file
 
+    import moe_runtime.dummy_weights as dummy
     import moeserve.checkpoints.writer as writer
 
-    monkeypatch.setattr(writer, "CHUNK", 1 << 14)  # several chunks a tensor at the shrunk widths
+    monkeypatch.setattr(dummy, "CHUNK", 1 << 14)  # several chunks a tensor at the shrunk widths
     real = shrunk(SHAPES["qwen3-30b-a3b"], 16)
     writer.write_checkpoint(real, 1, tmp_path / "many", seed=3)
     monkeypatch.setattr(writer.os, "cpu_count", lambda: 1)
@@ -269,8 +270,8 @@ def test_bytes_do_not_depend_on_the_cores(tmp_path, monkeypatch):
     for name in shards:
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "many" / name).read_bytes(), name
     embed = load_file(tmp_path / "one" / shards[0])["model.embed_tokens.weight"].flatten()
-    assert embed.numel() > 2 * writer.CHUNK
-    assert not torch.equal(embed[: writer.CHUNK], embed[writer.CHUNK : 2 * writer.CHUNK])
+    assert embed.numel() > 2 * dummy.CHUNK
+    assert not torch.equal(embed[: dummy.CHUNK], embed[dummy.CHUNK : 2 * dummy.CHUNK])
 
 
 def test_routing_is_input_dependent(tmp_path):

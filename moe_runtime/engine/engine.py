@@ -337,6 +337,7 @@ class LLMEngine(RequestAdmission, StepOutputs, PromptScoring):
             + (f", {self.graphs.describe()}" if self.graphs is not None else "")
             + (f", {self.compiled.describe()}" if self.compiled is not None else "")
             + (f", {self.model.segments.describe()}" if self.model.segments is not None else "")
+            + (", random weights (--load-format dummy)" if self.runtime.load_format == "dummy" else "")
         )
 
     def _expert_format(self) -> str:

@@ -40,7 +40,7 @@ from moeserve.bench.decode_measure import DecodeResult, PrefillResult, run_rows
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
-    from moeserve.commands.common import add_model_arg
+    from moeserve.commands.common import add_load_format_arg, add_model_arg
 
     p = sub.add_parser("decode", help="TPOT and prefill vs buffer size and link, with HBM and link bounds")
     add_model_arg(p)
@@ -66,6 +66,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=4096, help="prefill chunk (tokens per step)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per row, >= 3 (default: 3)")
     p.add_argument("--dtype", default="fp32", choices=["bf16", "fp16", "fp32"])
+    add_load_format_arg(p)
     p.add_argument(
         "--expert-dtypes",
         default="auto",
@@ -132,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
         expert_compute=args.expert_compute,
         cuda_graphs=not args.enforce_eager,
         compile_decode=args.compile_decode,
+        load_format=args.load_format,
     )
     device = base.torch_device
     hbm, hbm_source = hbm_gbps(device, args.hbm_gbps)
@@ -140,7 +142,13 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_transformers:
         import transformers
 
-        hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=base.torch_dtype)
+        if args.load_format == "dummy":  # its own random weights, drawn on the device
+            with torch.device(device):
+                hf_model = transformers.AutoModelForCausalLM.from_config(
+                    transformers.AutoConfig.from_pretrained(model_dir), dtype=base.torch_dtype
+                )
+        else:
+            hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=base.torch_dtype)
         hf_model = hf_model.to(device).eval()
 
     results: list[DecodeResult] = []
@@ -186,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
         "expert_compute": args.expert_compute,
         "cuda_graphs": not args.enforce_eager,
         "compile_decode": args.compile_decode,
+        "load_format": args.load_format,
         "prefetch_policy": base.prefetch_policy,
         "cache_policy": base.cache_policy,
         "prompt_len": args.prompt_len,

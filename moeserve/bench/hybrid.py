@@ -42,7 +42,7 @@ from moe_runtime.errors import ConfigError
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
-    from moeserve.commands.common import add_model_arg
+    from moeserve.commands.common import add_load_format_arg, add_model_arg
 
     p = sub.add_parser("hybrid", help="decode TPOT by --expert-compute mode, and the cost model's error")
     add_model_arg(p)
@@ -63,6 +63,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument("--repeats", type=int, default=3, help="timed runs per mode, >= 3 (default: 3)")
     p.add_argument("--dtype", default="fp32", choices=["bf16", "fp16", "fp32"])
+    add_load_format_arg(p)
     p.add_argument("--expert-dtype", default="auto")
     p.add_argument("--device", default="cpu")
     p.add_argument("--cpu-threads", type=int, default=1)
@@ -131,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         link_latency_us=args.link_latency_us, max_batch_size=args.batch,
         max_model_len=max(args.prompt_len + args.new_tokens, args.prefill_len + 1) + 8,
         cpu_threads=args.cpu_threads,
-        cpu_expert_threads=args.cpu_expert_threads,
+        cpu_expert_threads=args.cpu_expert_threads, load_format=args.load_format,
     )  # fmt: skip
     loaded = load_checkpoint(model_dir, base)
     vocab = loaded.config.vocab_size
@@ -182,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
         "link_latency_us": args.link_latency_us, "batch": args.batch, "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens, "repeats": args.repeats, "warmup": "1 run per mode",
         "cpu_threads": args.cpu_threads, "prompts": "fresh per round, the same for every mode",
-        "prefill_len": args.prefill_len,
+        "prefill_len": args.prefill_len, "load_format": args.load_format,
         "link_gbps_measured": None if link_gbps is None else round(link_gbps, 2),
         "host_gbps_measured": None if host_gbps is None else round(host_gbps, 2),
         "all_core_read_gbps": None if roof_gbps is None else round(roof_gbps, 2),

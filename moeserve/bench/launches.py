@@ -71,7 +71,7 @@ class OpCounter(TorchDispatchMode):
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
-    from moeserve.commands.common import add_model_arg
+    from moeserve.commands.common import add_load_format_arg, add_model_arg
 
     p = sub.add_parser(
         "launches", help="aten ops, CUDA kernel launches and host syncs per decoder layer per step"
@@ -79,6 +79,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     add_model_arg(p)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    add_load_format_arg(p)
     p.add_argument("--batches", default="1,8", help="comma-separated batch sizes (default: 1,8)")
     p.add_argument("--buffer-fraction", type=float, default=1.0, help="share of experts in slots (1 = all)")
     p.add_argument("--prompt-len", type=int, default=16)
@@ -238,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
         "cpu_threads": args.cpu_threads,
         "cuda_graphs": args.device.startswith("cuda") and not args.enforce_eager,
         "compile_decode": args.compile_decode,
+        "load_format": args.load_format,
         "torch": torch.__version__,
     }
     if args.device.startswith("cuda"):
@@ -253,6 +255,7 @@ def run(args: argparse.Namespace) -> int:
             buffer_fraction=None if args.buffer_fraction >= 1 else args.buffer_fraction,
             cuda_graphs=not args.enforce_eager,
             compile_decode=args.compile_decode,
+            load_format=args.load_format,
         )
         with LLMEngine.from_pretrained(model_dir, runtime) as engine:
             if engine.compiled is not None:  # every variant compiled before the counted steps

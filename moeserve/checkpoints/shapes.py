@@ -18,10 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from moe_runtime.dummy_weights import INITIALIZER_RANGE  # std of every weight matrix but the routers
 from moe_runtime.errors import ConfigError
 
 EOS_ID = 0  # <|endoftext|> of the bundled tokenizer (moeserve/train/tokenizer.py)
-INITIALIZER_RANGE = 0.02  # std of every weight matrix except the routers (all the configs)
 #: ``extra`` widths that ``shrunk`` divides along with the shape's own widths
 EXTRA_WIDTHS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 

@@ -8,16 +8,17 @@ safetensors shard, with the ``model.safetensors.index.json`` that ``from_pretrai
 memory is two decoder layers (a Mixtral-8x7B layer is 2.8 GB in bf16), not the model: one being
 drawn while the previous one is written.
 
-Speed: the draws run on every core (each tensor in chunks of ``CHUNK`` values, each chunk from its
-own generator seeded by the seed, the tensor's index and the chunk's, so the bytes do not depend on
-the number of cores), and a shard is written in the background while the next group is drawn. One
+Speed: the draws run on every core (``moe_runtime.dummy_weights.fill_normal``: chunks with their
+own generators, seeded by the seed, the tensor's index and the chunk's, so the bytes do not depend
+on the number of cores), and a shard is written in the background while the next group is drawn. One
 core draws about 170 M normal values a second, so one thread took minutes for the 12 GB of
 Mixtral-8x7B's first 4 layers.
 
-Weights: every matrix ``N(0, 0.02)`` (the configs' ``initializer_range``), norms 1, biases 0, and
-routers ``N(0, ROUTER_LOGIT_STD / sqrt(hidden))``: a unit-RMS hidden state then gives router
-logits of std ``ROUTER_LOGIT_STD``, so top-k margins are real and routing depends on the input (at
-0.02 the logits of a 2048-wide model have std 0.9 and routing is close to uniform).
+Weights (the values ``--load-format dummy`` draws in memory, ``moe_runtime.dummy_weights``): every
+matrix ``N(0, 0.02)`` (the configs' ``initializer_range``), norms 1, biases 0, and routers
+``N(0, ROUTER_LOGIT_STD / sqrt(hidden))``: a unit-RMS hidden state then gives router logits of std
+``ROUTER_LOGIT_STD``, so top-k margins are real and routing depends on the input (at 0.02 the
+logits of a 2048-wide model have std 0.9 and routing is close to uniform).
 :func:`routing_summary` measures it on the first MoE layer (after DeepSeek's and GLM-4.5's dense
 ones), as a softmax over the router logits whatever the family's scoring.
 """
@@ -35,11 +36,10 @@ from pathlib import Path
 
 import torch
 
+from moe_runtime.dummy_weights import INITIALIZER_RANGE, ROUTER_LOGIT_STD, SEED_STRIDE, fill_normal
 from moe_runtime.errors import ConfigError
-from moeserve.checkpoints.shapes import EOS_ID, INITIALIZER_RANGE, RealShape, hf_config
+from moeserve.checkpoints.shapes import EOS_ID, RealShape, hf_config
 
-ROUTER_LOGIT_STD = 3.0
-CHUNK = 1 << 22  # values drawn from one generator (4 M: 8 MB in bf16)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -112,14 +112,7 @@ def _draw(
     if len(shape) == 1 and "norm" in name:
         return t.fill_(1.0)
     std = ROUTER_LOGIT_STD / math.sqrt(real.hidden) if _is_router(name, shape, real) else INITIALIZER_RANGE
-    flat = t.view(-1)
-
-    def chunk(i: int) -> None:
-        g = torch.Generator().manual_seed(seed + i)
-        flat[i * CHUNK : (i + 1) * CHUNK].normal_(0.0, std, generator=g)
-
-    list(pool.map(chunk, range(-(-flat.numel() // CHUNK))))
-    return t
+    return fill_normal(t, std, seed, pool)
 
 
 def _is_router(name: str, shape: torch.Size, real: RealShape) -> bool:
@@ -132,6 +125,38 @@ def _is_router(name: str, shape: torch.Size, real: RealShape) -> bool:
         and leaf[-1] == "weight"
         and leaf[-2] in ("gate", "router")
     )
+
+
+def write_config_only(real: RealShape, layers: int, out: Path, dtype: str = "bf16") -> None:
+    """``config.json``, ``generation_config.json`` and the tokenizer of ``real``'s first ``layers``
+    decoder layers, no weights: a folder to serve or measure with ``--load-format dummy``.
+
+    Raises:
+        ConfigError: as :func:`write_checkpoint`.
+    """
+    _check_args(real, layers, out, dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_config_files(hf_config(real, layers, str(DTYPES[dtype]).removeprefix("torch.")), real, out)
+
+
+def _check_args(real: RealShape, layers: int, out: Path, dtype: str) -> None:
+    if not 1 <= layers <= real.num_layers:
+        raise ConfigError(f"--layers {layers}: must be in 1..{real.num_layers} for {real.name}")
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r}: choose from {', '.join(DTYPES)}")
+    check_out_dir(out)
+
+
+def _write_config_files(config, real: RealShape, out: Path) -> None:
+    import transformers
+
+    from moeserve.checkpoints.vocab import write_tokenizer
+
+    config.save_pretrained(out)
+    transformers.GenerationConfig(
+        eos_token_id=EOS_ID, pad_token_id=EOS_ID, bos_token_id=None, do_sample=False
+    ).save_pretrained(out)
+    write_tokenizer(out, real.vocab, real.max_position_embeddings)
 
 
 def write_checkpoint(
@@ -156,13 +181,7 @@ def write_checkpoint(
     from safetensors.torch import save_file
     from transformers.core_model_loading import revert_weight_conversion
 
-    from moeserve.checkpoints.vocab import write_tokenizer
-
-    if not 1 <= layers <= real.num_layers:
-        raise ConfigError(f"--layers {layers}: must be in 1..{real.num_layers} for {real.name}")
-    if dtype not in DTYPES:
-        raise ConfigError(f"--dtype {dtype!r}: choose from {', '.join(DTYPES)}")
-    check_out_dir(out)
+    _check_args(real, layers, out, dtype)
     t0 = time.perf_counter()
     torch_dtype = DTYPES[dtype]
     config = hf_config(real, layers, str(torch_dtype).removeprefix("torch."))
@@ -176,7 +195,7 @@ def write_checkpoint(
     embed = routing = None
     pending: Future | None = None  # the previous shard's write
     # each tensor's generators: seeds a million apart (a tensor has fewer chunks than that)
-    seeds = {n: (seed * len(params) + j) * 1_000_000 for j, n in enumerate(params)}
+    seeds = {n: (seed * len(params) + j) * SEED_STRIDE for j, n in enumerate(params)}
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool, ThreadPoolExecutor(1) as writer:
         for i, names in enumerate(groups):
             sd = {n: _draw(n, params[n].shape, torch_dtype, real, seeds[n], pool) for n in names}
@@ -203,9 +222,5 @@ def write_checkpoint(
             pending.result()
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    config.save_pretrained(out)
-    transformers.GenerationConfig(
-        eos_token_id=EOS_ID, pad_token_id=EOS_ID, bos_token_id=None, do_sample=False
-    ).save_pretrained(out)
-    write_tokenizer(out, real.vocab, real.max_position_embeddings)
+    _write_config_files(config, real, out)
     return WriteReport(out, total, expert_total, len(groups), time.perf_counter() - t0, routing or {})

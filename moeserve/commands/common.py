@@ -16,6 +16,7 @@ from moe_runtime import hub
 from moe_runtime.config import (
     DEFAULT_CACHE_POLICY,
     EXPERT_COMPUTE_MODES,
+    LOAD_FORMATS,
     MAX_BLOCK_SIZE,
     RuntimeConfig,
     cache_policy_names,
@@ -44,8 +45,21 @@ def add_model_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_load_format_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--load-format``: the checkpoint's weights, or random ones from its config alone."""
+    parser.add_argument(
+        "--load-format",
+        default="safetensors",
+        choices=list(LOAD_FORMATS),
+        help="safetensors: the checkpoint's weights; dummy: read only config.json and draw random "
+        "weights in memory, to measure a model's speed without its weights (outputs are noise; "
+        "moeserve make-checkpoint --config-only writes such a folder for a real shape)",
+    )
+
+
 def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("runtime")
+    add_load_format_arg(g)
     g.add_argument(
         "--device",
         default="cuda" if torch.cuda.is_available() else "cpu",
@@ -259,6 +273,7 @@ def runtime_from_args(
         plan_data=_plan_data(args),
         cuda_graphs=not getattr(args, "enforce_eager", False),
         compile_decode=compile_decode and not getattr(args, "enforce_eager", False),
+        load_format=getattr(args, "load_format", "safetensors"),
     )
 
 

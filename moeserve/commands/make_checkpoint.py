@@ -7,7 +7,9 @@ Example (the Mixtral-8x7B shape with 4 of its 32 layers, 11.8 GB in bf16)::
 Shapes: ``mixtral-8x7b``, ``qwen3-30b-a3b``, ``qwen2-moe-a2.7b``, ``olmoe-1b-7b``,
 ``deepseek-v2-lite``, ``deepseek-v3``, ``glm-4.5-air``, ``gpt-oss-20b``, ``phi-3.5-moe``
 (:mod:`moeserve.checkpoints.shapes`). ``--shrink N`` (hidden from ``--help``; for tests)
-divides every width by N. Needs ``transformers`` (the ``train`` extra).
+divides every width by N. ``--config-only`` writes the config and tokenizer but no weights, for
+``--load-format dummy`` (random weights drawn in memory at load: no gigabytes written or read).
+Needs ``transformers`` (the ``train`` extra).
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="weights (default: bf16)"
     )
     p.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
+    p.add_argument(
+        "--config-only",
+        action="store_true",
+        help="write config.json and the tokenizer, no weights: serve or bench the folder with "
+        "--load-format dummy (random weights drawn at load)",
+    )
     p.add_argument("--shrink", type=int, default=1, help=argparse.SUPPRESS)
     p.set_defaults(func=run)
 
@@ -34,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from moe_runtime.errors import ConfigError
     from moeserve.checkpoints.shapes import get_shape, shrunk
-    from moeserve.checkpoints.writer import DTYPES, check_out_dir, write_checkpoint
+    from moeserve.checkpoints.writer import DTYPES, check_out_dir, write_checkpoint, write_config_only
 
     shape = shrunk(get_shape(args.shape), args.shrink)
     if not 1 <= args.layers <= shape.num_layers:
@@ -51,6 +59,10 @@ def run(args: argparse.Namespace) -> int:
         f"{args.dtype}",
         flush=True,
     )
+    if args.config_only:
+        write_config_only(shape, args.layers, args.out, args.dtype)
+        print(f"wrote {args.out}: config and tokenizer, no weights (serve it with --load-format dummy)")
+        return 0
     rep = write_checkpoint(
         shape, args.layers, args.out, args.dtype, args.seed, log=lambda m: print(m, flush=True)
     )
