@@ -18,7 +18,8 @@
 #                                       modes at batch 1 and 8, and a 2,048-token prefill
 #   bench-cpu-experts.json              experts computed on this machine's CPU (hybrid execution),
 #   bench-kv-cuda.json                  the paged KV cache; each where `moeserve bench --help` lists it
-# The two checkpoints are written in the background while the first steps run. Into OUTDIR go each
+# The two real shapes are config-only folders (make-checkpoint --config-only), their weights drawn in
+# memory at load (--load-format dummy): no gigabytes written or read. Into OUTDIR go each
 # step's output and log (<step>.log), machine.txt (GPU, driver, torch, commit) and summary.txt (each
 # step's exit status and seconds; 124 = timed out). The whole run stops starting steps after
 # GPU_CHECK_BUDGET_S seconds (default 450); GPU_CHECK_WHEELS names the wheels' folder (default .whl);
@@ -110,9 +111,9 @@ await() {  # await NAME: wait for a background step and record it; its exit stat
 find_data() {  # find_data RELATIVE: DATA/RELATIVE, or DATA/its file name; empty when neither exists
   if [ -f "$DATA/$1" ]; then echo "$DATA/$1"; elif [ -f "$DATA/${1##*/}" ]; then echo "$DATA/${1##*/}"; fi
 }
-replay_check() {  # replay_check MODEL NAME: serve MODEL on the GPU, wait for /health, replay the trace
+replay_check() {  # replay_check MODEL NAME: serve MODEL (config only) on the GPU, wait for /health, replay
   local model=$1 name=$2 port=${GPU_CHECK_PORT:-8000}
-  python3 -m moeserve serve --model "$model" --device cuda --dtype bf16 --port "$port" \
+  python3 -m moeserve serve --model "$model" --load-format dummy --device cuda --dtype bf16 --port "$port" \
     > "$OUT/$name-serve.log" 2>&1 &
   SERVER=$!
   trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null' EXIT
@@ -150,10 +151,10 @@ fi
 } 2>&1 | tee "$OUT/machine.txt"
 
 mkdir -p "$CKPT"
-background ckpt-qwen3-30b-a3b-8l 300 \
-  python3 -m moeserve make-checkpoint --shape qwen3-30b-a3b --layers 8 --out "$CKPT/qwen3-8l"
-background ckpt-mixtral-8x7b-4l 360 \
-  python3 -m moeserve make-checkpoint --shape mixtral-8x7b --layers 4 --out "$CKPT/mixtral-4l"
+background ckpt-qwen3-30b-a3b-8l 60 \
+  python3 -m moeserve make-checkpoint --shape qwen3-30b-a3b --layers 8 --out "$CKPT/qwen3-8l" --config-only
+background ckpt-mixtral-8x7b-4l 60 \
+  python3 -m moeserve make-checkpoint --shape mixtral-8x7b --layers 4 --out "$CKPT/mixtral-4l" --config-only
 
 DECODE=(python3 -m moeserve bench decode --device cuda --dtype bf16 --link-gbps 0 --prefill-len 2048
   --fractions 1.0,0.25 --repeats 3 --json)
@@ -171,9 +172,9 @@ step launches-cuda-tiny-moe-offloaded.json 45 python3 -m moeserve bench launches
 step decode-cuda-tiny-moe-eager.json 60 python3 -m moeserve bench decode --device cuda --dtype bf16 \
   --link-gbps 0 --prefill-len 0 --fractions 1.0 --repeats 3 --no-transformers --enforce-eager --json
 if await ckpt-qwen3-30b-a3b-8l; then
-  step decode-cuda-qwen3-30b-a3b-8l.json 120 "${DECODE[@]}" --model "$CKPT/qwen3-8l"
+  step decode-cuda-qwen3-30b-a3b-8l.json 120 "${DECODE[@]}" --model "$CKPT/qwen3-8l" --load-format dummy
   step launches-cuda-qwen3-30b-a3b-8l.json 60 python3 -m moeserve bench launches --device cuda --json \
-    --model "$CKPT/qwen3-8l"
+    --model "$CKPT/qwen3-8l" --load-format dummy
   TRACE=$(find_data arrival_traces/azure_llm_2023/AzureLLMInferenceTrace_conv.csv)
   PROMPTS=$(find_data prompts/prompts_combined.jsonl)
   export TRACE PROMPTS
@@ -187,7 +188,7 @@ else
   note "decode-cuda-qwen3-30b-a3b-8l.json, replay: skipped, no checkpoint"
 fi
 if await ckpt-mixtral-8x7b-4l; then
-  step decode-cuda-mixtral-8x7b-4l.json 120 "${DECODE[@]}" --model "$CKPT/mixtral-4l"
+  step decode-cuda-mixtral-8x7b-4l.json 120 "${DECODE[@]}" --model "$CKPT/mixtral-4l" --load-format dummy
 else
   note "decode-cuda-mixtral-8x7b-4l.json: skipped, no checkpoint"
 fi
@@ -195,8 +196,8 @@ fi
 # Hybrid expert execution on the qwen3-30b-a3b shape over the real link, 25% buffer: decode TPOT by
 # mode beside the hybrid bound at batch 1 and 8, then a 2,048-token prefill with auto and device.
 if [ -d "$CKPT/qwen3-8l" ] && grep -qE '^ +hybrid\b' <<< "$(python3 -m moeserve bench --help 2>/dev/null)"; then
-  HYBRID=(python3 -m moeserve bench hybrid --model "$CKPT/qwen3-8l" --device cuda --dtype bf16 --link-gbps 0
-    --buffer-fraction 0.25 --repeats 3 --json)
+  HYBRID=(python3 -m moeserve bench hybrid --model "$CKPT/qwen3-8l" --load-format dummy --device cuda --dtype bf16
+    --link-gbps 0 --buffer-fraction 0.25 --repeats 3 --json)
   step hybrid-cuda-qwen3-30b-a3b-8l-b1.json 90 "${HYBRID[@]}" --modes device,cpu,auto --batch 1
   step hybrid-cuda-qwen3-30b-a3b-8l-prefill.json 90 "${HYBRID[@]}" --modes device,auto --new-tokens 4 \
     --prefill-len 2048
