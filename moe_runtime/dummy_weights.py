@@ -28,6 +28,12 @@ CHUNK = 1 << 22  # values drawn from one generator (4 M: 8 MB in bf16)
 SEED_STRIDE = 1_000_000  # generators per tensor (a tensor has fewer chunks than this)
 
 
+def tensor_seed(seed: int, index: int, count: int) -> int:
+    """The first generator seed of tensor ``index`` of ``count`` drawn under ``seed``: tensors
+    :data:`SEED_STRIDE` seeds apart, so their chunks' generators never coincide."""
+    return (seed * count + index) * SEED_STRIDE
+
+
 def fill_normal(t: torch.Tensor, std: float, seed: int, pool: Executor) -> torch.Tensor:
     """Fill the contiguous ``t`` with ``N(0, std)`` in chunks of :data:`CHUNK` values on ``pool``'s
     threads, chunk ``i`` from a generator seeded ``seed + i``; returns ``t``."""
@@ -55,7 +61,7 @@ def dense_init(name: str, hidden: int) -> tuple[str, float]:
 
 def random_weights(
     family: Any, cfg: Any, want: dict[str, tuple[int, ...]], store: Any, runtime: Any, seed: int = 0
-):
+) -> dict[str, torch.Tensor]:
     """The dense tensors ``{name: tensor}`` (shapes ``want``, on the runtime's device in the
     family's dtype) and every expert of ``store`` filled (see the module docstring).
 
@@ -70,11 +76,11 @@ def random_weights(
             if how == "fill":
                 t.fill_(value)
             else:
-                fill_normal(t, value, (seed * 4096 + j) * SEED_STRIDE, pool)
+                fill_normal(t, value, tensor_seed(seed, j, len(want) + 1), pool)
             dense[name] = family.dense_tensor(name, t).to(
                 device=device, dtype=family.dense_dtype(name, dtype)
             )
-        expert_seed = (seed * 4096 + len(want)) * SEED_STRIDE
+        expert_seed = tensor_seed(seed, len(want), len(want) + 1)  # the store: the last tensor
         if store.layout is None:
             fill_normal(store.data, INITIALIZER_RANGE, expert_seed, pool)
             store.mark_filled()

@@ -40,7 +40,7 @@ from moeserve.bench.decode_measure import DecodeResult, PrefillResult, run_rows
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
-    from moeserve.commands.common import add_load_format_arg, add_model_arg
+    from moeserve.commands.common import add_compile_decode_arg, add_load_format_arg, add_model_arg
 
     p = sub.add_parser("decode", help="TPOT and prefill vs buffer size and link, with HBM and link bounds")
     add_model_arg(p)
@@ -86,12 +86,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--enforce-eager", action="store_true", help="no decode CUDA graphs (default: on, where they apply)"
     )
-    p.add_argument(
-        "--compile-decode",
-        action="store_true",
-        help="CPU: decode steps through the compiled forward, as `moeserve serve` runs them where every "
-        "expert is resident (compiled before the rows; default: eager)",
-    )
+    add_compile_decode_arg(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print results as JSON")
     p.set_defaults(func=run)

@@ -281,8 +281,7 @@ def markdown(data: dict[str, Any]) -> str:
 
 
 HEADER = ["mode", "TPOT ms [min-max]", "vs first", "hybrid bound ms", "step floor ms", "prefill ms [min-max]",
-          "hit rate",
-          "CPU experts/step", "MiB moved/token", "cost model error (layer runs)"]  # fmt: skip
+          "hit rate", "CPU experts/step", "MiB moved/token", "cost model error (layer runs)"]  # fmt: skip
 
 
 def _cells(results: list[dict], digits: int) -> list[list[str]]:

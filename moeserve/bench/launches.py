@@ -71,7 +71,7 @@ class OpCounter(TorchDispatchMode):
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
-    from moeserve.commands.common import add_load_format_arg, add_model_arg
+    from moeserve.commands.common import add_compile_decode_arg, add_load_format_arg, add_model_arg
 
     p = sub.add_parser(
         "launches", help="aten ops, CUDA kernel launches and host syncs per decoder layer per step"
@@ -86,12 +86,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--new-tokens", type=int, default=6, help="tokens per sequence; decode steps = this - 1")
     p.add_argument("--cpu-threads", type=int, default=1)
     p.add_argument("--enforce-eager", action="store_true", help="no decode CUDA graphs")
-    p.add_argument(
-        "--compile-decode",
-        action="store_true",
-        help="CPU: decode steps through the compiled forward, as serve runs them (compiled before the "
-        "rows; counted as kernel calls with the profiler)",
-    )
+    add_compile_decode_arg(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print results as JSON")
     p.set_defaults(func=run)
@@ -103,11 +98,10 @@ COMPILED_REGION = "Torch-Compiled Region"
 
 def kernel_calls(events: list[Any]) -> tuple[int, int, int]:
     """``(kernel calls, generated kernels among them, aten ops outside compiled regions among
-    them)`` of one profiled step: each child of a
-    compiled graph's run (a generated loop, seen when the graph was compiled with
-    ``cpp.enable_kernel_profile`` as ``CompiledDecode`` compiles it, or a library call such as
-    ``aten::mm``), plus each outermost aten op outside a compiled region (eager work around the
-    compiled forward, or a whole eager step)."""
+    them)`` of one profiled step: each child of a compiled graph's run (a generated loop, seen when
+    the graph was compiled with ``cpp.enable_kernel_profile`` as ``CompiledDecode`` compiles it, or
+    a library call such as ``aten::mm``), plus each outermost aten op outside a compiled region
+    (eager work around the compiled forward, or a whole eager step)."""
     calls = generated = outside = 0
     for e in events:
         if e.name.startswith(COMPILED_CALL):

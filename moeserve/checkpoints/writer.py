@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from moe_runtime.dummy_weights import INITIALIZER_RANGE, ROUTER_LOGIT_STD, SEED_STRIDE, fill_normal
+from moe_runtime.dummy_weights import INITIALIZER_RANGE, ROUTER_LOGIT_STD, fill_normal, tensor_seed
 from moe_runtime.errors import ConfigError
 from moeserve.checkpoints.shapes import EOS_ID, RealShape, hf_config
 
@@ -194,8 +194,7 @@ def write_checkpoint(
     total = expert_total = 0
     embed = routing = None
     pending: Future | None = None  # the previous shard's write
-    # each tensor's generators: seeds a million apart (a tensor has fewer chunks than that)
-    seeds = {n: (seed * len(params) + j) * SEED_STRIDE for j, n in enumerate(params)}
+    seeds = {n: tensor_seed(seed, j, len(params)) for j, n in enumerate(params)}
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool, ThreadPoolExecutor(1) as writer:
         for i, names in enumerate(groups):
             sd = {n: _draw(n, params[n].shape, torch_dtype, real, seeds[n], pool) for n in names}

@@ -57,6 +57,17 @@ def add_load_format_arg(parser: argparse.ArgumentParser | argparse._ArgumentGrou
     )
 
 
+def add_compile_decode_arg(parser: argparse.ArgumentParser) -> None:
+    """A bench's ``--compile-decode``: CPU decode steps through the compiled forward, as serve runs
+    them (``moe_runtime.engine.compiled_decode``), compiled before the rows."""
+    parser.add_argument(
+        "--compile-decode",
+        action="store_true",
+        help="CPU: decode steps through the compiled forward, as `moeserve serve` runs them where every "
+        "expert is resident (compiled before the rows; default: eager)",
+    )
+
+
 def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("runtime")
     add_load_format_arg(g)
