@@ -125,8 +125,10 @@ replay_check() {  # replay_check MODEL NAME: serve MODEL (config only) on the GP
     sleep 1
   done
   echo "server ready after about $waited s" >&2
+  # --rps scales the whole file's mean rate and a window keeps its own bursts and lulls: the 45 s
+  # from trace second 180 offer 100 requests, 2.27 req/s (the window from second 60: 1.69 req/s)
   python3 -m moeserve replay --url "http://127.0.0.1:$port" --trace "$TRACE" --prompts "$PROMPTS" \
-    --rps 2 --trace-offset 60 --duration 45 --max-tokens-cap 64 --tokenizer "$model" --seed 0 \
+    --rps 2 --trace-offset 180 --duration 45 --max-tokens-cap 64 --tokenizer "$model" --seed 0 \
     --no-progress --out "$OUT/$name"
 }
 export -f replay_check
