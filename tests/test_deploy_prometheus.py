@@ -5,9 +5,9 @@ link so lookups miss and block, prefetching and an online EAMC so every panel ha
 Debian's ``prometheus`` binary (1 s scrapes and rule evaluations, ``deploy/prometheus/rules/*.yml``
 loaded), replays a few dozen completions, then checks:
 
-* the hit-rate, blocking-per-token and prefetch-precision recording rules, read back through
-  ``/api/v1/query``, equal the ratios of the server's own counters between two ``/metrics``
-  scrapes (before/after the load);
+* the hit-rate, blocking-per-token, prefetch-precision, CPU-share and prefix-cache recording
+  rules, read back through ``/api/v1/query``, equal the ratios of the server's own counters
+  between two ``/metrics`` scrapes (before/after the load);
 * every rule loaded and evaluates without error, and no alert fires on the healthy server;
 * every PromQL expression of the Grafana dashboard parses, evaluates, and returns numbers.
 
@@ -298,6 +298,27 @@ def test_prefetch_precision_rule_matches_server_counters(stack: Stack) -> None:
     assert issued > 0, "EAM prefetching must issue prefetches"
     got = stack.scalar("job:moeserve_prefetch_precision:ratio_rate5m")
     assert got == pytest.approx(used / issued, rel=1e-9)
+
+
+def test_hybrid_and_prefix_cache_rules_match_server_counters(stack: Stack) -> None:
+    """The share of misses computed on the CPU (``--expert-compute auto``, the default over the
+    emulated link; the tiny model's copies are cheap, so the share may be 0) and the prefix
+    cache's hit rate (each prompt is sent several times)."""
+    assert_fresh(stack)
+    misses = stack.delta("moeserve_expert_lookups_total") - stack.delta("moeserve_expert_hits_total")
+    cpu = stack.delta("moeserve_expert_cpu_runs_total")
+    assert misses > 0 and 0 <= cpu <= misses
+    for rule in (
+        "instance:moeserve_expert_cpu_runs_per_miss:ratio_rate1m",
+        "job:moeserve_expert_cpu_runs_per_miss:ratio_rate1m",
+    ):
+        assert stack.scalar(rule) == pytest.approx(cpu / misses, rel=1e-9, abs=1e-12), rule
+    queries = stack.delta("moeserve_prefix_cache_queries_total")
+    hits = stack.delta("moeserve_prefix_cache_hits_total")
+    print(f"CPU runs {cpu:g} of {misses:g} misses; prefix cache hits {hits:g} of {queries:g} tokens")
+    assert 0 < hits < queries  # a repeated prompt reuses its full blocks, never its last token
+    got = stack.scalar("job:moeserve_prefix_cache_hit_rate:ratio_rate5m")
+    assert got == pytest.approx(hits / queries, rel=1e-9, abs=1e-12)
 
 
 def test_all_rules_load_and_evaluate_and_nothing_fires(stack: Stack) -> None:
