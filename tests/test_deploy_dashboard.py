@@ -204,6 +204,16 @@ def test_panels_cover_the_recording_rules(dashboard: dict) -> None:
         assert raw in exprs, raw
 
 
+def test_operations_doc_describes_every_panel(dashboard: dict) -> None:
+    """docs/operations.md's dashboard table has a row per panel, by title, and no row for a panel
+    that is gone."""
+    doc = (DEPLOY.parent / "docs" / "operations.md").read_text()
+    section = doc.split("## The dashboard", 1)[1].split("\n## ", 1)[0]
+    rows = {m.strip() for m in re.findall(r"^\| ([^|]+) \|", section, re.M)} - {"panel", "---"}
+    titles = {p["title"] for p in dashboard["panels"] if p["type"] != "row"}
+    assert titles == rows, (titles - rows, rows - titles)
+
+
 def test_provisioning_files() -> None:
     prov = DEPLOY / "grafana" / "provisioning"
     ds = yaml.safe_load((prov / "datasources" / "prometheus.yml").read_text())
