@@ -1,15 +1,23 @@
-"""``cuda`` means the current CUDA device, normalised once; a dying I/O thread raises in
-the compute thread instead of leaving it waiting forever."""
+"""``cuda`` means the current CUDA device, normalised once; the engine works with its device as the
+calling thread's current one; a dying I/O thread raises in the compute thread instead of leaving
+it waiting forever."""
 
 from __future__ import annotations
+
+import contextlib
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
+import moe_runtime.engine.engine as engine_mod
+from moe_runtime.assets import default_model_dir
 from moe_runtime.buffer import ExpertBuffer
 from moe_runtime.buffer.layer_run import IOThreadError
 from moe_runtime.config import RuntimeConfig
-from moe_runtime.device import normalize_device
+from moe_runtime.device import device_scope, normalize_device
+from moe_runtime.engine.request import SamplingParams
 from moe_runtime.errors import ConfigError
 from moe_runtime.io.copy_engine import CopyEngine
 from moe_runtime.store import HostExpertStore
@@ -50,6 +58,58 @@ def test_cuda_without_cuda_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="CUDA is not available"):
         normalize_device("cuda")
+
+
+def test_device_scope_makes_the_device_current_on_cuda_only(monkeypatch):
+    entered = []
+
+    @contextlib.contextmanager
+    def fake_device(dev):
+        entered.append(dev)
+        yield
+
+    monkeypatch.setattr(torch.cuda, "device", fake_device)
+    with device_scope(torch.device("cuda", 1)):
+        assert entered == [torch.device("cuda", 1)]
+    with device_scope(torch.device("cpu")):
+        pass
+    assert entered == [torch.device("cuda", 1)]
+
+
+def test_every_step_and_capture_runs_in_the_engine_device_scope(monkeypatch):
+    """A thread's current CUDA device is its own (the server's engine thread starts at device 0),
+    so each step and the start-up capture enter the engine device's scope."""
+    scopes = []
+
+    @contextlib.contextmanager
+    def recording(dev):
+        scopes.append(dev)
+        yield
+
+    monkeypatch.setattr(engine_mod, "device_scope", recording)
+    runtime = RuntimeConfig(max_model_len=64, max_batch_size=2)
+    with engine_mod.LLMEngine.from_pretrained(default_model_dir(), runtime) as engine:
+        built = len(scopes)
+        engine.generate([[5, 17, 33]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        steps = engine.num_steps
+        engine.capture_graphs()
+    assert built == 1 and steps >= 3
+    assert scopes == [engine.device] * (1 + steps + 1)
+
+
+def test_cuda_calls_name_their_stream_or_device():
+    """An event recorded or a device synchronised without saying which one uses the calling
+    thread's current device, not necessarily the engine's: every such call in the runtime says."""
+    root = Path(__file__).resolve().parents[1]
+    bare = re.compile(r"\.record\(\)|torch\.cuda\.synchronize\(\)")
+    found = [
+        f"{path.relative_to(root)}:{i}"
+        for pkg in ("moe_runtime", "server", "moeserve")
+        for path in sorted((root / pkg).rglob("*.py"))
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if bare.search(line.split("#")[0])
+    ]
+    assert not found, found
 
 
 def test_io_thread_death_is_raised_in_the_compute_thread(monkeypatch):

@@ -23,6 +23,7 @@ import torch
 
 from moe_runtime.buffer import ExpertBuffer
 from moe_runtime.config import RuntimeConfig
+from moe_runtime.device import device_scope
 from moe_runtime.engine import context as step_context
 from moe_runtime.engine.admission import RequestAdmission
 from moe_runtime.engine.compiled_decode import CompiledDecode
@@ -118,7 +119,8 @@ class LLMEngine(RequestAdmission, StepOutputs, PromptScoring):
         self.kv = kv.cache  # the tensors; ``kv_manager`` the blocks
         self.kv_manager = kv.manager
         self.model = MoEModel(cfg, loaded.dense, self.buffer, self.kv, self.max_model_len)
-        self.hybrid = hybrid_setup.attach(self.buffer, runtime, self.expert_compute)  # None: device mode
+        with device_scope(device):  # its probes and copies on the engine's device
+            self.hybrid = hybrid_setup.attach(self.buffer, runtime, self.expert_compute)  # None: device mode
         step_context.warm()  # the step's expert attribution is compiled: not on the first step's clock
         self.prefetcher = make_prefetch_policy(
             prefetch_policy,
@@ -177,7 +179,12 @@ class LLMEngine(RequestAdmission, StepOutputs, PromptScoring):
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         """Run one forward pass over the scheduled batch; return one output per request that
-        produced a token or finished."""
+        produced a token or finished. On CUDA the calling thread's current device is the engine's
+        meanwhile (``device_scope``): any thread may step an engine on any device."""
+        with device_scope(self.device):
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
         self._sync_kv_stats()
         if not scheduled:
@@ -301,7 +308,8 @@ class LLMEngine(RequestAdmission, StepOutputs, PromptScoring):
         if self.compiled is not None:
             return self.compiled.warm_up(self.runtime.max_batch_size)
         t0 = time.perf_counter()
-        n = capture_at_start(self.graphs, self.model.segments, self.runtime.max_batch_size)
+        with device_scope(self.device):  # the graphs are captured on the engine's device's stream
+            n = capture_at_start(self.graphs, self.model.segments, self.runtime.max_batch_size)
         return n, time.perf_counter() - t0
 
     def _forward(self, input_ids: torch.Tensor, step: StepContext) -> torch.Tensor:

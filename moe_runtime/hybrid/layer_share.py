@@ -77,7 +77,7 @@ class CPUExperts:
             idx = upload(tokens, x.device)
             host = x.index_select(0, idx).to("cpu", non_blocking=True)  # pinned, on the compute stream
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record(torch.cuda.current_stream(x.device))  # x's device, whichever is current
             local = {e: np.searchsorted(tokens, tok) for e, tok, _, _ in mine}
         ex, k = self.executor, ids_host.shape[1]
         gu_table = down_table = None

@@ -110,8 +110,8 @@ def preload_fixed(buffer: Any) -> None:
         for s, key in enumerate(keys):
             part.slots[s].copy_(store.expert(key))
         part.preload(keys)
-    if any(p.device.type == "cuda" for p in buffer.parts):
-        torch.cuda.synchronize()
+    for dev in {p.device for p in buffer.parts if p.device.type == "cuda"}:
+        torch.cuda.synchronize(dev)
 
 
 def measure_pool(store: Any, threads: int, helps: bool = True) -> tuple[CPUExpertExecutor, LinearCost]:
