@@ -42,7 +42,7 @@ gpt-oss adds two options:
   (to rounding). Either way the mask stays shared by the heads (a per-head float mask would cost
   ``heads x queries x keys`` elements per call, 2 GiB for a 4096-token bf16 prefill of
   gpt-oss-20b). Any mask rules out the flash backend on CUDA: those calls run the
-  memory-efficient kernel (or math).
+  memory-efficient kernel, grouped-query K/V repeated to the query heads first (:func:`sdpa_gqa`).
 
 The masks of the other paths are built once per step too (the decodes' length mask and the padded
 prefill mask by ``StepContext.build``, a lone chunk's causal mask on first use). Latent attention
@@ -66,6 +66,11 @@ CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDP
 # head dims added for attention sinks where SDPA's log-sum-exp is not available (CUDA): one
 # carries the sink, the rest keep the width a multiple of 8
 SINK_PAD = 8
+# Per device type: repeat grouped-query K/V heads to the query heads before an SDPA call that the
+# flash kernel cannot take (a mask, or head dims above 256; :func:`sdpa_gqa`). CUDA's
+# memory-efficient kernel takes no GQA, so without this such calls run the math fallback.
+EXPAND_GQA = {"cuda": True, "cpu": False}
+FLASH_MAX_HEAD_DIM = 256
 
 
 def attention(
@@ -140,12 +145,33 @@ def attention(
             slots = step.cached(("chunk", group, i), _chunk_slots, step, group, i)
             ki, vi = _gather_kv(kc, vc, slots, 1, ctx)
             if ctx == n and sinks is None:
-                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
+                oi = sdpa_gqa(qi, ki, vi, is_causal=True)
             else:
                 mask = step.cached(("chunk", i), _causal, n, ctx, q.device)
                 oi = _sdpa(qi, ki, vi, mask, sinks, step, ("chunk", i))
             out[start : start + n] = oi[0].transpose(0, 1)
         return out.reshape(t, -1)
+
+
+def sdpa_gqa(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` of ``q [B, Hq, Lq, D]`` over grouped-query ``keys``/``vals``
+    ``[B, Hkv, C, D]`` (``kwargs``: ``attn_mask``, ``is_causal``, ``scale``).
+
+    Native GQA (``enable_gqa``) where a kernel takes it: the CPU's flash kernel, and CUDA's flash
+    kernel (no mask, ``D <= 256``). Otherwise, on CUDA (:data:`EXPAND_GQA`), the K/V heads are
+    repeated to the query heads first (transformers' ``repeat_kv`` layout: query head ``h`` reads
+    K/V head ``h // (Hq / Hkv)``), so the memory-efficient kernel runs the call: the only other
+    kernel, math, takes GQA but upcasts to fp32 and builds ``[B, Hq, Lq, C]`` scores, 4.4 GiB for a
+    4,096-token chunk of gpt-oss-20b, where the repeated K/V of its context take 70 MiB. Values
+    equal the native call's (each query head sees the same keys), up to the kernel's rounding."""
+    hq, hkv = q.shape[-3], keys.shape[-3]
+    flash_ok = kwargs.get("attn_mask") is None and q.shape[-1] <= FLASH_MAX_HEAD_DIM
+    if hq == hkv or flash_ok or not EXPAND_GQA[q.device.type]:
+        return F.scaled_dot_product_attention(q, keys, vals, enable_gqa=True, **kwargs)
+    g = hq // hkv
+    k = keys.repeat_interleave(g, dim=-3)
+    v = k if vals is keys else vals.repeat_interleave(g, dim=-3)
+    return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
 def token_slots(table: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
@@ -218,7 +244,7 @@ def _sdpa(
     sinks ``sinks [Hq]`` (module docstring). ``mask_key`` names ``visible`` in ``step.memo``: its
     float form (the log-sum-exp route's) is then built once per step and dtype."""
     if sinks is None:
-        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=visible, enable_gqa=True)
+        return sdpa_gqa(q, keys, vals, attn_mask=visible)
     if q.device.type == "cpu":  # the CPU flash kernel returns the log-sum-exp
         if step is None:
             bias = _additive(visible, q.dtype)
@@ -256,7 +282,7 @@ def _sinks_by_padding(q, keys, vals, visible, sinks) -> torch.Tensor:
     ks[..., -1, d] = 1
     vs = F.pad(vals, (0, SINK_PAD, 0, 1))
     mask = F.pad(visible, (0, 1), value=True)
-    out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+    out = sdpa_gqa(qs, ks, vs, attn_mask=mask, scale=scale)
     return out[..., :d]
 
 
