@@ -307,7 +307,7 @@ class RuntimeConfig:
         eamc_capacity: entries of the EAM collection the ``eam`` policies match against
             (``tracer.eamc.DEFAULT_CAPACITY``, 128: docs/tracer.md weighs prediction against
             matching cost by capacity).
-        pin_memory: pin the host expert store (default: when CUDA is available).
+        pin_memory: pin the host expert store (default: when the device is a GPU).
         expert_dtype: the format experts are kept in (host store, link, slots): ``auto`` = the
             checkpoint's (fp8 block-scaled experts stay fp8; unquantized ones are in ``dtype``),
             ``bf16``/``fp16``/``fp32``, ``fp8`` (e4m3, one scale per block), ``int8`` (one scale

@@ -225,7 +225,7 @@ def load_checkpoint(
     split = resolve_split(cfg, runtime, measured, str(path))
     plan = plan_memory(cfg, split.runtime)
     check_memory(plan, str(path))
-    pin = runtime.pin_memory if runtime.pin_memory is not None else torch.cuda.is_available()
+    pin = runtime.pin_memory if runtime.pin_memory is not None else device.type == "cuda"
     moe_index = {layer: i for i, layer in enumerate(cfg.moe_layers)}
     shape = (cfg.num_moe_layers, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
     layout = expert_layout(cfg, runtime)

@@ -6,8 +6,9 @@ so that moving an expert is one contiguous copy and gate/up run as one fused mat
 Quantized experts (a :class:`~moe_runtime.quant.ExpertLayout`) make the store ``[L * E, nbytes]``
 uint8: row ``l * E + e`` is the expert's packed bytes (each matrix's quantized data and scales at
 fixed offsets), still one contiguous copy.
-The buffer is pinned when CUDA is present so copies to the device are asynchronous DMA
-(MoE-Infinity §5.3, "pinned memory and DMA operations").
+The buffer is pinned (page-locked at exactly its size, :mod:`moe_runtime.pinned`) when the device
+is a GPU, so copies to it are asynchronous DMA (MoE-Infinity §5.3, "pinned memory and DMA
+operations").
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from moe_runtime.errors import CheckpointError
+from moe_runtime.pinned import pinned_empty
 
 if TYPE_CHECKING:
     from moe_runtime.quant.layout import ExpertLayout
@@ -32,7 +34,7 @@ class HostExpertStore:
         num_layers: MoE layers (L). num_experts: experts per layer (E).
         hidden_size: H. intermediate_size: I (one expert's MLP width).
         dtype: the runtime's compute dtype (the storage dtype of plain experts).
-        pin_memory: page-lock the buffer (only meaningful with CUDA).
+        pin_memory: page-lock the buffer (:func:`~moe_runtime.pinned.pinned_empty`; needs CUDA).
         layout: the packed row of quantized experts; None = plain ``[gate | up | down]`` in ``dtype``.
     """
 
@@ -54,11 +56,9 @@ class HostExpertStore:
         self.layout = layout
         # row elements: weights of the three matrices, or a quantized expert's bytes
         self.expert_numel = layout.nbytes if layout else 3 * intermediate_size * hidden_size
-        self.data = torch.empty(
-            (num_layers * num_experts, self.expert_numel),
-            dtype=torch.uint8 if layout else dtype,
-            pin_memory=pin_memory,
-        )
+        shape, stored = (num_layers * num_experts, self.expert_numel), torch.uint8 if layout else dtype
+        # pinned at exactly its size (``torch.empty(pin_memory=True)`` rounds up to a power of two)
+        self.data = pinned_empty(shape, stored) if pin_memory else torch.empty(shape, dtype=stored)
         self._filled = np.zeros((num_layers * num_experts, 3), dtype=bool)
 
     @property

@@ -113,3 +113,16 @@ def test_graphs_captured_at_start_serve_every_step(checkpoints, monkeypatch, run
         assert engine.buffer.stats.lookups == ref_lookups
     for (tokens, logits), (ref_tokens, ref_logits) in zip(got, ref):
         assert tokens == ref_tokens and torch.equal(logits, ref_logits)
+
+
+def test_capturing_after_served_steps_keeps_the_graphs(checkpoints, monkeypatch):  # noqa: F811
+    """``capture_graphs`` after steps ran (their inference-mode buffers exist) captures too: the
+    graphs stay on, with the eager logits."""
+    with _engine(checkpoints["qwen3_moe"], monkeypatch, False, buffer_fraction=0.5) as engine:
+        ref = _run(engine)
+    with _engine(checkpoints["qwen3_moe"], monkeypatch, False, True, buffer_fraction=0.5) as engine:
+        _run(engine)
+        engine.capture_graphs()
+        assert engine.model.segments.enabled
+        got = _run(engine)
+    assert all(a[0] == b[0] and torch.equal(a[1], b[1]) for a, b in zip(got, ref))

@@ -157,6 +157,7 @@ def test_cuda_families_match_the_cpu_in_every_mode(checkpoints, family):
                 engine, PROMPTS, GREEDY
             )
             st = engine.buffer.stats
+            assert engine.loaded.store.data.is_pinned()  # registered at its size (moe_runtime.pinned)
         assert (sum(st.cpu_experts) > 0) == (mode != "device"), mode
         if mode == "device":
             assert st.copies > 0 and 0 < st.copy_s / st.copies < 1.0
