@@ -267,3 +267,34 @@ def test_the_waiting_thread_takes_the_units_no_worker_took():
     finally:
         gate.set()
         ex.close()
+
+
+def test_pool_threads_keep_one_openmp_thread_and_the_engine_device(monkeypatch):
+    """With ``--cpu-threads 2`` a pool thread's first parallel op would reset its OpenMP team to 2
+    (ATen's per-thread set-up): the initializer runs that set-up first. On CUDA it makes the
+    engine's device current (here ``set_device`` is recorded, no GPU touched)."""
+    import ctypes
+
+    omp = getattr(ctypes.CDLL(None), "omp_get_max_threads", None)
+    if omp is None:
+        pytest.skip("no OpenMP runtime in this process")
+    bound = []
+    monkeypatch.setattr(torch.cuda, "set_device", bound.append)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        store = make_store(torch.float32)
+        ex = CPUExpertExecutor(store, None, 1, device=torch.device("cuda", 1))
+        try:
+
+            def work() -> int:
+                a = torch.randn(1500, 1500)
+                (a @ a).sum()  # a parallel op: ATen's set-up has run by now
+                return omp()
+
+            assert ex.pool.submit(work).result() == 1
+        finally:
+            ex.close()
+    finally:
+        torch.set_num_threads(before)
+    assert bound == [torch.device("cuda", 1)]

@@ -71,11 +71,17 @@ def split_ranges(n_out: int, row_bytes: int, threads: int, min_unit_bytes: int) 
     return [(r, min(r + step, n_out)) for r in range(0, n_out, step)]
 
 
-def _one_omp_thread() -> None:
+def pool_thread_init(device: torch.device | None = None) -> None:
     """Pool thread initializer: this thread's OpenMP team is one thread (the ICV is per thread,
-    so the compute thread keeps its ``--cpu-threads``)."""
+    so the compute thread keeps its ``--cpu-threads``). ATen's per-thread set-up runs first: its
+    first parallel op would otherwise set the team back to the process's ``--cpu-threads``. On
+    CUDA the engine's device becomes this thread's current one, so its pinned buffers and event
+    waits use that device's context (a new thread's current device is 0)."""
+    torch.get_num_threads()  # ATen's lazy per-thread init, now rather than at the first op
     with contextlib.suppress(OSError, AttributeError):  # no OpenMP runtime in the process: nothing to set
         ctypes.CDLL(None).omp_set_num_threads(1)
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 class CPUExpertExecutor:
@@ -90,6 +96,7 @@ class CPUExpertExecutor:
         helps: the thread that waits for a batch takes its untaken units (:meth:`Batch.wait`);
             only where that thread runs one OpenMP thread, as the pool's do (the same bits), and
             for experts of at least ``min_unit_bytes``.
+        device: the engine's device; a CUDA one becomes the pool threads' current device.
 
     Attributes:
         samples: ``(rows, seconds)`` of each CPU expert of each finished layer run (its share of
@@ -107,13 +114,16 @@ class CPUExpertExecutor:
         threads: int,
         min_unit_bytes: int | None = None,
         helps: bool = True,
+        device: torch.device | None = None,
     ) -> None:
         self.store, self.threads = store, max(1, threads)
         self.min_unit_bytes = MIN_UNIT_BYTES if min_unit_bytes is None else min_unit_bytes
         # only experts of at least a unit's bytes: a small one's Python would contend for the GIL
         # with the pool's (the bundled model's 96 KiB experts at batch 4: cpu mode 1.2-1.3x slower)
         self.helps = helps and store.expert_nbytes >= self.min_unit_bytes
-        self.pool = ThreadPoolExecutor(self.threads, "moeserve-cpu-expert", initializer=_one_omp_thread)
+        self.pool = ThreadPoolExecutor(
+            self.threads, "moeserve-cpu-expert", initializer=pool_thread_init, initargs=(device,)
+        )
         self.samples: collections.deque[tuple[int, float]] = collections.deque(maxlen=4096)
         self.start_samples: collections.deque[float] = collections.deque(maxlen=4096)
         self.whole: set[str] = set()

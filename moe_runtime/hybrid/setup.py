@@ -114,12 +114,15 @@ def preload_fixed(buffer: Any) -> None:
         torch.cuda.synchronize(dev)
 
 
-def measure_pool(store: Any, threads: int, helps: bool = True) -> tuple[CPUExpertExecutor, LinearCost]:
+def measure_pool(
+    store: Any, threads: int, helps: bool = True, device: torch.device | None = None
+) -> tuple[CPUExpertExecutor, LinearCost]:
     """A pool of ``threads`` over ``store`` with its kernels chosen and the CPU lane's line: every
     eligible kernel timed on the whole pool working on one expert at 1, 4 and :data:`FIT_ROWS`
-    rows (``helps``: with the waiting thread taking units too, as it does at run time). Returns
-    the executor (``close()`` it) and the fit."""
-    executor = CPUExpertExecutor(store, None, threads, helps=helps)
+    rows (``helps``: with the waiting thread taking units too, as it does at run time; ``device``:
+    the engine's, the pool threads' current CUDA device). Returns the executor (``close()`` it)
+    and the fit."""
+    executor = CPUExpertExecutor(store, None, threads, helps=helps, device=device)
     kernels = eligible_kernels(store)
     executor.check_split(kernels)
     choice: KernelChoice = choose_kernels(store, (1, 4, FIT_ROWS), kernels=kernels, run=executor.run_one)
@@ -134,7 +137,9 @@ def attach(buffer: Any, runtime: Any, mode: str) -> HybridPlacer | None:
         return None
     threads = runtime.cpu_expert_threads or default_threads(runtime.cpu_threads, len(buffer.parts))
     # the compute thread helps its CPU experts where it runs one OpenMP thread, as the pool's do
-    executor, cpu_cost = measure_pool(buffer.store, threads, helps=runtime.cpu_threads == 1)
+    executor, cpu_cost = measure_pool(
+        buffer.store, threads, helps=runtime.cpu_threads == 1, device=runtime.torch_device
+    )
     link_s = probe_link(buffer)
     device_cost = probe_device(buffer, buffer.store.compute_dtype)
     if mode == "cpu":

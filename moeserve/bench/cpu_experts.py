@@ -79,12 +79,12 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
 
 def _in_threads(threads: int, work) -> float:
     """Run ``work(i)`` on ``threads`` threads at once (each with one OpenMP thread); wall seconds."""
-    from moe_runtime.hybrid.executor import _one_omp_thread
+    from moe_runtime.hybrid.executor import pool_thread_init
 
     barrier = threading.Barrier(threads + 1)
 
     def body(i: int) -> None:
-        _one_omp_thread()
+        pool_thread_init()
         with torch.inference_mode():
             barrier.wait()
             work(i)
