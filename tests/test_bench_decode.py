@@ -70,6 +70,7 @@ def test_prefill_rows(bench):
     assert [r["buffer_fraction"] for r in pre] == [1.0, 0.25]
     for r in pre:
         assert r["prompt_tokens"] == 24
+        assert r["cached_tokens"] == 0  # every timed prompt computed, none from the prefix cache
         assert r["prefill_ms_min"] <= r["prefill_ms"] <= r["prefill_ms_max"]
         assert r["tokens_per_s"] == pytest.approx(24 / (r["prefill_ms"] / 1e3))
         assert r["hbm_bound_ms"] > 0 and r["kv_bytes"] == 24 * bench["settings"]["kv_bytes_per_token"]

@@ -71,6 +71,7 @@ class PrefillResult:
     link_bound_ms: float
     transformers_prefill_ms: float | None = None
     expert_dtype: str = "auto"
+    cached_tokens: int = 0  # prompt tokens the timed runs took from the prefix cache (0: all computed)
 
     @property
     def ratio(self) -> float | None:
@@ -258,10 +259,13 @@ def run_rows(args, base, loaded, b: Bounds, hf_model, device, fractions, batches
 
 
 def prefill_row(args, engine, hf_model, device, b: Bounds) -> PrefillResult:
-    """Time ``--prefill-len`` prompt tokens to the first token (warm-up + ``--repeats`` runs)."""
-    prompt = _prompts(engine.loaded.config.vocab_size, 1, args.prefill_len, args.seed + 1000)[0]
-    engine_prefill(engine, prompt)  # warm-up
-    runs = [engine_prefill(engine, prompt) for _ in range(args.repeats)]
+    """Time ``--prefill-len`` prompt tokens to the first token (warm-up + ``--repeats`` runs), each
+    run a prompt of its own: a repeated one would come from the prefix cache, not be computed."""
+    prompts = _prompts(engine.loaded.config.vocab_size, args.repeats + 1, args.prefill_len, args.seed + 1000)
+    engine_prefill(engine, prompts[0])  # warm-up
+    cached = engine.stats.prefix_cache_hits
+    runs = [engine_prefill(engine, p) for p in prompts[1:]]
+    cached = engine.stats.prefix_cache_hits - cached
     secs = [r[0] for r in runs]
     steps, lookups, moved = (statistics.median(r[i] for r in runs) for i in (1, 2, 3))
     weight = steps * b.dense_read_bytes + lookups * expert_read_bytes(engine.loaded)
@@ -281,9 +285,10 @@ def prefill_row(args, engine, hf_model, device, b: Bounds) -> PrefillResult:
         b.hbm_ms(weight + kv),
         b.link_ms(moved, None),
         expert_dtype=engine.runtime.expert_dtype,
+        cached_tokens=cached,
     )
     if hf_model is not None and res.buffer_fraction == 1.0:
-        res.transformers_prefill_ms = 1e3 * _transformers_prefill(hf_model, prompt, args.repeats, device)
+        res.transformers_prefill_ms = 1e3 * _transformers_prefill(hf_model, prompts[1], args.repeats, device)
     _progress(
         f"fraction={res.buffer_fraction} prefill {args.prefill_len} tokens: {res.tokens_per_s:.0f} tokens/s",
     )
