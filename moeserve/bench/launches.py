@@ -40,6 +40,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 LAUNCH_CALLS = ("LaunchKernel", "cuLaunch", "GraphLaunch", "LaunchCooperativeKernel")
 SYNC_CALLS = ("Synchronize", "cudaMemcpy")  # cudaMemcpy without Async waits for the copy
 TOP_HOST = 15  # host events by self time listed for one profiled step (``host_top``)
+STEP_RANGE = "moeserve.decode_step"  # the profiler range around the counted forward
+COPY_ACTIVITIES = ("Memcpy", "Memset")  # device activities that are copies, not kernels
 SHOWN_HOST = 8  # of them, rendered in the docs
 
 
@@ -118,19 +120,33 @@ def kernel_calls(events: list[Any]) -> tuple[int, int, int]:
 def _profile_step(forward, cuda: bool) -> tuple[Any, dict[str, Any]]:
     """``forward()`` under ``torch.profiler``: launches, kernels, syncs, busy share (CUDA),
     kernel calls (:func:`kernel_calls`; any device), the step's profiled wall time and its top
-    host events."""
+    host events. Host events count only inside the forward's range on its own thread (not the
+    bench's closing synchronise, nor the I/O and CPU expert threads' work); device events only
+    where they are kernels (not copies)."""
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
     with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
-        out = forward()
-        sync()
+        with record_function(STEP_RANGE):
+            out = forward()
+        sync()  # the step's kernels are in the trace
     events = prof.events()
-    host = [e for e in events if e.device_type == DeviceType.CPU]
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
-    wall = max(e.time_range.end for e in host) - min(e.time_range.start for e in host)
+    step = next(e for e in events if e.name == STEP_RANGE and e.device_type == DeviceType.CPU)
+    t0, t1 = step.time_range.start, step.time_range.end
+    host = [
+        e
+        for e in events
+        if e.device_type == DeviceType.CPU
+        and e is not step
+        and e.thread == step.thread
+        and t0 <= e.time_range.start <= t1
+    ]
+    kernels = [
+        e for e in events if e.device_type == DeviceType.CUDA and not e.name.startswith(COPY_ACTIVITIES)
+    ]
+    wall = t1 - t0
     busy = sum(e.time_range.elapsed_us() for e in kernels)
     launches = sum(1 for e in host if any(c in e.name for c in LAUNCH_CALLS))
     top = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)[:TOP_HOST]
@@ -234,6 +250,7 @@ def run(args: argparse.Namespace) -> int:
         "cuda_graphs": args.device.startswith("cuda") and not args.enforce_eager,
         "compile_decode": args.compile_decode,
         "load_format": args.load_format,
+        "expert_compute": "device",
         "torch": torch.__version__,
     }
     if args.device.startswith("cuda"):
@@ -250,6 +267,7 @@ def run(args: argparse.Namespace) -> int:
             cuda_graphs=not args.enforce_eager,
             compile_decode=args.compile_decode,
             load_format=args.load_format,
+            expert_compute="device",  # missed experts copied: no CPU expert threads in the counts
         )
         with LLMEngine.from_pretrained(model_dir, runtime) as engine:
             if engine.compiled is not None:  # every variant compiled before the counted steps
