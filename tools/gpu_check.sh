@@ -20,7 +20,8 @@
 #   launches-cuda-tiny-moe*.json        bench launches on the bundled model: CUDA graphs on, off
 #                                       (-eager), and a 25% buffer (-offloaded)
 #   bench-cpu-experts.json              experts computed on this machine's CPU (hybrid execution),
-#   bench-kv-cuda.json                  the paged KV cache; each where `moeserve bench --help` lists it
+#   bench-kv-cuda.json                  the paged KV cache (-prefix: its live part only, without the
+#                                       trace); each where `moeserve bench --help` lists it
 # The two real shapes are config-only folders (make-checkpoint --config-only), their weights drawn in
 # memory at load (--load-format dummy): no gigabytes written or read. Into OUTDIR go each
 # step's output and log (<step>.log), machine.txt (GPU, driver, torch, commit) and summary.txt (each
@@ -156,6 +157,9 @@ fi
 } 2>&1 | tee "$OUT/machine.txt"
 
 mkdir -p "$CKPT"
+TRACE=$(find_data arrival_traces/azure_llm_2023/AzureLLMInferenceTrace_conv.csv)
+PROMPTS=$(find_data prompts/prompts_combined.jsonl)
+export TRACE PROMPTS
 background ckpt-qwen3-30b-a3b-8l 60 \
   python3 -m moeserve make-checkpoint --shape qwen3-30b-a3b --layers 8 --out "$CKPT/qwen3-8l" --config-only
 background ckpt-mixtral-8x7b-4l 60 \
@@ -175,9 +179,6 @@ if await ckpt-qwen3-30b-a3b-8l; then
   step decode-cuda-qwen3-30b-a3b-8l.json 120 "${DECODE[@]}" --model "$CKPT/qwen3-8l" --load-format dummy
   step launches-cuda-qwen3-30b-a3b-8l.json 60 python3 -m moeserve bench launches --device cuda --json \
     --model "$CKPT/qwen3-8l" --load-format dummy
-  TRACE=$(find_data arrival_traces/azure_llm_2023/AzureLLMInferenceTrace_conv.csv)
-  PROMPTS=$(find_data prompts/prompts_combined.jsonl)
-  export TRACE PROMPTS
   if [ -n "$TRACE" ] && [ -n "$PROMPTS" ]; then
     # up to 150 s for serve to load and capture its decode graphs, 45 s of arrivals, then the tail
     step replay-cuda-qwen3-30b-a3b-8l.txt 210 \
@@ -222,7 +223,12 @@ if grep -qE '^ +cpu-experts\b' <<< "$BENCHES"; then
     python3 -m moeserve bench cpu-experts --shapes qwen3-30b-a3b,mixtral-8x7b --formats bf16 --json
 fi
 if grep -qE '^ +kv\b' <<< "$BENCHES"; then
-  step bench-kv-cuda.json 60 python3 -m moeserve bench kv --device cuda --json
+  # the scheduler replay of the trace's lengths, then the prefix cache on a live CUDA server
+  if [ -n "$TRACE" ]; then
+    step bench-kv-cuda.json 90 python3 -m moeserve bench kv --device cuda --trace "$TRACE" --json
+  else
+    step bench-kv-prefix-cuda.json 90 python3 -m moeserve bench kv --prefix-chat --device cuda --json
+  fi
 fi
 
 rm -rf "$CKPT"
