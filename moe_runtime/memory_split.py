@@ -120,9 +120,13 @@ def device_budgets(
             free, total = (measured or {}).get(str(dev)) or torch.cuda.mem_get_info(dev)
             total = runtime.device_memory or total
             words = f"{util:.2f} x {human_bytes(total)} of {dev}"
-            if free < util * total:
-                words += f", all that is free ({human_bytes(free)})"
-            budgets[dev] = (min(int(util * total), free), words)
+            # the (1 - util) share stays free whatever others hold: CUDA's own workspaces, kernels
+            # loaded late, captured graphs and the allocator's fragmentation are not in the plan
+            share = int(util * total)
+            budget = max(0, min(share, free - (total - share)))
+            if budget < share:
+                words += f", capped: {human_bytes(free)} free less {1 - util:.2f} x the device kept back"
+            budgets[dev] = (budget, words)
         elif runtime.device_memory is not None:
             budgets[dev] = (
                 int(util * runtime.device_memory),

@@ -152,10 +152,13 @@ def test_cuda_budget_is_the_share_of_the_device_capped_by_free_memory(monkeypatc
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     runtime = RuntimeConfig(device="cuda")
     dev = torch.device("cuda", 0)
-    budget, words = device_budgets(runtime, {"cuda:0": (79 * GB, 80 * GB)})[dev]
+    budget, words = device_budgets(runtime, {"cuda:0": (80 * GB, 80 * GB)})[dev]
     assert budget == 72 * GB and words == "0.90 x 74.51 GiB of cuda:0"
-    budget, words = device_budgets(runtime, {"cuda:0": (70 * GB, 80 * GB)})[dev]
-    assert budget == 70 * GB and words.endswith("all that is free (65.19 GiB)")
+    # others (here also our CUDA context) hold memory: what is free less the 10% kept back
+    budget, words = device_budgets(runtime, {"cuda:0": (79 * GB, 80 * GB)})[dev]
+    assert budget == 71 * GB and words.endswith(", capped: 73.57 GiB free less 0.10 x the device kept back")
+    assert device_budgets(runtime, {"cuda:0": (70 * GB, 80 * GB)})[dev][0] == 62 * GB
+    assert device_budgets(runtime, {"cuda:0": (5 * GB, 80 * GB)})[dev][0] == 0  # the plan refuses
     # --device-memory stands for the device's own size, still within what is free
     small = RuntimeConfig(device="cuda", device_memory=24 * GB, gpu_memory_utilization=0.5)
     assert device_budgets(small, {"cuda:0": (79 * GB, 80 * GB)})[dev][0] == 12 * GB
