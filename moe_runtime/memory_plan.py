@@ -36,6 +36,7 @@ import torch
 from moe_runtime.buffer.placement import home_devices
 from moe_runtime.config import ModelConfig, RuntimeConfig
 from moe_runtime.errors import ConfigError, InsufficientMemoryError
+from moe_runtime.layers.attention import EXPAND_GQA
 from moe_runtime.layers.kv_cache import KVLayout
 from moe_runtime.models.base import expected_dense_shapes
 from moe_runtime.quant import expert_layout
@@ -128,9 +129,10 @@ def activation_bytes(cfg: ModelConfig, runtime: RuntimeConfig) -> int:
       routed choice the expert's ``[gate | up]`` and activation (``3 I``) and output (``H``), plus
       a dense or shared MLP's ``3 I`` where the model has one; 16 bytes per choice of ids and
       weights;
-    - one layer's K and V of ``B`` sequences of ``--max-model-len`` positions, twice: gathered for
-      attention (the gather path, CPU and CUDA prefill; ``kv_cache.py``) and SDPA's working copy
-      (grouped-query expansion, the mask);
+    - one layer's K and V of ``B`` sequences of ``--max-model-len`` positions, gathered for
+      attention (the gather path, CPU and CUDA prefill; ``kv_cache.py``), and SDPA's working copy:
+      on CUDA the K/V heads repeated to the query heads (``attention.sdpa_gqa``; the latent, one
+      head, to every query head), elsewhere one more copy;
     - ``B`` rows of fp32 logits over the vocabulary, twice (the sampler's working copy).
 
     Attention scores are not counted (SDPA's flash and memory-efficient kernels do not make them),
@@ -142,7 +144,10 @@ def activation_bytes(cfg: ModelConfig, runtime: RuntimeConfig) -> int:
     q = cfg.num_heads * (cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim if cfg.mla else cfg.head_dim)
     mlp = max(cfg.dense_intermediate_size, cfg.shared_expert_intermediate_size)
     per_token = (5 * h + q + cfg.kv_elements_per_token + k * (3 * i + h) + 3 * mlp) * size + 16 * k
-    gathered = 2 * b * kv_cache_len(cfg, runtime) * cfg.kv_elements_per_token * size
+    # SDPA's copy per gathered element: the query heads per K/V head where the heads are repeated
+    kv_heads = 1 if cfg.mla else cfg.num_kv_heads
+    repeat = cfg.num_heads // kv_heads if EXPAND_GQA.get(runtime.torch_device.type, False) else 1
+    gathered = (1 + repeat) * b * kv_cache_len(cfg, runtime) * cfg.kv_elements_per_token * size
     logits = 2 * min(b, t) * cfg.vocab_size * 4
     return t * per_token + gathered + logits
 

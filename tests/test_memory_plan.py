@@ -257,3 +257,22 @@ def test_capped_probabilities_sum_to_top_k_and_stay_at_most_1():
         w = rng.pareto(0.5, size=(3, e)) * (rng.random((3, e)) > 0.3)  # heavy tails, some zeros
         p = capped(w, k)
         assert np.allclose(p.sum(-1), np.minimum((w > 0).sum(-1), k)) and (p <= 1 + 1e-12).all()
+
+
+def test_cuda_activations_count_the_repeated_kv_heads(monkeypatch):
+    """On CUDA a masked grouped-query SDPA call repeats the K/V heads to the query heads
+    (``attention.sdpa_gqa``): the plan counts that copy of the gathered K/V, ``Hq / Hkv`` times
+    the gathered bytes where the CPU counts one more copy."""
+    from moe_runtime.assets import default_model_dir
+    from moe_runtime.engine.kv_setup import kv_cache_len
+    from moe_runtime.memory_plan import activation_bytes, itemsize
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    cfg = read_model_config(default_model_dir())[1]
+    cpu, cuda = RuntimeConfig(max_batch_size=4), RuntimeConfig(device="cuda", max_batch_size=4)
+    g = cfg.num_heads // cfg.num_kv_heads
+    assert g == 2
+    gathered = 4 * kv_cache_len(cfg, cpu) * cfg.kv_elements_per_token * itemsize(cpu)
+    assert activation_bytes(cfg, cuda) - activation_bytes(cfg, cpu) == (g - 1) * gathered
