@@ -133,7 +133,10 @@ def activation_bytes(cfg: ModelConfig, runtime: RuntimeConfig) -> int:
       attention (the gather path, CPU and CUDA prefill; ``kv_cache.py``), and SDPA's working copy:
       on CUDA the K/V heads repeated to the query heads (``attention.sdpa_gqa``; the latent, one
       head, to every query head), elsewhere one more copy;
-    - ``B`` rows of fp32 logits over the vocabulary, twice (the sampler's working copy).
+    - ``B`` rows of fp32 logits over the vocabulary, twice (the sampler's working copy);
+    - on CUDA with decode graphs, what the graphs of batch sizes ``1..B`` keep between replays:
+      each whole-step graph its ``[b, V]`` fp32 logits, each layer's attention-block graph four
+      ``[b, H]`` tensors (``engine/decode_graphs.py``, ``layers/attention_graphs.py``).
 
     Attention scores are not counted (SDPA's flash and memory-efficient kernels do not make them),
     nor the allocator's fragmentation: ``--gpu-memory-utilization`` leaves that headroom.
@@ -149,7 +152,11 @@ def activation_bytes(cfg: ModelConfig, runtime: RuntimeConfig) -> int:
     repeat = cfg.num_heads // kv_heads if EXPAND_GQA.get(runtime.torch_device.type, False) else 1
     gathered = (1 + repeat) * b * kv_cache_len(cfg, runtime) * cfg.kv_elements_per_token * size
     logits = 2 * min(b, t) * cfg.vocab_size * 4
-    return t * per_token + gathered + logits
+    graphs = 0
+    if runtime.torch_device.type == "cuda" and runtime.cuda_graphs:
+        rows = b * (b + 1) // 2  # every batch size 1..B captures its own
+        graphs = rows * (cfg.vocab_size * 4 + cfg.num_layers * 4 * h * size)
+    return t * per_token + gathered + logits + graphs
 
 
 @dataclass(frozen=True)
