@@ -96,11 +96,19 @@ def kv_num_blocks(cfg: ModelConfig, runtime: RuntimeConfig) -> int:
 
 
 def engine_devices(runtime: RuntimeConfig) -> list[torch.device]:
-    """The device of each buffer partition: ``cuda:0..n-1`` for several CUDA devices, else
-    ``--num-devices`` copies of ``--device`` (emulated devices on CPU)."""
+    """The device of each buffer partition: for several CUDA devices the compute device and the
+    ones after it (``--device cuda:2 --num-devices 2`` on four GPUs: ``cuda:2, cuda:3``; indices
+    wrap around), else ``--num-devices`` copies of ``--device`` (emulated devices on the CPU).
+
+    Raises:
+        ConfigError: more CUDA devices asked for than the machine has.
+    """
     device = runtime.torch_device
     if device.type == "cuda" and runtime.num_devices > 1:
-        return [torch.device("cuda", i) for i in range(runtime.num_devices)]
+        count = torch.cuda.device_count()
+        if runtime.num_devices > count:
+            raise ConfigError(f"--num-devices {runtime.num_devices}: this machine has {count} CUDA device(s)")
+        return [torch.device("cuda", (device.index + i) % count) for i in range(runtime.num_devices)]
     return [device] * runtime.num_devices
 
 

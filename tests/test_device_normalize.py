@@ -132,3 +132,13 @@ def test_io_thread_death_is_raised_in_the_compute_thread(monkeypatch):
             buf.start_layer(1, [0])
     finally:
         buf.close()
+
+
+def test_several_cuda_devices_start_at_the_compute_device(fake_cuda):
+    from moe_runtime.memory_plan import engine_devices
+
+    cuda = [torch.device("cuda", i) for i in range(3)]
+    assert engine_devices(RuntimeConfig(device="cuda:1", num_devices=2)) == cuda[1:3]
+    assert engine_devices(RuntimeConfig(device="cuda", num_devices=3)) == [cuda[2], cuda[0], cuda[1]]
+    with pytest.raises(ConfigError, match=r"--num-devices 4: this machine has 3 CUDA device"):
+        engine_devices(RuntimeConfig(device="cuda:0", num_devices=4))

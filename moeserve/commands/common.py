@@ -80,7 +80,8 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
         "--num-devices",
         type=int,
         default=1,
-        help="devices experts are spread over by a hash of (layer, expert); on CPU, emulated",
+        help="devices experts are spread over by a hash of (layer, expert): on CUDA, --device and the "
+        "ones after it; on CPU, emulated",
     )
     g.add_argument(
         "--dtype",
