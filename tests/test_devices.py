@@ -28,6 +28,39 @@ def test_emulated_devices_give_identical_outputs(tiny_checkpoints):
     assert stats.demand_bytes > 0
 
 
+def test_a_batch_over_several_devices_runs_its_experts_before_any_output_returns(
+    tiny_checkpoints, monkeypatch
+):
+    """Experts homed on several GPUs run at once only if no partition's output copy (which waits
+    for the work queued on both devices) comes between their launches: per batch, every
+    partition's experts, then every partition's outputs (emulated devices, same tokens)."""
+    import moe_runtime.layers.experts as experts
+
+    events: list[str] = []
+
+    def logged(fn, what):
+        def call(*args, **kwargs):
+            events.append(what)
+            return fn(*args, **kwargs)
+
+        return call
+
+    calls = experts.LayerPlan.calls
+    monkeypatch.setattr(
+        experts.LayerPlan, "calls", lambda self, batch: (events.append("|"), calls(self, batch))[1]
+    )
+    for name in ("_grouped", "_loop"):
+        monkeypatch.setattr(experts, name, logged(getattr(experts, name), "run"))
+    monkeypatch.setattr(experts, "_cast", logged(experts._cast, "out"))
+    path = tiny_checkpoints["mixtral"]
+    got, _ = _tokens(path, num_devices=3, buffer_slots=24)
+    batches = [b for b in "".join(e if e == "|" else e[0] for e in events).split("|") if b]
+    assert any(b.count("r") > 1 for b in batches), batches  # batches of several partitions were seen
+    assert all(b == "r" * b.count("r") + "o" * b.count("o") for b in batches), batches
+    monkeypatch.undo()
+    assert got == _tokens(path)[0]
+
+
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 

@@ -263,6 +263,10 @@ def run_experts(
             contrib = _rows(contrib, t * k, x)
             _one_expert(x, w_flat, batch[0], plan, contrib, ffn)
             continue
+        # three passes over the batch's partitions, so that experts homed on several GPUs run at
+        # once: every partition's rows go to its device before any expert runs (a copy between
+        # GPUs waits for the work already queued on both), the experts, then the outputs back
+        staged = []
         for part, pos, segments, offs in plan.calls(batch):
             n = len(pos)
             # uploads without a sync: token, weight and row index (and with biases the expert) of
@@ -274,12 +278,18 @@ def run_experts(
             if part.device != x.device:
                 xs = xs.to(part.device)
             bias = ffn.rows(dev[3 * n :], part.device) if biased else (None, None)
+            staged.append((part, pos, segments, offs, dev, xs, bias))
+        outs = []
+        for part, _, segments, offs, _, xs, bias in staged:
             if path == "grouped":
                 y = _grouped(
                     xs, part, segments, torch.from_numpy(offs).to(part.device, non_blocking=True), ffn, bias
                 )
             else:
                 y = _loop(xs, part, segments, offs, ffn, bias)
+            outs.append(y)
+        for (part, pos, _, _, dev, _, _), y in zip(staged, outs):
+            n = len(pos)
             if part.device != x.device:
                 y = y.to(x.device)
             # scaled by the router weight, then cast, as the reference does
