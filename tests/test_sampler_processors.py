@@ -109,6 +109,44 @@ def test_a_mask_that_allows_nothing_fails_only_its_row():
     assert isinstance(picks[0], Exception) and picks[1].token == int(logits[1].argmax())
 
 
+def test_drawn_rows_take_torch_multinomials_ids_without_a_host_sync_each():
+    """A seeded row draws the id ``torch.multinomial`` draws from the same generator (its own
+    one-sample algorithm), and the rows' ids reach the host together: the host syncs per step do
+    not grow with the drawn rows (a GPU pays each one), none of them a scalar read."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        scalars = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Reads.scalars += str(func) == "aten._local_scalar_dense.default"
+            return func(*args, **(kwargs or {}))
+
+    class Copies(torch.overrides.TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Copies.calls += getattr(func, "__name__", "") in {"tolist", "item", "cpu"}
+            return func(*args, **(kwargs or {}))
+
+    logits = torch.randn(8, 300, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=0.7, seed=i) for i in range(8)]
+    want = [
+        int(torch.multinomial((logits[i] / 0.7).softmax(-1), 1, generator=torch.Generator().manual_seed(i)))
+        for i in range(8)
+    ]
+    copies = []
+    for n in (1, 8):
+        gens = [torch.Generator().manual_seed(i) for i in range(n)]
+        Reads.scalars = Copies.calls = 0
+        with Reads(), Copies():
+            got = sample(logits[:n], params[:n], gens)
+        assert [g.token for g in got] == want[:n]
+        assert Reads.scalars == 0
+        copies.append(Copies.calls)
+    assert copies[0] == copies[1] == 2, copies  # the greedy rows' copy and the drawn rows' copy
+
+
 def test_prompt_logprobs_equal_teacher_forced_logits_with_chunked_prefill(tiny_qwen3):
     from moe_runtime.config import RuntimeConfig
     from moe_runtime.engine.engine import LLMEngine

@@ -134,8 +134,16 @@ def sample(
     """
     logp = logits.log_softmax(dim=-1) if any(p.logprobs is not None for p in params) else None
     processed = process_logits(logits, params, history, allowed)
-    # one device->host copy per step: each row's argmax and whether its logits hold a NaN
-    tokens, has_nan = torch.stack((processed.argmax(dim=-1), logits.isnan().any(dim=-1).long())).tolist()
+    # one device->host copy for the greedy rows: each row's argmax, whether its logits hold a NaN
+    # and whether its best processed logit is finite (a grammar mask may leave none)
+    host = torch.stack(
+        (
+            processed.argmax(dim=-1),
+            logits.isnan().any(dim=-1).long(),
+            processed.amax(dim=-1).isfinite().long(),
+        )
+    )
+    tokens, has_nan, top_finite = host.tolist()
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     scaled: dict[int, torch.Tensor] = {}
     if drawn:
@@ -147,14 +155,29 @@ def sample(
             min_p = torch.tensor([[params[i].min_p] for i in drawn], dtype=rows.dtype, device=rows.device)
             rows = min_p_filter(rows, min_p)
         scaled = dict(zip(drawn, rows))
+    # the drawn rows' (token, mass ok) stay on the device until one copy for all of them
+    draws: dict[int, torch.Tensor | Exception] = {}
+    for i in drawn:
+        try:
+            draws[i] = _draw(scaled[i], params[i], generators[i])
+        except Exception as exc:  # that request's, never the batch's
+            draws[i] = exc
+    launched = [i for i in drawn if isinstance(draws[i], torch.Tensor)]
+    picked = dict(zip(launched, torch.stack([draws[i] for i in launched]).tolist())) if launched else {}
     out: list[Sampled | Exception] = []
     for i, p in enumerate(params):
         try:
             if has_nan[i]:
                 raise SamplingError("the model produced NaN logits for this request")
-            if processed is not logits and p.greedy and not bool(torch.isfinite(processed[i, tokens[i]])):
+            if p.greedy and not top_finite[i]:
                 raise SamplingError("no token is allowed (grammar mask and logit_bias leave none)")
-            token = tokens[i] if p.greedy else _draw(scaled[i], p, generators[i])
+            if not p.greedy and isinstance(draws[i], Exception):
+                raise draws[i]
+            if not p.greedy and not picked[i][1]:
+                raise SamplingError(
+                    f"no finite probability mass to sample from (temperature {p.temperature})"
+                )
+            token = tokens[i] if p.greedy else picked[i][0]
             lp = None
             if logp is not None and p.logprobs is not None:
                 lp = token_logprob(logp[i], token, p.logprobs)
@@ -164,8 +187,12 @@ def sample(
     return out
 
 
-def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
-    """Sample one id from ``row [V]`` (already divided by the temperature) with top-k and top-p."""
+def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """Sample one id from ``row [V]`` (already divided by the temperature) with top-k and top-p;
+    ``[2]`` int64 on the row's device: the id, and 1 where the row had probability mass to sample
+    from (0: the id means nothing). ``torch.multinomial``'s own one-sample algorithm (``argmax(p /
+    q)``, ``q ~ Exp(1)`` from the request's generator: the same ids for the same seed) without its
+    two host syncs, which would cost two per drawn row and step on a GPU."""
     if 0 < p.top_k < row.shape[-1]:
         kth = torch.topk(row, p.top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))
@@ -176,9 +203,9 @@ def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | Non
         drop[0] = False  # however small top_p is (1e-300 is 0 in float32), the top token stays
         row = row.masked_fill(torch.zeros_like(drop).scatter(0, idx, drop), float("-inf"))
     probs = row.softmax(-1)
-    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
-        raise SamplingError(f"no finite probability mass to sample from (temperature {p.temperature})")
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    ok = torch.isfinite(probs).all() & (probs.sum() > 0)
+    q = torch.empty_like(probs).exponential_(1, generator=generator)
+    return torch.stack((torch.div(probs, q).argmax(), ok.long()))
 
 
 def token_logprob(logp: torch.Tensor, token: int, top_n: int) -> TokenLogprob:
