@@ -155,3 +155,29 @@ def test_cuda_seeded_sampling_is_reproducible(tiny_qwen3):
         with LLMEngine.from_pretrained(tiny_qwen3, runtime) as engine:
             runs.append([o.output_token_ids for o in engine.generate(PROMPTS, params)])
     assert runs[0] == runs[1] and all(len(t) == 8 for t in runs[0])
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_grouped_expert_path_never_synchronises(dtype):
+    """Where the probe picks ``grouped`` for a dtype, a grouped call runs with no host sync (a
+    synchronising fallback would stall every MoE layer and break graph capture); bf16 on an
+    H100/H200 is grouped."""
+    import torch.nn.functional as F
+
+    from moe_runtime.layers.experts import select_expert_path
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    path = select_expert_path(dev, dtype)
+    if dtype == torch.bfloat16 and torch.cuda.get_device_capability(dev)[0] in (9, 10):
+        assert path == "grouped"
+    if path == "grouped":
+        x = torch.randn(8, 64, device=dev, dtype=dtype)
+        w = torch.randn(4, 64, 32, device=dev, dtype=dtype)
+        offs = torch.tensor([2, 2, 5, 8], device=dev, dtype=torch.int32)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            F.grouped_mm(x, w, offs=offs)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)

@@ -75,7 +75,11 @@ def select_expert_path(
 
     On CUDA the grouped kernel needs 16-byte aligned rows and slot starts: with the model's
     ``hidden`` (H) or ``intermediate`` (I) width not a multiple of ``16 / element size`` (8 in
-    bf16), the path is ``loop``."""
+    bf16), the path is ``loop``. And it must not synchronise: where PyTorch has no grouped kernel
+    for the device and dtype (bf16 on sm90/sm100 in recent releases) its fallback copies the
+    offsets to the host and runs one matmul per group, a host sync per call that also breaks CUDA
+    graph capture; the probe runs under ``torch.cuda.set_sync_debug_mode("error")`` and such a
+    device gets ``loop``, the same matmuls without the sync."""
     if not hasattr(F, "grouped_mm"):
         return "loop"
     align = 16 // torch.empty(0, dtype=dtype).element_size()
@@ -88,10 +92,17 @@ def select_expert_path(
     x = torch.randn(5, hidden, generator=gen).to(device=device, dtype=dtype)
     counts = [2, 0, 3]
     offs = torch.tensor(np.cumsum(counts), dtype=torch.int32, device=device)
+    cuda = device.type == "cuda"
+    mode = torch.cuda.get_sync_debug_mode() if cuda else 0
     try:
+        if cuda:
+            torch.cuda.set_sync_debug_mode("error")  # a synchronising fallback raises here
         got = F.grouped_mm(x, w.transpose(1, 2), offs=offs)
     except (RuntimeError, NotImplementedError, ValueError, TypeError):
         return "loop"
+    finally:
+        if cuda:
+            torch.cuda.set_sync_debug_mode(mode)
     want = torch.cat([F.linear(x[0:2], w[0]), F.linear(x[2:5], w[2])])
     return "grouped" if torch.equal(got, want) else "loop"
 
