@@ -47,6 +47,14 @@ def device_need(cfg, split) -> int:
     return plan.dense + plan.activations + plan.kv_cache + sum(plan.buffer_slots) * plan.expert_bytes
 
 
+@pytest.fixture
+def one_gpu(monkeypatch):
+    """CUDA 'available' with one device, ``cuda:0`` (no GPU touched: the plan's arithmetic only)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
 # (shape, device GB) -> the split the plan chooses on a CUDA device of that size with all of it free
 # at the defaults (bf16, batch 16, 4,096 positions, 4,096 tokens per step, utilization 0.9, decode
 # graphs): (expert slots, KV blocks). README's GPU quick start quotes the 24 GB qwen3 row.
@@ -63,10 +71,7 @@ REAL = {
     [(n, g, w) for (n, g), w in REAL.items()],
     ids=[f"{n}-{g}GB->{w[0]}slots-{w[1]}blocks" for (n, g), w in REAL.items()],
 )
-def test_split_on_real_shapes(tmp_path_factory, monkeypatch, name, gb, want):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+def test_split_on_real_shapes(tmp_path_factory, one_gpu, name, gb, want):
     cfg = real_config(tmp_path_factory, name)
     runtime = RuntimeConfig(dtype="bf16", device="cuda")
     measured = {"cuda:0": (gb * GB, gb * GB)}
@@ -151,10 +156,7 @@ def test_no_plan_on_the_cpu_without_device_memory(bundled):
     assert sum(plan_memory(cfg, runtime).buffer_slots) == cfg.num_moe_layers * cfg.num_experts
 
 
-def test_cuda_budget_is_the_share_of_the_device_capped_by_free_memory(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+def test_cuda_budget_is_the_share_of_the_device_capped_by_free_memory(one_gpu):
     runtime = RuntimeConfig(device="cuda")
     dev = torch.device("cuda", 0)
     budget, words = device_budgets(runtime, {"cuda:0": (80 * GB, 80 * GB)})[dev]
@@ -264,7 +266,7 @@ def test_capped_probabilities_sum_to_top_k_and_stay_at_most_1():
         assert np.allclose(p.sum(-1), np.minimum((w > 0).sum(-1), k)) and (p <= 1 + 1e-12).all()
 
 
-def test_cuda_activations_count_the_repeated_kv_heads(monkeypatch):
+def test_cuda_activations_count_the_repeated_kv_heads(one_gpu):
     """On CUDA a masked grouped-query SDPA call repeats the K/V heads to the query heads
     (``attention.sdpa_gqa``): the plan counts that copy of the gathered K/V, ``Hq / Hkv`` times
     the gathered bytes where the CPU counts one more copy."""
@@ -272,9 +274,6 @@ def test_cuda_activations_count_the_repeated_kv_heads(monkeypatch):
     from moe_runtime.engine.kv_setup import kv_cache_len
     from moe_runtime.memory_plan import activation_bytes, itemsize
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     cfg = read_model_config(default_model_dir())[1]
     cpu = RuntimeConfig(max_batch_size=4)
     cuda = RuntimeConfig(device="cuda", max_batch_size=4, cuda_graphs=False)
@@ -284,15 +283,12 @@ def test_cuda_activations_count_the_repeated_kv_heads(monkeypatch):
     assert activation_bytes(cfg, cuda) - activation_bytes(cfg, cpu) == (g - 1) * gathered
 
 
-def test_cuda_activations_count_what_the_decode_graphs_keep(monkeypatch):
+def test_cuda_activations_count_what_the_decode_graphs_keep(one_gpu):
     """Each batch size 1..B keeps its whole-step graph's fp32 logits and four ``[b, H]`` tensors per
     layer of its attention-block graphs between replays: counted with graphs on, not without."""
     from moe_runtime.assets import default_model_dir
     from moe_runtime.memory_plan import activation_bytes, itemsize
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     cfg = read_model_config(default_model_dir())[1]
     on, off = (RuntimeConfig(device="cuda", max_batch_size=8, cuda_graphs=g) for g in (True, False))
     per_row = cfg.vocab_size * 4 + cfg.num_layers * 4 * cfg.hidden_size * itemsize(on)

@@ -156,14 +156,14 @@ def sample(
             rows = min_p_filter(rows, min_p)
         scaled = dict(zip(drawn, rows))
     # the drawn rows' (token, mass ok) stay on the device until one copy for all of them
-    draws: dict[int, torch.Tensor | Exception] = {}
+    draws: dict[int, torch.Tensor] = {}
+    failed: dict[int, Exception] = {}
     for i in drawn:
         try:
             draws[i] = _draw(scaled[i], params[i], generators[i])
         except Exception as exc:  # that request's, never the batch's
-            draws[i] = exc
-    launched = [i for i in drawn if isinstance(draws[i], torch.Tensor)]
-    picked = dict(zip(launched, torch.stack([draws[i] for i in launched]).tolist())) if launched else {}
+            failed[i] = exc
+    picked = dict(zip(draws, torch.stack(list(draws.values())).tolist())) if draws else {}
     out: list[Sampled | Exception] = []
     for i, p in enumerate(params):
         try:
@@ -171,8 +171,8 @@ def sample(
                 raise SamplingError("the model produced NaN logits for this request")
             if p.greedy and not top_finite[i]:
                 raise SamplingError("no token is allowed (grammar mask and logit_bias leave none)")
-            if not p.greedy and isinstance(draws[i], Exception):
-                raise draws[i]
+            if i in failed:
+                raise failed[i]
             if not p.greedy and not picked[i][1]:
                 raise SamplingError(
                     f"no finite probability mass to sample from (temperature {p.temperature})"
